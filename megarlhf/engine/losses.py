@@ -1,0 +1,35 @@
+"""Loss closures for `engine.schedule.forward_backward` (language modelling and friends)."""
+
+from __future__ import annotations
+
+import torch
+
+from megarlhf.parallel.mesh import Mesh
+from megarlhf.parallel.vocab import vocab_parallel_logprobs
+
+
+def token_logprobs(logits_BTV: torch.Tensor, labels_BT: torch.Tensor, mesh: Mesh,
+                   vocab_size: int) -> torch.Tensor:
+    """log p(labels) from this TP rank's vocabulary slice of the (padded) logits."""
+    return vocab_parallel_logprobs(
+        logits_BTV, labels_BT, tp_group=mesh.tp_group,
+        vocab_start=mesh.tp_rank * logits_BTV.shape[-1], vocab_size=vocab_size,
+    )
+
+
+def lm_loss(mesh: Mesh, vocab_size: int):
+    """Next-token cross entropy summed over `loss_mask` tokens (labels = tokens shifted left).
+
+    The batch needs `labels` [B, T] and `loss_mask` [B, T]; returns the token sum so the
+    schedule can normalise by the global token count.
+    """
+
+    def loss_fn(batch, logits_BTV):
+        logp_BT = token_logprobs(logits_BTV, batch["labels"], mesh, vocab_size)
+        mask_BT = batch["loss_mask"].float()
+        loss_sum = -(logp_BT * mask_BT).sum()
+        num_tokens = mask_BT.sum().to(torch.int)
+        return loss_sum, num_tokens, {"loss_sum": loss_sum.detach().clone(),
+                                      "num_tokens": num_tokens.detach().clone()}
+
+    return loss_fn

@@ -1,0 +1,81 @@
+"""Micro-batched forward(/backward) through megatron-core's pipeline schedules.
+
+A micro-batch is a dict of tensors with the same keys and shapes for every micro-batch of a
+call; `tokens` [B, T] is required, `position_ids` [B, T] and `attention_mask` [B, 1, T, T]
+(True = masked out) are optional. Every pipeline stage receives the whole dict: later stages
+need the mask and positions, and the loss closure on the last stage needs labels.
+
+A loss closure `loss_fn(batch, output) -> (loss_sum, num_tokens, metrics: dict)` runs on the
+last stage; with `calculate_per_token_loss` the schedules keep token sums and megatron-core
+divides gradients by the token count of the whole global batch.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from megarlhf.parallel.mesh import Mesh
+
+Batch = dict[str, torch.Tensor]
+LossFn = Callable[[Batch, torch.Tensor], tuple[torch.Tensor, torch.Tensor, dict]]
+
+
+def check_microbatches(microbatches: list[Batch]) -> tuple[int, int]:
+    """(micro_batch_size, seq_length); raise if the micro-batches disagree on shapes."""
+    if not microbatches:
+        raise ValueError("no micro-batches given")
+    shapes = {k: tuple(v.shape) for k, v in microbatches[0].items()}
+    if "tokens" not in shapes or len(shapes["tokens"]) != 2:
+        raise ValueError("each micro-batch needs 'tokens' of shape [batch, seq]")
+    for i, mb in enumerate(microbatches[1:], start=1):
+        other = {k: tuple(v.shape) for k, v in mb.items()}
+        if other != shapes:
+            raise ValueError(f"micro-batch {i} has shapes {other}, micro-batch 0 has {shapes}")
+    return shapes["tokens"]
+
+
+def forward_backward(
+    chunks: list[torch.nn.Module],
+    mesh: Mesh,
+    microbatches: list[Batch],
+    loss_fn: LossFn,
+    *,
+    forward_only: bool,
+) -> list[dict]:
+    """Run all micro-batches through the pipeline; return the loss closures' metric dicts.
+
+    The list is filled on the last pipeline stage and empty elsewhere (see `from_last_stage`).
+    """
+    micro_batch_size, seq_length = check_microbatches(microbatches)
+    device = mesh.device
+
+    def forward_step(data_iterator, model):
+        batch = {k: v.to(device) for k, v in next(data_iterator).items()}
+        output = model(
+            batch["tokens"], batch.get("position_ids"), batch.get("attention_mask")
+        )
+        return output, lambda out: loss_fn(batch, out)
+
+    iterators = [iter(microbatches) for _ in chunks]
+    return get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iterators if len(chunks) > 1 else iterators[0],
+        model=chunks if len(chunks) > 1 else chunks[0],
+        num_microbatches=len(microbatches),
+        seq_length=seq_length,
+        micro_batch_size=micro_batch_size,
+        forward_only=forward_only,
+    )
+
+
+def from_last_stage(obj, mesh: Mesh):
+    """Give every pipeline stage the object the last stage holds (small objects only)."""
+    if mesh.pp == 1:
+        return obj
+    box = [obj if mesh.is_last_stage else None]
+    dist.broadcast_object_list(box, src=mesh.last_stage_rank, group=mesh.pp_group)
+    return box[0]

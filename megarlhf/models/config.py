@@ -1,0 +1,147 @@
+"""Architecture of a Llama-family decoder (Llama 2/3/3.1, Mistral, Qwen2, Qwen3), independent of
+how it is parallelised, and its checks against a parallel layout."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from megarlhf.parallel.mesh import ParallelConfig
+
+ROPE_SCALING_TYPES = ("llama3", "linear")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RopeScaling:
+    """RoPE frequency scaling as HF configs spell it (`rope_scaling` / `rope_parameters`)."""
+
+    rope_type: str = "llama3"
+    """'llama3' (Llama 3.1+ wavelength-dependent scaling) or 'linear' (position interpolation)."""
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    """llama3 only: wavelengths above original_max_position_embeddings / this are scaled fully."""
+    high_freq_factor: float = 4.0
+    """llama3 only: wavelengths below original_max_position_embeddings / this are not scaled."""
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self):
+        if self.rope_type not in ROPE_SCALING_TYPES:
+            raise ValueError(
+                f"unsupported RoPE scaling type {self.rope_type!r}; supported: {ROPE_SCALING_TYPES}"
+            )
+        if self.factor <= 0:
+            raise ValueError(f"RoPE scaling factor must be > 0, got {self.factor}")
+        if self.rope_type == "llama3" and self.high_freq_factor <= self.low_freq_factor:
+            raise ValueError(
+                f"RoPE high_freq_factor ({self.high_freq_factor}) must exceed low_freq_factor "
+                f"({self.low_freq_factor})"
+            )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    vocab_size: int
+    """Tokenizer vocabulary size (before padding for TP)."""
+    hidden_size: int
+    ffn_hidden_size: int
+    """Width of the SwiGLU MLP (HF `intermediate_size`)."""
+    num_layers: int
+    num_attention_heads: int
+    num_kv_heads: int | None = None
+    """Key/value heads for grouped-query attention; None means multi-head (= attention heads)."""
+    head_dim: int | None = None
+    """Per-head width; None means hidden_size // num_attention_heads (Qwen3 sets it apart)."""
+    max_position_embeddings: int = 4096
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    norm_eps: float = 1e-5
+    """RMSNorm epsilon."""
+    qkv_bias: bool = False
+    """Bias on the Q, K, V projections (Qwen2)."""
+    qk_norm: bool = False
+    """RMSNorm on each head's queries and keys before RoPE (Qwen3)."""
+    tie_embeddings: bool = False
+    """Output layer shares the input embedding matrix (small Qwen2/Llama-3.2 models)."""
+    make_vocab_size_divisible_by: int = 128
+    """The embedding is padded to a multiple of this times TP; padding rows are never sampled."""
+    init_std: float = 0.02
+
+    def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "ffn_hidden_size", "num_layers",
+                     "num_attention_heads", "make_vocab_size_divisible_by"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"ModelConfig.{name} must be a positive integer, got {value!r}")
+        if self.num_attention_heads % self.kv_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_kv_heads ({self.kv_heads})"
+            )
+        if self.head_dim is None and self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"hidden_size ({self.hidden_size}) is not divisible by num_attention_heads "
+                f"({self.num_attention_heads}); set head_dim explicitly"
+            )
+        if self.kv_channels % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {self.kv_channels}")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_kv_heads or self.num_attention_heads
+
+    @property
+    def kv_channels(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    def padded_vocab_size(self, tensor_parallel: int) -> int:
+        multiple = self.make_vocab_size_divisible_by * tensor_parallel
+        return math.ceil(self.vocab_size / multiple) * multiple
+
+    def check_parallel(self, parallel: ParallelConfig) -> None:
+        """Raise ValueError if this architecture cannot be split as `parallel` asks."""
+        tp, pp, vpp = parallel.tensor_parallel, parallel.pipeline_parallel, parallel.num_chunks
+        if self.num_attention_heads % tp:
+            raise ValueError(
+                f"tensor_parallel={tp} does not divide num_attention_heads="
+                f"{self.num_attention_heads}; choose a TP that divides it"
+            )
+        if self.kv_heads % tp:
+            raise ValueError(
+                f"tensor_parallel={tp} does not divide num_kv_heads={self.kv_heads}; choose a TP "
+                f"that divides the KV heads (KV-head replication is not supported)"
+            )
+        if self.ffn_hidden_size % tp:
+            raise ValueError(
+                f"tensor_parallel={tp} does not divide ffn_hidden_size={self.ffn_hidden_size}"
+            )
+        if self.num_layers % (pp * vpp):
+            raise ValueError(
+                f"num_layers={self.num_layers} is not divisible by pipeline_parallel x "
+                f"virtual_pipeline_parallel = {pp} x {vpp} = {pp * vpp}; choose sizes whose "
+                f"product divides the layer count"
+            )
+
+    def rope_inv_freq(self) -> torch.Tensor:
+        """Inverse RoPE frequencies [head_dim/2], with scaling applied, in fp32."""
+        dim = self.kv_channels
+        inv_freq = 1.0 / (self.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+        scaling = self.rope_scaling
+        if scaling is not None and scaling.rope_type == "linear":
+            inv_freq = inv_freq / scaling.factor
+        elif scaling is not None:
+            # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, and the band
+            # between interpolated smoothly in 1/wavelength.
+            old_len = scaling.original_max_position_embeddings
+            wavelen = 2 * math.pi / inv_freq
+            smooth = (old_len / wavelen - scaling.low_freq_factor) / (
+                scaling.high_freq_factor - scaling.low_freq_factor
+            )
+            smoothed = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
+            inv_freq = torch.where(
+                wavelen > old_len / scaling.low_freq_factor,
+                inv_freq / scaling.factor,
+                torch.where(wavelen < old_len / scaling.high_freq_factor, inv_freq, smoothed),
+            )
+        return inv_freq.float()

@@ -1,0 +1,87 @@
+"""Build the Megatron GPT model chunks one rank holds: a causal LM, or a value model.
+
+A rank holds one chunk per virtual pipeline stage (one chunk without interleaving). Chunk i of
+pipeline rank r owns layers [(i*pp + r) * n, (i*pp + r + 1) * n) with n = layers / (pp*vpp).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from megatron.core import parallel_state as ps
+from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
+
+from megarlhf.models.config import ModelConfig
+from megarlhf.models.layers import ValueHead
+from megarlhf.models.specs import block_spec
+from megarlhf.parallel.mesh import Mesh
+
+
+class GPTValueModel(GPTModel):
+    """GPT trunk with a scalar head instead of the LM head: values [b, s] on the last stage.
+
+    The LM output layer is never tied here (there is none), so a critic or reward model made
+    from a tied-embedding LM keeps its embedding on the first stage only and needs no
+    first/last-stage embedding sync.
+    """
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs, share_embeddings_and_output_weights=False)
+        if self.post_process:
+            del self.output_layer
+            self.value_head = ValueHead(self.config)
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        # There is no LM head, so none of LanguageModule's output-layer tying logic applies.
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        return MegatronModule.sharded_state_dict(self, prefix, sharded_offsets, metadata)
+
+    def _postprocess(self, hidden_states, **_):
+        if not self.post_process:
+            return hidden_states
+        return self.value_head(hidden_states)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelSpec:
+    """What to build: architecture, megatron config, resolved layer spec, LM or value head."""
+
+    model: ModelConfig
+    transformer: TransformerConfig
+    layer_spec: str
+    value_head: bool = False
+
+
+def build_model(spec: ModelSpec, mesh: Mesh) -> list[GPTModel]:
+    """The model chunks of this rank, on `mesh.device`, in train mode."""
+    vpp = mesh.config.virtual_pipeline_parallel
+    stages = range(vpp) if vpp else [None]
+    cls = GPTValueModel if spec.value_head else GPTModel
+    chunks = []
+    for vp_stage in stages:
+        chunk = cls(
+            config=spec.transformer,
+            transformer_layer_spec=block_spec(
+                spec.layer_spec, spec.transformer, qk_norm=spec.model.qk_norm,
+                vp_stage=vp_stage, pp_rank=mesh.pp_rank,
+            ),
+            vocab_size=spec.model.padded_vocab_size(mesh.tp),
+            max_sequence_length=spec.model.max_position_embeddings,
+            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+            position_embedding_type="rope",
+            rotary_base=spec.model.rope_theta,
+            parallel_output=True,
+            vp_stage=vp_stage,
+            **({} if spec.value_head else
+               {"share_embeddings_and_output_weights": spec.model.tie_embeddings}),
+        )
+        # megatron-core's RoPE scaling hard-codes Llama 3.1's constants; ours follows the
+        # checkpoint's own (Llama 3.2 and others differ).
+        chunk.rotary_pos_emb.inv_freq = spec.model.rope_inv_freq().to(mesh.device)
+        chunks.append(chunk.to(mesh.device))
+    return chunks

@@ -1,0 +1,77 @@
+"""Layer specs: which module implements each part of a transformer layer.
+
+- "local": megatron-core's own modules + our RMSNorm (CPU, and the reference for tests);
+- "sdpa": as local, with attention through torch SDPA (flash kernels on a plain PyTorch GPU);
+- "te": Transformer Engine modules (fused kernels; needs `transformer_engine` installed);
+- "auto": te on GPU when TE imports, sdpa on GPU without it, local on CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+
+from megatron.core.models.gpt import gpt_layer_specs
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import (
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megarlhf.models.layers import RMSNorm, SDPAttention
+
+LAYER_SPECS = ("auto", "local", "sdpa", "te")
+
+
+def te_available() -> bool:
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def resolve_layer_spec(name: str, on_gpu: bool) -> str:
+    if name not in LAYER_SPECS:
+        raise ValueError(f"unknown layer spec {name!r}; choose one of {LAYER_SPECS}")
+    if name == "auto":
+        return ("te" if te_available() else "sdpa") if on_gpu else "local"
+    if name == "te" and not (on_gpu and te_available()):
+        raise ValueError(
+            "layer spec 'te' needs a GPU and Transformer Engine installed; use 'auto', 'sdpa' "
+            "or 'local'"
+        )
+    return name
+
+
+def layer_spec(name: str, *, qk_norm: bool) -> ModuleSpec:
+    """The ModuleSpec of one transformer layer for a resolved spec name."""
+    if name == "te":
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_norm)
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=qk_norm, normalization="RMSNorm")
+    attn = spec.submodules.self_attention
+    attn_sub = dataclasses.replace(
+        attn.submodules,
+        core_attention=SDPAttention if name == "sdpa" else attn.submodules.core_attention,
+        q_layernorm=RMSNorm if qk_norm else IdentityOp,
+        k_layernorm=RMSNorm if qk_norm else IdentityOp,
+    )
+    layer_sub = dataclasses.replace(
+        spec.submodules,
+        input_layernorm=RMSNorm,
+        pre_mlp_layernorm=RMSNorm,
+        self_attention=dataclasses.replace(attn, submodules=attn_sub),
+    )
+    return dataclasses.replace(spec, submodules=layer_sub)
+
+
+def block_spec(
+    name: str, config: TransformerConfig, *, qk_norm: bool, vp_stage: int | None, pp_rank: int
+) -> TransformerBlockSubmodules:
+    """Layers of one pipeline stage (or virtual chunk) plus the final norm."""
+    if name == "te":
+        from megatron.core.extensions.transformer_engine import TENorm as final_norm
+    else:
+        final_norm = RMSNorm
+    num_layers = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
+    return TransformerBlockSubmodules(
+        layer_specs=[layer_spec(name, qk_norm=qk_norm)] * num_layers, layer_norm=final_norm
+    )

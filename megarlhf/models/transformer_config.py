@@ -1,0 +1,78 @@
+"""The one place where our configs become megatron-core's `TransformerConfig`."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer import TransformerConfig
+
+from megarlhf.models.config import ModelConfig
+from megarlhf.parallel.mesh import ParallelConfig
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; choose one of {sorted(DTYPES)}")
+    return DTYPES[name]
+
+
+def to_transformer_config(
+    model: ModelConfig,
+    parallel: ParallelConfig,
+    *,
+    dtype: torch.dtype = torch.float32,
+    on_gpu: bool = False,
+    calculate_per_token_loss: bool = True,
+    recompute: bool = False,
+) -> TransformerConfig:
+    """Translate a Llama-family `ModelConfig` + layout into megatron-core's `TransformerConfig`.
+
+    `calculate_per_token_loss=True` makes the schedules leave losses as token sums and divide
+    gradients by the token count of the whole global batch, so gradients do not depend on how
+    the batch is split into micro-batches or DP ranks.
+    """
+    model.check_parallel(parallel)
+    return TransformerConfig(
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        ffn_hidden_size=model.ffn_hidden_size,
+        num_attention_heads=model.num_attention_heads,
+        num_query_groups=model.kv_heads,
+        kv_channels=model.kv_channels,
+        normalization="RMSNorm",
+        layernorm_epsilon=model.norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=model.qkv_bias,
+        qk_layernorm=model.qk_norm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=model.init_std,
+        tensor_model_parallel_size=parallel.tensor_parallel,
+        pipeline_model_parallel_size=parallel.pipeline_parallel,
+        virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_parallel,
+        sequence_parallel=parallel.sequence_parallel,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        calculate_per_token_loss=calculate_per_token_loss,
+        # CPU init builds each full weight from one seed and slices it, so every layout starts
+        # from identical weights; on GPU weights come from checkpoints, and GPU init is faster.
+        use_cpu_initialization=not on_gpu,
+        # Fused kernels exist only on GPU.
+        bias_activation_fusion=on_gpu,
+        masked_softmax_fusion=on_gpu,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        # Batched p2p on gloo swaps micro-batch activations in the interleaved schedule
+        # (measured: silent wrong loss); NCCL batches correctly.
+        batch_p2p_comm=on_gpu,
+        recompute_granularity="full" if recompute else None,
+        recompute_method="uniform" if recompute else None,
+        recompute_num_layers=1 if recompute else None,
+    )

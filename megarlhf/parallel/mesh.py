@@ -1,0 +1,246 @@
+"""The device mesh: who we are (rendezvous), how ranks are split (TP, PP, DP), and the groups.
+
+A `Mesh` is a frozen object holding this rank's coordinates and process groups. Code that needs a
+group receives it from the mesh explicitly instead of reading global state. megatron-core's own
+schedules and layers still read `megatron.core.parallel_state`, so `init_mesh` initialises that
+too and the mesh holds the very same group objects.
+
+Rank order follows megatron-core's default "tp-cp-ep-dp-pp": TP ranks are adjacent (same node),
+then DP, then PP.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import re
+import socket
+
+import torch
+import torch.distributed as dist
+
+from megarlhf.parallel import device as device_lib
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ParallelConfig:
+    tensor_parallel: int = 1
+    """TP size: ranks that split every weight matrix of a layer (keep within a node)."""
+    pipeline_parallel: int = 1
+    """PP size: number of pipeline stages the layers are split into."""
+    virtual_pipeline_parallel: int | None = None
+    """Model chunks per pipeline rank for the interleaved 1F1B schedule (None: plain 1F1B)."""
+    sequence_parallel: bool = False
+    """Shard activations along the sequence inside TP regions (needs tensor_parallel > 1)."""
+
+    def __post_init__(self):
+        for name in ("tensor_parallel", "pipeline_parallel"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        vpp = self.virtual_pipeline_parallel
+        if vpp is not None:
+            if not isinstance(vpp, int) or vpp < 1:
+                raise ValueError(f"virtual_pipeline_parallel must be None or >= 1, got {vpp!r}")
+            if vpp > 1 and self.pipeline_parallel < 2:
+                raise ValueError(
+                    f"virtual_pipeline_parallel={vpp} needs pipeline_parallel >= 2, got "
+                    f"{self.pipeline_parallel}; set virtual_pipeline_parallel=None"
+                )
+        if self.sequence_parallel and self.tensor_parallel == 1:
+            raise ValueError("sequence_parallel=True needs tensor_parallel > 1")
+
+    @property
+    def model_parallel_size(self) -> int:
+        return self.tensor_parallel * self.pipeline_parallel
+
+    @property
+    def num_chunks(self) -> int:
+        """Model chunks held by each pipeline rank."""
+        return self.virtual_pipeline_parallel or 1
+
+    def data_parallel_size(self, world_size: int) -> int:
+        if world_size % self.model_parallel_size:
+            raise ValueError(
+                f"world size {world_size} is not divisible by tensor_parallel x pipeline_parallel "
+                f"= {self.tensor_parallel} x {self.pipeline_parallel} = {self.model_parallel_size};"
+                f" use a world size that is a multiple of {self.model_parallel_size}"
+            )
+        return world_size // self.model_parallel_size
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DistEnv:
+    """Where this process sits among all processes of the job, and how to meet the others."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+
+    @classmethod
+    def detect(cls) -> "DistEnv":
+        """Read the rendezvous from torchrun variables, else from Slurm, else a single rank."""
+        env = os.environ
+        if "RANK" in env and "WORLD_SIZE" in env:
+            return cls(
+                rank=int(env["RANK"]),
+                world_size=int(env["WORLD_SIZE"]),
+                local_rank=int(env.get("LOCAL_RANK", 0)),
+                master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+                master_port=int(env.get("MASTER_PORT", 29500)),
+            )
+        if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+            return cls.from_slurm(env)
+        return cls(rank=0, world_size=1, local_rank=0, master_addr="127.0.0.1",
+                   master_port=free_port())
+
+    @classmethod
+    def from_slurm(cls, env) -> "DistEnv":
+        nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
+        if not nodelist:
+            raise ValueError("running under Slurm but SLURM_JOB_NODELIST is not set")
+        job_id = int(env.get("SLURM_JOB_ID", "0"))
+        return cls(
+            rank=int(env["SLURM_PROCID"]),
+            world_size=int(env["SLURM_NTASKS"]),
+            local_rank=int(env.get("SLURM_LOCALID", 0)),
+            master_addr=env.get("MASTER_ADDR") or first_host(nodelist),
+            # One port per job, so two jobs sharing a node do not collide.
+            master_port=int(env.get("MASTER_PORT") or 20000 + job_id % 20000),
+        )
+
+
+def first_host(nodelist: str) -> str:
+    """First host of a Slurm compressed node list, e.g. 'gpu[003-010,012],login1' -> 'gpu003'."""
+    match = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?([^,]*)", nodelist.strip())
+    if not match:
+        raise ValueError(f"cannot parse Slurm node list {nodelist!r}")
+    prefix, ranges, suffix = match.groups()
+    if ranges is None:
+        return prefix + suffix
+    first = ranges.split(",")[0].split("-")[0]
+    return f"{prefix}{first}{suffix}"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
+class Mesh:
+    """This rank's place in the TP x PP x DP mesh, with the groups that connect it."""
+
+    config: ParallelConfig
+    rank: int
+    world_size: int
+    device: torch.device
+    backend: str
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+    dp_size: int
+    tp_group: dist.ProcessGroup
+    pp_group: dist.ProcessGroup
+    dp_group: dist.ProcessGroup
+    model_parallel_group: dist.ProcessGroup
+    """TP x PP ranks that together hold one full model replica."""
+    embedding_group: dist.ProcessGroup | None
+    """First and last pipeline stage (tied embeddings), None when this rank is in neither."""
+
+    @property
+    def tp(self) -> int:
+        return self.config.tensor_parallel
+
+    @property
+    def pp(self) -> int:
+        return self.config.pipeline_parallel
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
+    @property
+    def last_stage_rank(self) -> int:
+        """Global rank of the last pipeline stage holding this rank's TP/DP coordinates."""
+        return dist.get_global_rank(self.pp_group, self.pp - 1)
+
+
+def init_distributed(env: DistEnv | None = None, *, timeout_s: float = 600.0) -> DistEnv:
+    """Start torch.distributed (NCCL on GPU, gloo on CPU) unless it is already running."""
+    env = env or DistEnv.detect()
+    device_lib.apply_cpu_compat()
+    if device_lib.accelerator_available():
+        torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend=device_lib.default_backend(),
+            init_method=f"tcp://{env.master_addr}:{env.master_port}",
+            rank=env.rank,
+            world_size=env.world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+    return env
+
+
+def init_mesh(config: ParallelConfig, env: DistEnv | None = None, *, seed: int = 0) -> Mesh:
+    """Join (or start) the process group, split it into TP/PP/DP groups, and seed the RNGs.
+
+    Every rank's default generator gets `seed` (so CPU-initialised weights are identical in
+    every layout); megatron-core's tracker gets per-TP-rank streams for dropout in TP regions.
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    if dist.is_initialized():
+        world_size = dist.get_world_size()
+    else:
+        env = env or DistEnv.detect()
+        world_size = env.world_size
+    dp_size = config.data_parallel_size(world_size)  # validates before any process group exists
+    init_distributed(env)
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=config.tensor_parallel,
+        pipeline_model_parallel_size=config.pipeline_parallel,
+        virtual_pipeline_model_parallel_size=config.virtual_pipeline_parallel,
+        distributed_timeout_minutes=10,
+    )
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    embedding_group = ps.get_embedding_group(check_initialized=False)
+    return Mesh(
+        config=config,
+        rank=dist.get_rank(),
+        world_size=world_size,
+        device=device_lib.default_device(),
+        backend=dist.get_backend(),
+        tp_rank=ps.get_tensor_model_parallel_rank(),
+        pp_rank=ps.get_pipeline_model_parallel_rank(),
+        dp_rank=ps.get_data_parallel_rank(),
+        dp_size=dp_size,
+        tp_group=ps.get_tensor_model_parallel_group(),
+        pp_group=ps.get_pipeline_model_parallel_group(),
+        dp_group=ps.get_data_parallel_group(),
+        model_parallel_group=ps.get_model_parallel_group(),
+        embedding_group=embedding_group if ps.is_rank_in_embedding_group() else None,
+    )
+
+
+def destroy_mesh() -> None:
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

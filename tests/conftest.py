@@ -1,0 +1,36 @@
+"""Shared fixtures. Multi-process tests are marked `slow`; `make test-fast` deselects them."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from megarlhf.models.presets import preset
+from megarlhf.parallel import launch_local
+from tests import workers
+
+
+@pytest.fixture(scope="session")
+def tiny():
+    return preset("tiny")
+
+
+@pytest.fixture(scope="session")
+def lm_ref(tmp_path_factory, tiny):
+    """Reference LM weights (TP1/PP1, seed 0) shared by the multi-process tests."""
+    path = str(tmp_path_factory.mktemp("ref") / "lm")
+    launch_local(workers.write_reference, 1, path, tiny, 0)
+    return path
+
+
+@pytest.fixture(scope="session")
+def value_refs(tmp_path_factory, tiny):
+    """Reference value-model weights for tied- and untied-embedding configs."""
+    refs = {}
+    for tied in (False, True):
+        model = dataclasses.replace(tiny, tie_embeddings=tied)
+        path = str(tmp_path_factory.mktemp("ref") / f"value_tied{int(tied)}")
+        launch_local(workers.write_reference, 1, path, model, 0, True)
+        refs[tied] = (model, path)
+    return refs

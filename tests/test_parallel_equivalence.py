@@ -1,0 +1,101 @@
+"""Every parallel layout against TP1/PP1/DP1 on the same weights and data (gloo, CPU, fp32).
+
+Tolerances: fp32 on CPU. TP splits matmuls and sums partial products in another order, so
+results differ by rounding only: ~2e-7 measured on logits of magnitude ~1; we allow 1e-5
+(50x headroom, still far below any real bug, which shows up at 1e-2 or more). Losses and grad
+norms are compared relatively at 1e-5 for the same reason.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megarlhf.parallel import ParallelConfig as P
+from megarlhf.parallel import launch_local
+from tests import workers
+
+pytestmark = pytest.mark.slow
+ATOL = 1e-5
+LAYOUTS = {
+    "tp2pp2": (P(tensor_parallel=2, pipeline_parallel=2), 4),
+    "tp2pp1": (P(tensor_parallel=2), 2),
+    "tp1pp2": (P(pipeline_parallel=2), 2),
+    "tp2pp2dp2": (P(tensor_parallel=2, pipeline_parallel=2), 8),
+    "tp2pp2vpp2": (P(tensor_parallel=2, pipeline_parallel=2, virtual_pipeline_parallel=2), 4),
+    "tp2sp": (P(tensor_parallel=2, sequence_parallel=True), 2),
+}
+
+
+@pytest.fixture(scope="module")
+def batch(tiny):
+    return workers.make_batch(tiny, batch=4, seq=16, seed=1)
+
+
+@pytest.fixture(scope="module")
+def ref_logits(lm_ref, tiny, batch):
+    return launch_local(workers.forward_outputs, 1, lm_ref, tiny, P(), batch)[0]
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_logits_equal_tp1pp1(layout, lm_ref, tiny, batch, ref_logits):
+    parallel, nprocs = LAYOUTS[layout]
+    outs = launch_local(workers.forward_outputs, nprocs, lm_ref, tiny, parallel, batch,
+                        microbatches=2 if nprocs < 8 else 1)
+    assert ref_logits.shape == (4, 16, tiny.vocab_size)
+    assert ref_logits.std() > 0.1  # a real, non-degenerate output
+    for rank, out in enumerate(outs):
+        torch.testing.assert_close(out, ref_logits, atol=ATOL, rtol=0, msg=f"rank {rank}")
+
+
+def test_sdpa_spec_equals_local_spec(lm_ref, tiny, batch, ref_logits):
+    outs = launch_local(workers.forward_outputs, 2, lm_ref, tiny, P(tensor_parallel=2), batch,
+                        layer_spec="sdpa")
+    torch.testing.assert_close(outs[0], ref_logits, atol=ATOL, rtol=0)
+
+
+def test_train_curve_tp2pp2dp2_distopt_equals_tp1pp1dp2(lm_ref, tiny):
+    batches = [workers.make_batch(tiny, batch=4, seq=16, seed=10 + i) for i in range(5)]
+    ref = launch_local(workers.train_curve, 2, lm_ref, tiny, P(), batches)
+    out = launch_local(workers.train_curve, 8, lm_ref, tiny,
+                       P(tensor_parallel=2, pipeline_parallel=2), batches, microbatches=2)
+    losses = [step[0] for step in ref[0]]
+    assert losses[-1] < losses[0] - 0.05, f"training did not reduce the loss: {losses}"
+    for rank in range(8):
+        for step, (a, b) in enumerate(zip(out[rank], ref[0])):
+            loss_a, tokens_a, gnorm_a, lr_a, skipped_a = a
+            loss_b, tokens_b, gnorm_b, lr_b, skipped_b = b
+            assert (tokens_a, lr_a, skipped_a) == (tokens_b, lr_b, skipped_b)
+            assert loss_a == pytest.approx(loss_b, rel=1e-5), f"rank {rank} step {step} loss"
+            assert gnorm_a == pytest.approx(gnorm_b, rel=1e-5), f"rank {rank} step {step} gnorm"
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_value_head_pp2_equals_tp1pp1(tied, value_refs, batch):
+    model, path = value_refs[tied]
+    ref = launch_local(workers.forward_outputs, 1, path, model, P(), batch, value_head=True)[0]
+    assert ref.shape == (4, 16) and ref.std() > 1e-3
+    outs = launch_local(workers.forward_outputs, 4, path, model,
+                        P(tensor_parallel=2, pipeline_parallel=2), batch, microbatches=2,
+                        value_head=True)
+    for out in outs:
+        torch.testing.assert_close(out, ref, atol=ATOL, rtol=0)
+
+
+def test_checkpoint_tp2pp2_resumes_at_tp1pp1(lm_ref, tiny, tmp_path, batch):
+    """Train 4 steps at TP2xPP2 saving after 2; resume at TP1xPP1: steps 3-4 and logits equal."""
+    batches = [workers.make_batch(tiny, batch=4, seq=16, seed=20 + i) for i in range(4)]
+    ckpt = str(tmp_path / "step2")
+    straight = launch_local(workers.train_curve, 4, lm_ref, tiny,
+                            P(tensor_parallel=2, pipeline_parallel=2), batches, microbatches=2,
+                            save_to=ckpt, save_after=2)[0]
+    resumed = launch_local(workers.train_curve, 1, lm_ref, tiny, P(), batches[2:],
+                           resume_from=ckpt)[0]
+    for step, (a, b) in enumerate(zip(resumed, straight[2:]), start=3):
+        assert a[0] == pytest.approx(b[0], rel=1e-5), f"step {step} loss"
+        assert a[2] == pytest.approx(b[2], rel=1e-5), f"step {step} grad norm"
+        assert a[3] == pytest.approx(b[3], rel=1e-12), f"step {step} lr"
+    at_tp1 = launch_local(workers.forward_outputs, 1, ckpt, tiny, P(), batch)[0]
+    at_tp2pp2 = launch_local(workers.forward_outputs, 4, ckpt, tiny,
+                             P(tensor_parallel=2, pipeline_parallel=2), batch)[0]
+    torch.testing.assert_close(at_tp1, at_tp2pp2, atol=ATOL, rtol=0)

@@ -1,0 +1,113 @@
+"""Per-rank functions for multi-process tests (importable, so `spawn` can run them).
+
+Every parallel result is compared with the TP1/PP1/DP1 result of the same weights and data:
+weights come from one reference checkpoint written by a single rank, data from a seeded
+generator, so each layout starts from identical numbers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from megarlhf.engine.checkpoint import load_checkpoint, save_checkpoint
+from megarlhf.engine.losses import lm_loss
+from megarlhf.engine.optim import OptimConfig
+from megarlhf.engine.train import TrainEngine
+from megarlhf.models.config import ModelConfig
+from megarlhf.models.gpt import ModelSpec
+from megarlhf.models.specs import resolve_layer_spec
+from megarlhf.models.transformer_config import to_transformer_config
+from megarlhf.parallel.mesh import ParallelConfig, init_mesh
+
+OPTIM = OptimConfig(lr=1e-2, weight_decay=0.01, clip_grad=1.0, warmup_steps=1, decay_steps=10)
+
+
+def make_spec(model: ModelConfig, parallel: ParallelConfig, *, value_head=False,
+              layer_spec="local") -> ModelSpec:
+    return ModelSpec(
+        model=model,
+        transformer=to_transformer_config(model, parallel),
+        layer_spec=resolve_layer_spec(layer_spec, on_gpu=False),
+        value_head=value_head,
+    )
+
+
+def make_batch(model: ModelConfig, *, batch: int, seq: int, seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, model.vocab_size, (batch, seq + 1), generator=g)
+    loss_mask = torch.ones(batch, seq)
+    loss_mask[0, : seq // 2] = 0  # uneven token counts per sequence
+    return {
+        "tokens": tokens[:, :-1].contiguous(),
+        "labels": tokens[:, 1:].contiguous(),
+        "loss_mask": loss_mask,
+        "position_ids": torch.arange(seq).expand(batch, seq).contiguous(),
+    }
+
+
+def split(batch: dict, parts: int) -> list[dict]:
+    n = batch["tokens"].shape[0]
+    assert n % parts == 0, (n, parts)
+    return [{k: v[i * n // parts:(i + 1) * n // parts] for k, v in batch.items()}
+            for i in range(parts)]
+
+
+def dp_share(batch: dict, mesh, microbatches: int) -> list[dict]:
+    """This DP rank's contiguous slice of the global batch, cut into micro-batches."""
+    return split(split(batch, mesh.dp_size)[mesh.dp_rank], microbatches)
+
+
+def write_reference(path: str, model: ModelConfig, seed: int, value_head: bool = False):
+    """Single rank: build TP1/PP1 weights from `seed` and save them (model only)."""
+    parallel = ParallelConfig()
+    mesh = init_mesh(parallel, seed=seed)
+    engine = TrainEngine(make_spec(model, parallel, value_head=value_head), mesh)
+    save_checkpoint(path, engine, mesh, with_optimizer=False)
+
+
+def _gather_vocab(logits_BTV, mesh, vocab_size):
+    parts = [torch.empty_like(logits_BTV) for _ in range(mesh.tp)]
+    torch.distributed.all_gather(parts, logits_BTV.contiguous(), group=mesh.tp_group)
+    return torch.cat(parts, dim=-1)[..., :vocab_size]
+
+
+def forward_outputs(ckpt: str, model: ModelConfig, parallel: ParallelConfig, batch: dict,
+                    *, microbatches: int = 1, value_head=False, layer_spec="local"):
+    """Full-vocab logits (or values) [B, T, ...] for the global batch, on every rank."""
+    mesh = init_mesh(parallel)
+    engine = TrainEngine(make_spec(model, parallel, value_head=value_head,
+                                   layer_spec=layer_spec), mesh)
+    load_checkpoint(ckpt, engine, with_optimizer=False)
+
+    def keep_output(mb, out):
+        if not value_head:
+            out = _gather_vocab(out, mesh, model.vocab_size)
+        return torch.zeros(()), torch.ones((), dtype=torch.int), {"out": out.detach().clone()}
+
+    out = engine.forward(dp_share(batch, mesh, microbatches), keep_output)
+    local = torch.cat([d["out"] for d in out])
+    gathered = [torch.empty_like(local) for _ in range(mesh.dp_size)]
+    torch.distributed.all_gather(gathered, local, group=mesh.dp_group)
+    return torch.cat(gathered)
+
+
+def train_curve(ckpt: str, model: ModelConfig, parallel: ParallelConfig, batches: list[dict],
+                *, microbatches: int = 1, optim: OptimConfig = OPTIM,
+                save_to: str | None = None, save_after: int | None = None,
+                resume_from: str | None = None):
+    """(loss, grad_norm) per step training on `batches` from the reference weights."""
+    mesh = init_mesh(parallel)
+    engine = TrainEngine(make_spec(model, parallel), mesh, optim)
+    if resume_from:
+        load_checkpoint(resume_from, engine, with_optimizer=True)
+    else:
+        load_checkpoint(ckpt, engine, with_optimizer=False)
+    curve = []
+    for step, batch in enumerate(batches):
+        m = engine.train_step(dp_share(batch, mesh, microbatches), lm_loss(mesh, model.vocab_size))
+        curve.append(dataclasses.astuple(m))
+        if save_to and step + 1 == save_after:
+            save_checkpoint(save_to, engine, mesh)
+    return curve
