@@ -1,0 +1,99 @@
+"""Bad configurations fail at construction with a ValueError that names the numbers."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from megarlhf.engine.optim import OptimConfig
+from megarlhf.models.config import ModelConfig, RopeScaling
+from megarlhf.models.presets import preset
+from megarlhf.models.specs import resolve_layer_spec
+from megarlhf.models.transformer_config import parse_dtype, to_transformer_config
+from megarlhf.parallel.mesh import DistEnv, ParallelConfig, init_mesh
+
+
+def test_world_size_not_divisible_by_tp_pp():
+    with pytest.raises(ValueError, match=r"world size 6 .* 2 x 2 = 4"):
+        ParallelConfig(tensor_parallel=2, pipeline_parallel=2).data_parallel_size(6)
+    # init_mesh refuses before any process group is created.
+    env = DistEnv(rank=0, world_size=6, local_rank=0, master_addr="127.0.0.1", master_port=1)
+    with pytest.raises(ValueError, match="world size 6"):
+        init_mesh(ParallelConfig(tensor_parallel=4), env)
+
+
+def test_data_parallel_size():
+    assert ParallelConfig(tensor_parallel=2, pipeline_parallel=2).data_parallel_size(8) == 2
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"tensor_parallel": 0}, "tensor_parallel must be a positive integer"),
+    ({"virtual_pipeline_parallel": 2}, "needs pipeline_parallel >= 2"),
+    ({"sequence_parallel": True}, "needs tensor_parallel > 1"),
+])
+def test_parallel_config_rejects(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ParallelConfig(**kwargs)
+
+
+def test_tp_must_divide_heads_and_kv_heads():
+    tiny = preset("tiny")  # 4 heads, 2 KV heads
+    with pytest.raises(ValueError, match="tensor_parallel=3 does not divide num_attention_heads=4"):
+        tiny.check_parallel(ParallelConfig(tensor_parallel=3))
+    with pytest.raises(ValueError, match="tensor_parallel=4 does not divide num_kv_heads=2"):
+        tiny.check_parallel(ParallelConfig(tensor_parallel=4))
+
+
+def test_layers_must_divide_across_pp_and_vpp():
+    tiny = preset("tiny")  # 4 layers
+    with pytest.raises(ValueError, match=r"num_layers=4 .* 3 x 1 = 3"):
+        tiny.check_parallel(ParallelConfig(pipeline_parallel=3))
+    with pytest.raises(ValueError, match=r"num_layers=4 .* 2 x 4 = 8"):
+        to_transformer_config(tiny, ParallelConfig(pipeline_parallel=2,
+                                                   virtual_pipeline_parallel=4))
+
+
+def test_unknown_layer_spec_and_dtype():
+    with pytest.raises(ValueError, match="unknown layer spec 'flash'"):
+        resolve_layer_spec("flash", on_gpu=False)
+    with pytest.raises(ValueError, match="needs a GPU and Transformer Engine"):
+        resolve_layer_spec("te", on_gpu=False)
+    assert resolve_layer_spec("auto", on_gpu=False) == "local"
+    with pytest.raises(ValueError, match="unknown dtype 'fp8'"):
+        parse_dtype("fp8")
+
+
+def test_model_config_rejects():
+    base = dict(vocab_size=100, hidden_size=64, ffn_hidden_size=128, num_layers=2)
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        ModelConfig(**base, num_attention_heads=4, num_kv_heads=3)
+    with pytest.raises(ValueError, match="set head_dim explicitly"):
+        ModelConfig(**base, num_attention_heads=6)
+    with pytest.raises(ValueError, match="unsupported RoPE scaling type 'yarn'"):
+        RopeScaling(rope_type="yarn")
+    # Qwen3-style head_dim independent of hidden / heads is accepted.
+    assert ModelConfig(**base, num_attention_heads=6, head_dim=32).kv_channels == 32
+
+
+def test_padded_vocab():
+    tiny = dataclasses.replace(preset("tiny"), vocab_size=300, make_vocab_size_divisible_by=16)
+    assert tiny.padded_vocab_size(1) == 304
+    assert tiny.padded_vocab_size(2) == 320
+
+
+def test_optim_config_rejects():
+    with pytest.raises(ValueError, match="decay_steps"):
+        OptimConfig(warmup_steps=10, decay_steps=5)
+    with pytest.raises(ValueError, match="lr_decay_style"):
+        OptimConfig(lr_decay_style="step")
+
+
+def test_transformer_config_translation():
+    tiny = preset("tiny")
+    cfg = to_transformer_config(tiny, ParallelConfig(tensor_parallel=2, pipeline_parallel=2))
+    assert (cfg.num_query_groups, cfg.kv_channels, cfg.gated_linear_unit) == (2, 16, True)
+    assert cfg.normalization == "RMSNorm" and cfg.layernorm_epsilon == tiny.norm_eps
+    assert cfg.tensor_model_parallel_size == 2 and cfg.pipeline_model_parallel_size == 2
+    assert cfg.batch_p2p_comm is False  # gloo: batched p2p swaps micro-batches
+    assert cfg.calculate_per_token_loss is True

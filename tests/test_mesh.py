@@ -1,0 +1,72 @@
+"""Rendezvous detection (torchrun, Slurm) and the local launcher's failure reporting."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from megarlhf.parallel.launcher import RankError, launch_local
+from megarlhf.parallel.mesh import DistEnv, first_host
+
+
+@pytest.mark.parametrize("nodelist, host", [
+    ("n1", "n1"),
+    ("n[1-2]", "n1"),
+    ("gpu[003-010,012],login1", "gpu003"),
+    ("node[07,09]-ib", "node07-ib"),
+    ("a1,b2", "a1"),
+])
+def test_first_host(nodelist, host):
+    assert first_host(nodelist) == host
+
+
+def test_detect_torchrun(monkeypatch):
+    for k, v in dict(RANK="3", WORLD_SIZE="8", LOCAL_RANK="1", MASTER_ADDR="h0",
+                     MASTER_PORT="1234").items():
+        monkeypatch.setenv(k, v)
+    assert DistEnv.detect() == DistEnv(rank=3, world_size=8, local_rank=1, master_addr="h0",
+                                       master_port=1234)
+
+
+def test_detect_slurm(monkeypatch):
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in dict(SLURM_PROCID="5", SLURM_NTASKS="16", SLURM_LOCALID="5",
+                     SLURM_JOB_NODELIST="gpu[10-11]", SLURM_JOB_ID="4242").items():
+        monkeypatch.setenv(k, v)
+    env = DistEnv.detect()
+    assert (env.rank, env.world_size, env.local_rank, env.master_addr) == (5, 16, 5, "gpu10")
+    assert env.master_port == 20000 + 4242
+
+
+def _rank_value(offset):
+    return int(os.environ["RANK"]) + offset
+
+
+def _fails_on_rank1():
+    if os.environ["RANK"] == "1":
+        raise KeyError("boom on purpose")
+    return 0
+
+
+def _dies_on_rank0():
+    if os.environ["RANK"] == "0":
+        os._exit(3)
+    import time
+
+    time.sleep(30)
+
+
+def test_launcher_returns_per_rank_results():
+    assert launch_local(_rank_value, 2, 10) == [10, 11]
+
+
+def test_launcher_reports_failing_rank_with_traceback():
+    with pytest.raises(RankError, match=r"(?s)rank 1 of 2 raised.*KeyError: 'boom on purpose'"):
+        launch_local(_fails_on_rank1, 2)
+
+
+def test_launcher_reports_dead_rank_without_hanging():
+    with pytest.raises(RankError, match=r"rank\(s\) \[0\] died .*exit codes \{0: 3\}"):
+        launch_local(_dies_on_rank0, 2, timeout_s=60)
