@@ -111,3 +111,19 @@ def train_curve(ckpt: str, model: ModelConfig, parallel: ParallelConfig, batches
         if save_to and step + 1 == save_after:
             save_checkpoint(save_to, engine, mesh)
     return curve
+
+
+def traced_sites_of_a_step(model: ModelConfig) -> list[str]:
+    """One train step + checkpoint save at TP1 with the compat trace on; the redirected sites."""
+    import tempfile
+
+    from megarlhf.parallel.device import apply_cpu_compat, traced_sites
+
+    apply_cpu_compat(trace=True)
+    parallel = ParallelConfig()
+    mesh = init_mesh(parallel)
+    engine = TrainEngine(make_spec(model, parallel), mesh, OPTIM)
+    engine.train_step([make_batch(model, batch=2, seq=8, seed=0)], lm_loss(mesh, model.vocab_size))
+    with tempfile.TemporaryDirectory() as tmp:
+        save_checkpoint(f"{tmp}/ckpt", engine, mesh)
+    return traced_sites()

@@ -1,0 +1,93 @@
+"""Step time and peak memory per rank of the tiny model's training step, for each layout.
+
+All layouts run in one invocation on the same machine, so the ratios to TP1xPP1 are
+comparable even on a noisy machine; absolute CPU times mean little.
+
+    python -m bench.bench_train_cpu [--steps N] [--append BENCHMARKS.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import platform
+import resource
+import statistics
+import time
+
+from megarlhf.engine.losses import lm_loss
+from megarlhf.engine.optim import OptimConfig
+from megarlhf.engine.train import TrainEngine
+from megarlhf.models.gpt import ModelSpec
+from megarlhf.models.presets import preset
+from megarlhf.models.transformer_config import to_transformer_config
+from megarlhf.parallel import ParallelConfig as P
+from megarlhf.parallel import init_mesh, launch_local
+from megarlhf.data.embedded import byte_batches
+
+MODEL = preset("tiny")
+GLOBAL_BATCH, MICRO, SEQ = 16, 4, 64
+LAYOUTS = [
+    ("TP1xPP1", P(), 1),
+    ("TP2xPP1", P(tensor_parallel=2), 2),
+    ("TP1xPP2", P(pipeline_parallel=2), 2),
+    ("TP2xPP2", P(tensor_parallel=2, pipeline_parallel=2), 4),
+    ("TP2xPP2 vpp2", P(tensor_parallel=2, pipeline_parallel=2, virtual_pipeline_parallel=2), 4),
+    ("TP2 +SP", P(tensor_parallel=2, sequence_parallel=True), 2),
+    ("TP2xPP2xDP2", P(tensor_parallel=2, pipeline_parallel=2), 8),
+]
+
+
+def _rank(parallel: P, steps: int):
+    mesh = init_mesh(parallel, seed=0)
+    spec = ModelSpec(model=MODEL, transformer=to_transformer_config(MODEL, parallel),
+                     layer_spec="local")
+    engine = TrainEngine(spec, mesh, OptimConfig(lr=1e-3))
+    loss_fn = lm_loss(mesh, MODEL.vocab_size)
+    times = []
+    for batch in byte_batches(seq=SEQ, batch=GLOBAL_BATCH, steps=steps):
+        per = GLOBAL_BATCH // mesh.dp_size
+        mine = {k: v[mesh.dp_rank * per:(mesh.dp_rank + 1) * per] for k, v in batch.items()}
+        n = per // MICRO
+        mbs = [{k: v[i * n:(i + 1) * n] for k, v in mine.items()} for i in range(MICRO)]
+        t0 = time.perf_counter()
+        engine.train_step(mbs, loss_fn)
+        times.append(time.perf_counter() - t0)
+    peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return statistics.median(times[2:]), peak_mib
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--append", help="append the table to this markdown file")
+    args = parser.parse_args()
+    rows = []
+    for name, parallel, nprocs in LAYOUTS:
+        results = launch_local(_rank, nprocs, parallel, args.steps)
+        step_s = max(r[0] for r in results)
+        peak = max(r[1] for r in results)
+        rows.append((name, nprocs, step_s, peak))
+    base_step, base_mem = rows[0][2], rows[0][3]
+    lines = [
+        f"| layout | ranks | step (ms, median) | step / TP1xPP1 | peak RSS per rank (MiB) "
+        f"| RSS / TP1xPP1 |",
+        "|---|---|---|---|---|---|",
+    ]
+    lines += [f"| {n} | {r} | {s*1000:.0f} | {s/base_step:.2f} | {m:.0f} | {m/base_mem:.2f} |"
+              for n, r, s, m in rows]
+    table = "\n".join(lines)
+    print(table)
+    if args.append:
+        header = (f"\n## {datetime.date.today()} CPU training step, tiny model "
+                  f"({MODEL.num_layers} layers, hidden {MODEL.hidden_size}), global batch "
+                  f"{GLOBAL_BATCH} x seq {SEQ}, {MICRO} micro-batches per DP rank, fp32, gloo\n\n"
+                  f"Machine: {platform.machine()}, {__import__('os').cpu_count()} cores, "
+                  f"{platform.system()}; command: `python -m bench.bench_train_cpu "
+                  f"--steps {args.steps}`\n\n")
+        with open(args.append, "a") as f:
+            f.write(header + table + "\n")
+
+
+if __name__ == "__main__":
+    main()
