@@ -17,6 +17,7 @@ import time
 
 from megarlhf.engine.losses import lm_loss
 from megarlhf.engine.optim import OptimConfig
+from megarlhf.engine.schedule import rank_microbatches
 from megarlhf.engine.train import TrainEngine
 from megarlhf.models.gpt import ModelSpec
 from megarlhf.models.presets import preset
@@ -46,10 +47,7 @@ def _rank(parallel: P, steps: int):
     loss_fn = lm_loss(mesh, MODEL.vocab_size)
     times = []
     for batch in byte_batches(seq=SEQ, batch=GLOBAL_BATCH, steps=steps):
-        per = GLOBAL_BATCH // mesh.dp_size
-        mine = {k: v[mesh.dp_rank * per:(mesh.dp_rank + 1) * per] for k, v in batch.items()}
-        n = per // MICRO
-        mbs = [{k: v[i * n:(i + 1) * n] for k, v in mine.items()} for i in range(MICRO)]
+        mbs = rank_microbatches(batch, mesh, MICRO)
         t0 = time.perf_counter()
         engine.train_step(mbs, loss_fn)
         times.append(time.perf_counter() - t0)

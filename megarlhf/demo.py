@@ -16,6 +16,7 @@ from megarlhf.data.embedded import byte_batches
 from megarlhf.engine.checkpoint import load_checkpoint, save_checkpoint
 from megarlhf.engine.losses import lm_loss
 from megarlhf.engine.optim import OptimConfig
+from megarlhf.engine.schedule import rank_microbatches
 from megarlhf.engine.train import TrainEngine
 from megarlhf.models.gpt import ModelSpec
 from megarlhf.models.presets import preset
@@ -34,19 +35,12 @@ def _engine(parallel: ParallelConfig, optim):
     return TrainEngine(spec, mesh, optim), mesh
 
 
-def _microbatches(batch, mesh):
-    per_rank = BATCH // mesh.dp_size
-    mine = {k: v[mesh.dp_rank * per_rank:(mesh.dp_rank + 1) * per_rank] for k, v in batch.items()}
-    step = per_rank // MICRO
-    return [{k: v[i * step:(i + 1) * step] for k, v in mine.items()} for i in range(MICRO)]
-
-
 def train_rank(ckpt_dir: str) -> list[tuple[int, float, float, float]]:
     engine, mesh = _engine(ParallelConfig(tensor_parallel=2, pipeline_parallel=2), OPTIM)
     rows = []
     for step, batch in enumerate(byte_batches(seq=SEQ, batch=BATCH, steps=STEPS), start=1):
         t0 = time.perf_counter()
-        m = engine.train_step(_microbatches(batch, mesh), lm_loss(mesh, MODEL.vocab_size))
+        m = engine.train_step(rank_microbatches(batch, mesh, MICRO), lm_loss(mesh, MODEL.vocab_size))
         rows.append((step, m.loss, m.grad_norm, time.perf_counter() - t0))
         if mesh.rank == 0 and (step % 5 == 0 or step == 1):
             print(f"  step {step:3d}  loss {m.loss:.4f}  grad-norm {m.grad_norm:.3f}  "

@@ -14,6 +14,7 @@ import torch
 from megarlhf.engine.checkpoint import load_checkpoint, save_checkpoint
 from megarlhf.engine.losses import lm_loss
 from megarlhf.engine.optim import OptimConfig
+from megarlhf.engine.schedule import rank_microbatches
 from megarlhf.engine.train import TrainEngine
 from megarlhf.models.config import ModelConfig
 from megarlhf.models.gpt import ModelSpec
@@ -47,18 +48,6 @@ def make_batch(model: ModelConfig, *, batch: int, seq: int, seed: int) -> dict:
     }
 
 
-def split(batch: dict, parts: int) -> list[dict]:
-    n = batch["tokens"].shape[0]
-    assert n % parts == 0, (n, parts)
-    return [{k: v[i * n // parts:(i + 1) * n // parts] for k, v in batch.items()}
-            for i in range(parts)]
-
-
-def dp_share(batch: dict, mesh, microbatches: int) -> list[dict]:
-    """This DP rank's contiguous slice of the global batch, cut into micro-batches."""
-    return split(split(batch, mesh.dp_size)[mesh.dp_rank], microbatches)
-
-
 def write_reference(path: str, model: ModelConfig, seed: int, value_head: bool = False):
     """Single rank: build TP1/PP1 weights from `seed` and save them (model only)."""
     parallel = ParallelConfig()
@@ -86,7 +75,7 @@ def forward_outputs(ckpt: str, model: ModelConfig, parallel: ParallelConfig, bat
             out = _gather_vocab(out, mesh, model.vocab_size)
         return torch.zeros(()), torch.ones((), dtype=torch.int), {"out": out.detach().clone()}
 
-    out = engine.forward(dp_share(batch, mesh, microbatches), keep_output)
+    out = engine.forward(rank_microbatches(batch, mesh, microbatches), keep_output)
     local = torch.cat([d["out"] for d in out])
     gathered = [torch.empty_like(local) for _ in range(mesh.dp_size)]
     torch.distributed.all_gather(gathered, local, group=mesh.dp_group)
@@ -106,7 +95,7 @@ def train_curve(ckpt: str, model: ModelConfig, parallel: ParallelConfig, batches
         load_checkpoint(ckpt, engine, with_optimizer=False)
     curve = []
     for step, batch in enumerate(batches):
-        m = engine.train_step(dp_share(batch, mesh, microbatches), lm_loss(mesh, model.vocab_size))
+        m = engine.train_step(rank_microbatches(batch, mesh, microbatches), lm_loss(mesh, model.vocab_size))
         curve.append(dataclasses.astuple(m))
         if save_to and step + 1 == save_after:
             save_checkpoint(save_to, engine, mesh)

@@ -79,3 +79,19 @@ def from_last_stage(obj, mesh: Mesh):
     box = [obj if mesh.is_last_stage else None]
     dist.broadcast_object_list(box, src=mesh.last_stage_rank, group=mesh.pp_group)
     return box[0]
+
+
+def rank_microbatches(batch: Batch, mesh: Mesh, num_microbatches: int) -> list[Batch]:
+    """This DP rank's contiguous share of a global batch, cut into equal micro-batches."""
+    rows = batch["tokens"].shape[0]
+    if rows % (mesh.dp_size * num_microbatches):
+        raise ValueError(
+            f"global batch of {rows} rows does not split into {mesh.dp_size} DP ranks x "
+            f"{num_microbatches} micro-batches; use a multiple of "
+            f"{mesh.dp_size * num_microbatches}"
+        )
+    per_rank = rows // mesh.dp_size
+    size = per_rank // num_microbatches
+    start = mesh.dp_rank * per_rank
+    return [{k: v[start + i * size:start + (i + 1) * size] for k, v in batch.items()}
+            for i in range(num_microbatches)]
