@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -34,3 +37,22 @@ def test_trace_lists_every_redirected_megatron_site():
     assert "torch.cuda.current_device()" in kinds
     assert "Tensor.type()" in kinds  # grad clipping / distributed optimizer type checks
     assert any("schedules.py" in s for s in sites)
+
+
+def test_device_context_still_works_after_compat():
+    # The compat layer wraps torch factories; `with torch.device("meta")` must keep creating
+    # meta tensors (meta-model building and transformers' from_pretrained rely on it). A fresh
+    # interpreter, so no earlier use of device contexts can mask the fault.
+    code = (
+        "import torch\n"
+        "from megarlhf.parallel.device import apply_cpu_compat\n"
+        "apply_cpu_compat()\n"
+        "with torch.device('meta'):\n"
+        "    made = [torch.arange(3), torch.empty(2), torch.zeros(2), torch.ones(2),\n"
+        "            torch.full((2,), 1.0), torch.randn(2), torch.tensor([1.0])]\n"
+        "print(sorted({t.device.type for t in made}))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "['meta']"

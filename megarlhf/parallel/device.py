@@ -221,6 +221,13 @@ def apply_cpu_compat(trace: bool | None = None) -> bool:
         return False
     if _APPLIED:
         return True
+    # `with torch.device(...)` recognises factory functions by identity through a cached set;
+    # build that set from the originals first, or the wrappers below would make every
+    # `torch.device("meta")` context (ours, and transformers' model loading) silently create
+    # real, uninitialised CPU tensors.
+    import torch.utils._device as device_context
+
+    device_context._device_constructors()
     for name in _FACTORIES:
         setattr(torch, name, _wrap_factory(getattr(torch, name), name))
     torch.Tensor.cuda = _tensor_cuda
