@@ -19,9 +19,8 @@ from megarlhf.engine.losses import lm_loss
 from megarlhf.engine.optim import OptimConfig
 from megarlhf.engine.schedule import rank_microbatches
 from megarlhf.engine.train import TrainEngine
-from megarlhf.models.gpt import ModelSpec
+from megarlhf.models.gpt import model_spec
 from megarlhf.models.presets import preset
-from megarlhf.models.transformer_config import to_transformer_config
 from megarlhf.parallel import ParallelConfig as P
 from megarlhf.parallel import init_mesh, launch_local
 from megarlhf.data.embedded import byte_batches
@@ -41,8 +40,7 @@ LAYOUTS = [
 
 def _rank(parallel: P, steps: int):
     mesh = init_mesh(parallel, seed=0)
-    spec = ModelSpec(model=MODEL, transformer=to_transformer_config(MODEL, parallel),
-                     layer_spec="local")
+    spec = model_spec(MODEL, parallel, layer_spec="local")
     engine = TrainEngine(spec, mesh, OptimConfig(lr=1e-3))
     loss_fn = lm_loss(mesh, MODEL.vocab_size)
     times = []

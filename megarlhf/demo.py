@@ -18,9 +18,8 @@ from megarlhf.engine.losses import lm_loss
 from megarlhf.engine.optim import OptimConfig
 from megarlhf.engine.schedule import rank_microbatches
 from megarlhf.engine.train import TrainEngine
-from megarlhf.models.gpt import ModelSpec
+from megarlhf.models.gpt import model_spec
 from megarlhf.models.presets import preset
-from megarlhf.models.transformer_config import to_transformer_config
 from megarlhf.parallel import ParallelConfig, init_mesh, launch_local
 
 MODEL = dataclasses.replace(preset("tiny"), vocab_size=256)
@@ -30,8 +29,7 @@ STEPS, BATCH, MICRO, SEQ = 40, 16, 4, 64
 
 def _engine(parallel: ParallelConfig, optim):
     mesh = init_mesh(parallel, seed=1234)
-    spec = ModelSpec(model=MODEL, transformer=to_transformer_config(MODEL, parallel),
-                     layer_spec="local")
+    spec = model_spec(MODEL, parallel, layer_spec="local")
     return TrainEngine(spec, mesh, optim), mesh
 
 

@@ -17,6 +17,19 @@ def tiny():
 
 
 @pytest.fixture(scope="session")
+def hf_dirs(tmp_path_factory):
+    """Toy HF checkpoints: a causal LM per architecture, and two reward models."""
+    from tests import hf_models
+
+    root = tmp_path_factory.mktemp("hf")
+    dirs = {arch: hf_models.save_model(str(root / arch), arch) for arch in hf_models.ARCHS}
+    for arch in ("llama", "qwen2"):
+        dirs[f"{arch}_rm"] = hf_models.save_model(str(root / f"{arch}_rm"), arch, seq_cls=True,
+                                                  seed=1)
+    return dirs
+
+
+@pytest.fixture(scope="session")
 def lm_ref(tmp_path_factory, tiny):
     """Reference LM weights (TP1/PP1, seed 0) shared by the multi-process tests."""
     path = str(tmp_path_factory.mktemp("ref") / "lm")

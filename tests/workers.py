@@ -12,14 +12,12 @@ import dataclasses
 import torch
 
 from megarlhf.engine.checkpoint import load_checkpoint, save_checkpoint
-from megarlhf.engine.losses import lm_loss
+from megarlhf.engine.losses import gather_logits, lm_loss
 from megarlhf.engine.optim import OptimConfig
 from megarlhf.engine.schedule import rank_microbatches
 from megarlhf.engine.train import TrainEngine
 from megarlhf.models.config import ModelConfig
-from megarlhf.models.gpt import ModelSpec
-from megarlhf.models.specs import resolve_layer_spec
-from megarlhf.models.transformer_config import to_transformer_config
+from megarlhf.models.gpt import ModelSpec, model_spec
 from megarlhf.parallel.mesh import ParallelConfig, init_mesh
 
 OPTIM = OptimConfig(lr=1e-2, weight_decay=0.01, clip_grad=1.0, warmup_steps=1, decay_steps=10)
@@ -27,12 +25,8 @@ OPTIM = OptimConfig(lr=1e-2, weight_decay=0.01, clip_grad=1.0, warmup_steps=1, d
 
 def make_spec(model: ModelConfig, parallel: ParallelConfig, *, value_head=False,
               layer_spec="local") -> ModelSpec:
-    return ModelSpec(
-        model=model,
-        transformer=to_transformer_config(model, parallel),
-        layer_spec=resolve_layer_spec(layer_spec, on_gpu=False),
-        value_head=value_head,
-    )
+    return model_spec(model, parallel, value_head=value_head, layer_spec=layer_spec,
+                      on_gpu=False)
 
 
 def make_batch(model: ModelConfig, *, batch: int, seq: int, seed: int) -> dict:
@@ -56,12 +50,6 @@ def write_reference(path: str, model: ModelConfig, seed: int, value_head: bool =
     save_checkpoint(path, engine, mesh, with_optimizer=False)
 
 
-def _gather_vocab(logits_BTV, mesh, vocab_size):
-    parts = [torch.empty_like(logits_BTV) for _ in range(mesh.tp)]
-    torch.distributed.all_gather(parts, logits_BTV.contiguous(), group=mesh.tp_group)
-    return torch.cat(parts, dim=-1)[..., :vocab_size]
-
-
 def forward_outputs(ckpt: str, model: ModelConfig, parallel: ParallelConfig, batch: dict,
                     *, microbatches: int = 1, value_head=False, layer_spec="local"):
     """Full-vocab logits (or values) [B, T, ...] for the global batch, on every rank."""
@@ -72,7 +60,7 @@ def forward_outputs(ckpt: str, model: ModelConfig, parallel: ParallelConfig, bat
 
     def keep_output(mb, out):
         if not value_head:
-            out = _gather_vocab(out, mesh, model.vocab_size)
+            out = gather_logits(out, mesh, model.vocab_size)
         return torch.zeros(()), torch.ones((), dtype=torch.int), {"out": out.detach().clone()}
 
     out = engine.forward(rank_microbatches(batch, mesh, microbatches), keep_output)
@@ -116,3 +104,23 @@ def traced_sites_of_a_step(model: ModelConfig) -> list[str]:
     with tempfile.TemporaryDirectory() as tmp:
         save_checkpoint(f"{tmp}/ckpt", engine, mesh)
     return traced_sites()
+
+
+def outputs_of_checkpoints(ckpts: list[str], parallel: ParallelConfig,
+                           tokens: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Logits (or values) of several checkpoints at one layout, in one set of ranks."""
+    from megarlhf.convert.verify import checkpoint_outputs
+
+    return [checkpoint_outputs(c, parallel, t, layer_spec="local") for c, t in zip(ckpts, tokens)]
+
+
+def resave_for_training(ckpt: str, out: str, parallel: ParallelConfig) -> None:
+    """Load a checkpoint into a trainable engine at `parallel` and save it from there."""
+    from megarlhf.engine.checkpoint import read_meta
+
+    meta = read_meta(ckpt)
+    mesh = init_mesh(parallel)
+    engine = TrainEngine(make_spec(ModelConfig.from_dict(meta["model"]), parallel,
+                                   value_head=meta["value_head"]), mesh, OPTIM)
+    load_checkpoint(ckpt, engine, with_optimizer=False)
+    save_checkpoint(out, engine, mesh)

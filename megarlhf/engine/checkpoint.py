@@ -17,9 +17,14 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 
+from megarlhf.models.config import ModelConfig
+from megarlhf.models.gpt import ModelSpec
+from megarlhf.models.transformer_config import dtype_name
 from megarlhf.parallel.mesh import Mesh
 
 COMPLETE_MARKER = "megarlhf_complete.json"
+HF_SIDECAR = "hf"
+"""Subdirectory with the HF config and tokenizer files of the model's source, if any."""
 _OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
@@ -41,6 +46,13 @@ def _merged(model_sd: dict) -> dict:
     for i, sd in enumerate(model_sd.values()):
         merged.update({f"{i}.{k}": v for k, v in sd.items()})
     return merged
+
+
+def _has_state(optimizer) -> bool:
+    if optimizer is None:
+        return False
+    inner = [opt.optimizer for opt in getattr(optimizer, "chained_optimizers", [optimizer])]
+    return any(o is not None and o.state for o in inner)
 
 
 def _materialise_optimizer_state(optimizer) -> None:
@@ -104,8 +116,70 @@ def _torch_adam_load_fixes(optimizer):
                 state["step"] = state["step"].clone()
 
 
+def _read_hf_files(directory: str) -> dict[str, bytes]:
+    if not os.path.isdir(directory):
+        return {}
+    files = {}
+    for name in sorted(os.listdir(directory)):
+        with open(os.path.join(directory, name), "rb") as f:
+            files[name] = f.read()
+    return files
+
+
+def _write_hf_files(directory: str, files: dict[str, bytes]) -> None:
+    if files:
+        os.makedirs(directory)
+    for name, data in files.items():
+        with open(os.path.join(directory, name), "wb") as f:
+            f.write(data)
+
+
 def is_complete(path: str) -> bool:
     return os.path.isfile(os.path.join(path, COMPLETE_MARKER))
+
+
+def checkpoint_meta(model: ModelConfig, *, value_head: bool, dtype: torch.dtype, layout: dict,
+                    with_optimizer: bool, architecture: str | None = None,
+                    extra: dict | None = None) -> dict:
+    """What the completion marker records: enough to rebuild and export the model anywhere."""
+    return {
+        "layout": layout,
+        "with_optimizer": with_optimizer,
+        "model": model.to_dict(),
+        "value_head": value_head,
+        "dtype": dtype_name(dtype),
+        "architecture": architecture,
+        "extra": extra or {},
+    }
+
+
+def publish(tmp: str, path: str, meta: dict) -> None:
+    """Mark the fully written directory `tmp` complete and move it to `path` (single writer)."""
+    with open(os.path.join(tmp, COMPLETE_MARKER), "w") as f:
+        json.dump(meta, f, indent=1)
+    replace_dir(tmp, path)
+
+
+def replace_dir(tmp: str, path: str) -> None:
+    """Move `tmp` to `path`, replacing what is there; the old one is deleted only after the new
+    one is in place, so a crash at any point leaves at least one complete directory."""
+    old = f"{path}.old"
+    if os.path.exists(path):
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(path, old)
+    os.replace(tmp, path)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def read_meta(path: str) -> dict:
+    """The completion marker of a checkpoint; ValueError if there is none."""
+    if not is_complete(path):
+        raise ValueError(
+            f"{path} is not a complete megarlhf checkpoint (no {COMPLETE_MARKER}); it may be "
+            f"missing or an interrupted save"
+        )
+    with open(os.path.join(path, COMPLETE_MARKER)) as f:
+        return json.load(f)
 
 
 def save_checkpoint(path: str, engine, mesh: Mesh, *, extra: dict | None = None,
@@ -113,6 +187,12 @@ def save_checkpoint(path: str, engine, mesh: Mesh, *, extra: dict | None = None,
     """Write `engine`'s state to `path` (all ranks call this). `extra` is JSON metadata."""
     path = os.path.abspath(path)
     tmp = f"{path}.tmp"
+    # An optimizer that has not stepped has no state to save (and megatron-core cannot describe
+    # it); such a checkpoint is marked as model-only.
+    if with_optimizer:
+        flag = torch.tensor([int(_has_state(engine.optimizer))])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # every rank must take the same path
+        with_optimizer = bool(flag.item())
     if mesh.rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
@@ -121,29 +201,37 @@ def save_checkpoint(path: str, engine, mesh: Mesh, *, extra: dict | None = None,
                                            with_optimizer=with_optimizer), tmp)
     dist.barrier()
     if mesh.rank == 0:
-        meta = {"layout": {"tp": mesh.tp, "pp": mesh.pp, "dp": mesh.dp_size,
-                           "vpp": mesh.config.virtual_pipeline_parallel},
-                "with_optimizer": with_optimizer and engine.optimizer is not None,
-                "extra": extra or {}}
-        with open(os.path.join(tmp, COMPLETE_MARKER), "w") as f:
-            json.dump(meta, f, indent=1)
-        old = f"{path}.old"
-        if os.path.exists(path):
-            os.replace(path, old)
-        os.replace(tmp, path)
-        shutil.rmtree(old, ignore_errors=True)
+        layout = {"tp": mesh.tp, "pp": mesh.pp, "dp": mesh.dp_size,
+                  "vpp": mesh.config.virtual_pipeline_parallel}
+        spec = engine.spec
+        _write_hf_files(os.path.join(tmp, HF_SIDECAR), engine.provenance["hf_files"])
+        publish(tmp, path, checkpoint_meta(
+            spec.model, value_head=spec.value_head, dtype=spec.transformer.params_dtype,
+            layout=layout, with_optimizer=with_optimizer,
+            architecture=engine.provenance["architecture"], extra=extra))
     dist.barrier()
+
+
+_SHAPE_FIELDS = ("vocab_size", "hidden_size", "ffn_hidden_size", "num_layers",
+                 "num_attention_heads", "kv_heads", "kv_channels", "qkv_bias", "qk_norm",
+                 "tie_embeddings")
+
+
+def _check_same_model(path: str, meta: dict, spec: ModelSpec) -> None:
+    saved, ours = ModelConfig.from_dict(meta["model"]), spec.model
+    diffs = [f"{k}: checkpoint {getattr(saved, k)!r} vs model {getattr(ours, k)!r}"
+             for k in _SHAPE_FIELDS if getattr(saved, k) != getattr(ours, k)]
+    if meta["value_head"] != spec.value_head:
+        diffs.append(f"value head: checkpoint {meta['value_head']} vs model {spec.value_head}")
+    if diffs:
+        raise ValueError(f"{path} holds a different model than the one being loaded into: "
+                         + "; ".join(diffs))
 
 
 def load_checkpoint(path: str, engine, *, with_optimizer: bool = True) -> dict:
     """Load a checkpoint written at any layout into `engine`; returns the `extra` metadata."""
-    if not is_complete(path):
-        raise ValueError(
-            f"{path} is not a complete megarlhf checkpoint (no {COMPLETE_MARKER}); it may be "
-            f"missing or an interrupted save"
-        )
-    with open(os.path.join(path, COMPLETE_MARKER)) as f:
-        meta = json.load(f)
+    meta = read_meta(path)
+    _check_same_model(path, meta, engine.spec)
     with_optimizer = with_optimizer and engine.optimizer is not None
     if with_optimizer and not meta["with_optimizer"]:
         raise ValueError(f"{path} holds no optimizer state; load with with_optimizer=False")
@@ -153,6 +241,8 @@ def load_checkpoint(path: str, engine, *, with_optimizer: bool = True) -> dict:
     loaded = dist_checkpointing.load(template, path)
     for chunk, sd in zip(engine.unwrapped(), loaded["model"].values()):
         chunk.load_state_dict(sd)
+    engine.provenance = {"architecture": meta.get("architecture"),
+                         "hf_files": _read_hf_files(os.path.join(path, HF_SIDECAR))}
     if with_optimizer:
         with _torch_adam_load_fixes(engine.optimizer):
             engine.optimizer.load_state_dict(loaded["optimizer"])

@@ -17,6 +17,16 @@ def token_logprobs(logits_BTV: torch.Tensor, labels_BT: torch.Tensor, mesh: Mesh
     )
 
 
+def gather_logits(logits_BTV: torch.Tensor, mesh: Mesh, vocab_size: int) -> torch.Tensor:
+    """Full-vocabulary logits [B, T, vocab_size] from this TP rank's slice (padding dropped).
+
+    For checks and small batches only: the point of vocab-parallel losses is to avoid this.
+    """
+    parts = [torch.empty_like(logits_BTV) for _ in range(mesh.tp)]
+    torch.distributed.all_gather(parts, logits_BTV.contiguous(), group=mesh.tp_group)
+    return torch.cat(parts, dim=-1)[..., :vocab_size]
+
+
 def lm_loss(mesh: Mesh, vocab_size: int):
     """Next-token cross entropy summed over `loss_mask` tokens (labels = tokens shifted left).
 

@@ -60,6 +60,10 @@ class TrainEngine:
             config.no_sync_func = [c.no_sync for c in chunks] if len(chunks) > 1 \
                 else chunks[0].no_sync
         self.chunks = chunks
+        # Where the weights came from (architecture, HF config/tokenizer files), set by
+        # load_checkpoint and written again by save_checkpoint so exports keep the source's
+        # config and tokenizer.
+        self.provenance: dict = {"architecture": None, "hf_files": {}}
 
     def forward(self, microbatches: list[Batch], loss_fn: LossFn) -> list[dict]:
         """Forward-only pass; the loss closures' dicts, on every pipeline stage."""

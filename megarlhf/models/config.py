@@ -123,6 +123,18 @@ class ModelConfig:
                 f"product divides the layer count"
             )
 
+    def to_dict(self) -> dict:
+        """JSON-ready form, stored in checkpoints so they can be exported without a recipe."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelConfig":
+        unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"unknown ModelConfig fields {sorted(unknown)}")
+        scaling = d.get("rope_scaling")
+        return cls(**{**d, "rope_scaling": RopeScaling(**scaling) if scaling else None})
+
     def rope_inv_freq(self) -> torch.Tensor:
         """Inverse RoPE frequencies [head_dim/2], with scaling applied, in fp32."""
         dim = self.kv_channels

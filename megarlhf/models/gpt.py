@@ -6,6 +6,7 @@ pipeline rank r owns layers [(i*pp + r) * n, (i*pp + r + 1) * n) with n = layers
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
@@ -17,8 +18,9 @@ from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
 
 from megarlhf.models.config import ModelConfig
 from megarlhf.models.layers import ValueHead
-from megarlhf.models.specs import block_spec
-from megarlhf.parallel.mesh import Mesh
+from megarlhf.models.specs import block_spec, resolve_layer_spec
+from megarlhf.models.transformer_config import to_transformer_config
+from megarlhf.parallel.mesh import Mesh, ParallelConfig
 
 
 class GPTValueModel(GPTModel):
@@ -56,32 +58,54 @@ class ModelSpec:
     value_head: bool = False
 
 
-def build_model(spec: ModelSpec, mesh: Mesh) -> list[GPTModel]:
-    """The model chunks of this rank, on `mesh.device`, in train mode."""
+def model_spec(model: ModelConfig, parallel: ParallelConfig, *, value_head: bool = False,
+               dtype: torch.dtype = torch.float32, layer_spec: str = "auto",
+               on_gpu: bool | None = None) -> ModelSpec:
+    """The ModelSpec of `model` at `parallel`; `on_gpu` defaults to whether CUDA is present."""
+    on_gpu = torch.cuda.is_available() if on_gpu is None else on_gpu
+    return ModelSpec(
+        model=model,
+        transformer=to_transformer_config(model, parallel, dtype=dtype, on_gpu=on_gpu),
+        layer_spec=resolve_layer_spec(layer_spec, on_gpu=on_gpu),
+        value_head=value_head,
+    )
+
+
+def build_model(spec: ModelSpec, mesh: Mesh, *, meta: bool = False) -> list[GPTModel]:
+    """The model chunks of this rank, on `mesh.device`, in train mode.
+
+    `meta=True` builds them on the meta device: shapes, names and checkpoint layout without
+    memory (converters and the memory planner use this for models of any size).
+    """
     vpp = mesh.config.virtual_pipeline_parallel
     stages = range(vpp) if vpp else [None]
     cls = GPTValueModel if spec.value_head else GPTModel
+    device = torch.device("meta") if meta else mesh.device
+    config = spec.transformer
+    if meta:  # megatron's weight init allocates real full-size tensors even under a meta device
+        config = dataclasses.replace(config, perform_initialization=False)
     chunks = []
     for vp_stage in stages:
-        chunk = cls(
-            config=spec.transformer,
-            transformer_layer_spec=block_spec(
-                spec.layer_spec, spec.transformer, qk_norm=spec.model.qk_norm,
-                vp_stage=vp_stage, pp_rank=mesh.pp_rank,
-            ),
-            vocab_size=spec.model.padded_vocab_size(mesh.tp),
-            max_sequence_length=spec.model.max_position_embeddings,
-            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
-            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
-            position_embedding_type="rope",
-            rotary_base=spec.model.rope_theta,
-            parallel_output=True,
-            vp_stage=vp_stage,
-            **({} if spec.value_head else
-               {"share_embeddings_and_output_weights": spec.model.tie_embeddings}),
-        )
+        with torch.device("meta") if meta else contextlib.nullcontext():
+            chunk = cls(
+                config=config,
+                transformer_layer_spec=block_spec(
+                    spec.layer_spec, config, qk_norm=spec.model.qk_norm,
+                    vp_stage=vp_stage, pp_rank=mesh.pp_rank,
+                ),
+                vocab_size=spec.model.padded_vocab_size(mesh.tp),
+                max_sequence_length=spec.model.max_position_embeddings,
+                pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+                post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+                position_embedding_type="rope",
+                rotary_base=spec.model.rope_theta,
+                parallel_output=True,
+                vp_stage=vp_stage,
+                **({} if spec.value_head else
+                   {"share_embeddings_and_output_weights": spec.model.tie_embeddings}),
+            )
         # megatron-core's RoPE scaling hard-codes Llama 3.1's constants; ours follows the
         # checkpoint's own (Llama 3.2 and others differ).
-        chunk.rotary_pos_emb.inv_freq = spec.model.rope_inv_freq().to(mesh.device)
-        chunks.append(chunk.to(mesh.device))
+        chunk.rotary_pos_emb.inv_freq = spec.model.rope_inv_freq().to(device)
+        chunks.append(chunk.to(device))
     return chunks

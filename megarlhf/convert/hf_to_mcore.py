@@ -1,0 +1,172 @@
+"""HF safetensors checkpoint -> Megatron dist checkpoint, streamed one chunk at a time.
+
+The output is layout-free (it loads at any TP/PP/VPP); the layout given here is validated
+against the architecture up front and recorded as the intended training layout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import shutil
+
+import torch
+import transformers
+
+from megarlhf.convert.mcore_io import checkpoint_template, write_checkpoint
+from megarlhf.convert.safetensors_io import SafetensorsReader
+from megarlhf.engine.checkpoint import HF_SIDECAR, checkpoint_meta, publish
+from megarlhf.models.arch import TensorRule, architecture_for_hf_class
+from megarlhf.models.config import ModelConfig
+from megarlhf.parallel.mesh import ParallelConfig
+
+ROLES = ("actor", "ref", "critic", "reward")
+VALUE_ROLES = ("critic", "reward")
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
+
+
+@dataclasses.dataclass(frozen=True)
+class HFSource:
+    """What an HF directory holds, checked: architecture, our model config, role."""
+
+    arch_name: str
+    hf_class: str
+    model: ModelConfig
+    value_head: bool
+    init_value_head: bool
+    dtype: torch.dtype
+    rules: tuple[TensorRule, ...]
+
+
+def inspect_hf(hf_dir: str, *, role: str = "actor", init_value_head: bool = False,
+               make_vocab_size_divisible_by: int = 128) -> HFSource:
+    """Read and validate an HF checkpoint directory for conversion to `role`."""
+    if role not in ROLES:
+        raise ValueError(f"unknown role {role!r}; choose one of {ROLES}")
+    if not os.path.isfile(os.path.join(hf_dir, "config.json")):
+        raise ValueError(f"{hf_dir} has no config.json; is it an HF model directory?")
+    config = transformers.AutoConfig.from_pretrained(hf_dir)
+    classes = getattr(config, "architectures", None) or []
+    if len(classes) != 1:
+        raise ValueError(f"{hf_dir}/config.json must name exactly one class in 'architectures', "
+                         f"got {classes}")
+    arch, is_seq_cls = architecture_for_hf_class(classes[0])
+    value_head = role in VALUE_ROLES
+    if value_head and is_seq_cls and config.num_labels != 1:
+        raise ValueError(f"{classes[0]} in {hf_dir} has {config.num_labels} labels; a {role} "
+                         f"needs a single score (num_labels=1)")
+    if value_head and not is_seq_cls and not init_value_head:
+        raise ValueError(
+            f"{hf_dir} holds a causal LM ({classes[0]}); a {role} is converted from "
+            f"{arch.sequence_classification} with one label, or pass --init-value-head to start "
+            f"it from this LM with a freshly initialised value head")
+    if not value_head and is_seq_cls:
+        raise ValueError(f"{hf_dir} holds {classes[0]} (a scalar head, no LM head); it can be "
+                         f"converted as a critic or reward (--role critic|reward), not as {role}")
+    model = arch.model_config(config, make_vocab_size_divisible_by=make_vocab_size_divisible_by)
+    rules = arch.rules(model, lm_head=not value_head, value_head=value_head)
+    reader = SafetensorsReader(hf_dir)
+    fresh_head = value_head and not is_seq_cls
+    _check_tensors(hf_dir, reader, model, rules, skip_value_head=fresh_head)
+    dtype = reader.dtype(rules[0].hf[0])  # the embedding's dtype is the checkpoint's dtype
+    return HFSource(arch.name, classes[0], model, value_head, fresh_head, dtype, tuple(rules))
+
+
+def _check_tensors(hf_dir, reader, model, rules, *, skip_value_head: bool) -> None:
+    expected = {}
+    for rule in rules:
+        if skip_value_head and rule.mcore.startswith("value_head."):
+            continue
+        for layer in range(model.num_layers) if rule.per_layer else [None]:
+            expected.update(zip(rule.hf_names(layer), rule.hf_shapes))
+    problems = []
+    for name, shape in expected.items():
+        if name not in reader:
+            problems.append(f"missing tensor {name} (expected shape {shape})")
+        elif reader.shape(name) != shape:
+            problems.append(f"tensor {name} has shape {reader.shape(name)} but config.json "
+                            f"implies {shape}")
+    # Tied checkpoints may still carry lm_head; an LM seeding a critic carries an unused head.
+    ignorable = ("lm_head.weight",) if (model.tie_embeddings or skip_value_head) else ()
+    extra = [n for n in reader.names() if n not in expected and n not in ignorable
+             and not n.endswith("rotary_emb.inv_freq")]
+    if extra:
+        problems.append(f"unexpected tensors (a feature this converter does not map?): "
+                        f"{sorted(extra)[:8]}{' ...' if len(extra) > 8 else ''}")
+    if problems:
+        raise ValueError(f"{hf_dir} does not match its config.json:\n  " + "\n  ".join(problems))
+    dtypes = {reader.dtype(n) for n in expected}
+    if len(dtypes) > 1:
+        raise ValueError(f"{hf_dir} mixes tensor dtypes {sorted(map(str, dtypes))}; re-save it in "
+                         f"one dtype")
+
+
+def prepare_output(out: str, force: bool) -> str:
+    """A fresh temporary directory next to `out`; refuses an existing `out` without `force`."""
+    out = os.path.abspath(out)
+    if os.path.exists(out) and not force:
+        raise ValueError(f"output {out} already exists; pass --force to replace it")
+    tmp = f"{out}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    return tmp
+
+
+@contextlib.contextmanager
+def removed_on_error(tmp: str):
+    """Delete the temporary output if writing it fails, so nothing half-written remains."""
+    try:
+        yield
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def copy_sidecar(src: str, dst: str) -> None:
+    """Copy config, generation config and tokenizer files (everything but weights)."""
+    os.makedirs(dst, exist_ok=True)
+    for name in sorted(os.listdir(src)):
+        path = os.path.join(src, name)
+        if os.path.isfile(path) and not name.endswith(_WEIGHT_SUFFIXES) \
+                and not name.endswith(".index.json"):
+            shutil.copy2(path, os.path.join(dst, name))
+
+
+def hf_to_mcore(hf_dir: str, out: str, *, parallel: ParallelConfig, role: str = "actor",
+                init_value_head: bool = False, seed: int = 0, force: bool = False,
+                make_vocab_size_divisible_by: int = 128) -> dict:
+    """Convert; returns the checkpoint's metadata (as stored in its completion marker)."""
+    src = inspect_hf(hf_dir, role=role, init_value_head=init_value_head,
+                     make_vocab_size_divisible_by=make_vocab_size_divisible_by)
+    src.model.check_parallel(parallel)
+    tmp = prepare_output(out, force)
+    reader = SafetensorsReader(hf_dir)
+    by_key = {rule.mcore: rule for rule in src.rules}
+
+    def source(key: str, layer: int | None, shape: tuple[int, ...]) -> torch.Tensor:
+        rule = by_key.get(key)
+        if rule is None:
+            raise ValueError(f"Megatron expects {key!r}, which no {src.arch_name} rule produces")
+        if src.init_value_head and key.startswith("value_head."):
+            g = torch.Generator().manual_seed(seed)
+            return (torch.randn(shape, generator=g) * src.model.init_std).to(src.dtype)
+        tensor = rule.fuse([reader.get(n) for n in rule.hf_names(layer)])
+        if rule.vocab and tensor.shape[0] < shape[0]:  # Megatron's padding rows are zeros
+            tensor = torch.cat([tensor, tensor.new_zeros(shape[0] - tensor.shape[0],
+                                                         *tensor.shape[1:])])
+        return tensor
+
+    with removed_on_error(tmp):
+        template = checkpoint_template(src.model, value_head=src.value_head, dtype=src.dtype)
+        write_checkpoint(tmp, template, source)
+        copy_sidecar(hf_dir, os.path.join(tmp, HF_SIDECAR))
+    meta = checkpoint_meta(
+        src.model, value_head=src.value_head, dtype=src.dtype,
+        layout={"tp": parallel.tensor_parallel, "pp": parallel.pipeline_parallel, "dp": None,
+                "vpp": parallel.virtual_pipeline_parallel},
+        with_optimizer=False, architecture=src.arch_name,
+        extra={"converted_from": os.path.abspath(hf_dir), "hf_class": src.hf_class,
+               "role": role, "fresh_value_head": src.init_value_head})
+    publish(tmp, os.path.abspath(out), meta)
+    return meta

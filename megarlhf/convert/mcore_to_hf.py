@@ -1,0 +1,105 @@
+"""Megatron dist checkpoint (any layout) -> HF safetensors directory, one layer at a time."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from megarlhf.convert.hf_to_mcore import copy_sidecar, prepare_output, removed_on_error
+from megarlhf.convert.mcore_io import CheckpointReader
+from megarlhf.convert.safetensors_io import ShardWriter
+from megarlhf.engine.checkpoint import HF_SIDECAR, read_meta, replace_dir
+from megarlhf.models.arch import Architecture, architecture
+from megarlhf.models.config import ModelConfig
+from megarlhf.models.transformer_config import parse_dtype
+
+DEFAULT_SHARD_BYTES = 2 * 1024**3
+
+
+def infer_architecture(model: ModelConfig) -> str:
+    """For checkpoints not converted from HF: the family member whose features `model` has."""
+    return "qwen3" if model.qk_norm else "qwen2" if model.qkv_bias else "llama"
+
+
+def mcore_to_hf(ckpt: str, out: str, *, dtype: str | None = None, force: bool = False,
+                arch_name: str | None = None, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> str:
+    """Export; returns the output directory. `dtype` defaults to the checkpoint's own."""
+    meta = read_meta(ckpt)
+    model = ModelConfig.from_dict(meta["model"])
+    value_head = meta["value_head"]
+    arch = architecture(arch_name or meta.get("architecture") or infer_architecture(model))
+    out_dtype = parse_dtype(dtype or meta["dtype"])
+    reader = CheckpointReader(ckpt)
+    rules = arch.rules(model, lm_head=not value_head, value_head=value_head)
+    for rule in rules:
+        if reader.shape(rule.mcore) is None:
+            raise ValueError(f"{ckpt} has no tensor {rule.mcore!r}, which a {arch.name} "
+                             f"{'value model' if value_head else 'LM'} needs")
+    tmp = prepare_output(out, force)
+    with removed_on_error(tmp):
+        writer = ShardWriter(tmp, max_shard_bytes)
+        _export_weights(ckpt, reader, rules, model, writer, out_dtype)
+        writer.close()
+        sidecar = os.path.join(ckpt, HF_SIDECAR)
+        if os.path.isdir(sidecar):
+            copy_sidecar(sidecar, tmp)
+        _write_config(tmp, arch, model, value_head, out_dtype)
+    final = os.path.abspath(out)
+    replace_dir(tmp, final)
+    return final
+
+
+def _export_weights(ckpt, reader: CheckpointReader, rules, model: ModelConfig,
+                    writer: ShardWriter, dtype: torch.dtype) -> None:
+    """Whole tensors one at a time, then one layer of every stacked key at a time: memory holds
+    the largest of those plus the shard being filled."""
+
+    def export(rule, layer, fused):
+        for name, tensor, shape in zip(rule.hf_names(layer), rule.split(fused), rule.hf_shapes):
+            if rule.vocab:
+                tensor = tensor[: model.vocab_size]
+            if tuple(tensor.shape) != shape:
+                raise ValueError(f"{ckpt}: {rule.mcore} gives {name} of shape "
+                                 f"{tuple(tensor.shape)}, the model config implies {shape}")
+            writer.add(name, tensor.to(dtype))
+
+    for rule in (r for r in rules if not r.per_layer):
+        shape = reader.shape(rule.mcore)
+        export(rule, None, reader.read([(rule.mcore, (0,) * len(shape), shape)])[0])
+    layer_rules = [r for r in rules if r.per_layer]
+    for layer in range(model.num_layers):
+        requests = []
+        for rule in layer_rules:
+            shape = reader.shape(rule.mcore)
+            requests.append((rule.mcore, (layer,) + (0,) * (len(shape) - 1), (1,) + shape[1:]))
+        for rule, slab in zip(layer_rules, reader.read(requests)):
+            export(rule, layer, slab[0])
+
+
+def _write_config(directory: str, arch: Architecture, model: ModelConfig, value_head: bool,
+                  dtype: torch.dtype) -> None:
+    """Keep the source's config.json as it was (every field, RoPE scaling included); without
+    one, describe `model`. Only the class (a critic grown from an LM) and dtype may change, and
+    the file is rewritten only if one of them does."""
+    path = os.path.join(directory, "config.json")
+    if os.path.isfile(path):
+        with open(path) as f:
+            config = json.load(f)
+    else:
+        config = arch.hf_config(model)
+    original = json.dumps(config, sort_keys=True)
+    hf_class = arch.hf_class(value_head)
+    if config.get("architectures") != [hf_class]:
+        config["architectures"] = [hf_class]
+        if value_head:
+            config["id2label"], config["label2id"] = {"0": "LABEL_0"}, {"LABEL_0": 0}
+    dtype_keys = [k for k in ("dtype", "torch_dtype") if config.get(k)] or ["dtype"]
+    for key in dtype_keys:
+        config[key] = str(dtype).removeprefix("torch.")
+    if os.path.isfile(path) and json.dumps(config, sort_keys=True) == original:
+        return
+    with open(path, "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+        f.write("\n")

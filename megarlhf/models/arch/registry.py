@@ -1,0 +1,93 @@
+"""The architecture registry: which HF model classes we map, and how.
+
+An `Architecture` says how an HF config becomes our `ModelConfig` (and back), and which
+`TensorRule`s move weights between HF names and Megatron checkpoint keys. The converters and the
+rollout resharding bridge both go through these rules, so the mapping exists once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import torch
+
+from megarlhf.models.config import ModelConfig
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TensorRule:
+    """One Megatron tensor and the HF tensors it is made of.
+
+    `mcore` is the layout-free checkpoint key (layers stacked on a leading axis); in `hf`
+    names, `{i}` stands for the layer index. `fuse` builds the Megatron tensor of one layer from
+    the HF tensors (in `hf` order) and `split` is its exact inverse. A `vocab` tensor has one row
+    per token: Megatron pads its rows for TP, HF has exactly `vocab_size`.
+    """
+
+    mcore: str
+    hf: tuple[str, ...]
+    fuse: Callable[[list[torch.Tensor]], torch.Tensor]
+    split: Callable[[torch.Tensor], list[torch.Tensor]]
+    hf_shapes: tuple[tuple[int, ...], ...]
+    vocab: bool = False
+
+    @property
+    def per_layer(self) -> bool:
+        return "{i}" in self.hf[0]
+
+    def hf_names(self, layer: int | None) -> list[str]:
+        return [name.format(i=layer) for name in self.hf]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Architecture:
+    name: str
+    """Our short name, stored in checkpoints ('llama', 'qwen2', ...)."""
+    causal_lm: str
+    """HF class of the LM (actor / reference)."""
+    sequence_classification: str
+    """HF class of the scalar-head model (critic / reward)."""
+    model_config: Callable[..., ModelConfig]
+    """(HF PretrainedConfig, make_vocab_size_divisible_by=...) -> ModelConfig; raises
+    ValueError for features we cannot reproduce exactly."""
+    hf_config: Callable[[ModelConfig], dict]
+    """ModelConfig -> HF config fields, for checkpoints that did not come from HF."""
+    rules: Callable[..., list[TensorRule]]
+    """(ModelConfig, lm_head=..., value_head=...) -> the tensors of a model."""
+
+    def hf_class(self, value_head: bool) -> str:
+        return self.sequence_classification if value_head else self.causal_lm
+
+
+_BY_HF_CLASS: dict[str, Architecture] = {}
+_BY_NAME: dict[str, Architecture] = {}
+
+
+def register(arch: Architecture) -> Architecture:
+    for cls in (arch.causal_lm, arch.sequence_classification):
+        if cls in _BY_HF_CLASS:
+            raise ValueError(f"HF class {cls} is registered twice")
+        _BY_HF_CLASS[cls] = arch
+    _BY_NAME[arch.name] = arch
+    return arch
+
+
+def supported_hf_classes() -> list[str]:
+    return sorted(_BY_HF_CLASS)
+
+
+def architecture_for_hf_class(hf_class: str) -> tuple[Architecture, bool]:
+    """(architecture, is_sequence_classification) for an HF `architectures` entry."""
+    if hf_class not in _BY_HF_CLASS:
+        raise ValueError(
+            f"unsupported architecture {hf_class!r}; supported: {', '.join(supported_hf_classes())}"
+        )
+    arch = _BY_HF_CLASS[hf_class]
+    return arch, hf_class == arch.sequence_classification
+
+
+def architecture(name: str) -> Architecture:
+    if name not in _BY_NAME:
+        raise ValueError(f"unknown architecture {name!r}; known: {sorted(_BY_NAME)}")
+    return _BY_NAME[name]

@@ -1,0 +1,226 @@
+"""HF <-> Megatron converters in one process: mapping rules, config translation, exact round
+trips, dtype, sharded export that transformers loads, and bad input."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+
+import pytest
+import torch
+import transformers
+
+from megarlhf.convert.hf_to_mcore import hf_to_mcore
+from megarlhf.convert.mcore_to_hf import mcore_to_hf
+from megarlhf.convert.safetensors_io import SafetensorsReader
+from megarlhf.engine.checkpoint import read_meta
+from megarlhf.models.arch import architecture, architecture_for_hf_class
+from megarlhf.models.config import ModelConfig
+from megarlhf.parallel.mesh import ParallelConfig
+from tests import hf_models
+
+TP2PP2 = ParallelConfig(tensor_parallel=2, pipeline_parallel=2)
+
+
+def assert_same_tensors(dir_a: str, dir_b: str) -> None:
+    a, b = SafetensorsReader(dir_a), SafetensorsReader(dir_b)
+    assert sorted(a.names()) == sorted(b.names())
+    for name in a.names():
+        x, y = a.get(name), b.get(name)
+        assert x.dtype == y.dtype and torch.equal(x, y), name
+
+
+def load_json(path: str) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
+@pytest.mark.parametrize("arch", list(hf_models.ARCHS))
+def test_rules_fuse_and_split_are_exact_inverses(arch):
+    config = hf_models.make_config(arch)
+    a, _ = architecture_for_hf_class(config.architectures[0])
+    model = a.model_config(config)
+    for rule in a.rules(model, lm_head=True, value_head=True):
+        parts = [torch.randn(shape) for shape in rule.hf_shapes]
+        back = rule.split(rule.fuse(parts))
+        assert all(torch.equal(x, y) for x, y in zip(parts, back)), rule.mcore
+
+
+def test_fused_qkv_is_grouped_by_kv_head():
+    # Megatron's row order: for each KV group, its query heads, then its key, then its value.
+    model = ModelConfig(vocab_size=8, hidden_size=8, ffn_hidden_size=8, num_layers=1,
+                        num_attention_heads=4, num_kv_heads=2, head_dim=2)
+    rule = next(r for r in architecture("llama").rules(model, lm_head=True, value_head=False)
+                if r.mcore.endswith("linear_qkv.weight"))
+
+    def heads(*ids):  # head_dim=2 rows per head, each row holding its head id
+        return torch.tensor(ids, dtype=torch.float).repeat_interleave(2)[:, None].expand(-1, 8)
+
+    fused = rule.fuse([heads(0, 1, 2, 3), heads(10, 11), heads(20, 21)])
+    assert fused[::2, 0].tolist() == [0, 1, 10, 20, 2, 3, 11, 21]
+
+
+@pytest.mark.parametrize("arch,expect", [
+    ("llama", dict(rope_scaling_type="llama3", qkv_bias=False, qk_norm=False, tied=False,
+                   kv_channels=16, theta=500000.0)),
+    ("mistral", dict(rope_scaling_type="linear", qkv_bias=False, qk_norm=False, tied=False,
+                     kv_channels=16, theta=1e6)),
+    ("qwen2", dict(rope_scaling_type=None, qkv_bias=True, qk_norm=False, tied=True,
+                   kv_channels=16, theta=10000.0)),
+    ("qwen3", dict(rope_scaling_type=None, qkv_bias=False, qk_norm=True, tied=False,
+                   kv_channels=32, theta=10000.0)),
+])
+def test_config_translation(arch, expect):
+    config = hf_models.make_config(arch)
+    a, is_seq_cls = architecture_for_hf_class(config.architectures[0])
+    assert a.name == arch and not is_seq_cls
+    m = a.model_config(config)
+    assert (m.rope_scaling.rope_type if m.rope_scaling else None) == expect["rope_scaling_type"]
+    assert (m.qkv_bias, m.qk_norm, m.tie_embeddings) == (expect["qkv_bias"], expect["qk_norm"],
+                                                         expect["tied"])
+    assert (m.kv_channels, m.rope_theta, m.kv_heads, m.norm_eps) == (
+        expect["kv_channels"], expect["theta"], 2, 1e-6)
+    if arch == "llama":
+        s = m.rope_scaling
+        assert (s.factor, s.low_freq_factor, s.high_freq_factor,
+                s.original_max_position_embeddings) == (8.0, 1.0, 4.0, 64)
+
+
+def test_sliding_window_shorter_than_context_caps_the_context(caplog):
+    config = hf_models.make_config("mistral", sliding_window=128)
+    with caplog.at_level(logging.WARNING):
+        m = architecture("mistral").model_config(config)
+    assert m.max_position_embeddings == 128
+    assert "sliding-window" in caplog.text
+
+
+@pytest.mark.parametrize("arch,overrides,match", [
+    ("llama", dict(attention_bias=True), "attention_bias"),
+    ("llama", dict(hidden_act="gelu"), "hidden_act"),
+    ("llama", dict(rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                 "original_max_position_embeddings": 64}), "RoPE type 'yarn'"),
+])
+def test_unsupported_features_are_refused(arch, overrides, match):
+    with pytest.raises(ValueError, match=match):
+        architecture(arch).model_config(hf_models.make_config(arch, **overrides))
+
+
+def test_unsupported_architecture_lists_the_supported_ones():
+    with pytest.raises(ValueError, match="GPT2LMHeadModel.*supported: LlamaForCausalLM"):
+        architecture_for_hf_class("GPT2LMHeadModel")
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2", "qwen3", "llama_rm", "qwen2_rm"])
+def test_round_trip_is_bitwise_with_equal_config(hf_dirs, tmp_path, name):
+    role = "reward" if name.endswith("_rm") else "actor"
+    meta = hf_to_mcore(hf_dirs[name], str(tmp_path / "mc"), parallel=TP2PP2, role=role)
+    assert meta["value_head"] == (role == "reward")
+    out = mcore_to_hf(str(tmp_path / "mc"), str(tmp_path / "hf"))
+    assert_same_tensors(hf_dirs[name], out)
+    assert load_json(f"{out}/config.json") == load_json(f"{hf_dirs[name]}/config.json")
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        assert os.path.isfile(os.path.join(out, f))
+
+
+def test_bf16_is_preserved_and_exports_to_other_dtypes(tmp_path):
+    src = hf_models.save_model(str(tmp_path / "src"), "llama", dtype=torch.bfloat16)
+    meta = hf_to_mcore(src, str(tmp_path / "mc"), parallel=ParallelConfig())
+    assert meta["dtype"] == "bf16"
+    assert_same_tensors(src, mcore_to_hf(str(tmp_path / "mc"), str(tmp_path / "same")))
+    fp32 = mcore_to_hf(str(tmp_path / "mc"), str(tmp_path / "fp32"), dtype="fp32")
+    a, b = SafetensorsReader(src), SafetensorsReader(fp32)
+    for name in a.names():
+        assert b.dtype(name) == torch.float32 and torch.equal(a.get(name).float(), b.get(name))
+    assert load_json(f"{fp32}/config.json")["dtype"] == "float32"
+
+
+def test_sharded_export_loads_in_transformers_and_generates(hf_dirs, tmp_path):
+    hf_to_mcore(hf_dirs["qwen2"], str(tmp_path / "mc"), parallel=TP2PP2)
+    out = mcore_to_hf(str(tmp_path / "mc"), str(tmp_path / "hf"), max_shard_bytes=100_000)
+    index = load_json(f"{out}/model.safetensors.index.json")
+    assert len(set(index["weight_map"].values())) > 2
+    original = transformers.AutoModelForCausalLM.from_pretrained(hf_dirs["qwen2"])
+    exported = transformers.AutoModelForCausalLM.from_pretrained(out)
+    prompt = torch.tensor([[5, 17, 42, 99]])
+    kwargs = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert torch.equal(original.generate(prompt, **kwargs), exported.generate(prompt, **kwargs))
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    assert tokenizer.pad_token == "<pad>"
+
+
+def test_critic_from_a_causal_lm_needs_asking_and_exports_as_sequence_classifier(hf_dirs,
+                                                                                 tmp_path):
+    with pytest.raises(ValueError, match="--init-value-head"):
+        hf_to_mcore(hf_dirs["llama"], str(tmp_path / "mc"), parallel=ParallelConfig(),
+                    role="critic")
+    assert not os.path.exists(tmp_path / "mc")
+    meta = hf_to_mcore(hf_dirs["llama"], str(tmp_path / "mc"), parallel=ParallelConfig(),
+                       role="critic", init_value_head=True, seed=3)
+    assert meta["value_head"] and meta["extra"]["fresh_value_head"]
+    out = mcore_to_hf(str(tmp_path / "mc"), str(tmp_path / "hf"))
+    assert load_json(f"{out}/config.json")["architectures"] == ["LlamaForSequenceClassification"]
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(out)
+    assert model.score.weight.shape == (1, 64)
+    assert 0.01 < model.score.weight.std().item() < 0.04  # initialised with init_std 0.02
+    original = SafetensorsReader(hf_dirs["llama"])
+    exported = SafetensorsReader(out)
+    for name in original.names():
+        if name != "lm_head.weight":
+            assert torch.equal(original.get(name), exported.get(name)), name
+
+
+def test_sequence_classifier_is_not_an_actor(hf_dirs, tmp_path):
+    with pytest.raises(ValueError, match="critic or reward"):
+        hf_to_mcore(hf_dirs["llama_rm"], str(tmp_path / "mc"), parallel=ParallelConfig())
+
+
+def test_layout_errors_come_before_any_output(hf_dirs, tmp_path):
+    out = str(tmp_path / "mc")
+    with pytest.raises(ValueError, match="does not divide num_kv_heads=2"):
+        hf_to_mcore(hf_dirs["llama"], out, parallel=ParallelConfig(tensor_parallel=4))
+    with pytest.raises(ValueError, match="num_layers=4 is not divisible"):
+        hf_to_mcore(hf_dirs["llama"], out, parallel=ParallelConfig(pipeline_parallel=3))
+    assert not os.listdir(tmp_path)
+
+
+def test_existing_output_is_refused_without_force_and_kept_intact(hf_dirs, tmp_path):
+    out = str(tmp_path / "mc")
+    hf_to_mcore(hf_dirs["llama"], out, parallel=ParallelConfig())
+    before = read_meta(out)
+    with pytest.raises(ValueError, match="already exists; pass --force"):
+        hf_to_mcore(hf_dirs["qwen3"], out, parallel=ParallelConfig())
+    assert read_meta(out) == before
+    hf_to_mcore(hf_dirs["qwen3"], out, parallel=ParallelConfig(), force=True)
+    assert read_meta(out)["architecture"] == "qwen3"
+    assert sorted(os.listdir(tmp_path)) == ["mc"]
+
+
+def test_truncated_checkpoint_names_the_tensor(hf_dirs, tmp_path):
+    src = str(tmp_path / "src")
+    shutil.copytree(hf_dirs["llama"], src)
+    path = os.path.join(src, "model.safetensors")
+    os.truncate(path, os.path.getsize(path) - 1000)
+    with pytest.raises(ValueError, match=r"truncated: tensor .* \(shape \("):
+        hf_to_mcore(src, str(tmp_path / "mc"), parallel=ParallelConfig())
+    assert not os.path.exists(tmp_path / "mc") and not os.path.exists(tmp_path / "mc.tmp")
+
+
+def test_checkpoint_not_matching_its_config_names_tensor_and_shapes(hf_dirs, tmp_path):
+    src = str(tmp_path / "src")
+    shutil.copytree(hf_dirs["llama"], src)
+    config = load_json(f"{src}/config.json")
+    config["num_key_value_heads"] = 1
+    with open(f"{src}/config.json", "w") as f:
+        json.dump(config, f)
+    with pytest.raises(ValueError, match=r"k_proj.weight has shape \(32, 64\) but config.json "
+                                         r"implies \(16, 64\)"):
+        hf_to_mcore(src, str(tmp_path / "mc"), parallel=ParallelConfig())
+
+
+def test_missing_and_unknown_inputs(tmp_path):
+    with pytest.raises(ValueError, match="has no config.json"):
+        hf_to_mcore(str(tmp_path), str(tmp_path / "mc"), parallel=ParallelConfig())
+    with pytest.raises(ValueError, match="not a complete megarlhf checkpoint"):
+        mcore_to_hf(str(tmp_path), str(tmp_path / "hf"))

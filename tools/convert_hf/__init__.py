@@ -1,0 +1,24 @@
+"""Command-line converters between HF checkpoints and Megatron dist checkpoints.
+
+    python -m tools.convert_hf.hf_to_mcore --hf DIR --out DIR --tp N --pp M [--vpp V] [--role R]
+    python -m tools.convert_hf.mcore_to_hf --ckpt DIR --out DIR [--dtype bf16|fp16|fp32]
+    python -m tools.convert_hf.verify --hf DIR --ckpt DIR [--tp N --pp M]
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Callable
+
+
+def run(main: Callable[[list[str] | None], int], argv: list[str] | None = None) -> None:
+    """Run a CLI entry point: bad input (ValueError) prints one clear line and exits 2."""
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("megatron").setLevel(logging.WARNING)
+    try:
+        code = main(argv)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        code = 2
+    sys.exit(code)
