@@ -7,8 +7,6 @@ generator, so each layout starts from identical numbers.
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from megarlhf.engine.checkpoint import load_checkpoint, save_checkpoint
@@ -84,7 +82,7 @@ def train_curve(ckpt: str, model: ModelConfig, parallel: ParallelConfig, batches
     curve = []
     for step, batch in enumerate(batches):
         m = engine.train_step(rank_microbatches(batch, mesh, microbatches), lm_loss(mesh, model.vocab_size))
-        curve.append(dataclasses.astuple(m))
+        curve.append((m.loss, m.num_tokens, m.grad_norm, m.lr, m.skipped))
         if save_to and step + 1 == save_after:
             save_checkpoint(save_to, engine, mesh)
     return curve

@@ -28,6 +28,8 @@ class StepMetrics:
     lr: float
     skipped: bool
     """True when the optimizer skipped the update (non-finite gradients)."""
+    sums: dict[str, float] = dataclasses.field(default_factory=dict)
+    """The loss closure's scalar metrics summed over the global batch."""
 
 
 class TrainEngine:
@@ -90,19 +92,27 @@ class TrainEngine:
         ok, grad_norm, _ = self.optimizer.step()
         self.scheduler.step(increment=1)
 
-        totals = torch.zeros(2, dtype=torch.float64)
-        if self.mesh.is_last_stage:
-            totals[0] = sum(float(d["loss_sum"]) for d in out)
-            totals[1] = sum(float(d["num_tokens"]) for d in out)
-            dist.all_reduce(totals, group=self.mesh.dp_group)
-        loss_sum, num_tokens = from_last_stage(totals.tolist(), self.mesh)
+        sums = self.global_sums(out)
         return StepMetrics(
-            loss=loss_sum / max(num_tokens, 1.0),
-            num_tokens=int(num_tokens),
+            loss=sums["loss_sum"] / max(sums["num_tokens"], 1.0),
+            num_tokens=int(sums["num_tokens"]),
             grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
             lr=self.optimizer.param_groups[0]["lr"],
             skipped=not ok,
+            sums=sums,
         )
+
+    def global_sums(self, out: list[dict]) -> dict[str, float]:
+        """Every 0-dim entry of the loss closures' dicts summed over micro-batches and DP
+        ranks, on every rank (closures report sums; callers divide)."""
+        keys = sorted(k for k, v in out[0].items() if v.dim() == 0) if out else []
+        keys = from_last_stage(keys, self.mesh)
+        totals = torch.zeros(len(keys), dtype=torch.float64)
+        if self.mesh.is_last_stage:
+            for d in out:
+                totals += torch.stack([d[k].double() for k in keys])
+            dist.all_reduce(totals, group=self.mesh.dp_group)
+        return dict(zip(keys, from_last_stage(totals.tolist(), self.mesh)))
 
     def unwrapped(self) -> list[torch.nn.Module]:
         """The GPT modules without the DDP wrapper."""

@@ -1,0 +1,101 @@
+"""Actor and reference: per-token logprobs (and entropy) of given sequences, and the actor's
+PPO update (clipped policy loss, entropy bonus) through the pipeline schedules."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from megarlhf.engine.train import StepMetrics, TrainEngine
+from megarlhf.parallel.vocab import vocab_parallel_logprobs_and_entropy
+from megarlhf.rl.losses import AGGREGATION_MODES, aggregate, policy_loss
+from megarlhf.roles.common import gather_rows, microbatches
+from megarlhf.roles.sequences import SequenceBatch, shift_right
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PolicyLossConfig:
+    clip_eps: float = 0.2
+    clip_eps_high: float | None = None
+    """Upper clip range (DAPO's clip-higher); None = clip_eps."""
+    dual_clip: float | None = None
+    """Dual-clip constant (> 1) for negative advantages; None = off."""
+    entropy_coef: float = 0.0
+    """Weight of the entropy bonus subtracted from the loss."""
+    aggregation: str = "token_mean"
+    """'token_mean' or 'seq_mean_token_mean' (see megarlhf.rl.losses.aggregate)."""
+
+    def __post_init__(self):
+        if self.aggregation not in AGGREGATION_MODES:
+            raise ValueError(f"unknown aggregation {self.aggregation!r}; choose one of "
+                             f"{AGGREGATION_MODES}")
+        if self.entropy_coef < 0:
+            raise ValueError(f"entropy_coef must be >= 0, got {self.entropy_coef}")
+
+
+class PolicyRole:
+    """Actor (with an optimizer) or reference (without) over one TrainEngine."""
+
+    def __init__(self, engine: TrainEngine, *, num_microbatches: int = 1,
+                 loss: PolicyLossConfig | None = None):
+        if engine.spec.value_head:
+            raise ValueError("a policy role needs an LM (built without a value head)")
+        self.engine, self.num_microbatches = engine, num_microbatches
+        self.loss = loss or PolicyLossConfig()
+        self._vocab_size = engine.spec.model.vocab_size
+
+    def _logp_entropy(self, mb, logits_BTV):
+        mesh = self.engine.mesh
+        logp, entropy = vocab_parallel_logprobs_and_entropy(
+            logits_BTV, mb["labels"], tp_group=mesh.tp_group,
+            vocab_start=mesh.tp_rank * logits_BTV.shape[-1], vocab_size=self._vocab_size)
+        return shift_right(logp), shift_right(entropy)
+
+    def logprobs(self, batch: SequenceBatch, *, with_entropy: bool = False):
+        """log p(token_t | tokens_<t) [B, T] (and entropy [B, T]) on every rank."""
+
+        def keep(mb, logits_BTV):
+            logp, entropy = self._logp_entropy(mb, logits_BTV)
+            zero = torch.zeros((), device=logp.device)
+            return zero, torch.ones((), dtype=torch.int), {"logp": logp.detach(),
+                                                           "entropy": entropy.detach()}
+
+        out = self.engine.forward(microbatches(self.engine, batch, self.num_microbatches), keep)
+        logp = gather_rows(self.engine, out, "logp")
+        return (logp, gather_rows(self.engine, out, "entropy")) if with_entropy else logp
+
+    def train_step(self, batch: SequenceBatch, old_logp: torch.Tensor,
+                   advantages: torch.Tensor) -> tuple[StepMetrics, dict[str, float]]:
+        """One optimizer step of the clipped policy loss over the global batch.
+
+        Returns the engine's step metrics and global means: policy loss, clip fraction,
+        approximate KL (k3) and entropy over response tokens.
+        """
+        cfg = self.loss
+
+        def loss_fn(mb, logits_BTV):
+            logp, entropy = self._logp_entropy(mb, logits_BTV)
+            mask = mb["response_mask"]
+            pg_BT, stats = policy_loss(logp, mb["old_logp"], mb["advantages"], mask,
+                                       clip_eps=cfg.clip_eps, clip_eps_high=cfg.clip_eps_high,
+                                       dual_clip=cfg.dual_clip)
+            num, den = aggregate(pg_BT - cfg.entropy_coef * entropy, mask, cfg.aggregation)
+            pg_num, _ = aggregate(pg_BT, mask, cfg.aggregation)
+            m = mask.bool()
+            metrics = {"loss_sum": num.detach().clone(), "num_tokens": den.detach().clone(),
+                       "pg_sum": pg_num.detach(), "tokens": m.sum(),
+                       "clipped": stats["clipped"][m].sum(),
+                       "approx_kl": stats["approx_kl"][m].sum(),
+                       "entropy": entropy.detach()[m].sum()}
+            return num, den.to(torch.int), metrics
+
+        mbs = microbatches(self.engine, batch, self.num_microbatches,
+                           response_mask=batch.response_mask.float(),
+                           old_logp=old_logp.float(), advantages=advantages.float())
+        step = self.engine.train_step(mbs, loss_fn)
+        s = step.sums
+        return step, {"policy_loss": s["pg_sum"] / s["num_tokens"],
+                      "clip_fraction": s["clipped"] / s["tokens"],
+                      "approx_kl": s["approx_kl"] / s["tokens"],
+                      "entropy": s["entropy"] / s["tokens"]}

@@ -1,0 +1,80 @@
+"""Prompt + response token batches as the roles see them.
+
+Legend: B sequences, T positions. Each row is [pad... prompt | response ...pad]: prompts are
+left-padded and responses right-padded, so every response starts at the same column.
+
+Per-token outputs are aligned with `tokens`: column t holds the quantity for producing token t
+from the tokens before it (log p(token_t | tokens_<t), the value of the state before token t).
+Column 0 has no such quantity and holds 0; `response_mask` never covers it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class SequenceBatch:
+    tokens: torch.Tensor
+    """[B, T] token ids."""
+    attention_mask: torch.Tensor
+    """[B, T] 1 on real tokens (prompt and response), 0 on padding."""
+    response_mask: torch.Tensor
+    """[B, T] 1 on response tokens (the ones the policy produced and is trained on)."""
+
+    def __post_init__(self):
+        t = self.tokens
+        if t.dim() != 2 or t.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"tokens must be an integer tensor [B, T], got {t.dtype} "
+                             f"{tuple(t.shape)}")
+        for name in ("attention_mask", "response_mask"):
+            mask = getattr(self, name)
+            if tuple(mask.shape) != tuple(t.shape):
+                raise ValueError(f"{name} has shape {tuple(mask.shape)}, tokens have "
+                                 f"{tuple(t.shape)}")
+        if bool((self.response_mask.bool() & ~self.attention_mask.bool()).any()):
+            raise ValueError("response_mask marks padding positions (attention_mask == 0)")
+        if bool(self.response_mask[:, 0].bool().any()):
+            raise ValueError("a response cannot start at column 0: it needs a prompt token "
+                             "before it")
+        empty = (self.response_mask.sum(dim=1) == 0).nonzero().flatten().tolist()
+        if empty:
+            raise ValueError(f"rows {empty} have an empty response (no response tokens); drop "
+                             f"them or give each at least one token")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.tokens.shape)
+
+    def check_length(self, max_length: int) -> None:
+        if self.shape[1] > max_length:
+            raise ValueError(f"sequences are {self.shape[1]} tokens long, more than the "
+                             f"model's max_position_embeddings={max_length}")
+
+    def position_ids(self) -> torch.Tensor:
+        """Positions counted over real tokens only, so left padding does not shift them."""
+        return (self.attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)
+
+    def attention_bias(self) -> torch.Tensor:
+        """[B, 1, T, T] bool, True = masked: causal, no padding keys. A padding query sees only
+        itself, so no softmax row is empty (its output is never used)."""
+        _, T = self.shape
+        causal = torch.ones(T, T, dtype=torch.bool).tril()
+        keys = self.attention_mask.bool()[:, None, None, :]
+        allowed = causal & keys | torch.eye(T, dtype=torch.bool)
+        return ~allowed
+
+    def model_inputs(self, **per_token: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The engine's micro-batch dict for this batch, with extra per-row tensors added."""
+        labels = torch.cat([self.tokens[:, 1:], torch.zeros_like(self.tokens[:, :1])], dim=1)
+        return {"tokens": self.tokens.long(), "labels": labels.long(),
+                "position_ids": self.position_ids(), "attention_mask": self.attention_bias(),
+                "last_index": self.attention_mask.long().cumsum(1).argmax(1),
+                **per_token}
+
+
+def shift_right(next_BT: torch.Tensor) -> torch.Tensor:
+    """Outputs at position t (about token t+1) moved to column t+1; column 0 becomes 0."""
+    return torch.cat([torch.zeros_like(next_BT[:, :1]), next_BT[:, :-1]], dim=1)

@@ -1,0 +1,105 @@
+"""Per-rank functions for the PPO role tests (importable, so `spawn` can run them)."""
+
+from __future__ import annotations
+
+import torch
+
+from megarlhf.convert.mcore_io import CheckpointReader
+from megarlhf.engine.checkpoint import load_checkpoint, read_meta, save_checkpoint
+from megarlhf.engine.optim import OptimConfig
+from megarlhf.engine.train import TrainEngine
+from megarlhf.models.config import ModelConfig
+from megarlhf.models.gpt import model_spec
+from megarlhf.parallel.mesh import ParallelConfig, init_mesh
+from megarlhf.roles.policy import PolicyLossConfig, PolicyRole
+from megarlhf.roles.sequences import SequenceBatch
+from megarlhf.roles.value import ValueLossConfig, ValueRole
+
+# No warmup: the one step under test must move the weights.
+OPTIM = OptimConfig(lr=1e-3, weight_decay=0.01, clip_grad=1.0)
+
+
+def experience_batch(vocab_size: int, *, rows: int, seed: int) -> SequenceBatch:
+    """Left-padded prompts (3-8 tokens) + right-padded responses (1-10 tokens), T = 18."""
+    g = torch.Generator().manual_seed(seed)
+    prompt_cols, response_cols = 8, 10
+    tokens = torch.randint(1, vocab_size, (rows, prompt_cols + response_cols), generator=g)
+    attention = torch.zeros_like(tokens)
+    response = torch.zeros_like(tokens)
+    for r in range(rows):
+        p = int(torch.randint(3, prompt_cols + 1, (), generator=g))
+        n = int(torch.randint(1, response_cols + 1, (), generator=g))
+        attention[r, prompt_cols - p:prompt_cols + n] = 1
+        response[r, prompt_cols:prompt_cols + n] = 1
+    tokens = torch.where(attention.bool(), tokens, 0)
+    return SequenceBatch(tokens=tokens, attention_mask=attention, response_mask=response)
+
+
+def _engine(ckpt: str, parallel: ParallelConfig, mesh, optim):
+    meta = read_meta(ckpt)
+    engine = TrainEngine(model_spec(ModelConfig.from_dict(meta["model"]), parallel,
+                                    value_head=meta["value_head"], on_gpu=False), mesh, optim)
+    load_checkpoint(ckpt, engine, with_optimizer=False)
+    return engine
+
+
+def ppo_step(actor_ckpt: str, critic_ckpt: str, parallel: ParallelConfig, batch: SequenceBatch,
+             num_microbatches: int, save_dir: str, seed: int = 7) -> dict:
+    """One actor and one critic PPO update on `batch`, colocated on one mesh."""
+    mesh = init_mesh(parallel)
+    actor = PolicyRole(_engine(actor_ckpt, parallel, mesh, OPTIM),
+                       num_microbatches=num_microbatches,
+                       loss=PolicyLossConfig(clip_eps=0.2, dual_clip=3.0, entropy_coef=0.01))
+    critic = ValueRole(_engine(critic_ckpt, parallel, mesh, OPTIM),
+                       num_microbatches=num_microbatches, loss=ValueLossConfig(clip_eps=0.1))
+    g = torch.Generator().manual_seed(seed)
+    logp, entropy = actor.logprobs(batch, with_entropy=True)
+    # Old logprobs off by up to +-0.5 so that some ratios leave the clip range.
+    old_logp = logp + (torch.rand(logp.shape, generator=g) - 0.5)
+    advantages = torch.randn(logp.shape, generator=g)
+    actor_step, actor_metrics = actor.train_step(batch, old_logp, advantages)
+    values = critic.values(batch)
+    # Old values off by up to +-0.2 so that the 0.1 value clip takes effect on some tokens.
+    old_values = values + (torch.rand(values.shape, generator=g) - 0.5) * 0.4
+    returns = values + torch.randn(values.shape, generator=g) * 0.3
+    critic_step, critic_metrics = critic.train_step(batch, old_values, returns)
+    result = {
+        "logp": logp, "entropy": entropy, "values": values,
+        "logp_after": actor.logprobs(batch), "values_after": critic.values(batch),
+        "actor": {**actor_metrics, "loss": actor_step.loss, "grad_norm": actor_step.grad_norm},
+        "critic": {**critic_metrics, "loss": critic_step.loss,
+                   "grad_norm": critic_step.grad_norm},
+    }
+    save_checkpoint(f"{save_dir}/actor", actor.engine, mesh, with_optimizer=False)
+    save_checkpoint(f"{save_dir}/critic", critic.engine, mesh, with_optimizer=False)
+    return result
+
+
+def reward_scores(ckpt: str, parallel: ParallelConfig, batch: SequenceBatch,
+                  num_microbatches: int = 1) -> torch.Tensor:
+    mesh = init_mesh(parallel)
+    return ValueRole(_engine(ckpt, parallel, mesh, None),
+                     num_microbatches=num_microbatches).scores(batch)
+
+
+def unpadded_scores(ckpt: str, batch: SequenceBatch) -> list[float]:
+    """Each row alone, padding stripped, at TP1: the score at its last token."""
+    parallel = ParallelConfig()
+    mesh = init_mesh(parallel)
+    role = ValueRole(_engine(ckpt, parallel, mesh, None))
+    scores = []
+    for tokens, mask in zip(batch.tokens, batch.attention_mask):
+        real = tokens[mask.bool()][None]
+        response = torch.zeros_like(real)
+        response[0, -1] = 1
+        single = SequenceBatch(tokens=real, attention_mask=torch.ones_like(real),
+                               response_mask=response)
+        scores.append(float(role.scores(single)[0]))
+    return scores
+
+
+def checkpoint_tensors(path: str) -> dict[str, torch.Tensor]:
+    reader = CheckpointReader(path)
+    keys = [k for k in reader.metadata.state_dict_metadata if reader.shape(k) is not None]
+    return dict(zip(keys, reader.read([(k, (0,) * len(reader.shape(k)), reader.shape(k))
+                                       for k in keys])))

@@ -1,0 +1,123 @@
+"""PPO roles across the mesh: one actor + critic update at TP2xPP2xDP2 and with 4
+micro-batches equals TP1 with 1; reward scores under PP2 with padding equal an unpadded TP1
+forward; and the batch checks.
+
+Tolerances: 1e-5 (abs on logprobs/values/weights, rel on losses). Layouts differ only in fp32
+summation order (~1e-7 here); one Adam step at lr 1e-3 moves weights by ~1e-3, so a wrong
+gradient (a micro-batch normalised twice, a DP rank missing) shows as >= 1e-4.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megarlhf.parallel import launch_local
+from megarlhf.parallel.mesh import ParallelConfig as P
+from megarlhf.roles.sequences import SequenceBatch
+from tests import role_workers
+
+TOL = 1e-5
+VOCAB = 300  # the tiny preset's
+
+
+def test_sequence_batch_positions_and_mask():
+    batch = SequenceBatch(tokens=torch.tensor([[0, 5, 6, 7, 0]]),
+                          attention_mask=torch.tensor([[0, 1, 1, 1, 0]]),
+                          response_mask=torch.tensor([[0, 0, 0, 1, 0]]))
+    assert batch.position_ids().tolist() == [[0, 0, 1, 2, 2]]
+    allowed = ~batch.attention_bias()[0, 0]
+    assert allowed[3].tolist() == [False, True, True, True, False]  # causal, no padding keys
+    assert allowed[0].tolist() == [True, False, False, False, False]  # padding sees itself
+    assert batch.model_inputs()["last_index"].tolist() == [3]
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(response_mask=torch.zeros(2, 4, dtype=torch.long)), r"rows \[0, 1\] have an empty"),
+    (dict(attention_mask=torch.ones(2, 5, dtype=torch.long)), r"attention_mask has shape"),
+    (dict(response_mask=torch.tensor([[1, 0, 0, 0], [0, 0, 1, 0]])), "column 0"),
+    (dict(response_mask=torch.tensor([[0, 0, 0, 1], [0, 0, 1, 1]])), "padding positions"),
+    (dict(tokens=torch.ones(2, 4)), "integer tensor"),
+])
+def test_sequence_batch_rejects_bad_input(change, match):
+    fields = dict(tokens=torch.ones(2, 4, dtype=torch.long),
+                  attention_mask=torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]]),
+                  response_mask=torch.tensor([[0, 0, 1, 0], [0, 0, 1, 1]]))
+    with pytest.raises(ValueError, match=match):
+        SequenceBatch(**{**fields, **change})
+
+
+def test_sequences_longer_than_the_model_allows_are_refused():
+    batch = role_workers.experience_batch(300, rows=1, seed=0)
+    with pytest.raises(ValueError, match="18 tokens long, more than the model's "
+                                         "max_position_embeddings=16"):
+        batch.check_length(16)
+
+
+@pytest.fixture(scope="module")
+def refs(lm_ref, value_refs):
+    return lm_ref, value_refs[True][1]
+
+
+@pytest.fixture(scope="module")
+def ppo_batch(tiny):
+    return role_workers.experience_batch(tiny.vocab_size, rows=8, seed=3)
+
+
+@pytest.fixture(scope="module")
+def ppo_reference(refs, ppo_batch, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("ppo_tp1"))
+    result = launch_local(role_workers.ppo_step, 1, *refs, P(), ppo_batch, 1, out)[0]
+    return result, out
+
+
+def _compare(result, ref, out_dir, ref_dir):
+    for role in ("actor", "critic"):
+        for key, value in ref[role].items():
+            assert result[role][key] == pytest.approx(value, rel=TOL, abs=1e-9), f"{role} {key}"
+    for key in ("logp", "entropy", "values", "logp_after", "values_after"):
+        torch.testing.assert_close(result[key], ref[key], atol=TOL, rtol=0, msg=key)
+    for role in ("actor", "critic"):
+        ours = role_workers.checkpoint_tensors(f"{out_dir}/{role}")
+        theirs = role_workers.checkpoint_tensors(f"{ref_dir}/{role}")
+        assert ours.keys() == theirs.keys()
+        for key in ours:
+            a, b = ours[key], theirs[key]
+            if key in ("embedding.word_embeddings.weight", "output_layer.weight"):
+                a, b = a[:VOCAB], b[:VOCAB]  # padding rows differ in number between TP sizes
+            diff = (a.float() - b.float()).abs()
+            assert diff.max() <= TOL, f"{role} {key}: max |diff| {diff.max():.3e} at " \
+                                      f"{(diff == diff.max()).nonzero()[0].tolist()}"
+
+
+@pytest.mark.slow
+def test_reference_step_is_meaningful(ppo_reference):
+    ref, _ = ppo_reference
+    assert 0.05 < ref["actor"]["clip_fraction"] < 0.95
+    assert ref["critic"]["value_clip_fraction"] > 0
+    assert (ref["logp_after"] - ref["logp"]).abs().max() > 1e-3  # the step moved the actor
+    assert (ref["values_after"] - ref["values"]).abs().max() > 1e-3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallel,nprocs,micro", [
+    (P(tensor_parallel=2, pipeline_parallel=2), 8, 2),
+    (P(), 1, 4),
+], ids=["TP2xPP2xDP2", "TP1x4microbatches"])
+def test_ppo_step_equals_tp1(refs, ppo_batch, ppo_reference, tmp_path, parallel, nprocs, micro):
+    ref, ref_dir = ppo_reference
+    out = str(tmp_path / "ppo")
+    results = launch_local(role_workers.ppo_step, nprocs, *refs, parallel, ppo_batch, micro, out)
+    for result in results:
+        _compare(result, ref, out, ref_dir)
+
+
+@pytest.mark.slow
+def test_reward_scores_under_pp2_with_padding_equal_unpadded_tp1(value_refs, ppo_batch):
+    ckpt = value_refs[True][1]
+    alone = launch_local(role_workers.unpadded_scores, 1, ckpt, ppo_batch)[0]
+    for parallel, nprocs in ((P(pipeline_parallel=2), 2),
+                             (P(tensor_parallel=2, pipeline_parallel=2), 4)):
+        scores = launch_local(role_workers.reward_scores, nprocs, ckpt, parallel, ppo_batch,
+                              2)[0]
+        torch.testing.assert_close(scores, torch.tensor(alone), atol=TOL, rtol=0)
