@@ -38,7 +38,6 @@ The outputs of the last round are checked bitwise against the source, outside th
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import resource
@@ -49,6 +48,8 @@ import subprocess
 import sys
 import tempfile
 import time
+
+from bench.report import append_entry
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXED_MMAP = {"MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
@@ -449,16 +450,13 @@ def main() -> None:
     print(table)
     print(notes)
     if args.append:
-        ram_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-        header = (f"\n## {datetime.date.today()} HF <-> Megatron conversion vs plain read+write "
-                  f"of the same bytes, Llama-style {model['params'] / 1e6:.0f}M fp32 "
-                  f"({args.layers} layers, hidden {args.hidden}, vocab {args.vocab}), "
-                  f"TP{base_spec['tp']}xPP{base_spec['pp']}\n\n"
-                  f"Machine: {os.cpu_count()}-core CPU, {ram_gib:.0f} GiB, local ext4 disk; "
-                  f"command: `python -m bench.bench_convert --repeats {args.repeats}`\n\n")
-        with open(args.append, "a") as f:
-            f.write(header + table + "\n\n" + notes + "\n")
-
+        append_entry(
+            args.append,
+            f"HF <-> Megatron conversion vs plain read+write of the same bytes, Llama-style "
+            f"{model['params'] / 1e6:.0f}M fp32 ({args.layers} layers, hidden {args.hidden}, "
+            f"vocab {args.vocab}), TP{base_spec['tp']}xPP{base_spec['pp']}",
+            f"python -m bench.bench_convert --repeats {args.repeats}",
+            table + "\n\n" + notes, machine_extra="local ext4 disk")
 
 if __name__ == "__main__":
     main()

@@ -9,12 +9,11 @@ comparable even on a noisy machine; absolute CPU times mean little.
 from __future__ import annotations
 
 import argparse
-import datetime
-import platform
 import resource
 import statistics
 import time
 
+from bench.report import append_entry
 from megarlhf.engine.losses import lm_loss
 from megarlhf.engine.optim import OptimConfig
 from megarlhf.engine.schedule import rank_microbatches
@@ -75,15 +74,12 @@ def main() -> None:
     table = "\n".join(lines)
     print(table)
     if args.append:
-        header = (f"\n## {datetime.date.today()} CPU training step, tiny model "
-                  f"({MODEL.num_layers} layers, hidden {MODEL.hidden_size}), global batch "
-                  f"{GLOBAL_BATCH} x seq {SEQ}, {MICRO} micro-batches per DP rank, fp32, gloo\n\n"
-                  f"Machine: {platform.machine()}, {__import__('os').cpu_count()} cores, "
-                  f"{platform.system()}; command: `python -m bench.bench_train_cpu "
-                  f"--steps {args.steps}`\n\n")
-        with open(args.append, "a") as f:
-            f.write(header + table + "\n")
-
+        append_entry(
+            args.append,
+            f"CPU training step, tiny model ({MODEL.num_layers} layers, hidden "
+            f"{MODEL.hidden_size}), global batch {GLOBAL_BATCH} x seq {SEQ}, {MICRO} "
+            f"micro-batches per DP rank, fp32, gloo",
+            f"python -m bench.bench_train_cpu --steps {args.steps}", table)
 
 if __name__ == "__main__":
     main()

@@ -20,8 +20,6 @@ Legend: B batch, T time, V vocabulary (V/tp: one rank's slice).
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
 import resource
 import statistics
 import time
@@ -29,6 +27,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from bench.report import append_entry
 from megarlhf.parallel import ParallelConfig, init_mesh, launch_local
 from megarlhf.parallel.vocab import vocab_parallel_logprobs_and_entropy
 
@@ -145,14 +144,12 @@ def main() -> None:
     print(f"local logits per rank: {logits_mib:.0f} MiB; RSS before the first step: "
           f"{max(r[2] for r in rows.values()):.0f} MiB")
     if args.append:
-        ram_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-        header = (f"\n## {datetime.date.today()} vocab-parallel logprobs + entropy vs "
-                  f"gather-then-log_softmax, TP{TP}, vocab {VOCAB}, {BATCH} x {SEQ} tokens, fp32, "
-                  f"forward + backward\n\n"
-                  f"Machine: {os.cpu_count()}-core CPU, {ram_gib:.0f} GiB, gloo; command: "
-                  f"`python -m bench.bench_vocab --iters {args.iters}`\n\n")
-        with open(args.append, "a") as f:
-            f.write(header + table + "\n")
+        append_entry(
+            args.append,
+            f"vocab-parallel logprobs + entropy vs gather-then-log_softmax, TP{TP}, vocab "
+            f"{VOCAB}, {BATCH} x {SEQ} tokens, fp32, forward + backward",
+            f"python -m bench.bench_vocab --iters {args.iters}", table, machine_extra="gloo")
+
 
 if __name__ == "__main__":
     main()

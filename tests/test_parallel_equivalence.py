@@ -35,13 +35,13 @@ def batch(tiny):
 
 @pytest.fixture(scope="module")
 def ref_logits(lm_ref, tiny, batch):
-    return launch_local(workers.forward_outputs, 1, lm_ref, tiny, P(), batch)[0]
+    return launch_local(workers.forward_outputs, 1, lm_ref, P(), batch)[0]
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_logits_equal_tp1pp1(layout, lm_ref, tiny, batch, ref_logits):
     parallel, nprocs = LAYOUTS[layout]
-    outs = launch_local(workers.forward_outputs, nprocs, lm_ref, tiny, parallel, batch,
+    outs = launch_local(workers.forward_outputs, nprocs, lm_ref, parallel, batch,
                         microbatches=2 if nprocs < 8 else 1)
     assert ref_logits.shape == (4, 16, tiny.vocab_size)
     assert ref_logits.std() > 0.1  # a real, non-degenerate output
@@ -50,7 +50,7 @@ def test_logits_equal_tp1pp1(layout, lm_ref, tiny, batch, ref_logits):
 
 
 def test_sdpa_spec_equals_local_spec(lm_ref, tiny, batch, ref_logits):
-    outs = launch_local(workers.forward_outputs, 2, lm_ref, tiny, P(tensor_parallel=2), batch,
+    outs = launch_local(workers.forward_outputs, 2, lm_ref, P(tensor_parallel=2), batch,
                         layer_spec="sdpa")
     torch.testing.assert_close(outs[0], ref_logits, atol=ATOL, rtol=0)
 
@@ -98,12 +98,11 @@ def test_train_curve_with_distopt_equals_tp1pp1dp2(layout, lm_ref, tiny, train_b
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_value_head_pp2_equals_tp1pp1(tied, value_refs, batch):
-    model, path = value_refs[tied]
-    ref = launch_local(workers.forward_outputs, 1, path, model, P(), batch, value_head=True)[0]
+    _, path = value_refs[tied]
+    ref = launch_local(workers.forward_outputs, 1, path, P(), batch)[0]
     assert ref.shape == (4, 16) and ref.std() > 1e-3
-    outs = launch_local(workers.forward_outputs, 4, path, model,
-                        P(tensor_parallel=2, pipeline_parallel=2), batch, microbatches=2,
-                        value_head=True)
+    outs = launch_local(workers.forward_outputs, 4, path,
+                        P(tensor_parallel=2, pipeline_parallel=2), batch, microbatches=2)
     for out in outs:
         torch.testing.assert_close(out, ref, atol=ATOL, rtol=0)
 
@@ -121,7 +120,7 @@ def test_checkpoint_tp2pp2_resumes_at_tp1pp1(lm_ref, tiny, tmp_path, batch):
         assert a[0] == pytest.approx(b[0], rel=1e-5), f"step {step} loss"
         assert a[2] == pytest.approx(b[2], rel=1e-5), f"step {step} grad norm"
         assert a[3] == pytest.approx(b[3], rel=1e-12), f"step {step} lr"
-    at_tp1 = launch_local(workers.forward_outputs, 1, ckpt, tiny, P(), batch)[0]
-    at_tp2pp2 = launch_local(workers.forward_outputs, 4, ckpt, tiny,
+    at_tp1 = launch_local(workers.forward_outputs, 1, ckpt, P(), batch)[0]
+    at_tp2pp2 = launch_local(workers.forward_outputs, 4, ckpt,
                              P(tensor_parallel=2, pipeline_parallel=2), batch)[0]
     torch.testing.assert_close(at_tp1, at_tp2pp2, atol=ATOL, rtol=0)

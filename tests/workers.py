@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import torch
 
+from megarlhf.convert.verify import checkpoint_outputs
 from megarlhf.engine.checkpoint import load_checkpoint, save_checkpoint
-from megarlhf.engine.losses import gather_logits, lm_loss
+from megarlhf.engine.losses import lm_loss
 from megarlhf.engine.optim import OptimConfig
 from megarlhf.engine.schedule import rank_microbatches
 from megarlhf.engine.train import TrainEngine
@@ -48,24 +49,11 @@ def write_reference(path: str, model: ModelConfig, seed: int, value_head: bool =
     save_checkpoint(path, engine, mesh, with_optimizer=False)
 
 
-def forward_outputs(ckpt: str, model: ModelConfig, parallel: ParallelConfig, batch: dict,
-                    *, microbatches: int = 1, value_head=False, layer_spec="local"):
-    """Full-vocab logits (or values) [B, T, ...] for the global batch, on every rank."""
-    mesh = init_mesh(parallel)
-    engine = TrainEngine(make_spec(model, parallel, value_head=value_head,
-                                   layer_spec=layer_spec), mesh)
-    load_checkpoint(ckpt, engine, with_optimizer=False)
-
-    def keep_output(mb, out):
-        if not value_head:
-            out = gather_logits(out, mesh, model.vocab_size)
-        return torch.zeros(()), torch.ones((), dtype=torch.int), {"out": out.detach().clone()}
-
-    out = engine.forward(rank_microbatches(batch, mesh, microbatches), keep_output)
-    local = torch.cat([d["out"] for d in out])
-    gathered = [torch.empty_like(local) for _ in range(mesh.dp_size)]
-    torch.distributed.all_gather(gathered, local, group=mesh.dp_group)
-    return torch.cat(gathered)
+def forward_outputs(ckpt: str, parallel: ParallelConfig, batch: dict, *,
+                    microbatches: int = 1, layer_spec: str = "local"):
+    """Full-vocab logits (or values) [B, T, ...] of a checkpoint for the global batch."""
+    return checkpoint_outputs(ckpt, parallel, batch["tokens"], microbatches=microbatches,
+                              layer_spec=layer_spec)
 
 
 def train_curve(ckpt: str, model: ModelConfig, parallel: ParallelConfig, batches: list[dict],
@@ -107,8 +95,6 @@ def traced_sites_of_a_step(model: ModelConfig) -> list[str]:
 def outputs_of_checkpoints(ckpts: list[str], parallel: ParallelConfig,
                            tokens: list[torch.Tensor]) -> list[torch.Tensor]:
     """Logits (or values) of several checkpoints at one layout, in one set of ranks."""
-    from megarlhf.convert.verify import checkpoint_outputs
-
     return [checkpoint_outputs(c, parallel, t, layer_spec="local") for c, t in zip(ckpts, tokens)]
 
 

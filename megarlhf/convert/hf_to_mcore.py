@@ -6,15 +6,14 @@ against the architecture up front and recorded as the intended training layout.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
-import shutil
 
 import torch
 import transformers
 
 from megarlhf.convert.mcore_io import checkpoint_template, write_checkpoint
+from megarlhf.convert.outputs import copy_sidecar, prepare_output, removed_on_error
 from megarlhf.convert.safetensors_io import SafetensorsReader
 from megarlhf.engine.checkpoint import HF_SIDECAR, checkpoint_meta, publish
 from megarlhf.models.arch import TensorRule, architecture_for_hf_class
@@ -23,7 +22,6 @@ from megarlhf.parallel.mesh import ParallelConfig
 
 ROLES = ("actor", "ref", "critic", "reward")
 VALUE_ROLES = ("critic", "reward")
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +35,7 @@ class HFSource:
     init_value_head: bool
     dtype: torch.dtype
     rules: tuple[TensorRule, ...]
+    reader: SafetensorsReader
 
 
 def inspect_hf(hf_dir: str, *, role: str = "actor", init_value_head: bool = False,
@@ -70,7 +69,8 @@ def inspect_hf(hf_dir: str, *, role: str = "actor", init_value_head: bool = Fals
     fresh_head = value_head and not is_seq_cls
     _check_tensors(hf_dir, reader, model, rules, skip_value_head=fresh_head)
     dtype = reader.dtype(rules[0].hf[0])  # the embedding's dtype is the checkpoint's dtype
-    return HFSource(arch.name, classes[0], model, value_head, fresh_head, dtype, tuple(rules))
+    return HFSource(arch.name, classes[0], model, value_head, fresh_head, dtype, tuple(rules),
+                    reader)
 
 
 def _check_tensors(hf_dir, reader, model, rules, *, skip_value_head: bool) -> None:
@@ -102,37 +102,6 @@ def _check_tensors(hf_dir, reader, model, rules, *, skip_value_head: bool) -> No
                          f"one dtype")
 
 
-def prepare_output(out: str, force: bool) -> str:
-    """A fresh temporary directory next to `out`; refuses an existing `out` without `force`."""
-    out = os.path.abspath(out)
-    if os.path.exists(out) and not force:
-        raise ValueError(f"output {out} already exists; pass --force to replace it")
-    tmp = f"{out}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    return tmp
-
-
-@contextlib.contextmanager
-def removed_on_error(tmp: str):
-    """Delete the temporary output if writing it fails, so nothing half-written remains."""
-    try:
-        yield
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
-def copy_sidecar(src: str, dst: str) -> None:
-    """Copy config, generation config and tokenizer files (everything but weights)."""
-    os.makedirs(dst, exist_ok=True)
-    for name in sorted(os.listdir(src)):
-        path = os.path.join(src, name)
-        if os.path.isfile(path) and not name.endswith(_WEIGHT_SUFFIXES) \
-                and not name.endswith(".index.json"):
-            shutil.copy2(path, os.path.join(dst, name))
-
-
 def hf_to_mcore(hf_dir: str, out: str, *, parallel: ParallelConfig, role: str = "actor",
                 init_value_head: bool = False, seed: int = 0, force: bool = False,
                 make_vocab_size_divisible_by: int = 128) -> dict:
@@ -141,7 +110,7 @@ def hf_to_mcore(hf_dir: str, out: str, *, parallel: ParallelConfig, role: str = 
                      make_vocab_size_divisible_by=make_vocab_size_divisible_by)
     src.model.check_parallel(parallel)
     tmp = prepare_output(out, force)
-    reader = SafetensorsReader(hf_dir)
+    reader = src.reader
     by_key = {rule.mcore: rule for rule in src.rules}
 
     def source(key: str, layer: int | None, shape: tuple[int, ...]) -> torch.Tensor:

@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from megarlhf.convert.hf_to_mcore import copy_sidecar, prepare_output, removed_on_error
+from megarlhf.convert.outputs import copy_sidecar, prepare_output, removed_on_error
 from megarlhf.convert.mcore_io import CheckpointReader
 from megarlhf.convert.safetensors_io import ShardWriter
 from megarlhf.engine.checkpoint import HF_SIDECAR, read_meta, replace_dir
@@ -36,7 +36,8 @@ def mcore_to_hf(ckpt: str, out: str, *, dtype: str | None = None, force: bool = 
     for rule in rules:
         if reader.shape(rule.mcore) is None:
             raise ValueError(f"{ckpt} has no tensor {rule.mcore!r}, which a {arch.name} "
-                             f"{'value model' if value_head else 'LM'} needs")
+                             f"{'value model' if value_head else 'LM'} needs; if the checkpoint "
+                             f"is of another architecture, name it with --arch")
     tmp = prepare_output(out, force)
     with removed_on_error(tmp):
         writer = ShardWriter(tmp, max_shard_bytes)

@@ -9,20 +9,19 @@ toy models. The default 1e-4 is far below what any mapping error produces (>= 1e
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import torch
 import transformers
 
 from megarlhf.engine.checkpoint import load_checkpoint, read_meta
 from megarlhf.engine.losses import gather_logits
-from megarlhf.engine.schedule import rank_microbatches
+from megarlhf.engine.schedule import gather_rows, rank_microbatches
 from megarlhf.engine.train import TrainEngine
 from megarlhf.models.config import ModelConfig
 from megarlhf.models.gpt import model_spec
 from megarlhf.models.transformer_config import parse_dtype
 from megarlhf.parallel import launch_local
-from megarlhf.parallel.mesh import ParallelConfig, init_mesh
+from megarlhf.parallel.mesh import DistEnv, ParallelConfig, init_mesh
 
 DEFAULT_TOLERANCE = 1e-4
 
@@ -68,10 +67,7 @@ def checkpoint_outputs(ckpt: str, parallel: ParallelConfig, tokens_BT: torch.Ten
     seq = tokens_BT.shape[1]
     batch = {"tokens": tokens_BT, "position_ids": torch.arange(seq).expand_as(tokens_BT)}
     out = engine.forward(rank_microbatches(batch, mesh, microbatches), keep_output)
-    local = torch.cat([d["out"] for d in out])
-    gathered = [torch.empty_like(local) for _ in range(mesh.dp_size)]
-    torch.distributed.all_gather(gathered, local, group=mesh.dp_group)
-    return torch.cat(gathered)
+    return gather_rows(out, "out", mesh)
 
 
 def verification_batch(vocab_size: int, *, batch: int, seq_len: int, seed: int,
@@ -125,14 +121,13 @@ def verify(hf_dir: str, ckpt: str, parallel: ParallelConfig, *, batch: int = 2,
         pad_id = transformers.AutoConfig.from_pretrained(hf_dir).pad_token_id
         if pad_id is None:
             raise ValueError(f"{hf_dir}/config.json has no pad_token_id; HF sequence "
-                             f"classification needs one to find the last token")
+                             f"classification needs one to find the last token; add the tokenizer's pad id there")
     tokens = verification_batch(model.vocab_size, batch=batch, seq_len=seq_len, seed=seed,
                                 pad_id=pad_id)
     layout = (f"TP{parallel.tensor_parallel}xPP{parallel.pipeline_parallel}"
               + (f"xVPP{parallel.virtual_pipeline_parallel}"
                  if parallel.virtual_pipeline_parallel else ""))
-    launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    if launched:
+    if DistEnv.detect().world_size > 1:  # started by torchrun / srun: we are one of the ranks
         ours = checkpoint_outputs(ckpt, parallel, tokens, dtype=dtype)
     else:
         world = parallel.tensor_parallel * parallel.pipeline_parallel

@@ -225,7 +225,8 @@ def _check_same_model(path: str, meta: dict, spec: ModelSpec) -> None:
         diffs.append(f"value head: checkpoint {meta['value_head']} vs model {spec.value_head}")
     if diffs:
         raise ValueError(f"{path} holds a different model than the one being loaded into: "
-                         + "; ".join(diffs))
+                         + "; ".join(diffs) + f". Build the model from the checkpoint's own "
+                         f"config ({COMPLETE_MARKER}, key 'model') or load a matching checkpoint")
 
 
 def load_checkpoint(path: str, engine, *, with_optimizer: bool = True) -> dict:

@@ -81,6 +81,15 @@ def from_last_stage(obj, mesh: Mesh):
     return box[0]
 
 
+def gather_rows(out: list[dict], key: str, mesh: Mesh) -> torch.Tensor:
+    """`key` of the closures' dicts, concatenated over this rank's micro-batches and then over
+    DP ranks: the global batch's rows, in order, on every rank (call after from_last_stage)."""
+    local = torch.cat([d[key] for d in out])
+    parts = [torch.empty_like(local) for _ in range(mesh.dp_size)]
+    dist.all_gather(parts, local.contiguous(), group=mesh.dp_group)
+    return torch.cat(parts)
+
+
 def rank_microbatches(batch: Batch, mesh: Mesh, num_microbatches: int) -> list[Batch]:
     """This DP rank's contiguous share of a global batch, cut into equal micro-batches."""
     rows = batch["tokens"].shape[0]

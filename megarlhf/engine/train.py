@@ -105,14 +105,15 @@ class TrainEngine:
     def global_sums(self, out: list[dict]) -> dict[str, float]:
         """Every 0-dim entry of the loss closures' dicts summed over micro-batches and DP
         ranks, on every rank (closures report sums; callers divide)."""
-        keys = sorted(k for k, v in out[0].items() if v.dim() == 0) if out else []
-        keys = from_last_stage(keys, self.mesh)
-        totals = torch.zeros(len(keys), dtype=torch.float64)
+        sums = None
         if self.mesh.is_last_stage:
+            keys = sorted(k for k, v in out[0].items() if v.dim() == 0)
+            totals = torch.zeros(len(keys), dtype=torch.float64)
             for d in out:
                 totals += torch.stack([d[k].double() for k in keys])
             dist.all_reduce(totals, group=self.mesh.dp_group)
-        return dict(zip(keys, from_last_stage(totals.tolist(), self.mesh)))
+            sums = dict(zip(keys, totals.tolist()))
+        return from_last_stage(sums, self.mesh)
 
     def unwrapped(self) -> list[torch.nn.Module]:
         """The GPT modules without the DDP wrapper."""

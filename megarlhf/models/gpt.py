@@ -82,8 +82,6 @@ def build_model(spec: ModelSpec, mesh: Mesh, *, meta: bool = False) -> list[GPTM
     cls = GPTValueModel if spec.value_head else GPTModel
     device = torch.device("meta") if meta else mesh.device
     config = spec.transformer
-    if meta:  # megatron's weight init allocates real full-size tensors even under a meta device
-        config = dataclasses.replace(config, perform_initialization=False)
     chunks = []
     for vp_stage in stages:
         with torch.device("meta") if meta else contextlib.nullcontext():

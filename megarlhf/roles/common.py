@@ -1,10 +1,8 @@
-"""What both role kinds share: cutting a global batch into this rank's micro-batches and
-putting per-token results back together as the global batch on every rank."""
+"""What both role kinds share: cutting a global batch into this rank's micro-batches."""
 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from megarlhf.engine.schedule import rank_microbatches
 from megarlhf.engine.train import TrainEngine
@@ -19,11 +17,3 @@ def microbatches(engine: TrainEngine, batch: SequenceBatch, num_microbatches: in
             raise ValueError(f"{name} has shape {tuple(value.shape)}, the batch is "
                              f"{batch.shape}")
     return rank_microbatches(batch.model_inputs(**per_token), engine.mesh, num_microbatches)
-
-
-def gather_rows(engine: TrainEngine, out: list[dict], key: str) -> torch.Tensor:
-    """Concatenate `key` over this rank's micro-batches, then over DP ranks: the global rows."""
-    local = torch.cat([d[key] for d in out])
-    parts = [torch.empty_like(local) for _ in range(engine.mesh.dp_size)]
-    dist.all_gather(parts, local.contiguous(), group=engine.mesh.dp_group)
-    return torch.cat(parts)

@@ -10,7 +10,8 @@ import torch
 from megarlhf.engine.train import StepMetrics, TrainEngine
 from megarlhf.parallel.vocab import vocab_parallel_logprobs_and_entropy
 from megarlhf.rl.losses import AGGREGATION_MODES, aggregate, policy_loss
-from megarlhf.roles.common import gather_rows, microbatches
+from megarlhf.engine.schedule import gather_rows
+from megarlhf.roles.common import microbatches
 from megarlhf.roles.sequences import SequenceBatch, shift_right
 
 
@@ -40,7 +41,8 @@ class PolicyRole:
     def __init__(self, engine: TrainEngine, *, num_microbatches: int = 1,
                  loss: PolicyLossConfig | None = None):
         if engine.spec.value_head:
-            raise ValueError("a policy role needs an LM (built without a value head)")
+            raise ValueError("a policy role needs an LM; build its engine with "
+                             "model_spec(..., value_head=False)")
         self.engine, self.num_microbatches = engine, num_microbatches
         self.loss = loss or PolicyLossConfig()
         self._vocab_size = engine.spec.model.vocab_size
@@ -62,8 +64,8 @@ class PolicyRole:
                                                            "entropy": entropy.detach()}
 
         out = self.engine.forward(microbatches(self.engine, batch, self.num_microbatches), keep)
-        logp = gather_rows(self.engine, out, "logp")
-        return (logp, gather_rows(self.engine, out, "entropy")) if with_entropy else logp
+        logp = gather_rows(out, "logp", self.engine.mesh)
+        return (logp, gather_rows(out, "entropy", self.engine.mesh)) if with_entropy else logp
 
     def train_step(self, batch: SequenceBatch, old_logp: torch.Tensor,
                    advantages: torch.Tensor) -> tuple[StepMetrics, dict[str, float]]:

@@ -10,7 +10,8 @@ import torch
 
 from megarlhf.engine.train import StepMetrics, TrainEngine
 from megarlhf.rl.losses import AGGREGATION_MODES, aggregate, value_loss
-from megarlhf.roles.common import gather_rows, microbatches
+from megarlhf.engine.schedule import gather_rows
+from megarlhf.roles.common import microbatches
 from megarlhf.roles.sequences import SequenceBatch, shift_right
 
 
@@ -32,7 +33,8 @@ class ValueRole:
     def __init__(self, engine: TrainEngine, *, num_microbatches: int = 1,
                  loss: ValueLossConfig | None = None):
         if not engine.spec.value_head:
-            raise ValueError("a value role needs a model built with a value head")
+            raise ValueError("a value role needs a scalar head; build its engine with "
+                             "model_spec(..., value_head=True)")
         self.engine, self.num_microbatches = engine, num_microbatches
         self.loss = loss or ValueLossConfig()
 
@@ -49,11 +51,11 @@ class ValueRole:
 
     def values(self, batch: SequenceBatch) -> torch.Tensor:
         """V(state before token t) [B, T] on every rank."""
-        return gather_rows(self.engine, self._forward(batch), "values")
+        return gather_rows(self._forward(batch), "values", self.engine.mesh)
 
     def scores(self, batch: SequenceBatch) -> torch.Tensor:
         """The head's output at each row's last real token [B] (a reward model's score)."""
-        return gather_rows(self.engine, self._forward(batch), "score")
+        return gather_rows(self._forward(batch), "score", self.engine.mesh)
 
     def train_step(self, batch: SequenceBatch, old_values: torch.Tensor,
                    returns: torch.Tensor) -> tuple[StepMetrics, dict[str, float]]:
