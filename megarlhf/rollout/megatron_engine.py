@@ -1,0 +1,425 @@
+"""Rollouts on our own Megatron GPT model: batched generation with megatron-core's KV cache.
+
+For machines without vLLM (and the GPU machine lent here). One `MegatronEngine` per rank of an
+inference mesh at tensor parallel TP_i, PP=1; every TP rank calls every method.
+
+Legend: B rows of the batch (prompts, then prompts x n samples), P prompt columns (prompts are
+left-padded to the longest), L columns so far (P + tokens generated), T columns fed in this
+step (P at prefill, 1 per decode step), V the real vocabulary, Vp the vocabulary padded for TP.
+
+What megatron-core does and what we do:
+- The KV cache is `StaticInferenceContext`, passed to `GPTModel.forward` as
+  `inference_context`: megatron's attention appends each step's keys/values to it and attends
+  over all cached columns. Its generation loop (`TextGenerationController`) is not used: it
+  neither masks left padding nor has repetition penalty, n samples or raw-logit logprobs.
+- Padding: we pass an explicit [B, 1, T, L] mask (causal, padding keys masked), which the local
+  and SDPA core attentions honour in prefill and decode alike.
+- Positions: megatron's RoPE rotates by column, not by `position_ids`. RoPE scores depend only
+  on the query-key offset, so the left-padding shift of a row cancels out, exactly as in the
+  trainer's forward over the same left-padded batch. We still pass positions that count real
+  tokens only (roles/sequences.py), which is what any absolute position embedding would need.
+- Logits: in inference mode `GPTModel` insists on gathering the vocabulary across TP
+  (`runtime_gather_output`), so every rank holds identical full logits [B, Vp]; every rank then
+  samples with an identically seeded generator and picks the same token without a broadcast.
+  Logprobs come from the vocab-parallel helper over those whole rows (no group needed), which
+  drops the padding columns >= V as the trainer's logprobs do; sampling drops them too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+from megatron.core.inference.contexts import StaticInferenceContext
+
+from megarlhf.convert.mcore_to_hf import infer_architecture
+from megarlhf.models.arch import TensorRule, architecture
+from megarlhf.models.gpt import ModelSpec, build_model
+from megarlhf.parallel.mesh import Mesh
+from megarlhf.parallel.vocab import vocab_parallel_logprobs
+from megarlhf.rollout.engine import Completion, EngineError, SamplingParams, WeightStream
+from megarlhf.rollout.pieces import Piece, local_pieces
+
+Unit = tuple[str, int | None]
+"""(Megatron checkpoint key, layer index or None): one full per-layer tensor."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MegatronEngineConfig:
+    max_batch_size: int = 64
+    """Rows (prompts x n samples) generated together; bounds the KV cache. A prompt's n
+    samples always share one batch, so a batch holds max(1, max_batch_size // n) prompts."""
+    architecture: str | None = None
+    """Registry name that gives the HF weight names ('llama', 'qwen2', ...); None infers it
+    from the model config (the Llama family shares one naming)."""
+
+    def __post_init__(self):
+        if self.max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Slot:
+    """Where one HF tensor goes: the rule it belongs to, the layer, its index in `rule.hf`."""
+
+    rule: TensorRule
+    layer: int | None
+    index: int
+
+    @property
+    def unit(self) -> Unit:
+        return self.rule.mcore, self.layer
+
+
+@dataclasses.dataclass
+class _Sample:
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    finish_reason: str = "length"
+
+
+class MegatronEngine:
+    """The RolloutEngine protocol over a Megatron GPT model built at the mesh's TP (PP=1).
+
+    The model starts without usable weights: `update_weights` must run before `generate`,
+    and again after every `wake`.
+    """
+
+    def __init__(self, spec: ModelSpec, mesh: Mesh, config: MegatronEngineConfig | None = None):
+        _check_layout(spec, mesh)
+        self.spec, self.mesh = spec, mesh
+        self.config = config or MegatronEngineConfig()
+        self.name = f"megatron engine rank {mesh.rank}"
+        self.model = build_model(spec, mesh)[0].eval().requires_grad_(False)
+        arch = architecture(self.config.architecture or infer_architecture(spec.model))
+        rules = arch.rules(spec.model, lm_head=True, value_head=False)
+        self._slots = _hf_slots(rules, spec.model.num_layers)
+        self._pieces = _pieces_by_unit(local_pieces([self.model]))
+        self._check_rules_cover_model({s.unit for s in self._slots.values()}, arch.name)
+        self._weights_ready = False
+        self._asleep = False
+        self._freed: list[tuple[torch.UntypedStorage, int]] = []
+
+    # ----------------------------------------------------------------------------- generation
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        """len(prompts) * params.n completions, a prompt's n samples consecutive."""
+        self._check_prompts(prompts, params)
+        if not self._weights_ready:
+            raise EngineError(f"{self.name}: no weights loaded (the engine is new, asleep, or "
+                              f"woke from sleep); call update_weights before generate")
+        generator = torch.Generator(device=self.mesh.device)
+        generator.manual_seed(self._seed(params))
+        per_batch = max(1, self.config.max_batch_size // params.n)
+        completions = []
+        for start in range(0, len(prompts), per_batch):
+            try:
+                samples = self._generate_batch(prompts[start:start + per_batch], params,
+                                               generator)
+            except Exception as e:  # noqa: BLE001 - any failure must name this engine
+                raise EngineError(f"{self.name}: generation failed: {type(e).__name__}: {e}"
+                                  ) from e
+            completions += [
+                Completion(prompt_index=start + i // params.n, token_ids=s.token_ids,
+                           logprobs=s.logprobs, finish_reason=s.finish_reason)
+                for i, s in enumerate(samples)
+            ]
+        return completions
+
+    def _check_prompts(self, prompts: list[list[int]], params: SamplingParams) -> None:
+        if not prompts:
+            raise ValueError(f"{self.name}: no prompts given")
+        vocab = self.spec.model.vocab_size
+        for i, prompt in enumerate(prompts):
+            if not prompt:
+                raise ValueError(f"{self.name}: prompt {i} is empty; every prompt needs at "
+                                 f"least one token")
+            if min(prompt) < 0 or max(prompt) >= vocab:
+                raise ValueError(f"{self.name}: prompt {i} has token ids outside the "
+                                 f"vocabulary [0, {vocab})")
+        longest = max(map(len, prompts))
+        limit = self.spec.model.max_position_embeddings
+        if longest + params.max_new_tokens > limit:
+            raise ValueError(f"{self.name}: the longest prompt ({longest} tokens) plus "
+                             f"max_new_tokens={params.max_new_tokens} exceeds the model's "
+                             f"max_position_embeddings={limit}")
+
+    def _seed(self, params: SamplingParams) -> int:
+        """The caller's seed, or a fresh one drawn on TP rank 0 and shared, so that every TP
+        rank samples the same tokens."""
+        if params.seed is not None:
+            return params.seed
+        seed = torch.randint(0, 2**62, (1,), device=self.mesh.device)
+        if self.mesh.tp > 1:
+            dist.broadcast(seed, src=dist.get_global_rank(self.mesh.tp_group, 0),
+                           group=self.mesh.tp_group)
+        return int(seed.item())
+
+    @torch.no_grad()
+    def _generate_batch(self, prompts: list[list[int]], params: SamplingParams,
+                        generator: torch.Generator) -> list[_Sample]:
+        ctx, logits_BV, real_BL, seen_BV = self._prefill(prompts, params)
+        stop_ids = torch.tensor(params.stop_token_ids, dtype=torch.long, device=self.mesh.device)
+        samples = [_Sample() for _ in range(len(real_BL))]
+        alive = list(range(len(samples)))  # the sample each batch row extends
+        for step in range(params.max_new_tokens):
+            token_B, logp_B = self._choose(logits_BV, seen_BV, params, generator)
+            stopped_B = torch.isin(token_B, stop_ids)
+            _record(samples, alive, token_B, logp_B, stopped_B)
+            if step + 1 == params.max_new_tokens or bool(stopped_B.all()):
+                break
+            if bool(stopped_B.any()):
+                # Finished rows leave the batch: they stop growing and cost nothing more.
+                keep_B = (~stopped_B).nonzero().squeeze(1)
+                alive = [alive[i] for i in keep_B.tolist()]
+                token_B, real_BL = token_B[keep_B], real_BL[keep_B]
+                seen_BV = seen_BV[keep_B] if seen_BV is not None else None
+                _select_rows(ctx, keep_B)
+            if seen_BV is not None:
+                seen_BV.scatter_(1, token_B[:, None], True)
+            real_BL = torch.cat([real_BL, torch.ones_like(real_BL[:, :1])], dim=1)
+            logits_BV = self._step(token_B[:, None], real_BL, ctx)
+        return samples
+
+    def _prefill(self, prompts: list[list[int]], params: SamplingParams):
+        """Encode the prompts once, then give each of its n samples a copy of its cache rows:
+        (context, last logits [B, Vp], real-token mask [B, P], ids seen [B, V] or None), with
+        B = len(prompts) * n, a prompt's samples consecutive."""
+        tokens_BP, real_BP = _left_pad(prompts, self.mesh.device)
+        ctx = StaticInferenceContext(max_batch_size=len(prompts),
+                                     max_sequence_length=tokens_BP.shape[1] + params.max_new_tokens)
+        logits_BV = self._step(tokens_BP, real_BP, ctx)
+        ctx.enable_decode_mode()
+        rows_B = torch.arange(len(prompts), device=self.mesh.device).repeat_interleave(params.n)
+        _select_rows(ctx, rows_B)
+        tokens_BP, real_BP = tokens_BP[rows_B], real_BP[rows_B]
+        seen_BV = (_seen_tokens(tokens_BP, real_BP, self.spec.model.vocab_size)
+                   if params.repetition_penalty != 1 else None)
+        return ctx, logits_BV[rows_B], real_BP, seen_BV
+
+    def _step(self, tokens_BT: torch.Tensor, real_BL: torch.Tensor,
+              ctx: StaticInferenceContext) -> torch.Tensor:
+        """Feed the last T columns; logits [B, Vp] (all TP ranks) of the last column."""
+        T = tokens_BT.shape[1]
+        positions_BL = (real_BL.cumsum(dim=1) - 1).clamp(min=0)
+        logits_B1V = self.model(tokens_BT, positions_BL[:, -T:], _attention_mask(real_BL, T),
+                                inference_context=ctx, runtime_gather_output=True)
+        ctx.increment_sequence_len_offset(T)
+        return logits_B1V[:, -1]
+
+    def _choose(self, logits_BV: torch.Tensor, seen_BV: torch.Tensor | None,
+                params: SamplingParams, generator: torch.Generator):
+        """(token [B], log p(token) [B] under the raw logits) of the next step."""
+        vocab = self.spec.model.vocab_size
+        raw_BV = logits_BV[:, :vocab].float()  # padding ids can never be chosen
+        z_BV = raw_BV
+        if seen_BV is not None:
+            z_BV = _penalize_repeats(z_BV, seen_BV, params.repetition_penalty)
+        if params.greedy:
+            token_B = z_BV.argmax(dim=-1)
+        else:
+            probs_BV = torch.softmax(_truncate(z_BV / params.temperature, params), dim=-1)
+            token_B = torch.multinomial(probs_BV, 1, generator=generator).squeeze(1)
+        logp_B = vocab_parallel_logprobs(raw_BV[:, None], token_B[:, None], tp_group=None,
+                                         vocab_start=0, vocab_size=vocab)[:, 0]
+        return token_B, logp_B
+
+    # -------------------------------------------------------------------------------- weights
+
+    @torch.no_grad()
+    def update_weights(self, buckets: WeightStream) -> None:
+        """Copy full HF-named tensors into this rank's shards. A rule's HF tensors may arrive
+        in different buckets; only incomplete rules are held. Every parameter must arrive."""
+        if self._asleep:
+            raise EngineError(f"{self.name}: asleep; call wake() before update_weights")
+        self._weights_ready = False  # a failed update leaves a half-written model
+        pending: dict[Unit, list[torch.Tensor | None]] = {}
+        arrived: set[str] = set()
+        for bucket in buckets:
+            for name, tensor in bucket:
+                slot = self._accept(name, tensor, arrived)
+                parts = pending.setdefault(slot.unit, [None] * len(slot.rule.hf))
+                parts[slot.index] = tensor
+                if all(p is not None for p in parts):
+                    self._load_unit(slot, pending.pop(slot.unit))
+        missing = sorted(set(self._slots) - arrived)
+        if missing:
+            shown = ", ".join(missing[:8]) + (", ..." if len(missing) > 8 else "")
+            raise ValueError(f"{self.name}: {len(missing)} weight(s) never arrived: {shown}")
+        self._weights_ready = True
+
+    def _accept(self, name: str, tensor: torch.Tensor, arrived: set[str]) -> _Slot:
+        slot = self._slots.get(name)
+        if slot is None:
+            raise ValueError(f"{self.name}: unknown weight {name!r}: not a parameter of this "
+                             f"model (LM head, {self.spec.model.num_layers} layers)")
+        if name in arrived:
+            raise ValueError(f"{self.name}: weight {name!r} arrived twice in one update")
+        expected = slot.rule.hf_shapes[slot.index]
+        if tuple(tensor.shape) != expected:
+            raise ValueError(f"{self.name}: weight {name!r} has shape {tuple(tensor.shape)}, "
+                             f"the model needs {expected}")
+        arrived.add(name)
+        return slot
+
+    def _load_unit(self, slot: _Slot, parts: list[torch.Tensor]) -> None:
+        pieces = self._pieces[slot.unit]
+        full = slot.rule.fuse([p.to(self.mesh.device) for p in parts])
+        if slot.rule.vocab:
+            full = _pad_rows(full, pieces[0].full_shape[0])
+        assert tuple(full.shape) == pieces[0].full_shape, (slot.unit, full.shape)
+        for piece in pieces:
+            piece.data.copy_(piece.region(full))
+
+    def _check_rules_cover_model(self, rule_units: set[Unit], arch_name: str) -> None:
+        model_units = set(self._pieces)
+        if rule_units != model_units:
+            raise ValueError(
+                f"{self.name}: the {arch_name} tensor rules do not match the model: model only "
+                f"{sorted(model_units - rule_units, key=str)}, rules only "
+                f"{sorted(rule_units - model_units, key=str)}; pass the right architecture")
+        params = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
+        assert all(piece.data.untyped_storage().data_ptr() in params
+                   for pieces in self._pieces.values() for piece in pieces), \
+            "a checkpoint piece is a copy, not a view of a parameter: writes would be lost"
+
+    # ---------------------------------------------------------------------- sleep / lifecycle
+
+    def sleep(self) -> None:
+        """Free the weights' memory (storage resized to 0; the parameter objects and the views
+        our pieces hold stay valid). The KV cache exists only inside generate(), so there is
+        none to drop between calls."""
+        if self._asleep:
+            return
+        storages = {}
+        for p in self.model.parameters():
+            storage = p.untyped_storage()
+            storages.setdefault(storage.data_ptr(), storage)  # tied weights share one
+        self._freed = [(s, s.nbytes()) for s in storages.values()]
+        for storage, _ in self._freed:
+            storage.resize_(0)
+        self._asleep, self._weights_ready = True, False
+
+    def wake(self) -> None:
+        """Allocate the weights' memory again (contents undefined until update_weights)."""
+        if not self._asleep:
+            return
+        for storage, nbytes in self._freed:
+            storage.resize_(nbytes)
+        self._freed, self._asleep = [], False
+
+    def shutdown(self) -> None:
+        self.sleep()
+
+
+def _check_layout(spec: ModelSpec, mesh: Mesh) -> None:
+    problems = []
+    if mesh.pp > 1 or mesh.config.virtual_pipeline_parallel:
+        problems.append(f"pipeline_parallel={mesh.pp} (virtual "
+                        f"{mesh.config.virtual_pipeline_parallel}): the engine generates at "
+                        f"PP=1 only; give it a mesh with tensor parallelism alone")
+    if mesh.config.sequence_parallel:
+        problems.append("sequence_parallel=True: megatron-core's static KV cache does not "
+                        "support it; use an inference mesh without it")
+    if spec.transformer.tensor_model_parallel_size != mesh.tp:
+        problems.append(f"the model spec is for TP={spec.transformer.tensor_model_parallel_size}"
+                        f" but the mesh has TP={mesh.tp}; build the spec from the mesh's config")
+    if spec.value_head:
+        problems.append("the model has a value head; generation needs the LM head")
+    if spec.layer_spec == "te":
+        problems.append("layer spec 'te': padding masks through Transformer Engine attention "
+                        "are not verified here; use 'sdpa' or 'local'")
+    if problems:
+        raise ValueError("MegatronEngine cannot run this model: " + "; ".join(problems))
+
+
+def _hf_slots(rules: list[TensorRule], num_layers: int) -> dict[str, _Slot]:
+    slots = {}
+    for rule in rules:
+        for layer in range(num_layers) if rule.per_layer else [None]:
+            for index, name in enumerate(rule.hf_names(layer)):
+                slots[name] = _Slot(rule, layer, index)
+    return slots
+
+
+def _pieces_by_unit(pieces: list[Piece]) -> dict[Unit, list[Piece]]:
+    by_unit: dict[Unit, list[Piece]] = {}
+    for piece in pieces:
+        by_unit.setdefault(piece.unit, []).append(piece)
+    return by_unit
+
+
+def _pad_rows(full: torch.Tensor, rows: int) -> torch.Tensor:
+    """Vocabulary tensors get zero rows up to the TP-padded vocabulary (never sampled)."""
+    return torch.cat([full, full.new_zeros(rows - full.shape[0], *full.shape[1:])])
+
+
+def _left_pad(prompts: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens [B, P], real [B, P]: 1 on prompt tokens, 0 on left padding)."""
+    P = max(map(len, prompts))
+    tokens = torch.zeros(len(prompts), P, dtype=torch.long, device=device)
+    real = torch.zeros_like(tokens)
+    for row, prompt in enumerate(prompts):
+        tokens[row, P - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
+        real[row, P - len(prompt):] = 1
+    return tokens, real
+
+
+def _attention_mask(real_BL: torch.Tensor, T: int) -> torch.Tensor:
+    """[B, 1, T, L] bool, True = masked, for queries at the last T of L columns: causal, no
+    padding keys, and a padding query sees itself so no softmax row is empty (its output is
+    never used) - the same rule as roles/sequences.py."""
+    L = real_BL.shape[1]
+    q_cols = torch.arange(L - T, L, device=real_BL.device)[:, None]
+    k_cols = torch.arange(L, device=real_BL.device)[None, :]
+    allowed = (k_cols <= q_cols) & real_BL.bool()[:, None, None, :] | (k_cols == q_cols)
+    return ~allowed
+
+
+def _record(samples: list[_Sample], alive: list[int], token_B: torch.Tensor,
+            logp_B: torch.Tensor, stopped_B: torch.Tensor) -> None:
+    for row, token, logp, stopped in zip(alive, token_B.tolist(), logp_B.tolist(),
+                                         stopped_B.tolist()):
+        samples[row].token_ids.append(token)
+        samples[row].logprobs.append(logp)
+        if stopped:
+            samples[row].finish_reason = "stop"
+
+
+def _select_rows(ctx: StaticInferenceContext, rows: torch.Tensor) -> None:
+    """Keep (or repeat) KV cache rows in this order. `StaticInferenceContext.
+    swap_key_value_dict` only permutes (it asserts an unchanged batch size)."""
+    for layer, (keys, values) in ctx.key_value_memory_dict.items():
+        ctx.key_value_memory_dict[layer] = (keys[:, rows], values[:, rows])  # [S, B, groups, d]
+    ctx.max_batch_size = len(rows)
+
+
+def _seen_tokens(tokens_BP: torch.Tensor, real_BP: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[B, V] bool: which ids occur in each row's prompt (padding excluded)."""
+    seen = torch.zeros(tokens_BP.shape[0], vocab, dtype=torch.bool, device=tokens_BP.device)
+    rows, cols = real_BP.nonzero(as_tuple=True)
+    seen[rows, tokens_BP[rows, cols]] = True
+    return seen
+
+
+def _penalize_repeats(z_BV: torch.Tensor, seen_BV: torch.Tensor, penalty: float) -> torch.Tensor:
+    """CTRL / HF / vLLM repetition penalty over prompt and generated ids: positive logits are
+    divided by it, negative ones multiplied."""
+    penalized = torch.where(z_BV > 0, z_BV / penalty, z_BV * penalty)
+    return torch.where(seen_BV, penalized, z_BV)
+
+
+def _truncate(z_BV: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Top-k, then top-p (the smallest set of ids whose probability reaches p): the rest -inf."""
+    if 0 < params.top_k < z_BV.shape[-1]:
+        kth = z_BV.topk(params.top_k, dim=-1).values[:, -1:]
+        z_BV = z_BV.masked_fill(z_BV < kth, float("-inf"))
+    if params.top_p < 1:
+        sorted_z, order = z_BV.sort(dim=-1, descending=True)
+        probs = sorted_z.softmax(dim=-1)
+        # Drop an id when the ids ranked above it already reach p; the top id always stays.
+        drop_sorted = probs.cumsum(dim=-1) - probs >= params.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        z_BV = z_BV.masked_fill(drop, float("-inf"))
+    return z_BV
