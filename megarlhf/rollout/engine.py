@@ -1,0 +1,87 @@
+"""What every rollout engine offers the trainer, whatever runs underneath (vLLM, Megatron).
+
+Token ids in, token ids and per-token logprobs out. Logprobs are the model's own
+log-softmax of the sampled token (before temperature, top-k/top-p or penalties), the quantity
+the trainer recomputes, so the two can be compared (see `rollout.gap`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterable, Protocol
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SamplingParams:
+    max_new_tokens: int
+    temperature: float = 1.0
+    """0 = greedy."""
+    top_p: float = 1.0
+    top_k: int = 0
+    """0 = no top-k cut."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Generation of a sample ends after it emits one of these (the stop token is kept)."""
+    n: int = 1
+    """Samples per prompt."""
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    """Same seed, prompts and weights -> same samples."""
+
+    def __post_init__(self):
+        problems = []
+        if self.max_new_tokens < 1:
+            problems.append(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            problems.append(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            problems.append(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            problems.append(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if self.n < 1:
+            problems.append(f"n must be >= 1, got {self.n}")
+        if self.repetition_penalty <= 0:
+            problems.append(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if problems:
+            raise ValueError("invalid sampling params: " + "; ".join(problems))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Completion:
+    prompt_index: int
+    """Index of the prompt in the generate() call; a prompt's n samples are consecutive."""
+    token_ids: list[int]
+    logprobs: list[float]
+    """log p(token) under the unprocessed model distribution, one per token."""
+    finish_reason: str
+    """'stop' (a stop token) or 'length' (max_new_tokens)."""
+
+
+WeightStream = Iterable[list[tuple[str, torch.Tensor]]]
+"""Buckets of (HF parameter name, full tensor); the engine may keep only its own shard."""
+
+
+class RolloutEngine(Protocol):
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        """len(prompts) * params.n completions, grouped by prompt."""
+
+    def update_weights(self, buckets: WeightStream) -> None:
+        """Load new weights in place; every parameter of the model must arrive."""
+
+    def sleep(self) -> None:
+        """Free weights' and KV cache memory for training (colocated mode)."""
+
+    def wake(self) -> None:
+        """Undo sleep(); weights must be updated before the next generate()."""
+
+    def shutdown(self) -> None:
+        ...
+
+
+class EngineError(RuntimeError):
+    """A rollout engine failed; the message names the engine and what it was doing."""
