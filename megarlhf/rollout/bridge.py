@@ -1,0 +1,290 @@
+"""Resharding bridge: trained Megatron weights (any TP / PP / virtual PP / DP) -> HF-named
+tensors for a rollout engine, in buckets of bounded size.
+
+Every rank computes the same `BridgePlan` from the model config and the pipeline stages that
+hold each tensor: an ordered list of buckets, each owned by one pipeline stage and holding the
+HF tensors of some whole Megatron tensors (a layer's fused QKV, an embedding ...). Per bucket:
+
+1. the owning stage's TP ranks all-gather one Megatron tensor at a time (its full per-layer
+   form, assembled from Megatron's own shard offsets), split it with the architecture's
+   `TensorRule` into HF tensors and copy them (cast to the rollout dtype) into one flat buffer;
+2. the buffer is broadcast: over the pipeline group when the engine runs in the training
+   processes (colocated), or over a separate channel to the engine's processes
+   (disaggregated, `send` / `receive`);
+3. the engine gets views of the buffer as (HF name, tensor) pairs; the buffer is dropped when
+   the engine is done with the bucket.
+
+DP replicas hold the same weights, so each replica serves its own ranks in colocated mode and
+only replica 0 sends in disaggregated mode. Extra memory per rank is one bucket plus the
+assembly of the largest single tensor (`BridgePlan.peak_extra_bytes`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+from collections import defaultdict
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from megarlhf.models.arch import Architecture
+from megarlhf.models.config import ModelConfig
+from megarlhf.parallel.mesh import Mesh
+from megarlhf.rollout.engine import WeightStream
+from megarlhf.rollout.pieces import Piece, local_pieces
+
+DEFAULT_BUCKET_BYTES = 512 * 1024**2
+
+Unit = tuple[str, "int | None"]
+"""(Megatron key, layer): one Megatron tensor, assembled and split as a whole."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Slot:
+    name: str
+    shape: tuple[int, ...]
+    offset: int
+    """Element offset in the bucket buffer."""
+
+    @property
+    def numel(self) -> int:
+        return int(torch.Size(self.shape).numel())
+
+
+@dataclasses.dataclass(frozen=True)
+class Bucket:
+    stage: int
+    """Pipeline rank whose ranks hold these tensors."""
+    units: tuple[Unit, ...]
+    slots: tuple[tuple[Slot, ...], ...]
+    """Per unit, its HF tensors in the rule's order."""
+    numel: int
+
+
+@dataclasses.dataclass(frozen=True)
+class BridgePlan:
+    dtype: torch.dtype
+    buckets: tuple[Bucket, ...]
+    largest_unit_bytes: int
+    """Bytes of the largest Megatron tensor in the training dtype (its full, padded form)."""
+
+    @property
+    def names(self) -> list[str]:
+        return [s.name for b in self.buckets for unit in b.slots for s in unit]
+
+    @property
+    def peak_extra_bytes(self) -> int:
+        """Most memory a rank allocates at once while streaming: the largest bucket, plus
+        (on an owning rank) the TP all-gather, the assembled tensor and its HF split of the
+        largest single tensor."""
+        item = torch.empty((), dtype=self.dtype).element_size()
+        return max(b.numel for b in self.buckets) * item + 3 * self.largest_unit_bytes
+
+
+class WeightBridge:
+    """Built collectively by all training ranks of `mesh` (it exchanges shard metadata)."""
+
+    def __init__(self, chunks: list[torch.nn.Module], mesh: Mesh, model: ModelConfig,
+                 arch: Architecture, *, dtype: torch.dtype | None = None,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+        if bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
+        self.mesh, self.model = mesh, model
+        self._rules = {r.mcore: r for r in arch.rules(model, lm_head=True, value_head=False)}
+        self._pieces: dict[Unit, list[Piece]] = defaultdict(list)
+        self._arch_name = arch.name
+        for piece in local_pieces(chunks):
+            self._pieces[piece.unit].append(piece)
+        train_dtype = next(iter(self._pieces.values()))[0].data.dtype
+        self._peer_offsets = self._exchange_tp_offsets()
+        self.plan = self._make_plan(dtype or train_dtype, bucket_bytes, train_dtype)
+
+    # -- planning (collective, once) ------------------------------------------------------
+
+    def _exchange_tp_offsets(self) -> dict[Unit, list[list[tuple[int, ...]]]]:
+        """Per unit and local piece, every TP rank's offsets (the gather needs to know where
+        the other ranks' pieces go)."""
+        mine = {unit: [p.offsets for p in pieces] for unit, pieces in self._pieces.items()}
+        everyone = [None] * self.mesh.tp
+        dist.all_gather_object(everyone, mine, group=self.mesh.tp_group)
+        return {unit: [[peer[unit][i] for peer in everyone] for i in range(len(offsets))]
+                for unit, offsets in mine.items()}
+
+    def _check_mappable(self, stages: list[dict]) -> None:
+        """Same verdict on every rank (all see every stage), so no rank is left waiting."""
+        unknown = sorted({key for units in stages for key, _ in units} - set(self._rules))
+        if unknown:
+            raise ValueError(f"the {self._arch_name} bridge cannot map Megatron tensors "
+                             f"{unknown}; only LMs (actor weights) of that architecture stream "
+                             f"to rollout engines - is this a value model or another "
+                             f"architecture?")
+
+    def _units_in_order(self) -> list[Unit]:
+        whole = [(r.mcore, None) for r in self._rules.values() if not r.per_layer]
+        layered = [(r.mcore, layer) for layer in range(self.model.num_layers)
+                   for r in self._rules.values() if r.per_layer]
+        return whole[:1] + layered + whole[1:]  # embedding, layers, final norm / head
+
+    def _make_plan(self, dtype: torch.dtype, bucket_bytes: int,
+                   train_dtype: torch.dtype) -> BridgePlan:
+        held = {unit: tuple(self._pieces[unit][0].full_shape) for unit in self._pieces}
+        stages: list[dict] = [None] * self.mesh.pp
+        dist.all_gather_object(stages, held, group=self.mesh.pp_group)
+        self._check_mappable(stages)
+        item = torch.empty((), dtype=dtype).element_size()
+        buckets, current, largest = [], None, 0
+        for unit in self._units_in_order():
+            owners = [s for s, units in enumerate(stages) if unit in units]
+            if not owners:
+                raise ValueError(f"no pipeline stage holds {unit[0]} (layer {unit[1]}), which "
+                                 f"the {self._arch_name} mapping of this config needs; the model "
+                                 f"and its config / architecture disagree")
+            stage = owners[0]  # a tied embedding is on the first and last stage
+            full_shape = stages[stage][unit]
+            largest = max(largest, torch.Size(full_shape).numel()
+                          * torch.empty((), dtype=train_dtype).element_size())
+            rule = self._rules[unit[0]]
+            shapes = rule.hf_shapes
+            numel = sum(torch.Size(s).numel() for s in shapes)
+            fits = (full_shape[0] >= shapes[0][0] and full_shape[1:] == shapes[0][1:]) \
+                if rule.vocab else torch.Size(full_shape).numel() == numel
+            if not fits:
+                raise ValueError(f"{unit[0]} (layer {unit[1]}) is {full_shape} in the model but "
+                                 f"the {self._arch_name} mapping expects HF tensors {shapes}; "
+                                 f"the model and its config / architecture disagree")
+            if current is None or current["stage"] != stage or \
+                    (current["numel"] + numel) * item > bucket_bytes:
+                current = {"stage": stage, "units": [], "slots": [], "numel": 0}
+                buckets.append(current)
+            slots = []
+            for name, shape in zip(rule.hf_names(unit[1]), shapes):
+                slots.append(Slot(name, tuple(shape), current["numel"]))
+                current["numel"] += torch.Size(shape).numel()
+            current["units"].append(unit)
+            current["slots"].append(tuple(slots))
+        return BridgePlan(dtype=dtype, largest_unit_bytes=largest, buckets=tuple(
+            Bucket(stage=b["stage"], units=tuple(b["units"]), slots=tuple(b["slots"]),
+                   numel=b["numel"]) for b in buckets))
+
+    # -- streaming ------------------------------------------------------------------------
+
+    def _assemble(self, unit: Unit) -> torch.Tensor:
+        """The full per-layer Megatron tensor of `unit` from this TP group's pieces."""
+        pieces = self._pieces[unit]
+        full = torch.empty(pieces[0].full_shape, dtype=pieces[0].data.dtype,
+                           device=pieces[0].data.device)
+        # Replicated pieces, and every piece at TP1, are already here.
+        sharded = [i for i, p in enumerate(pieces) if not p.is_whole and self.mesh.tp > 1]
+        for i, p in enumerate(pieces):
+            if i not in sharded:
+                p.region(full).copy_(p.data)
+        if not sharded:
+            return full
+        local = torch.cat([pieces[i].data.detach().reshape(-1) for i in sharded])
+        gathered = torch.empty(self.mesh.tp * local.numel(), dtype=local.dtype,
+                               device=local.device)
+        dist.all_gather_into_tensor(gathered, local, group=self.mesh.tp_group)
+        per_rank = gathered.view(self.mesh.tp, -1)
+        for r in range(self.mesh.tp):
+            start = 0
+            for i in sharded:
+                shape = pieces[i].data.shape
+                part = per_rank[r, start:start + shape.numel()].view(shape)
+                start += shape.numel()
+                piece = dataclasses.replace(pieces[i], offsets=self._peer_offsets[unit][i][r])
+                piece.region(full).copy_(part)
+        return full
+
+    def _fill(self, bucket: Bucket) -> torch.Tensor:
+        """The bucket's flat buffer, on a rank of its owning stage."""
+        buffer = torch.empty(bucket.numel, dtype=self.plan.dtype)
+        for unit, slots in zip(bucket.units, bucket.slots):
+            rule = self._rules[unit[0]]
+            with torch.no_grad():
+                for slot, tensor in zip(slots, rule.split(self._assemble(unit))):
+                    if rule.vocab:
+                        tensor = tensor[: self.model.vocab_size]
+                    buffer[slot.offset:slot.offset + slot.numel].view(slot.shape).copy_(tensor)
+        return buffer
+
+    def stream(self) -> WeightStream:
+        """Colocated: every training rank gets every bucket (collective over the mesh)."""
+        pp_ranks = dist.get_process_group_ranks(self.mesh.pp_group)
+        for bucket in self.plan.buckets:
+            if self.mesh.pp_rank == bucket.stage:
+                buffer = self._fill(bucket)
+            else:
+                buffer = torch.empty(bucket.numel, dtype=self.plan.dtype)
+            if self.mesh.pp > 1:
+                dist.broadcast(buffer, src=pp_ranks[bucket.stage], group=self.mesh.pp_group)
+            yield named_views(bucket, buffer)
+            del buffer
+
+    def send(self, channel: "Channel") -> None:
+        """Disaggregated: DP replica 0 sends every bucket over `channel` (see `open_channel`);
+        its other TP ranks only help assemble. Other DP replicas return at once."""
+        if self.mesh.dp_rank != 0:
+            return
+        sender = self.mesh.tp_rank == 0
+        if sender:  # every channel member takes part in every broadcast
+            channel.broadcast_object(self.plan, root=0)
+        for bucket in self.plan.buckets:
+            if self.mesh.pp_rank == bucket.stage:
+                buffer = self._fill(bucket)
+                if sender:
+                    channel.broadcast(buffer, root=bucket.stage)
+            elif sender:
+                channel.broadcast(torch.empty(bucket.numel, dtype=self.plan.dtype),
+                                  root=bucket.stage)
+
+
+def named_views(bucket: Bucket, buffer: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    return [(s.name, buffer[s.offset:s.offset + s.numel].view(s.shape))
+            for slots in bucket.slots for s in slots]
+
+
+def receive(channel: "Channel") -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Disaggregated: the engine side of `WeightBridge.send` (a WeightStream)."""
+    plan: BridgePlan = channel.broadcast_object(None, root=0)
+    for bucket in plan.buckets:
+        buffer = torch.empty(bucket.numel, dtype=plan.dtype)
+        channel.broadcast(buffer, root=bucket.stage)
+        yield named_views(bucket, buffer)
+        del buffer
+
+
+class Channel:
+    """A process group of its own between the training senders (channel ranks 0..PP-1, one
+    per stage: TP rank 0 of DP replica 0) and the engine processes (ranks PP..): it lives
+    outside the training job's default group, so trainer and engines can be separate jobs."""
+
+    def __init__(self, group: dist.ProcessGroup, rank: int, size: int):
+        self.group, self.rank, self.size = group, rank, size
+
+    def broadcast(self, tensor: torch.Tensor, root: int) -> None:
+        self.group.broadcast(tensor, root).wait()
+
+    def broadcast_object(self, obj, root: int):
+        payload = pickle.dumps(obj) if self.rank == root else b""
+        length = torch.tensor([len(payload)], dtype=torch.int64)
+        self.broadcast(length, root)
+        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload \
+            else torch.empty(int(length), dtype=torch.uint8)
+        self.broadcast(data, root)
+        return obj if self.rank == root else pickle.loads(data.numpy().tobytes())
+
+
+def open_channel(host: str, port: int, rank: int, size: int, *,
+                 timeout_s: float = 300.0) -> Channel:
+    """Join the channel (all `size` members call this). Gloo: CPU tensors; on GPU clusters
+    the same protocol would run over an NCCL group."""
+    import datetime
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore(host, port, size, is_master=rank == 0, timeout=timeout)
+    group = dist.ProcessGroupGloo(dist.PrefixStore("megarlhf-bridge", store), rank, size, timeout)
+    channel = Channel(group, rank, size)
+    channel._store = store  # the group needs its store alive
+    return channel

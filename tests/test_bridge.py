@@ -1,0 +1,118 @@
+"""The resharding bridge against the converter's HF export (multi-process, gloo).
+
+Equality is bitwise: the bridge and the exporter move the same numbers (fp32, or the same
+round-to-nearest cast to bf16) and must not compute anything.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from megarlhf.convert.hf_to_mcore import hf_to_mcore
+from megarlhf.convert.mcore_to_hf import mcore_to_hf
+from megarlhf.models.presets import preset
+from megarlhf.parallel import launch_local
+from megarlhf.parallel.mesh import ParallelConfig, free_port
+from tests import bridge_workers, workers
+
+pytestmark = pytest.mark.slow
+NAMES = ["llama", "qwen2", "qwen3"]  # GQA + Llama-3 RoPE; tied embeddings + bias; QK-norm
+BUCKET = 64 * 1024  # small enough that every toy model streams in several buckets
+
+
+def _export(ckpt: str, out: str, dtype: str | None = None) -> dict[str, torch.Tensor]:
+    import glob
+
+    mcore_to_hf(ckpt, out, dtype=dtype)
+    tensors = {}
+    for path in sorted(glob.glob(f"{out}/*.safetensors")):
+        tensors.update(load_file(path))
+    return tensors
+
+
+def assert_bitwise(streamed: dict, exported: dict) -> None:
+    assert sorted(streamed) == sorted(exported)
+    for name, tensor in exported.items():
+        assert streamed[name].dtype == tensor.dtype, name
+        assert torch.equal(streamed[name], tensor), name
+
+
+@pytest.fixture(scope="module")
+def checkpoints(hf_dirs, tmp_path_factory):
+    """TP2xPP2 checkpoints of toy HF models and their HF exports (fp32 and bf16)."""
+    root = tmp_path_factory.mktemp("bridge")
+    out = {}
+    for name in NAMES:
+        ckpt = str(root / name)
+        hf_to_mcore(hf_dirs[name], ckpt, parallel=ParallelConfig(tensor_parallel=2,
+                                                                 pipeline_parallel=2))
+        out[name] = (ckpt, _export(ckpt, str(root / f"{name}_hf")))
+    out["llama_bf16"] = _export(out["llama"][0], str(root / "llama_bf16"), dtype="bf16")
+    return out
+
+
+LAYOUTS = {
+    "TP2xPP2": ParallelConfig(tensor_parallel=2, pipeline_parallel=2),
+    "PP2xVPP2xDP2": ParallelConfig(pipeline_parallel=2, virtual_pipeline_parallel=2),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_colocated_stream_equals_export(checkpoints, layout):
+    ckpts = [checkpoints[n][0] for n in NAMES]
+    results = launch_local(bridge_workers.colocated, 4, ckpts, LAYOUTS[layout], BUCKET)
+    for rank, per_ckpt in enumerate(results):
+        for name, (streamed, bucket_bytes) in zip(NAMES, per_ckpt):
+            assert_bitwise(streamed, checkpoints[name][1])
+            assert len(bucket_bytes) > 3, name
+            # Only a single tensor larger than the bucket may exceed it (alone in its bucket).
+            largest = max(t.numel() * t.element_size() for t in streamed.values())
+            assert max(bucket_bytes) <= max(BUCKET, largest), (rank, name)
+
+
+def test_colocated_stream_casts_like_export(checkpoints):
+    results = launch_local(bridge_workers.colocated, 4, [checkpoints["llama"][0]],
+                           LAYOUTS["TP2xPP2"], BUCKET, torch.bfloat16)
+    for per_ckpt in results:
+        assert_bitwise(per_ckpt[0][0], checkpoints["llama_bf16"])
+
+
+def test_disaggregated_stream_reaches_every_engine_rank(checkpoints):
+    """TP2xPP2 trainer (4 ranks) -> an inference-TP2 engine in 2 other processes."""
+    ckpt, exported = checkpoints["qwen2"]
+    results = launch_local(bridge_workers.disaggregated, 6, ckpt, LAYOUTS["TP2xPP2"], 4,
+                           free_port(), free_port(), BUCKET)
+    assert results[:4] == [None] * 4
+    for streamed, bucket_bytes in results[4:]:
+        assert_bitwise(streamed, exported)
+        assert len(bucket_bytes) > 3
+
+
+def test_stream_peak_memory_within_bound(tmp_path):
+    """A model 6x the bound: gathering it whole would break the bound, streaming must not."""
+    model = dataclasses.replace(preset("tiny"), hidden_size=256, ffn_hidden_size=1024,
+                                num_layers=12, vocab_size=1000, num_attention_heads=4)
+    ckpt = str(tmp_path / "ref")
+    launch_local(workers.write_reference, 1, ckpt, model, 0)
+    results = launch_local(bridge_workers.stream_peak_bytes, 2, ckpt,
+                           ParallelConfig(tensor_parallel=2), 2 * 1024**2)
+    for peak, bound, model_bytes in results:
+        assert bound * 5 < model_bytes, (bound, model_bytes)
+        assert 0 < peak <= bound, (peak, bound)
+
+
+def test_bridge_refuses_what_it_cannot_map(checkpoints, hf_dirs, tmp_path):
+    reward = str(tmp_path / "reward")
+    hf_to_mcore(hf_dirs["llama_rm"], reward, parallel=ParallelConfig(), role="reward")
+    messages = launch_local(bridge_workers.refusals, 1, {
+        "value model": (reward, {}),
+        "missing tensor": (checkpoints["llama"][0], {"qk_norm": True}),
+        "other shape": (checkpoints["llama"][0], {"ffn_hidden_size": 96}),
+    })[0]
+    assert "value_head.linear.weight" in messages["value model"]
+    assert "q_layernorm" in messages["missing tensor"]
+    assert "linear_fc1.weight" in messages["other shape"] and "(256, 64)" in messages["other shape"]
