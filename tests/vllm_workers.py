@@ -1,0 +1,199 @@
+"""Per-rank functions for the vLLM engine tests (importable, so `spawn` can run them).
+
+Each rank trains (PolicyRole over a TrainEngine loaded from a converted checkpoint) and rolls
+out with its own in-process vLLM engine, fed by the WeightBridge: the colocated setup of PPO.
+Results come back as plain data; the test file does the comparing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+
+from megarlhf.convert.mcore_to_hf import mcore_to_hf
+from megarlhf.engine.checkpoint import load_checkpoint, read_meta, save_checkpoint
+from megarlhf.engine.optim import OptimConfig
+from megarlhf.engine.train import TrainEngine
+from megarlhf.models.arch import architecture
+from megarlhf.models.config import ModelConfig
+from megarlhf.models.gpt import model_spec
+from megarlhf.parallel.mesh import ParallelConfig, init_mesh
+from megarlhf.roles.policy import PolicyRole
+from megarlhf.rollout.bridge import WeightBridge
+from megarlhf.rollout.engine import SamplingParams
+from megarlhf.rollout.experience import rollout_batch
+from megarlhf.rollout.gap import logprob_gap
+from megarlhf.rollout.vllm_engine import VLLMEngine, VLLMEngineConfig
+
+GREEDY = SamplingParams(max_new_tokens=12, temperature=0)
+SAMPLED = SamplingParams(max_new_tokens=12, temperature=0.9, top_k=40, top_p=0.9,
+                         repetition_penalty=1.2, n=3, seed=1)
+MAX_MODEL_LEN = 64
+# A few layers' worth: the stream comes in many buckets and fused tensors straddle them.
+BUCKET_BYTES = 512 * 1024
+OPTIM = OptimConfig(lr=1e-2, weight_decay=0.0, clip_grad=1.0)
+"""Large enough that one step changes greedy outputs (the test checks it did)."""
+
+
+def _error(fn) -> tuple[str, str]:
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the test inspects the type and message
+        return type(e).__name__, str(e)
+    return "none", ""
+
+
+def _as_tuples(completions) -> list[tuple]:
+    return [dataclasses.astuple(c) for c in completions]
+
+
+def _actor(ckpt: str, parallel: ParallelConfig):
+    mesh = init_mesh(parallel)
+    meta = read_meta(ckpt)
+    model = ModelConfig.from_dict(meta["model"])
+    engine = TrainEngine(model_spec(model, parallel, on_gpu=False), mesh, OPTIM)
+    load_checkpoint(ckpt, engine, with_optimizer=False)
+    bridge = WeightBridge(engine.chunks, mesh, model, architecture(meta["architecture"]),
+                          bucket_bytes=BUCKET_BYTES)
+    return PolicyRole(engine), bridge, mesh
+
+
+def _engine(model_dir: str, **config) -> VLLMEngine:
+    return VLLMEngine(VLLMEngineConfig(model_dir=model_dir, max_model_len=MAX_MODEL_LEN,
+                                       kv_cache_memory_bytes=16 * 1024**2, **config))
+
+
+def _scored(actor: PolicyRole, prompts, completions) -> dict:
+    """Engine and trainer logprobs of the same sequences, and their gap."""
+    batch = rollout_batch(prompts, completions)
+    trainer_logp = actor.logprobs(batch.sequences)
+    mask = batch.sequences.response_mask
+    return {"engine": batch.engine_logp, "trainer": trainer_logp, "mask": mask,
+            "gap": logprob_gap(batch.engine_logp, trainer_logp, mask)}
+
+
+def colocated(hf_dir: str, ckpt: str, out_dir: str, prompts: list[list[int]]) -> dict:
+    """Single rank, TP1 trainer + TP1 engine: everything but the TP2 comparison."""
+    actor, bridge, mesh = _actor(ckpt, ParallelConfig())
+    engine = _engine(hf_dir)
+    out = {"before_weights": _error(lambda: engine.generate(prompts, GREEDY))}
+    engine.update_weights(bridge.stream())
+
+    greedy = engine.generate(prompts, GREEDY)
+    out["greedy"] = _as_tuples(greedy)
+    out["greedy_scored"] = _scored(actor, prompts, greedy)
+    sampled = [engine.generate(prompts, dataclasses.replace(SAMPLED, seed=s)) for s in (1, 1, 2)]
+    out["sampled"] = [_as_tuples(s) for s in sampled]
+    out["sampled_scored"] = _scored(actor, prompts, sampled[0])
+    out["greedy_n2"] = _as_tuples(engine.generate(prompts, dataclasses.replace(GREEDY, n=2)))
+    stop = greedy[0].token_ids[3]
+    out["stop_token"] = stop
+    out["greedy_stopped"] = _as_tuples(engine.generate(
+        prompts, dataclasses.replace(GREEDY, stop_token_ids=(stop,))))
+
+    out.update(_failures(engine, bridge, prompts))
+    out.update(_sleep_wake(engine, bridge, prompts))
+
+    # One actor step on the greedy rollouts, then a sync: the engine must follow.
+    batch = rollout_batch(prompts, greedy).sequences
+    advantages = torch.randn(batch.shape, generator=torch.Generator().manual_seed(0))
+    actor.train_step(batch, out["greedy_scored"]["trainer"], advantages)
+    out["stale_gap"] = logprob_gap(out["greedy_scored"]["engine"], actor.logprobs(batch),
+                                   batch.response_mask)  # before the sync
+    engine.update_weights(bridge.stream())
+    trained = engine.generate(prompts, GREEDY)
+    out["trained_greedy"] = _as_tuples(trained)
+    out["trained_scored"] = _scored(actor, prompts, trained)
+    out["trained_sampled"] = _as_tuples(engine.generate(prompts, SAMPLED))
+
+    save_checkpoint(f"{out_dir}/actor", actor.engine, mesh, with_optimizer=False)
+    mcore_to_hf(f"{out_dir}/actor", f"{out_dir}/actor_hf")
+    engine.shutdown()
+    out["trainer_group_alive"] = _trainer_group_works()
+    fresh = _engine(f"{out_dir}/actor_hf", load_format="auto")
+    out["fresh_greedy"] = _as_tuples(fresh.generate(prompts, GREEDY))
+    out["fresh_sampled"] = _as_tuples(fresh.generate(prompts, SAMPLED))
+    out.update(_failing_forward(fresh, prompts))
+    fresh.shutdown()
+    out["after_shutdown"] = _error(lambda: fresh.generate(prompts, GREEDY))
+    return out
+
+
+def _break_forward(worker) -> None:
+    def broken(*args, **kwargs):
+        raise RuntimeError("simulated kernel failure")
+
+    worker.model_runner.model.forward = broken
+
+
+def _restore_forward(worker) -> None:
+    del worker.model_runner.model.forward  # the class's forward again
+
+
+def _failing_forward(engine: VLLMEngine, prompts) -> dict:
+    """A failure in the middle of vLLM's generation loop surfaces as an EngineError, and the
+    next call is not polluted by the failed call's requests."""
+    engine._llm.collective_rpc(_break_forward)
+    out = {"failing_generate": _error(lambda: engine.generate(prompts, GREEDY))}
+    engine._llm.collective_rpc(_restore_forward)
+    out["greedy_after_failure"] = _as_tuples(engine.generate(prompts, GREEDY))
+    out["out_of_vocab"] = _error(lambda: engine.generate([[5, 100_000]], GREEDY))
+    return out
+
+
+def _failures(engine: VLLMEngine, bridge: WeightBridge, prompts) -> dict:
+    """Failures inside the engine are EngineErrors naming it; the engine recovers after them."""
+    weights = [(name, tensor.clone()) for bucket in bridge.stream() for name, tensor in bucket]
+    name, tensor = weights[3]
+    misshapen = weights[:3] + [(name, tensor[:-1])] + weights[4:]
+    out = {
+        "too_long": _error(lambda: engine.generate(
+            [list(range(1, MAX_MODEL_LEN - GREEDY.max_new_tokens + 2))], GREEDY)),
+        "misshapen": _error(lambda: engine.update_weights([misshapen])),
+        "misshapen_name": name,
+    }
+    out["after_failed_update"] = _error(lambda: engine.generate(prompts, GREEDY))
+    out["unknown"] = _error(lambda: engine.update_weights([weights + [("lm_head.bias",
+                                                                       tensor)]]))
+    out["missing"] = _error(lambda: engine.update_weights([weights[:3] + weights[4:]]))
+    engine.update_weights([weights])
+    out["greedy_after_recovery"] = _as_tuples(engine.generate(prompts, GREEDY))
+    return out
+
+
+def _sleep_wake(engine: VLLMEngine, bridge: WeightBridge, prompts) -> dict:
+    out = {"kv_bytes_awake": engine.kv_cache_bytes()}
+    engine.sleep()
+    out["kv_bytes_asleep"] = engine.kv_cache_bytes()
+    out["asleep_generate"] = _error(lambda: engine.generate(prompts, GREEDY))
+    out["asleep_update"] = _error(lambda: engine.update_weights(bridge.stream()))
+    engine.wake()
+    out["kv_bytes_woken"] = engine.kv_cache_bytes()
+    out["woken_generate"] = _error(lambda: engine.generate(prompts, GREEDY))
+    engine.update_weights(bridge.stream())
+    out["greedy_after_wake"] = _as_tuples(engine.generate(prompts, GREEDY))
+    return out
+
+
+def _trainer_group_works() -> bool:
+    ones = torch.ones(1)
+    dist.all_reduce(ones)
+    return float(ones) == dist.get_world_size()
+
+
+def tensor_parallel(hf_dir: str, ckpt: str, prompts: list[list[int]]) -> dict:
+    """Two ranks, a TP2 trainer feeding through its bridge first one TP1 engine per rank, then
+    one TP2 engine over both ranks."""
+    actor, bridge, _ = _actor(ckpt, ParallelConfig(tensor_parallel=2))
+    out = {}
+    for tp in (1, 2):
+        engine = _engine(hf_dir, tensor_parallel_size=tp)
+        engine.update_weights(bridge.stream())
+        greedy = engine.generate(prompts, GREEDY)
+        out[f"vllm_tp{tp}"] = {"greedy": _as_tuples(greedy),
+                               "scored": _scored(actor, prompts, greedy)}
+        engine.shutdown()
+    out["trainer_group_alive"] = _trainer_group_works()
+    return out
