@@ -15,8 +15,12 @@ from megarlhf.roles.policy import PolicyLossConfig, PolicyRole
 from megarlhf.roles.sequences import SequenceBatch
 from megarlhf.roles.value import ValueLossConfig, ValueRole
 
-# No warmup: the one step under test must move the weights.
-OPTIM = OptimConfig(lr=1e-3, weight_decay=0.01, clip_grad=1.0)
+# No warmup: the one step under test must move the weights. Adam's first step is
+# lr * g / (|g| + eps): with the default eps 1e-8 a weight whose gradient cancels to ~1e-9
+# moves by up to lr on fp32 summation-order noise alone (seen: 3e-5 apart between layouts
+# with the ptx term). eps 1e-6 keeps such weights' updates proportional to their gradient;
+# scale errors still show in grad_norm and in every weight with a real gradient.
+OPTIM = OptimConfig(lr=1e-3, weight_decay=0.01, clip_grad=1.0, adam_eps=1e-6)
 
 
 def experience_batch(vocab_size: int, *, rows: int, seed: int) -> SequenceBatch:
@@ -49,7 +53,8 @@ def ppo_step(actor_ckpt: str, critic_ckpt: str, parallel: ParallelConfig, batch:
     mesh = init_mesh(parallel)
     actor = PolicyRole(_engine(actor_ckpt, parallel, mesh, OPTIM),
                        num_microbatches=num_microbatches,
-                       loss=PolicyLossConfig(clip_eps=0.2, dual_clip=3.0, entropy_coef=0.01))
+                       loss=PolicyLossConfig(clip_eps=0.2, dual_clip=3.0, entropy_coef=0.01,
+                                             ptx_coef=0.5))
     critic = ValueRole(_engine(critic_ckpt, parallel, mesh, OPTIM),
                        num_microbatches=num_microbatches, loss=ValueLossConfig(clip_eps=0.1))
     g = torch.Generator().manual_seed(seed)
@@ -57,7 +62,10 @@ def ppo_step(actor_ckpt: str, critic_ckpt: str, parallel: ParallelConfig, batch:
     # Old logprobs off by up to +-0.5 so that some ratios leave the clip range.
     old_logp = logp + (torch.rand(logp.shape, generator=g) - 0.5)
     advantages = torch.randn(logp.shape, generator=g)
-    actor_step, actor_metrics = actor.train_step(batch, old_logp, advantages)
+    # Pretraining rows of the same shape, trained on their "response" tokens.
+    ptx = experience_batch(actor.engine.spec.model.vocab_size, rows=batch.shape[0],
+                           seed=seed + 100)
+    actor_step, actor_metrics = actor.train_step(batch, old_logp, advantages, ptx)
     values = critic.values(batch)
     # Old values off by up to +-0.2 so that the 0.1 value clip takes effect on some tokens.
     old_values = values + (torch.rand(values.shape, generator=g) - 0.5) * 0.4

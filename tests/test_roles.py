@@ -14,6 +14,7 @@ import torch
 
 from megarlhf.parallel import launch_local
 from megarlhf.parallel.mesh import ParallelConfig as P
+from megarlhf.roles.policy import PolicyLossConfig, ptx_scale
 from megarlhf.roles.sequences import SequenceBatch
 from tests import role_workers
 
@@ -52,6 +53,26 @@ def test_sequences_longer_than_the_model_allows_are_refused():
     with pytest.raises(ValueError, match="18 tokens long, more than the model's "
                                          "max_position_embeddings=16"):
         batch.check_length(16)
+
+
+def test_ptx_scale_and_its_checks():
+    batch = role_workers.experience_batch(VOCAB, rows=4, seed=0)
+    ptx = role_workers.experience_batch(VOCAB, rows=4, seed=1)
+    for mode, ppo_den in (("token_mean", int(batch.response_mask.sum())),
+                          ("seq_mean_token_mean", 4)):
+        cfg = PolicyLossConfig(ptx_coef=0.5, aggregation=mode)
+        assert ptx_scale(cfg, batch, ptx) == pytest.approx(
+            0.5 * ppo_den / int(ptx.response_mask.sum()))
+    assert ptx_scale(PolicyLossConfig(), batch, None) == 0.0
+    with pytest.raises(ValueError, match="go together"):
+        ptx_scale(PolicyLossConfig(), batch, ptx)
+    with pytest.raises(ValueError, match="go together"):
+        ptx_scale(PolicyLossConfig(ptx_coef=1.0), batch, None)
+    with pytest.raises(ValueError, match="same shape"):
+        ptx_scale(PolicyLossConfig(ptx_coef=1.0), batch,
+                  role_workers.experience_batch(VOCAB, rows=2, seed=1))
+    with pytest.raises(ValueError, match="ptx_coef must be >= 0"):
+        PolicyLossConfig(ptx_coef=-1.0)
 
 
 @pytest.fixture(scope="module")
@@ -94,6 +115,10 @@ def _compare(result, ref, out_dir, ref_dir):
 def test_reference_step_is_meaningful(ppo_reference):
     ref, _ = ppo_reference
     assert 0.05 < ref["actor"]["clip_fraction"] < 0.95
+    actor = ref["actor"]  # token-mean mode: the step's loss is PPO - entropy bonus + ptx
+    assert actor["loss"] == pytest.approx(actor["policy_loss"] - 0.01 * actor["entropy"]
+                                          + 0.5 * actor["ptx_loss"], rel=1e-6)
+    assert actor["ptx_loss"] > 1.0  # an untrained model's NLL on random tokens
     assert ref["critic"]["value_clip_fraction"] > 0
     assert (ref["logp_after"] - ref["logp"]).abs().max() > 1e-3  # the step moved the actor
     assert (ref["values_after"] - ref["values"]).abs().max() > 1e-3

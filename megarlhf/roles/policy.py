@@ -26,6 +26,9 @@ class PolicyLossConfig:
     """Weight of the entropy bonus subtracted from the loss."""
     aggregation: str = "token_mean"
     """'token_mean' or 'seq_mean_token_mean' (see megarlhf.rl.losses.aggregate)."""
+    ptx_coef: float = 0.0
+    """Weight of the pretraining (ptx) loss, the token-mean NLL of a ptx batch, added to the
+    PPO loss (InstructGPT's PPO-ptx). Needs a ptx batch in train_step when > 0."""
 
     def __post_init__(self):
         if self.aggregation not in AGGREGATION_MODES:
@@ -33,6 +36,23 @@ class PolicyLossConfig:
                              f"{AGGREGATION_MODES}")
         if self.entropy_coef < 0:
             raise ValueError(f"entropy_coef must be >= 0, got {self.entropy_coef}")
+        if self.ptx_coef < 0:
+            raise ValueError(f"ptx_coef must be >= 0, got {self.ptx_coef}")
+
+
+def ptx_scale(cfg: PolicyLossConfig, batch: SequenceBatch, ptx: SequenceBatch | None) -> float:
+    """ptx_coef * D_ppo / D_ptx: the factor on a ptx micro-batch's NLL sum that makes the
+    engine's sum(numerators) / D_ppo equal PPO loss + ptx_coef * token-mean NLL."""
+    if (ptx is not None) != (cfg.ptx_coef > 0):
+        raise ValueError("a ptx batch and ptx_coef > 0 go together: got ptx_coef="
+                         f"{cfg.ptx_coef} and {'a' if ptx is not None else 'no'} ptx batch")
+    if ptx is None:
+        return 0.0
+    if ptx.shape != batch.shape:
+        raise ValueError(f"the ptx batch is {ptx.shape}, the PPO batch {batch.shape}; pad or "
+                         f"cut it to the same shape (micro-batches share one shape)")
+    ppo_den = int(aggregate(torch.zeros(batch.shape), batch.response_mask, cfg.aggregation)[1])
+    return cfg.ptx_coef * ppo_den / int(ptx.response_mask.sum())
 
 
 class PolicyRole:
@@ -68,36 +88,64 @@ class PolicyRole:
         return (logp, gather_rows(out, "entropy", self.engine.mesh)) if with_entropy else logp
 
     def train_step(self, batch: SequenceBatch, old_logp: torch.Tensor,
-                   advantages: torch.Tensor) -> tuple[StepMetrics, dict[str, float]]:
-        """One optimizer step of the clipped policy loss over the global batch.
+                   advantages: torch.Tensor, ptx: SequenceBatch | None = None
+                   ) -> tuple[StepMetrics, dict[str, float]]:
+        """One optimizer step of the clipped policy loss over the global batch, plus
+        `ptx_coef` times the token-mean NLL of `ptx` (tokens under its response_mask).
+
+        The two terms are means over different token sets, and the engine divides the sum of
+        all micro-batches' numerators by one global denominator. Both denominators are known
+        up front (every rank holds the global batches), so ptx micro-batches contribute
+        `ptx_coef * D_ppo / D_ptx * NLL_sum` with denominator 0: the step's loss is then
+        PPO + ptx_coef * ptx however the batches are split.
 
         Returns the engine's step metrics and global means: policy loss, clip fraction,
-        approximate KL (k3) and entropy over response tokens.
+        approximate KL (k3) and entropy over response tokens (and ptx loss).
         """
         cfg = self.loss
+        scale = ptx_scale(cfg, batch, ptx)
+        zeros = torch.zeros(batch.shape)
 
         def loss_fn(mb, logits_BTV):
             logp, entropy = self._logp_entropy(mb, logits_BTV)
             mask = mb["response_mask"]
+            m = mask.bool()
+            zero = torch.zeros((), device=logp.device)
+            if bool(mb["is_ptx"][0, 0]):
+                nll = -(logp * mask).sum()
+                metrics = {"loss_sum": (scale * nll).detach(), "num_tokens": m.sum() * 0,
+                           "pg_sum": zero, "tokens": m.sum() * 0, "clipped": zero,
+                           "approx_kl": zero, "entropy": zero, "ptx_sum": nll.detach(),
+                           "ptx_tokens": m.sum()}
+                return scale * nll, m.sum().to(torch.int) * 0, metrics
             pg_BT, stats = policy_loss(logp, mb["old_logp"], mb["advantages"], mask,
                                        clip_eps=cfg.clip_eps, clip_eps_high=cfg.clip_eps_high,
                                        dual_clip=cfg.dual_clip)
             num, den = aggregate(pg_BT - cfg.entropy_coef * entropy, mask, cfg.aggregation)
             pg_num, _ = aggregate(pg_BT, mask, cfg.aggregation)
-            m = mask.bool()
             metrics = {"loss_sum": num.detach().clone(), "num_tokens": den.detach().clone(),
                        "pg_sum": pg_num.detach(), "tokens": m.sum(),
                        "clipped": stats["clipped"][m].sum(),
                        "approx_kl": stats["approx_kl"][m].sum(),
-                       "entropy": entropy.detach()[m].sum()}
+                       "entropy": entropy.detach()[m].sum(), "ptx_sum": zero,
+                       "ptx_tokens": m.sum() * 0}
             return num, den.to(torch.int), metrics
 
-        mbs = microbatches(self.engine, batch, self.num_microbatches,
-                           response_mask=batch.response_mask.float(),
-                           old_logp=old_logp.float(), advantages=advantages.float())
+        mbs = self._microbatches(batch, old_logp, advantages, is_ptx=False)
+        if ptx is not None:
+            mbs += self._microbatches(ptx, zeros, zeros, is_ptx=True)
         step = self.engine.train_step(mbs, loss_fn)
         s = step.sums
-        return step, {"policy_loss": s["pg_sum"] / s["num_tokens"],
-                      "clip_fraction": s["clipped"] / s["tokens"],
-                      "approx_kl": s["approx_kl"] / s["tokens"],
-                      "entropy": s["entropy"] / s["tokens"]}
+        metrics = {"policy_loss": s["pg_sum"] / s["num_tokens"],
+                   "clip_fraction": s["clipped"] / s["tokens"],
+                   "approx_kl": s["approx_kl"] / s["tokens"],
+                   "entropy": s["entropy"] / s["tokens"]}
+        if ptx is not None:
+            metrics["ptx_loss"] = s["ptx_sum"] / s["ptx_tokens"]
+        return step, metrics
+
+    def _microbatches(self, batch: SequenceBatch, old_logp, advantages, *, is_ptx: bool):
+        return microbatches(self.engine, batch, self.num_microbatches,
+                            response_mask=batch.response_mask.float(),
+                            old_logp=old_logp.float(), advantages=advantages.float(),
+                            is_ptx=torch.full(batch.shape, float(is_ptx)))
