@@ -1,0 +1,1 @@
+"""PPO trainer: config, worker, worker groups, controller loop, checkpoints, metrics."""

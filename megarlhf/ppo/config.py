@@ -1,0 +1,180 @@
+"""The PPO run's configuration: one frozen dataclass, validated before any process starts.
+
+A recipe is a YAML file of these fields or a Python function (`module:function`) returning a
+`PPOConfig`; `key=value` overrides are applied on top and parsed as YAML scalars.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import os
+import typing
+
+import yaml
+
+from megarlhf.rl import AGGREGATION_MODES, CRITIC_FREE_ESTIMATORS, KL_ESTIMATORS
+
+ALGORITHMS = ("ppo", *sorted(CRITIC_FREE_ESTIMATORS))
+ROLLOUT_BACKENDS = ("megatron", "vllm")
+NAN_POLICIES = ("stop", "skip")
+WORKER_GROUPS = ("local", "ray")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PPOConfig:
+    # -- models (Megatron checkpoints; tools/convert_hf makes them from HF) --
+    actor: str
+    """Policy checkpoint; also the frozen reference model."""
+    critic: str | None = None
+    """Value-model checkpoint; required by 'ppo', unused by the critic-free algorithms."""
+    reward_model: str | None = None
+    """Reward-model checkpoint (score at the last token)."""
+    reward_fn: str | None = None
+    """'module:function' (prompt_ids, response_ids) -> float, added to the reward model's score."""
+    # -- data and output --
+    prompts: str
+    """JSONL file, one {"prompt_ids": [...]} per line."""
+    out_dir: str
+    # -- layout --
+    nproc: int = 1
+    """Ranks; all roles are colocated on them (TP x PP x DP = nproc)."""
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    worker_group: str = "local"
+    """'local' (spawned processes) or 'ray' (one Ray actor per rank)."""
+    # -- rollout --
+    rollout_backend: str = "megatron"
+    vllm_model_dir: str | None = None
+    """HF directory with the actor's config.json (vLLM backend)."""
+    prompts_per_step: int = 8
+    samples_per_prompt: int = 1
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    # -- algorithm --
+    algorithm: str = "ppo"
+    steps: int = 10
+    ppo_epochs: int = 1
+    mini_batches: int = 1
+    """Optimizer steps per epoch (the rollout batch is cut into this many parts)."""
+    micro_batches: int = 1
+    """Micro-batches per mini-batch and DP rank (pipeline schedule)."""
+    clip_eps: float = 0.2
+    value_clip_eps: float = 0.2
+    entropy_coef: float = 0.0
+    aggregation: str = "token_mean"
+    kl_coef: float = 0.05
+    kl_estimator: str = "k1"
+    kl_target: float | None = None
+    """Adaptive KL controller's target (None: fixed kl_coef)."""
+    kl_horizon: int = 10000
+    clip_reward: float | None = None
+    gamma: float = 1.0
+    lam: float = 0.95
+    whiten_advantages: bool = True
+    actor_lr: float = 1e-5
+    critic_lr: float = 1e-5
+    # -- run control --
+    seed: int = 0
+    save_every: int = 0
+    """Checkpoint every N steps (0: only at the end)."""
+    keep_last: int = 2
+    nan_policy: str = "stop"
+    """Non-finite reward or loss: 'stop' the run, or 'skip' the step's update."""
+
+    def __post_init__(self):
+        problems = []
+
+        def choice(name, options):
+            if getattr(self, name) not in options:
+                problems.append(f"{name}={getattr(self, name)!r} is not one of {list(options)}")
+
+        choice("algorithm", ALGORITHMS)
+        choice("rollout_backend", ROLLOUT_BACKENDS)
+        choice("nan_policy", NAN_POLICIES)
+        choice("worker_group", WORKER_GROUPS)
+        choice("kl_estimator", KL_ESTIMATORS)
+        choice("aggregation", AGGREGATION_MODES)
+        for name in ("nproc", "tensor_parallel", "pipeline_parallel", "prompts_per_step",
+                     "samples_per_prompt", "max_new_tokens", "steps", "ppo_epochs",
+                     "mini_batches", "micro_batches", "keep_last"):
+            if getattr(self, name) < 1:
+                problems.append(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.nproc % (self.tensor_parallel * self.pipeline_parallel):
+            problems.append(f"nproc={self.nproc} is not a multiple of tensor_parallel x "
+                            f"pipeline_parallel = {self.tensor_parallel * self.pipeline_parallel}")
+        if self.algorithm == "ppo" and self.critic is None:
+            problems.append("algorithm 'ppo' needs a critic checkpoint (critic=...), or choose "
+                            f"a critic-free algorithm: {list(CRITIC_FREE_ESTIMATORS)}")
+        if self.algorithm != "ppo" and self.samples_per_prompt < 2:
+            problems.append(f"algorithm {self.algorithm!r} compares samples of one prompt: "
+                            f"set samples_per_prompt >= 2")
+        if self.reward_model is None and self.reward_fn is None:
+            problems.append("no reward: set reward_model=CKPT and/or reward_fn=module:function")
+        if self.rollout_backend == "megatron" and self.pipeline_parallel > 1:
+            problems.append("the Megatron rollout backend runs at PP=1; use "
+                            "rollout_backend=vllm with pipeline_parallel > 1")
+        if self.rollout_backend == "vllm" and not self.vllm_model_dir:
+            problems.append("rollout_backend=vllm needs vllm_model_dir (an HF dir with the "
+                            "actor's config.json, e.g. its mcore_to_hf export)")
+        rows = self.prompts_per_step * self.samples_per_prompt
+        dp = self.nproc // max(1, self.tensor_parallel * self.pipeline_parallel)
+        if rows % (self.mini_batches * dp * self.micro_batches):
+            problems.append(f"prompts_per_step x samples_per_prompt = {rows} rows do not split "
+                            f"into mini_batches ({self.mini_batches}) x DP ({dp}) x "
+                            f"micro_batches ({self.micro_batches})")
+        for name in ("actor", "critic", "reward_model", "prompts"):
+            path = getattr(self, name)
+            if path is not None and not os.path.exists(path):
+                problems.append(f"{name}: {path} does not exist")
+        if problems:
+            raise ValueError("invalid PPO config:\n  " + "\n  ".join(problems))
+
+    @property
+    def rows_per_step(self) -> int:
+        return self.prompts_per_step * self.samples_per_prompt
+
+
+def load_config(recipe: str, overrides: list[str] = ()) -> PPOConfig:
+    """A YAML path or 'module:function' recipe, with 'key=value' overrides."""
+    if os.path.isfile(recipe):
+        with open(recipe) as f:
+            fields = yaml.safe_load(f) or {}
+        if not isinstance(fields, dict):
+            raise ValueError(f"{recipe} must hold a mapping of PPOConfig fields")
+    elif ":" in recipe:
+        module, name = recipe.split(":", 1)
+        built = getattr(importlib.import_module(module), name)()
+        if not isinstance(built, PPOConfig):
+            raise ValueError(f"{recipe} returned {type(built).__name__}, not a PPOConfig")
+        fields = dataclasses.asdict(built)
+    else:
+        raise ValueError(f"recipe {recipe!r} is neither a YAML file nor module:function")
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"override {item!r} is not key=value")
+        fields[key] = yaml.safe_load(value)
+    known = {f.name for f in dataclasses.fields(PPOConfig)}
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise ValueError(f"unknown PPO config keys {unknown}; known keys: {sorted(known)}")
+    if isinstance(fields.get("stop_token_ids"), list):
+        fields["stop_token_ids"] = tuple(fields["stop_token_ids"])
+    _check_types(fields)
+    return PPOConfig(**fields)
+
+
+def _check_types(fields: dict) -> None:
+    hints = typing.get_type_hints(PPOConfig)
+    for key, value in fields.items():
+        expected = hints[key]
+        allowed = typing.get_args(expected) or (expected,)
+        allowed = tuple(typing.get_origin(t) or t for t in allowed)
+        if float in allowed and isinstance(value, int) and not isinstance(value, bool):
+            continue
+        if not isinstance(value, tuple(t for t in allowed if isinstance(t, type))):
+            raise ValueError(f"{key}={value!r} should be of type {expected}")

@@ -1,0 +1,151 @@
+"""The PPO loop: one controller drives the worker group, top to bottom.
+
+    prompts -> rollout (n per prompt) -> experience (logprobs, ref logprobs, values, rewards)
+    -> advantages -> PPO epochs (actor, critic) -> weight sync -> metrics -> checkpoint
+
+The controller holds no model: it samples prompts, scores responses with the reward
+function, computes advantages (cheap tensor math on the global batch) and logs; every model
+computation is a collective call on the workers.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+
+import torch
+
+from megarlhf.ppo import checkpoints
+from megarlhf.ppo.config import PPOConfig
+from megarlhf.ppo.data import PromptSampler
+from megarlhf.ppo.metrics import MetricsLog, step_metrics
+from megarlhf.ppo.rewards import load_reward_fn
+from megarlhf.rl import (
+    AdaptiveKLController, FixedKLController, critic_free_advantages, gae, kl_shaped_rewards,
+    masked_whiten,
+)
+from megarlhf.rollout.engine import SamplingParams
+from megarlhf.rollout.experience import rollout_batch
+from megarlhf.rollout.gap import logprob_gap
+
+
+class NonFiniteError(RuntimeError):
+    """A reward or loss was NaN/Inf and the run's nan_policy is 'stop'."""
+
+
+def make_worker_group(config: PPOConfig):
+    if config.worker_group == "ray":
+        from megarlhf.ppo.ray_group import RayWorkerGroup
+
+        return RayWorkerGroup(config)
+    from megarlhf.ppo.groups import LocalWorkerGroup
+
+    return LocalWorkerGroup(config)
+
+
+def run(config: PPOConfig) -> list[dict]:
+    """Run (or resume) the job; returns the metrics of the steps this call ran."""
+    reward_fn = load_reward_fn(config.reward_fn) if config.reward_fn else None
+    sampler = PromptSampler(config.prompts, seed=config.seed)
+    kl_ctl = (AdaptiveKLController(config.kl_coef, config.kl_target, config.kl_horizon)
+              if config.kl_target is not None else FixedKLController(config.kl_coef))
+    log = MetricsLog(config.out_dir)
+    workers = make_worker_group(config)
+    history = []
+    try:
+        start = 0
+        latest = checkpoints.latest(config.out_dir)
+        if latest is not None:
+            state = checkpoints.read_state(latest)
+            workers.call("load", latest)
+            start = state["step"]
+            sampler.load_state_dict(state["sampler"])
+            kl_ctl.load_state_dict(state["kl"])
+            log.info(f"resumed from {latest} (step {start})")
+        for step in range(start + 1, config.steps + 1):
+            metrics = ppo_step(config, workers, sampler, kl_ctl, reward_fn, step)
+            history.append(metrics)
+            log.write(step, metrics)
+            if step == config.steps or (config.save_every and step % config.save_every == 0):
+                checkpoints.save(config, workers, step, {
+                    "step": step, "sampler": sampler.state_dict(),
+                    "kl": kl_ctl.state_dict()})
+    finally:
+        workers.shutdown()
+        log.close()
+    return history
+
+
+def ppo_step(config: PPOConfig, workers, sampler: PromptSampler, kl_ctl, reward_fn,
+             step: int) -> dict:
+    timer = {}
+    t = time.perf_counter()
+    prompts = sampler.next(config.prompts_per_step)
+    params = SamplingParams(max_new_tokens=config.max_new_tokens, n=config.samples_per_prompt,
+                            temperature=config.temperature, top_p=config.top_p,
+                            top_k=config.top_k, stop_token_ids=config.stop_token_ids,
+                            seed=config.seed * 1_000_003 + step)  # resume-stable sampling
+    completions = workers.call("generate", prompts, params)
+    rollout = rollout_batch(prompts, completions)
+    batch = rollout.sequences
+    mask = batch.response_mask.float()
+    timer["rollout"], t = time.perf_counter() - t, time.perf_counter()
+
+    exp = workers.call("experience", batch)
+    score = score_responses(exp, prompts, completions, reward_fn)
+    timer["experience"], t = time.perf_counter() - t, time.perf_counter()
+
+    values = returns = None
+    if config.algorithm == "ppo":
+        rewards = kl_shaped_rewards(score, exp["logp"], exp["ref_logp"], mask,
+                                    kl_coef=kl_ctl.value, kind=config.kl_estimator,
+                                    clip_reward=config.clip_reward)
+        values = exp["values"]
+        advantages, returns = gae(rewards, values, mask, gamma=config.gamma, lam=config.lam)
+    else:
+        advantages = critic_free_advantages(config.algorithm, score, mask,
+                                            group_size=config.samples_per_prompt)
+    if config.whiten_advantages:
+        advantages = masked_whiten(advantages, mask)
+
+    train_metrics = []
+    if not _finite(score, advantages) and config.nan_policy == "stop":
+        raise NonFiniteError(f"step {step}: non-finite reward or advantage; set "
+                             f"nan_policy=skip to skip such batches")
+    if _finite(score, advantages):
+        train_metrics = workers.call("train", batch, exp["logp"], advantages, values, returns)
+        losses = [v for m in train_metrics for k, v in m.items() if k.endswith("_loss")]
+        if not all(math.isfinite(v) for v in losses) and config.nan_policy == "stop":
+            raise NonFiniteError(f"step {step}: non-finite loss {losses}")
+    timer["train"], t = time.perf_counter() - t, time.perf_counter()
+
+    workers.call("sync_weights")
+    timer["sync"] = time.perf_counter() - t
+
+    kl = ((exp["logp"] - exp["ref_logp"]) * mask).sum() / mask.sum()
+    kl_ctl.update(float(kl), config.rows_per_step)
+    gap = logprob_gap(rollout.engine_logp, exp["logp"], batch.response_mask)
+    return step_metrics(step=step, score=score, exp=exp, mask=mask, values=values,
+                        returns=returns, train=train_metrics, gap=gap, kl=float(kl),
+                        kl_coef=kl_ctl.value, timer=timer, skipped=not train_metrics)
+
+
+def score_responses(exp: dict, prompts, completions, reward_fn) -> torch.Tensor:
+    """[B] rewards: the reward model's score plus the reward function's."""
+    score = exp.get("rm_scores", torch.zeros(len(completions))).float().clone()
+    if reward_fn is not None:
+        score += torch.tensor([float(reward_fn(prompts[c.prompt_index], c.token_ids))
+                               for c in completions])
+    return score
+
+
+def _finite(*tensors: torch.Tensor) -> bool:
+    return all(bool(torch.isfinite(t).all()) for t in tensors)
+
+
+def main(recipe: str, overrides: list[str]) -> None:
+    from megarlhf.ppo.config import load_config
+
+    history = run(load_config(recipe, overrides))
+    print(json.dumps(history[-1] if history else {}, indent=1))

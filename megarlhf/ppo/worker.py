@@ -1,0 +1,167 @@
+"""One rank of the PPO job: every role's model shard on this rank, colocated on one mesh.
+
+The controller calls the same method with the same arguments on every rank (SPMD); each
+method is collective over the mesh and returns the same result on every rank, so the
+controller reads rank 0's. Batches are global: the roles cut out this rank's share.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megarlhf.convert.mcore_to_hf import infer_architecture
+from megarlhf.engine.checkpoint import load_checkpoint, read_meta, save_checkpoint
+from megarlhf.engine.optim import OptimConfig
+from megarlhf.engine.train import TrainEngine
+from megarlhf.models.arch import architecture
+from megarlhf.models.config import ModelConfig
+from megarlhf.models.gpt import model_spec
+from megarlhf.parallel.mesh import ParallelConfig, init_mesh
+from megarlhf.ppo.config import PPOConfig
+from megarlhf.rollout.bridge import WeightBridge
+from megarlhf.rollout.engine import SamplingParams
+from megarlhf.roles.policy import PolicyLossConfig, PolicyRole
+from megarlhf.roles.sequences import SequenceBatch
+from megarlhf.roles.value import ValueLossConfig, ValueRole
+
+
+def _rows(batch: SequenceBatch, rows: slice) -> SequenceBatch:
+    return SequenceBatch(tokens=batch.tokens[rows], attention_mask=batch.attention_mask[rows],
+                         response_mask=batch.response_mask[rows])
+
+
+class PPOWorker:
+    def __init__(self, config: PPOConfig):
+        self.config = c = config
+        parallel = ParallelConfig(tensor_parallel=c.tensor_parallel,
+                                  pipeline_parallel=c.pipeline_parallel)
+        self.parallel = parallel
+        self.mesh = init_mesh(parallel, seed=c.seed)
+        self.rank = self.mesh.rank
+        loss = PolicyLossConfig(clip_eps=c.clip_eps, entropy_coef=c.entropy_coef,
+                                aggregation=c.aggregation)
+        self.actor = PolicyRole(self._engine(c.actor, c.actor_lr), loss=loss,
+                                num_microbatches=c.micro_batches)
+        self.ref = PolicyRole(self._engine(c.actor, None), num_microbatches=c.micro_batches)
+        self.critic = None
+        if c.algorithm == "ppo":
+            self.critic = ValueRole(self._engine(c.critic, c.critic_lr),
+                                    loss=ValueLossConfig(clip_eps=c.value_clip_eps,
+                                                         aggregation=c.aggregation),
+                                    num_microbatches=c.micro_batches)
+        self.reward = None
+        if c.reward_model:
+            self.reward = ValueRole(self._engine(c.reward_model, None),
+                                    num_microbatches=c.micro_batches)
+        model = self.actor.engine.spec.model
+        arch = architecture(self.actor.engine.provenance["architecture"]
+                            or infer_architecture(model))
+        self.bridge = WeightBridge(self.actor.engine.chunks, self.mesh, model, arch)
+        self.engine = self._rollout_engine(arch.name)
+        self.sync_weights()
+
+    def _engine(self, ckpt: str, lr: float | None) -> TrainEngine:
+        meta = read_meta(ckpt)
+        spec = model_spec(ModelConfig.from_dict(meta["model"]), self.parallel,
+                          value_head=meta["value_head"])
+        optim = OptimConfig(lr=lr, clip_grad=1.0) if lr is not None else None
+        engine = TrainEngine(spec, self.mesh, optim)
+        load_checkpoint(ckpt, engine, with_optimizer=False)
+        return engine
+
+    def _rollout_engine(self, arch_name: str):
+        c = self.config
+        if c.rollout_backend == "vllm":
+            from megarlhf.rollout.vllm_engine import VLLMEngine, VLLMEngineConfig
+
+            return VLLMEngine(VLLMEngineConfig(model_dir=c.vllm_model_dir, seed=c.seed,
+                                               kv_cache_memory_bytes=64 * 1024**2))
+        from megarlhf.rollout.megatron_engine import MegatronEngine, MegatronEngineConfig
+
+        return MegatronEngine(self.actor.engine.spec, self.mesh,
+                              MegatronEngineConfig(architecture=arch_name))
+
+    # -- the loop's phases -----------------------------------------------------------------
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams):
+        """Completions of all prompts, on every rank. Prompts are dealt round-robin over the
+        engines and the results gathered: a vLLM engine per rank, or one Megatron engine per
+        DP replica (it spans the replica's TP group)."""
+        if self.config.rollout_backend == "vllm":
+            share, count, group = self.rank, self.mesh.world_size, None
+        else:
+            share, count, group = self.mesh.dp_rank, self.mesh.dp_size, self.mesh.dp_group
+        mine = list(range(share, len(prompts), count))
+        local = self.engine.generate([prompts[i] for i in mine], params) if mine else []
+        local = [dataclasses.replace(c, prompt_index=mine[c.prompt_index]) for c in local]
+        parts = [None] * count
+        dist.all_gather_object(parts, local, group=group)
+        merged = [c for part in parts for c in part]
+        return sorted(merged, key=lambda c: c.prompt_index)  # stable: samples keep order
+
+    def experience(self, batch: SequenceBatch) -> dict[str, torch.Tensor]:
+        """Old/ref logprobs, entropy, values and reward-model scores of the rollout batch."""
+        logp, entropy = self.actor.logprobs(batch, with_entropy=True)
+        out = {"logp": logp, "entropy": entropy, "ref_logp": self.ref.logprobs(batch)}
+        if self.critic is not None:
+            out["values"] = self.critic.values(batch)
+        if self.reward is not None:
+            out["rm_scores"] = self.reward.scores(batch)
+        return out
+
+    def train(self, batch: SequenceBatch, old_logp: torch.Tensor, advantages: torch.Tensor,
+              old_values: torch.Tensor | None, returns: torch.Tensor | None) -> list[dict]:
+        """PPO epochs over mini-batches; metrics of every optimizer step."""
+        c = self.config
+        size = batch.shape[0] // c.mini_batches
+        metrics = []
+        for _ in range(c.ppo_epochs):
+            for k in range(c.mini_batches):
+                rows = slice(k * size, (k + 1) * size)
+                part = _rows(batch, rows)
+                step, actor = self.actor.train_step(part, old_logp[rows], advantages[rows])
+                m = {f"actor/{k}": v for k, v in actor.items()}
+                m.update({"actor/grad_norm": step.grad_norm, "actor/lr": step.lr,
+                          "actor/skipped": float(step.skipped)})
+                if self.critic is not None:
+                    vstep, critic = self.critic.train_step(part, old_values[rows],
+                                                           returns[rows])
+                    m.update({f"critic/{k}": v for k, v in critic.items()})
+                    m["critic/grad_norm"] = vstep.grad_norm
+                metrics.append(m)
+        return metrics
+
+    def sync_weights(self) -> None:
+        self.engine.update_weights(self.bridge.stream())
+
+    # -- checkpoints -------------------------------------------------------------------------
+
+    def save(self, directory: str) -> None:
+        save_checkpoint(os.path.join(directory, "actor"), self.actor.engine, self.mesh)
+        if self.critic is not None:
+            save_checkpoint(os.path.join(directory, "critic"), self.critic.engine, self.mesh)
+        os.makedirs(os.path.join(directory, "rng"), exist_ok=True)
+        torch.save({"torch": torch.get_rng_state(), "python": random.getstate(),
+                    "numpy": np.random.get_state()},
+                   os.path.join(directory, "rng", f"rank{self.rank}.pt"))
+        dist.barrier()
+
+    def load(self, directory: str) -> None:
+        load_checkpoint(os.path.join(directory, "actor"), self.actor.engine)
+        if self.critic is not None:
+            load_checkpoint(os.path.join(directory, "critic"), self.critic.engine)
+        rng = torch.load(os.path.join(directory, "rng", f"rank{self.rank}.pt"),
+                         weights_only=False)
+        torch.set_rng_state(rng["torch"])
+        random.setstate(rng["python"])
+        np.random.set_state(rng["numpy"])
+        self.sync_weights()
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()

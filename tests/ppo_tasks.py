@@ -1,0 +1,11 @@
+"""Reward functions with a known optimum for PPO tests and the demo (importable by workers)."""
+
+from __future__ import annotations
+
+LOW_IDS = 30
+"""Token ids below this are 'good': 10% of a 300-token vocabulary, so an untrained policy
+scores about 0.1 and the optimum is 1.0."""
+
+
+def low_token_fraction(prompt_ids: list[int], response_ids: list[int]) -> float:
+    return sum(t < LOW_IDS for t in response_ids) / len(response_ids)
