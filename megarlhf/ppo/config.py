@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import os
+import types
 import typing
 
 import yaml
@@ -169,12 +170,19 @@ def load_config(recipe: str, overrides: list[str] = ()) -> PPOConfig:
 
 
 def _check_types(fields: dict) -> None:
+    """Raise on a value of the wrong type; YAML reads '1e-4' as a string, so numbers written
+    that way are converted where the field is a float."""
     hints = typing.get_type_hints(PPOConfig)
     for key, value in fields.items():
         expected = hints[key]
-        allowed = typing.get_args(expected) or (expected,)
+        union = typing.get_origin(expected) in (typing.Union, types.UnionType)
+        allowed = typing.get_args(expected) if union else (expected,)
         allowed = tuple(typing.get_origin(t) or t for t in allowed)
-        if float in allowed and isinstance(value, int) and not isinstance(value, bool):
-            continue
+        if float in allowed and isinstance(value, (int, str)) and not isinstance(value, bool):
+            try:
+                fields[key] = float(value)
+                continue
+            except ValueError:
+                pass
         if not isinstance(value, tuple(t for t in allowed if isinstance(t, type))):
             raise ValueError(f"{key}={value!r} should be of type {expected}")
