@@ -18,6 +18,7 @@ from megarlhf.ppo import checkpoints
 from megarlhf.ppo.config import PPOConfig, load_config
 from megarlhf.ppo.controller import run
 from megarlhf.ppo.data import PromptSampler
+from megarlhf.ppo.groups import WorkerError
 from megarlhf.ppo.metrics import read_metrics
 from tests import role_workers
 
@@ -91,8 +92,9 @@ def _reward_curve(history: list[dict]) -> tuple[float, float]:
 
 
 @pytest.mark.slow
-def test_ppo_reward_rises_at_tp2_dp2(base):
-    history = run(base)
+def test_ppo_reward_rises_at_tp2_dp2_under_ray(base):
+    pytest.importorskip("ray")
+    history = run(dataclasses.replace(base, worker_group="ray"))
     start, end = _reward_curve(history)
     assert start < 0.15 and end > 2 * start, (start, end)
     last = history[-1]
@@ -109,6 +111,16 @@ def test_grpo_reward_rises(base, tmp_path):
                                  prompts_per_step=4, out_dir=str(tmp_path))
     start, end = _reward_curve(run(config))
     assert start < 0.15 and end > 2 * start, (start, end)
+
+
+@pytest.mark.slow
+def test_a_failing_rank_stops_the_run_with_its_traceback(base, tmp_path):
+    # A value checkpoint given as the actor: every rank raises while building its roles.
+    config = dataclasses.replace(base, actor=base.critic, nproc=1, tensor_parallel=1,
+                                 out_dir=str(tmp_path))
+    with pytest.raises(WorkerError, match=r"(?s)start-up failed on rank 0.*policy role needs "
+                                          r"an LM"):
+        run(config)
 
 
 def _ppo_process(config: PPOConfig) -> subprocess.Popen:
