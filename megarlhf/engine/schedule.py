@@ -81,6 +81,24 @@ def from_last_stage(obj, mesh: Mesh):
     return box[0]
 
 
+def outputs_from_last_stage(out: list[dict], mesh: Mesh) -> list[dict]:
+    """The loss closures' dicts of tensors on every stage: their layout (keys, shapes, dtypes)
+    goes as a small object, the tensors by tensor broadcasts (per-token outputs of a PPO batch
+    are megabytes, too slow to pickle)."""
+    if mesh.pp == 1:
+        return out
+    layout = from_last_stage([{k: (tuple(v.shape), v.dtype) for k, v in d.items()}
+                              for d in out] if mesh.is_last_stage else None, mesh)
+    if not mesh.is_last_stage:
+        out = [{k: torch.empty(shape, dtype=dtype, device=mesh.device)
+                for k, (shape, dtype) in d.items()} for d in layout]
+    for d in out:
+        for key in sorted(d):
+            d[key] = d[key].contiguous()
+            dist.broadcast(d[key], src=mesh.last_stage_rank, group=mesh.pp_group)
+    return out
+
+
 def gather_rows(out: list[dict], key: str, mesh: Mesh) -> torch.Tensor:
     """`key` of the closures' dicts, concatenated over this rank's micro-batches and then over
     DP ranks: the global batch's rows, in order, on every rank (call after from_last_stage)."""

@@ -14,7 +14,9 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
 from megarlhf.engine.optim import OptimConfig, build_optimizer, build_scheduler
-from megarlhf.engine.schedule import Batch, LossFn, forward_backward, from_last_stage
+from megarlhf.engine.schedule import (
+    Batch, LossFn, forward_backward, from_last_stage, outputs_from_last_stage,
+)
 from megarlhf.models.gpt import ModelSpec, build_model
 from megarlhf.parallel.mesh import Mesh
 
@@ -74,7 +76,7 @@ class TrainEngine:
         with torch.no_grad():
             out = forward_backward(self.chunks, self.mesh, microbatches, loss_fn,
                                    forward_only=True)
-        return from_last_stage(out, self.mesh)
+        return outputs_from_last_stage(out, self.mesh)
 
     def train_step(self, microbatches: list[Batch], loss_fn: LossFn) -> StepMetrics:
         """One optimizer step over `microbatches` (this DP rank's share of the global batch).
