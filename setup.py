@@ -15,6 +15,7 @@ setup(
         "sentencepiece",
         "psutil",  # dist_checkpointing needs it; megatron-core does not declare it
         "pyyaml",
+        "matplotlib",  # `megarlhf plot`: a run's curves to PNG
     ],
     extras_require={
         "test": ["pytest>=8", "pytest-timeout"],

@@ -13,7 +13,32 @@ def main(argv: list[str] | None = None) -> None:
     ppo.add_argument("--config", required=True,
                      help="recipe: a YAML file of PPOConfig fields, or module:function")
     ppo.add_argument("overrides", nargs="*", help="key=value settings on top of the recipe")
+    for name, help in (("sft", "supervised fine-tuning (stage 1)"),
+                       ("rm", "pairwise reward-model training (stage 2)")):
+        stage = sub.add_parser(name, help=help)
+        stage.add_argument("--config", required=True, help="YAML file of SFTConfig / RMConfig")
+        stage.add_argument("--nproc", type=int, default=None,
+                           help="spawn this many local ranks (instead of torchrun / srun)")
+        stage.add_argument("overrides", nargs="*", metavar="key=value",
+                           help="dotted overrides, e.g. train.steps=100 parallel.tensor_parallel=2")
+    plot = sub.add_parser("plot", help="a run's metrics.jsonl as PNG curves")
+    plot.add_argument("run_dir")
+    plot.add_argument("--out", help="PNG path (default RUN_DIR/curves.png)")
     args = parser.parse_args(argv)
+    if args.command == "plot":
+        from megarlhf.ppo.plot import plot_run
+
+        try:
+            print(plot_run(args.run_dir, args.out))
+        except ValueError as e:
+            parser.exit(2, f"error: {e}\n")
+    if args.command in ("sft", "rm"):
+        from megarlhf.sft import command
+
+        try:
+            command.main(args.command, args.config, args.overrides, args.nproc)
+        except ValueError as e:
+            parser.exit(2, f"error: {e}\n")
     if args.command == "ppo":
         from megarlhf.ppo.controller import main as ppo_main
 

@@ -168,3 +168,18 @@ def test_resume_after_kill_is_exact(base, tmp_path):
     assert final_ours.keys() == final_theirs.keys()
     for key in final_ours:
         assert torch.equal(final_ours[key], final_theirs[key]), key
+
+
+def test_plot_writes_a_png_of_the_logged_curves(tmp_path):
+    from megarlhf.ppo.plot import plot_run
+
+    with open(tmp_path / "metrics.jsonl", "w") as f:
+        for step in range(1, 6):
+            f.write(json.dumps({"step": step, "reward/mean": 0.1 * step, "kl": 0.01}) + "\n")
+    out = plot_run(str(tmp_path))
+    with open(out, "rb") as png:
+        assert png.read(8) == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(ValueError, match="none of"):
+        plot_run(str(tmp_path), keys=("no/such",))
+    with pytest.raises(ValueError, match="no metrics.jsonl"):
+        plot_run(str(tmp_path / "missing"))
