@@ -15,14 +15,11 @@ process, so its peak RSS (`ru_maxrss`) is its own high-water mark:
   hf_to_mcore         `hf_to_mcore(hf, out, parallel=TP2xPP2)`
   mcore_to_hf         `mcore_to_hf(out, hf2)` with the default 2 GiB shards, and with shards of
                       the source's size
-Diagnostics, to attribute hf_to_mcore's time and memory (outputs discarded):
+Diagnostics, to attribute the converters' time and memory (outputs discarded):
   setup               inspect + Megatron's meta-model template (gloo init), no tensor
-  traced              torch DCP's serial CPU loader wrapped to count the bytes of tensors it
-                      handed to the writer that are still alive (no change in behaviour)
   malloc threshold    MALLOC_MMAP_THRESHOLD_=1 MiB: glibc maps every large block and unmaps it
-                      on free, instead of raising the threshold and keeping freed blocks
-  chunks released     each tensor emptied (`set_()`) once DCP has written it: DCP's writer keeps
-                      the last tensor of every key in a dict until its file is closed
+                      on free, instead of raising the threshold and keeping freed blocks in
+                      its heap; what the per-layer blocks glibc keeps add to the peak
   no CRC32            torch.save without the zip CRC32 (`torch.utils.serialization.config`)
 
 Before every step the page cache is dropped (`echo 3 > /proc/sys/vm/drop_caches`, when the
@@ -63,17 +60,10 @@ STEPS = {
     "mcore_to_hf": ("mcore_to_hf", "hf2", True, {}, {}),
     "mcore_to_hf, small shards": ("mcore_to_hf small", "hf2_small", True, {}, {}),
     "diag: hf_to_mcore setup only": ("setup", None, False, {}, {}),
-    "diag: hf_to_mcore traced": ("hf_to_mcore", "diag", False, {}, {"trace": True}),
     "diag: hf_to_mcore, malloc threshold": ("hf_to_mcore", "diag", False, FIXED_MMAP, {}),
-    "diag: hf_to_mcore, chunks released": ("hf_to_mcore", "diag", False, {},
-                                           {"trace": True, "release": True}),
-    "diag: hf_to_mcore, both": ("hf_to_mcore", "diag", False, FIXED_MMAP,
-                                {"trace": True, "release": True}),
     "diag: hf_to_mcore, no CRC32": ("hf_to_mcore", "diag", False, {}, {"no_crc": True}),
 }
 PLAIN = ("safetensors round", "stream copy")
-MEMORY_DIAGS = ("diag: hf_to_mcore traced", "diag: hf_to_mcore, malloc threshold",
-                "diag: hf_to_mcore, chunks released", "diag: hf_to_mcore, both")
 VERIFIED = ("mcore_to_hf", "mcore_to_hf, small shards", "safetensors round", "stream copy",
             "stream copy, fresh buffers", "copyfile")
 
@@ -169,37 +159,6 @@ def _copyfile(src, dst):
         shutil.copyfile(os.path.join(src, name), os.path.join(dst, name))
 
 
-def _patch_dcp_loader(release: bool) -> dict:
-    """Wrap DCP's serial CPU loader (the path taken without CUDA): count the bytes of the
-    tensors it handed to the writer that are still alive; with `release`, empty each tensor
-    once the writer asks for the next one (by then `_write_item` has torch.save'd it)."""
-    import weakref
-
-    import torch.distributed.checkpoint.filesystem as fs
-
-    stats = {"live": 0, "max_live": 0, "items": 0}
-
-    def forget(n):
-        stats["live"] -= n
-
-    original = fs._SerialCpuLoader.values
-
-    def values(self):
-        for tensor, obj in original(self):
-            n = tensor.untyped_storage().nbytes()
-            stats["items"] += 1
-            stats["live"] += n
-            stats["max_live"] = max(stats["max_live"], stats["live"])
-            gone = weakref.finalize(tensor, forget, n)
-            yield tensor, obj
-            if release:
-                tensor.set_()  # drops the storage; views of it (the writer's cache) keep theirs
-                gone()
-
-    fs._SerialCpuLoader.values = values
-    return stats
-
-
 def _setup(src, parallel):
     """hf_to_mcore's work before the first tensor: checks, and Megatron's meta-model template."""
     from megarlhf.convert.hf_to_mcore import inspect_hf
@@ -236,7 +195,6 @@ def _child(spec: dict) -> dict:
         "mcore_to_hf small": lambda: mcore_to_hf(src, dst,
                                                  max_shard_bytes=spec["shard_mb"] * 10**6),
     }
-    trace = _patch_dcp_loader(opts.get("release", False)) if opts.get("trace") else None
     if opts.get("no_crc"):
         from torch.utils.serialization import config
 
@@ -252,8 +210,6 @@ def _child(spec: dict) -> dict:
     out = {"wall": wall, "sync": time.perf_counter() - t0, "peak": r1.ru_maxrss / 1024,
            "before": before, "user": r1.ru_utime - r0.ru_utime,
            "sys": r1.ru_stime - r0.ru_stime}
-    if trace is not None:
-        out.update(dcp_max_live=trace["max_live"], dcp_items=trace["items"])
     return out
 
 
@@ -412,11 +368,10 @@ def main() -> None:
     def row(name, rs):
         wall, peak = median(rs, total), max(r["peak"] for r in rs)
         timed = "setup" not in name
-        compared = timed and name not in MEMORY_DIAGS
         cells = [name, f"{median(rs, lambda r: r['wall']):.2f}", f"{wall:.2f}",
                  f"{median(rs, lambda r: r['user']):.1f} / {median(rs, lambda r: r['sys']):.1f}",
                  f"{model['bytes'] / 1e9 / wall:.2f}" if timed else "",
-                 *(f"{speed_ratio(p, rs):.2f}" if compared else "" for p in PLAIN),
+                 *(f"{speed_ratio(p, rs):.2f}" if timed else "" for p in PLAIN),
                  f"{peak:.0f}", f"{peak - floor:.0f}", f"{(peak - floor) / size_mib:.2f}"]
         return "| " + " | ".join(cells) + " |"
 
@@ -430,7 +385,6 @@ def main() -> None:
     lines += [row(name, rs) for name, rs in results.items()]
     table = "\n".join(lines)
     key, size, shape = model["largest"]
-    traced = results["diag: hf_to_mcore traced"]
     notes = (
         f"Model: {model['params'] / 1e6:.1f}M params, {model['bytes'] / 1e9:.3f} GB of fp32 "
         f"tensors = {size_mib:.0f} MiB ({model['disk'] / 1e9:.3f} GB on disk in "
@@ -441,9 +395,8 @@ def main() -> None:
         f"{'yes' if dropped else 'no (not permitted): inputs were likely in the page cache'}. "
         f"1-minute load average during the run: {min(load):.1f} to {max(load):.1f}. "
         f"GB/s = model bytes / (call + sync); speed / X = X's time / the step's time, "
-        f"median over rounds of the ratio within a round (memory diagnostics: not compared). "
-        f"DCP loader traced: {traced[0]['dcp_items']} chunks written, at most "
-        f"{max(r['dcp_max_live'] for r in traced) / 2**20:.0f} MiB of them alive at once. "
+        f"median over rounds of the ratio within a round. hf_to_mcore and mcore_to_hf ran "
+        f"without MALLOC_MMAP_THRESHOLD_ or any other allocator setting: they need none. "
         f"Verified bitwise against the source, outside the timings: "
         + ", ".join(f"{n} ({check[path(STEPS[n][1])]['tensors']} tensors)" for n in VERIFIED)
         + ".")

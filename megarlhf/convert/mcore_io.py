@@ -4,14 +4,17 @@ A Megatron checkpoint is layout-free: each tensor is stored under its global key
 stacked on a leading axis, in chunks with global offsets. Megatron's own `sharded_state_dict`
 of a meta-device model at TP1/PP1 tells which keys, shapes and chunks a full checkpoint has;
 the writer below plans exactly those chunks and asks for each chunk's data only when the
-storage writer reaches it, so at most one chunk (one layer's matrix) is in memory. The reader
-fetches arbitrary slabs (e.g. one layer of one key) of a checkpoint written at any layout.
+storage writer reaches it, and frees it once written, so at most one chunk (one layer's matrix)
+is in memory. The reader fetches arbitrary slabs (e.g. one layer of one key) of a checkpoint
+written at any layout, loading each stored chunk once and copying only to assemble a slab from
+several chunks.
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
+import math
 import os
 import warnings
 from typing import Callable
@@ -29,8 +32,6 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
 )
 from torch.distributed.checkpoint.planner import (
-    LoadPlan,
-    LoadPlanner,
     SavePlan,
     TensorWriteData,
     WriteItem,
@@ -89,12 +90,20 @@ def _narrow(tensor: torch.Tensor, offsets, lengths) -> torch.Tensor:
 
 
 class _StreamingSavePlanner(DefaultSavePlanner):
-    """Plans the given write items and produces each tensor only when it is written."""
+    """Plans the given write items and produces each tensor only when it is written.
+
+    DCP's writer keeps every tensor it wrote (the last of each key) until its file is closed,
+    which with one file per rank is the whole save. Its serial loader (ensured by
+    `per_thread_copy_ahead=0`) asks for an item only after writing the one before, so the
+    memory of each tensor handed out is freed when the next is asked for, and of the last one
+    by `release`. That needs every tensor handed out to own its memory, exactly its size (DCP
+    would otherwise write a clone, which this cannot reach)."""
 
     def __init__(self, items: list[WriteItem], tensor_for: Callable[[WriteItem], torch.Tensor],
                  objects: dict[str, io.BytesIO]):
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
         self._items, self._tensor_for, self._objects = items, tensor_for, objects
+        self._handed_out: torch.Tensor | None = None
 
     def set_up_planner(self, state_dict, storage_meta=None, is_coordinator=False):
         self.state_dict, self.is_coordinator = {}, is_coordinator
@@ -106,7 +115,51 @@ class _StreamingSavePlanner(DefaultSavePlanner):
     def resolve_data(self, write_item: WriteItem):
         if write_item.type == WriteItemType.BYTE_IO:
             return self._objects[write_item.index.fqn]
-        return self._tensor_for(write_item)
+        self.release()
+        tensor = self._tensor_for(write_item)
+        if not _owns_exactly(tensor):
+            raise AssertionError(f"{write_item.index}: a chunk must own exactly its memory")
+        self._handed_out = tensor
+        return tensor
+
+    def release(self) -> None:
+        if self._handed_out is not None:
+            self._handed_out.untyped_storage().resize_(0)
+            self._handed_out = None
+
+
+def _owns_exactly(tensor: torch.Tensor) -> bool:
+    storage = tensor.untyped_storage()
+    return tensor.is_contiguous() and storage.nbytes() == tensor.nbytes and storage.resizable()
+
+
+class _Chunks:
+    """Each planned chunk, cut out of the per-layer tensor that `source` gives for its key.
+
+    Chunks of one key and layer (e.g. gate and up of the fused MLP) come one after another,
+    so the last per-layer tensor is kept rather than rebuilt per chunk."""
+
+    def __init__(self, by_index: dict[MetadataIndex, ShardedTensor], source: TensorSource):
+        self._by_index, self._source = by_index, source
+        self._id, self._full = None, None
+
+    def __call__(self, item: WriteItem) -> torch.Tensor:
+        sh = self._by_index[item.index]
+        prepend = sh.prepend_axis_num
+        layer = sh.global_offset[0] if prepend else None
+        if (sh.key, layer) != self._id:
+            self._full = None  # freed before the next one is built
+            self._id = (sh.key, layer)
+            self._full = self._source(sh.key, layer, tuple(sh.global_shape[prepend:]))
+        full = self._full
+        if full.dtype != sh.dtype:
+            raise ValueError(f"{sh.key}: source tensor is {full.dtype}, checkpoint is {sh.dtype}")
+        if tuple(full.shape) == tuple(sh.local_shape) and _owns_exactly(full):
+            self._id = self._full = None  # the only chunk: handed out, and freed once written
+            part = full
+        else:
+            part = _narrow(full, sh.global_offset[prepend:], sh.local_shape).clone()
+        return part.reshape(item.tensor_data.chunk.sizes)
 
 
 def write_checkpoint(path: str, template, source: TensorSource) -> None:
@@ -129,72 +182,31 @@ def write_checkpoint(path: str, template, source: TensorSource) -> None:
             chunk=chunk, properties=TensorProperties(dtype=sh.dtype),
             size=torch.Size(sh.global_shape))))
         by_index[index] = sh
+    # Whole tensors first. The embedding and output layer are the largest; written before any
+    # layer, they do not come on top of what glibc keeps in its heap of the freed per-layer
+    # tensors (blocks under its mmap threshold, at most 32 MiB; that heap levels off at about
+    # two layers' worth).
+    stacked = {index for index, sh in by_index.items() if sh.prepend_axis_num}
+    items.sort(key=lambda item: item.index in stacked)
 
-    cache: dict = {}
-
-    def tensor_for(item: WriteItem) -> torch.Tensor:
-        sh = by_index[item.index]
-        prepend = sh.prepend_axis_num
-        layer = sh.global_offset[0] if prepend else None
-        # Chunks of one key and layer (e.g. gate and up of the fused MLP) come one after
-        # another; keep the last per-layer tensor rather than rebuild it per chunk.
-        if cache.get("id") != (sh.key, layer):
-            cache.clear()
-            full = source(sh.key, layer, tuple(sh.global_shape[prepend:]))
-            cache.update(id=(sh.key, layer), tensor=full)
-        part = _narrow(cache["tensor"], sh.global_offset[prepend:], sh.local_shape)
-        if part.dtype != sh.dtype:
-            raise ValueError(f"{sh.key}: source tensor is {part.dtype}, checkpoint is {sh.dtype}")
-        return part.reshape(item.tensor_data.chunk.sizes).contiguous()
-
-    writer = dcp.FileSystemWriter(path, single_file_per_rank=True, thread_count=1)
+    writer = dcp.FileSystemWriter(path, single_file_per_rank=True, thread_count=1,
+                                  per_thread_copy_ahead=0)
+    planner = _StreamingSavePlanner(items, _Chunks(by_index, source), objects)
     with _single_process():
-        dcp.save({}, storage_writer=writer,
-                 planner=_StreamingSavePlanner(items, tensor_for, objects), no_dist=True)
+        dcp.save({}, storage_writer=writer, planner=planner, no_dist=True)
+    planner.release()
     # The files Megatron's loader expects next to the torch_dist data.
     save_config(CheckpointingConfig("torch_dist", 1, "torch", 1), path)
     torch.save({}, os.path.join(path, "common.pt"))
 
 
-class _SlabLoadPlanner(LoadPlanner):
-    """Reads requested (key, offsets, sizes) slabs into fresh tensors."""
-
-    def __init__(self, requests: list[tuple[str, tuple[int, ...], tuple[int, ...]]]):
-        self.requests = requests
-        self.buffers: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
-
-    def set_up_planner(self, state_dict, metadata=None, is_coordinator=False):
-        self.metadata = metadata
-
-    def create_local_plan(self) -> LoadPlan:
-        items = []
-        for key, offsets, sizes in self.requests:
-            md = self.metadata.state_dict_metadata[key]
-            self.buffers[(key, tuple(offsets))] = torch.zeros(sizes, dtype=md.properties.dtype)
-            items += create_read_items_for_chunk_list(
-                key, md, [ChunkStorageMetadata(offsets=torch.Size(offsets),
-                                               sizes=torch.Size(sizes))])
-        return LoadPlan(items)
-
-    def create_global_plan(self, global_plan):
-        return global_plan
-
-    def finish_plan(self, central_plan):
-        return central_plan
-
-    def load_bytes(self, read_item, value):
-        pass
-
-    def resolve_tensor(self, read_item):
-        buf = self.buffers[(read_item.dest_index.fqn, tuple(read_item.dest_index.offset))]
-        return _narrow(buf, read_item.dest_offsets, read_item.lengths)
-
-    def commit_tensor(self, read_item, tensor):
-        pass
-
-
 class CheckpointReader:
-    """Slabs of a Megatron dist checkpoint written at any layout."""
+    """Slabs of a Megatron dist checkpoint written at any layout.
+
+    Reads the stored chunks itself rather than through `dcp.load`, which copies every chunk
+    it loads into a destination given up front: a slab that is exactly one stored chunk (a
+    layer of a checkpoint written at TP1) is the loaded chunk itself, and the only copies are
+    those assembling a slab from several chunks."""
 
     def __init__(self, path: str):
         self.path = path
@@ -213,8 +225,64 @@ class CheckpointReader:
         for key, _, _ in requests:
             if self.shape(key) is None:
                 raise ValueError(f"{self.path} has no tensor {key!r}")
-        planner = _SlabLoadPlanner(requests)
-        with _single_process():
-            dcp.load({}, storage_reader=dcp.FileSystemReader(self.path), planner=planner,
-                     no_dist=True)
-        return [planner.buffers[(key, tuple(offsets))] for key, offsets, _ in requests]
+        return [self._slab(*request) for request in requests]
+
+    def _slab(self, key: str, offsets, sizes) -> torch.Tensor:
+        sizes = tuple(sizes)
+        items = create_read_items_for_chunk_list(
+            key, self.metadata.state_dict_metadata[key],
+            [ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))])
+        if sum(math.prod(item.lengths) for item in items) != math.prod(sizes):
+            raise ValueError(f"{self.path}: the stored chunks of {key!r} do not cover "
+                             f"{sizes} at {tuple(offsets)}")
+        if len(items) == 1:  # within one stored chunk: no assembly
+            chunk = self._chunk(items[0].storage_index)
+            slab = _narrow(chunk, items[0].storage_offsets, sizes)
+            return chunk if slab.shape == chunk.shape else slab.clone()
+        out = torch.empty(sizes, dtype=self.dtype(key))
+        for item in items:
+            chunk = self._chunk(item.storage_index)
+            _narrow(out, item.dest_offsets, item.lengths).copy_(
+                _narrow(chunk, item.storage_offsets, item.lengths))
+        return out
+
+    def _chunk(self, index: MetadataIndex) -> torch.Tensor:
+        # FileSystemWriter's layout: each chunk torch.save'd at (offset, length) of its file.
+        info = self.metadata.storage_data[index]
+        if getattr(info, "transform_descriptors", None):
+            raise ValueError(f"{self.path}: {index.fqn} is stored with transforms "
+                             f"{info.transform_descriptors}, which this reader does not undo")
+        with open(os.path.join(self.path, info.relative_path), "rb") as f:
+            return torch.load(_FileWindow(f, info.offset, info.length), map_location="cpu",
+                              weights_only=True)
+
+
+class _FileWindow(io.RawIOBase):
+    """Bytes [offset, offset + length) of an open file as a seekable file of their own: the
+    torch.save archive of one chunk, among the many back to back in a torch_dist file."""
+
+    def __init__(self, file, offset: int, length: int):
+        super().__init__()
+        self._file, self._offset, self._length, self._pos = file, offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = os.SEEK_SET) -> int:
+        base = {os.SEEK_SET: 0, os.SEEK_CUR: self._pos, os.SEEK_END: self._length}[whence]
+        self._pos = min(max(base + pos, 0), self._length)
+        return self._pos
+
+    def readinto(self, buffer) -> int:
+        view = memoryview(buffer).cast("B")
+        view = view[:max(0, self._length - self._pos)]
+        self._file.seek(self._offset + self._pos)
+        n = self._file.readinto(view)
+        self._pos += n
+        return n

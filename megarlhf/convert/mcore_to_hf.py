@@ -40,9 +40,7 @@ def mcore_to_hf(ckpt: str, out: str, *, dtype: str | None = None, force: bool = 
                              f"is of another architecture, name it with --arch")
     tmp = prepare_output(out, force)
     with removed_on_error(tmp):
-        writer = ShardWriter(tmp, max_shard_bytes)
-        _export_weights(ckpt, reader, rules, model, writer, out_dtype)
-        writer.close()
+        _export_weights(ckpt, reader, rules, model, tmp, max_shard_bytes, out_dtype)
         sidecar = os.path.join(ckpt, HF_SIDECAR)
         if os.path.isdir(sidecar):
             copy_sidecar(sidecar, tmp)
@@ -52,12 +50,24 @@ def mcore_to_hf(ckpt: str, out: str, *, dtype: str | None = None, force: bool = 
     return final
 
 
-def _export_weights(ckpt, reader: CheckpointReader, rules, model: ModelConfig,
-                    writer: ShardWriter, dtype: torch.dtype) -> None:
-    """Whole tensors one at a time, then one layer of every stacked key at a time: memory holds
-    the largest of those plus the shard being filled."""
+def _export_weights(ckpt, reader: CheckpointReader, rules, model: ModelConfig, directory: str,
+                    max_shard_bytes: int, dtype: torch.dtype) -> None:
+    """Whole tensors, then one layer of each stacked key, one at a time, each written out and
+    freed before the next is read: memory holds the largest of those."""
+    whole = [r for r in rules if not r.per_layer]
+    stacked = [r for r in rules if r.per_layer]
+    order = [(r, None) for r in whole]
+    order += [(r, layer) for layer in range(model.num_layers) for r in stacked]
+    entries = [(name, dtype, shape) for rule, layer in order
+               for name, shape in zip(rule.hf_names(layer), rule.hf_shapes)]
 
-    def export(rule, layer, fused):
+    def export(rule, layer):
+        shape = reader.shape(rule.mcore)
+        if layer is None:
+            fused = reader.read([(rule.mcore, (0,) * len(shape), shape)])[0]
+        else:
+            slab = (rule.mcore, (layer,) + (0,) * (len(shape) - 1), (1,) + shape[1:])
+            fused = reader.read([slab])[0][0]
         for name, tensor, shape in zip(rule.hf_names(layer), rule.split(fused), rule.hf_shapes):
             if rule.vocab:
                 tensor = tensor[: model.vocab_size]
@@ -66,17 +76,12 @@ def _export_weights(ckpt, reader: CheckpointReader, rules, model: ModelConfig,
                                  f"{tuple(tensor.shape)}, the model config implies {shape}")
             writer.add(name, tensor.to(dtype))
 
-    for rule in (r for r in rules if not r.per_layer):
-        shape = reader.shape(rule.mcore)
-        export(rule, None, reader.read([(rule.mcore, (0,) * len(shape), shape)])[0])
-    layer_rules = [r for r in rules if r.per_layer]
-    for layer in range(model.num_layers):
-        requests = []
-        for rule in layer_rules:
-            shape = reader.shape(rule.mcore)
-            requests.append((rule.mcore, (layer,) + (0,) * (len(shape) - 1), (1,) + shape[1:]))
-        for rule, slab in zip(layer_rules, reader.read(requests)):
-            export(rule, layer, slab[0])
+    with ShardWriter(directory, max_shard_bytes, entries) as writer:
+        for rule in whole:
+            export(rule, None)
+        for layer in range(model.num_layers):
+            for rule in stacked:
+                export(rule, layer)
 
 
 def _write_config(directory: str, arch: Architecture, model: ModelConfig, value_head: bool,

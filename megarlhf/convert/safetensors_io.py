@@ -2,18 +2,20 @@
 
 Reading uses plain file reads, not mmap: a tensor occupies memory only while the caller holds
 it, and mapped pages of a whole 140 GB checkpoint never pile up in the process's RSS. Writing
-fills shards of a bounded size and ends with HF's index file.
+streams each tensor to disk as it comes, into shards of a bounded size, and ends with HF's index
+file.
 """
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import json
+import math
 import os
 import struct
 
 import torch
-from safetensors.torch import save_file
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -22,6 +24,7 @@ _DTYPES = {
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
     "U8": torch.uint8, "BOOL": torch.bool,
 }
+_CODES = {dtype: code for code, dtype in _DTYPES.items()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,15 +77,21 @@ class SafetensorsReader:
         return self._entries[name].dtype
 
     def get(self, name: str) -> torch.Tensor:
+        """The tensor, read straight from the file into its (uninitialised) memory."""
         e = self._entries[name]
-        buf = bytearray(e.end - e.start)
+        out = torch.empty(e.shape, dtype=e.dtype)
         with open(e.file, "rb") as f:
             f.seek(e.start)
-            if f.readinto(buf) != len(buf):
+            if f.readinto(_bytes(out)) != e.end - e.start:
                 raise ValueError(f"{e.file} ended while reading {name}: the file is truncated")
-        if not buf:
-            return torch.empty(e.shape, dtype=e.dtype)
-        return torch.frombuffer(buf, dtype=e.dtype).reshape(e.shape)
+        return out
+
+
+def _bytes(tensor: torch.Tensor) -> ctypes.Array:
+    """A contiguous tensor's memory as a writable byte buffer (any dtype, bf16 included), to
+    use while the tensor is alive. Not through numpy, which would pin the tensor's storage to
+    its size: a converter frees a tensor's memory by resizing its storage."""
+    return (ctypes.c_char * tensor.nbytes).from_address(tensor.data_ptr())
 
 
 def _read_header(path: str) -> dict[str, _Entry]:
@@ -113,42 +122,88 @@ def _read_header(path: str) -> dict[str, _Entry]:
 
 
 class ShardWriter:
-    """Writes named tensors into `model-0000k-of-0000n.safetensors` shards of at most about
-    `max_shard_bytes` each, then HF's index; only the current shard is held in memory."""
+    """Writes tensors, announced up front as (name, dtype, shape) in the order they will be
+    added, into `model-0000k-of-0000n.safetensors` shards of at most about `max_shard_bytes`
+    each, then HF's index. Knowing every shard's members up front lets each shard's header go
+    out before its data, so every tensor is on disk when `add` returns and none is held.
 
-    def __init__(self, directory: str, max_shard_bytes: int):
+    Use as a context manager: the index is written only when the block completes."""
+
+    def __init__(self, directory: str, max_shard_bytes: int,
+                 entries: list[tuple[str, torch.dtype, tuple[int, ...]]]):
         if max_shard_bytes < 1:
             raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
-        self.directory, self.max_shard_bytes = directory, max_shard_bytes
-        self._pending: dict[str, torch.Tensor] = {}
-        self._pending_bytes = 0
-        self._shards: list[list[str]] = []
-        self._total = 0
+        self.directory = directory
+        self._shards = _plan_shards(entries, max_shard_bytes)
+        n = len(self._shards)
+        self._files = [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
+        self._order = [(k, entry) for k, shard in enumerate(self._shards) for entry in shard]
+        self._added, self._shard, self._stream = 0, None, None
+        self._open(0)
+
+    def __enter__(self) -> ShardWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self._stream.close()
+        if exc_type is None:
+            self._finish()
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
-        nbytes = tensor.numel() * tensor.element_size()
-        if self._pending and self._pending_bytes + nbytes > self.max_shard_bytes:
-            self._flush()
-        self._pending[name] = tensor.contiguous()
-        self._pending_bytes += nbytes
-        self._total += nbytes
+        if self._added == len(self._order):
+            raise ValueError(f"{name} was not announced to the writer")
+        k, expected = self._order[self._added]
+        got = (name, tensor.dtype, tuple(tensor.shape))
+        if got != expected:
+            raise ValueError(f"writer expected {expected} next, got {got}")
+        if k != self._shard:
+            self._open(k)
+        self._stream.write(_bytes(tensor.contiguous()))
+        self._added += 1
 
-    def _flush(self) -> None:
-        path = os.path.join(self.directory, f"shard-{len(self._shards):05d}.part")
-        save_file(self._pending, path, metadata={"format": "pt"})
-        self._shards.append(list(self._pending))
-        self._pending, self._pending_bytes = {}, 0
+    def _open(self, k: int) -> None:
+        if self._stream is not None:
+            self._stream.close()
+        self._shard, self._stream = k, open(os.path.join(self.directory, self._files[k]), "wb")
+        self._stream.write(_header(self._shards[k]))
 
-    def close(self) -> None:
-        if self._pending or not self._shards:
-            self._flush()
-        n = len(self._shards)
-        weight_map = {}
-        for k, names in enumerate(self._shards):
-            final = f"model-{k + 1:05d}-of-{n:05d}.safetensors"
-            os.replace(os.path.join(self.directory, f"shard-{k:05d}.part"),
-                       os.path.join(self.directory, final))
-            weight_map.update({name: final for name in names})
+    def _finish(self) -> None:
+        if self._added != len(self._order):
+            raise ValueError(f"only {self._added} of the {len(self._order)} announced tensors "
+                             f"were added")
+        weight_map = {name: self._files[k] for k, (name, _, _) in self._order}
+        total = sum(_nbytes(entry) for _, entry in self._order)
         with open(os.path.join(self.directory, INDEX_NAME), "w") as f:
-            json.dump({"metadata": {"total_size": self._total}, "weight_map": weight_map}, f,
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f,
                       indent=2)
+
+
+def _nbytes(entry) -> int:
+    _, dtype, shape = entry
+    return math.prod(shape) * dtype.itemsize
+
+
+def _plan_shards(entries, max_shard_bytes: int) -> list[list]:
+    """Consecutive runs of `entries` of at most `max_shard_bytes` each (a larger tensor alone)."""
+    shards, size = [[]], 0
+    for entry in entries:
+        if shards[-1] and size + _nbytes(entry) > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(entry)
+        size += _nbytes(entry)
+    return shards
+
+
+def _header(entries) -> bytes:
+    """A safetensors header for `entries`, their data following in this order."""
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for name, dtype, shape in entries:
+        if dtype not in _CODES:
+            raise ValueError(f"safetensors cannot store {name} of dtype {dtype}")
+        end = offset + _nbytes((name, dtype, shape))
+        header[name] = {"dtype": _CODES[dtype], "shape": list(shape), "data_offsets": [offset, end]}
+        offset = end
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    return struct.pack("<Q", len(raw)) + raw
