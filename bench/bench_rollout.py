@@ -107,7 +107,7 @@ def _sync_rank(model: ModelConfig, tp: int, dtype: torch.dtype, bucket_mib: list
 
     def synced(bridge):
         def run():
-            for bucket in bridge.stream():
+            for bucket in bridge.stream(reuse_buffer=True):
                 for name, tensor in bucket:
                     dest[name].copy_(tensor)
                 del bucket, tensor
@@ -121,7 +121,7 @@ def _sync_rank(model: ModelConfig, tp: int, dtype: torch.dtype, bucket_mib: list
 
     def stream_alone(bridge):
         def run():
-            for bucket in bridge.stream():
+            for bucket in bridge.stream(reuse_buffer=True):
                 del bucket
         return run
 
@@ -208,7 +208,7 @@ def _gen_rank(backend: str, hf_dir: str, prompts: list[list[int]], calls: int) -
         engine = MegatronEngine(spec, mesh, MegatronEngineConfig(max_batch_size=64))
     start_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    engine.update_weights(bridge.stream())
+    engine.update_weights(bridge.stream(reuse_buffer=engine.copies_each_bucket))
     sync_s = time.perf_counter() - t0
     params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0)
     t0 = time.perf_counter()

@@ -38,10 +38,16 @@ def _collect(stream) -> tuple[dict[str, torch.Tensor], list[int]]:
     return tensors, bucket_bytes
 
 
-def colocated(ckpts: list[str], parallel: ParallelConfig, bucket_bytes: int, dtype=None):
-    """Per checkpoint, this rank's stream: ({HF name: tensor}, bytes of each bucket)."""
-    return [_collect(_bridge(ckpt, parallel, bucket_bytes=bucket_bytes, dtype=dtype)[0].stream())
-            for ckpt in ckpts]
+def colocated(ckpts: list[str], parallel: ParallelConfig, bucket_bytes: int, dtype=None,
+              reuse_buffer: bool = False):
+    """Per checkpoint, this rank's stream (twice, so a reused buffer is reused across syncs):
+    ({HF name: tensor}, bytes of each bucket)."""
+    out = []
+    for ckpt in ckpts:
+        bridge = _bridge(ckpt, parallel, bucket_bytes=bucket_bytes, dtype=dtype)[0]
+        _collect(bridge.stream(reuse_buffer=reuse_buffer))
+        out.append(_collect(bridge.stream(reuse_buffer=reuse_buffer)))
+    return out
 
 
 def refusals(cases: dict[str, tuple[str, dict]]) -> dict[str, str]:
@@ -93,7 +99,7 @@ def stream_peak_bytes(ckpt: str, parallel: ParallelConfig, bucket_bytes: int):
     bridge, _ = _bridge(ckpt, parallel, bucket_bytes=bucket_bytes)
     checksum = torch.zeros((), dtype=torch.float64)
     with LiveBytes() as live:
-        for bucket in bridge.stream():
+        for bucket in bridge.stream(reuse_buffer=True):
             for _, tensor in bucket:
                 checksum.add_(tensor.sum())
             del bucket, tensor

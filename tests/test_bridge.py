@@ -74,9 +74,9 @@ def test_colocated_stream_equals_export(checkpoints, layout):
             assert max(bucket_bytes) <= max(BUCKET, largest), (rank, name)
 
 
-def test_colocated_stream_casts_like_export(checkpoints):
+def test_colocated_stream_casts_like_export_with_a_reused_buffer(checkpoints):
     results = launch_local(bridge_workers.colocated, 4, [checkpoints["llama"][0]],
-                           LAYOUTS["TP2xPP2"], BUCKET, torch.bfloat16)
+                           LAYOUTS["TP2xPP2"], BUCKET, torch.bfloat16, True)
     for per_ckpt in results:
         assert_bitwise(per_ckpt[0][0], checkpoints["llama_bf16"])
 

@@ -138,7 +138,8 @@ class PPOWorker:
         return metrics
 
     def sync_weights(self) -> None:
-        self.engine.update_weights(self.bridge.stream())
+        self.engine.update_weights(
+            self.bridge.stream(reuse_buffer=self.engine.copies_each_bucket))
 
     # -- checkpoints -------------------------------------------------------------------------
 

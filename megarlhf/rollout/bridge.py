@@ -11,8 +11,9 @@ HF tensors of some whole Megatron tensors (a layer's fused QKV, an embedding ...
 2. the buffer is broadcast: over the pipeline group when the engine runs in the training
    processes (colocated), or over a separate channel to the engine's processes
    (disaggregated, `send` / `receive`);
-3. the engine gets views of the buffer as (HF name, tensor) pairs; the buffer is dropped when
-   the engine is done with the bucket.
+3. the engine gets views of the buffer as (HF name, tensor) pairs; an engine that copies each
+   bucket before asking for the next lets the bridge reuse one buffer across buckets and
+   syncs (`stream(reuse_buffer=True)`), others get a fresh buffer per bucket.
 
 DP replicas hold the same weights, so each replica serves its own ranks in colocated mode and
 only replica 0 sends in disaggregated mode. Extra memory per rank is one bucket plus the
@@ -100,6 +101,7 @@ class WeightBridge:
         train_dtype = next(iter(self._pieces.values()))[0].data.dtype
         self._peer_offsets = self._exchange_tp_offsets()
         self.plan = self._make_plan(dtype or train_dtype, bucket_bytes, train_dtype)
+        self._flat: torch.Tensor | None = None
 
     # -- planning (collective, once) ------------------------------------------------------
 
@@ -173,6 +175,8 @@ class WeightBridge:
     def _assemble(self, unit: Unit) -> torch.Tensor:
         """The full per-layer Megatron tensor of `unit` from this TP group's pieces."""
         pieces = self._pieces[unit]
+        if len(pieces) == 1 and pieces[0].is_whole:
+            return pieces[0].data.detach()  # read in place: no copy before the split
         full = torch.empty(pieces[0].full_shape, dtype=pieces[0].data.dtype,
                            device=pieces[0].data.device)
         # Replicated pieces, and every piece at TP1, are already here.
@@ -197,9 +201,20 @@ class WeightBridge:
                 piece.region(full).copy_(part)
         return full
 
-    def _fill(self, bucket: Bucket) -> torch.Tensor:
+    def _buffer(self, bucket: Bucket, reuse: bool = True) -> torch.Tensor:
+        """The bucket's flat buffer. With `reuse`, a view of one buffer kept across buckets
+        and syncs: a fresh allocation per bucket page-faults the whole model in again on
+        every sync (half the sync time on CPU)."""
+        if not reuse:
+            return torch.empty(bucket.numel, dtype=self.plan.dtype)
+        if self._flat is None:
+            self._flat = torch.empty(max(b.numel for b in self.plan.buckets),
+                                     dtype=self.plan.dtype)
+        return self._flat[:bucket.numel]
+
+    def _fill(self, bucket: Bucket, reuse: bool = True) -> torch.Tensor:
         """The bucket's flat buffer, on a rank of its owning stage."""
-        buffer = torch.empty(bucket.numel, dtype=self.plan.dtype)
+        buffer = self._buffer(bucket, reuse)
         for unit, slots in zip(bucket.units, bucket.slots):
             rule = self._rules[unit[0]]
             with torch.no_grad():
@@ -209,14 +224,19 @@ class WeightBridge:
                     buffer[slot.offset:slot.offset + slot.numel].view(slot.shape).copy_(tensor)
         return buffer
 
-    def stream(self) -> WeightStream:
-        """Colocated: every training rank gets every bucket (collective over the mesh)."""
+    def stream(self, *, reuse_buffer: bool = False) -> WeightStream:
+        """Colocated: every training rank gets every bucket (collective over the mesh).
+
+        `reuse_buffer=True` overwrites a bucket's tensors when the next bucket is made: for
+        engines that copy each bucket before asking for the next (MegatronEngine). vLLM's
+        loader keeps tensors of earlier buckets until a layer is complete, so it needs fresh
+        buffers (the default)."""
         pp_ranks = dist.get_process_group_ranks(self.mesh.pp_group)
         for bucket in self.plan.buckets:
             if self.mesh.pp_rank == bucket.stage:
-                buffer = self._fill(bucket)
+                buffer = self._fill(bucket, reuse_buffer)
             else:
-                buffer = torch.empty(bucket.numel, dtype=self.plan.dtype)
+                buffer = self._buffer(bucket, reuse_buffer)
             if self.mesh.pp > 1:
                 dist.broadcast(buffer, src=pp_ranks[bucket.stage], group=self.mesh.pp_group)
             yield named_views(bucket, buffer)
@@ -236,8 +256,7 @@ class WeightBridge:
                 if sender:
                     channel.broadcast(buffer, root=bucket.stage)
             elif sender:
-                channel.broadcast(torch.empty(bucket.numel, dtype=self.plan.dtype),
-                                  root=bucket.stage)
+                channel.broadcast(self._buffer(bucket), root=bucket.stage)
 
 
 def named_views(bucket: Bucket, buffer: torch.Tensor) -> list[tuple[str, torch.Tensor]]:

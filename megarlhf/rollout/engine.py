@@ -63,10 +63,15 @@ class Completion:
 
 
 WeightStream = Iterable[list[tuple[str, torch.Tensor]]]
-"""Buckets of (HF parameter name, full tensor); the engine may keep only its own shard."""
+"""Buckets of (HF parameter name, full tensor); the engine may keep only its own shard. An
+engine whose `copies_each_bucket` is True promises to be done with a bucket before it asks for
+the next, so the producer may reuse the memory."""
 
 
 class RolloutEngine(Protocol):
+    copies_each_bucket: bool
+    """True when update_weights is done with a bucket before it asks for the next."""
+
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
         """len(prompts) * params.n completions, grouped by prompt."""
 

@@ -86,6 +86,9 @@ class MegatronEngine:
     and again after every `wake`.
     """
 
+    copies_each_bucket = True
+    """update_weights is done with a bucket before it takes the next (see WeightStream)."""
+
     def __init__(self, spec: ModelSpec, mesh: Mesh, config: MegatronEngineConfig | None = None):
         _check_layout(spec, mesh)
         self.spec, self.mesh = spec, mesh
@@ -243,6 +246,9 @@ class MegatronEngine:
                 parts[slot.index] = tensor
                 if all(p is not None for p in parts):
                     self._load_unit(slot, pending.pop(slot.unit))
+            # The producer may reuse this bucket's memory (copies_each_bucket).
+            for parts in pending.values():
+                parts[:] = [p if p is None else p.clone() for p in parts]
         missing = sorted(set(self._slots) - arrived)
         if missing:
             shown = ", ".join(missing[:8]) + (", ..." if len(missing) > 8 else "")

@@ -84,6 +84,9 @@ class VLLMEngineConfig:
 class VLLMEngine:
     """The RolloutEngine protocol over an in-process `vllm.LLM`."""
 
+    copies_each_bucket = False
+    """vLLM's loader keeps tensors of earlier buckets until a layer is complete."""
+
     def __init__(self, config: VLLMEngineConfig):
         vllm = _import_vllm()
         _check_world(config)
