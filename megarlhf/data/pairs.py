@@ -1,0 +1,38 @@
+"""Reward-model batches: the chosen and rejected sequence of each pair on adjacent rows.
+
+Row 2i is pair i's chosen sequence, row 2i+1 its rejected one, so any even-sized contiguous
+slice (a DP rank's share, a micro-batch) holds whole pairs. Rows are prompt + response,
+right-padded: a reward model's score is read at the last real token, and it does not depend on
+where the padding sits (RoPE is relative; tests/test_roles.py checks padded against unpadded).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megarlhf.data.encode import Example
+from megarlhf.roles.sequences import SequenceBatch
+
+
+def pair_sequences(pairs: list[Example], pad_id: int) -> SequenceBatch:
+    if any(len(ex.responses) != 2 for ex in pairs):
+        raise ValueError("pair batches need examples with exactly two responses")
+    rows = [(ex.prompt, resp) for ex in pairs for resp in ex.responses]
+    T = max(len(p) + len(r) for p, r in rows)
+    tokens = torch.full((len(rows), T), pad_id, dtype=torch.long)
+    attention = torch.zeros(len(rows), T, dtype=torch.long)
+    response = torch.zeros(len(rows), T, dtype=torch.long)
+    for i, (prompt, resp) in enumerate(rows):
+        n = len(prompt) + len(resp)
+        tokens[i, :n] = torch.tensor(prompt + resp)
+        attention[i, :n] = 1
+        response[i, len(prompt):n] = 1
+    return SequenceBatch(tokens=tokens, attention_mask=attention, response_mask=response)
+
+
+def pair_batch(pairs: list[Example], pad_id: int) -> dict[str, torch.Tensor]:
+    """The engine's micro-batch dict: model inputs, `last_index` of each row, and per-row
+    `margin` and `pair_weight` (1; 0 marks filler pairs that must not count)."""
+    margins = torch.tensor([ex.margin for ex in pairs], dtype=torch.float32)
+    return pair_sequences(pairs, pad_id).model_inputs(
+        margin=margins.repeat_interleave(2), pair_weight=torch.ones(2 * len(pairs)))

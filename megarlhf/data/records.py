@@ -1,0 +1,196 @@
+"""Text records from JSONL, Parquet or an HF `datasets` directory, with field names mapped.
+
+Three kinds of record: 'prompt' (prompts alone, for rollouts), 'sft' (prompt + response) and
+'pairwise' (prompt + chosen + rejected, optionally a per-pair margin). A prompt is text or a
+list of {role, content} messages. Anything else is a bad record, handled by `BadRecords`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Iterator
+
+from megarlhf.data.config import DatasetSource
+from megarlhf.data.report import BadRecords
+
+KIND_FIELDS = {
+    "prompt": ("prompt",),
+    "sft": ("prompt", "response"),
+    "pairwise": ("prompt", "chosen", "rejected"),
+}
+OPTIONAL_FIELDS = {"prompt": (), "sft": (), "pairwise": ("margin",)}
+ROLES = ("system", "user", "assistant")
+
+Message = tuple[str, str]
+"""(role, content)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Record:
+    where: str
+    """Source location, 'file:line' or 'file:row N', for error messages and skip reports."""
+    prompt: str | tuple[Message, ...]
+    responses: tuple[str, ...]
+    """() for prompts, (response,) for SFT, (chosen, rejected) for pairs."""
+    margin: float | None = None
+    """Pairwise only: how much more the chosen response should score, if the data says."""
+
+
+class _Bad(Exception):
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(reason)
+        self.reason, self.detail = reason, detail
+
+
+def read_records(source: DatasetSource, kind: str, bad: BadRecords) -> list[Record]:
+    """All good records of `source`, in file order; bad ones go to `bad`."""
+    columns = field_columns(source, kind)
+    records = []
+    for where, row in _rows(source, bad):
+        try:
+            records.append(_record(where, row, kind, columns))
+        except _Bad as e:
+            bad.add(where, e.reason, e.detail)
+    return records
+
+
+def field_columns(source: DatasetSource, kind: str) -> dict[str, str]:
+    """Our field name -> column name for `kind` records; ValueError on a mapping of a field
+    that `kind` records do not have."""
+    if kind not in KIND_FIELDS:
+        raise ValueError(f"unknown record kind {kind!r}; choose one of {sorted(KIND_FIELDS)}")
+    known = KIND_FIELDS[kind] + OPTIONAL_FIELDS[kind]
+    unknown = sorted(set(source.fields) - set(known))
+    if unknown:
+        raise ValueError(f"fields {unknown} are not fields of {kind} records; map some of "
+                         f"{list(known)}")
+    return {name: source.fields.get(name, name) for name in known}
+
+
+def _record(where: str, row: dict, kind: str, columns: dict[str, str]) -> Record:
+    def get(name: str):
+        value = row.get(columns[name])
+        if value is None:
+            raise _Bad(f"missing field '{columns[name]}'", f"the {name} of a {kind} record")
+        return value
+
+    prompt = _prompt(get("prompt"))
+    responses = []
+    for name in KIND_FIELDS[kind][1:]:
+        text = _text(get(name), columns[name])
+        if not text.strip():
+            raise _Bad(f"empty {name}")
+        responses.append(text)
+    margin = None
+    if "margin" in OPTIONAL_FIELDS[kind] and row.get(columns["margin"]) is not None:
+        margin = row[columns["margin"]]
+        if isinstance(margin, bool) or not isinstance(margin, (int, float)):
+            raise _Bad(f"field '{columns['margin']}' is not a number", repr(margin)[:60])
+        margin = float(margin)
+    return Record(where=where, prompt=prompt, responses=tuple(responses), margin=margin)
+
+
+def _text(value, column: str) -> str:
+    if isinstance(value, bytes):
+        try:
+            return value.decode("utf-8")
+        except UnicodeDecodeError:
+            raise _Bad("invalid UTF-8", f"field '{column}'") from None
+    if not isinstance(value, str):
+        raise _Bad(f"field '{column}' is not text", type(value).__name__)
+    return value
+
+
+def _prompt(value) -> str | tuple[Message, ...]:
+    if isinstance(value, list):
+        messages = []
+        for m in value:
+            if not (isinstance(m, dict) and m.get("role") in ROLES
+                    and isinstance(m.get("content"), str)):
+                raise _Bad("malformed messages",
+                           f"each message needs a role in {ROLES} and text content")
+            messages.append((m["role"], m["content"]))
+        if not any(content.strip() for _, content in messages):
+            raise _Bad("empty prompt")
+        return tuple(messages)
+    text = _text(value, "prompt")
+    if not text.strip():
+        raise _Bad("empty prompt")
+    return text
+
+
+def _format(source: DatasetSource) -> str:
+    if source.format != "auto":
+        return source.format
+    if os.path.isdir(source.path):
+        return "hf"
+    return "parquet" if source.path.endswith(".parquet") else "jsonl"
+
+
+def _rows(source: DatasetSource, bad: BadRecords) -> Iterator[tuple[str, dict]]:
+    if not os.path.exists(source.path):
+        raise ValueError(f"dataset {source.path} does not exist")
+    fmt = _format(source)
+    if fmt == "jsonl":
+        yield from _jsonl_rows(source.path, bad)
+    elif fmt == "parquet":
+        yield from _parquet_rows(source.path)
+    else:
+        yield from _hf_rows(source.path, source.split)
+
+
+def _jsonl_rows(path: str, bad: BadRecords) -> Iterator[tuple[str, dict]]:
+    # Bytes in, decoded per line: one bad line is one bad record, not a failed file.
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            where = f"{path}:{lineno}"
+            if not raw.strip():
+                continue
+            try:
+                row = json.loads(raw.decode("utf-8"))
+            except UnicodeDecodeError:
+                bad.add(where, "invalid UTF-8")
+                continue
+            except json.JSONDecodeError as e:
+                bad.add(where, "invalid JSON", e.msg)
+                continue
+            if not isinstance(row, dict):
+                bad.add(where, "not a JSON object", type(row).__name__)
+                continue
+            yield where, row
+
+
+def _parquet_rows(path: str) -> Iterator[tuple[str, dict]]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ValueError(f"reading {path} needs pyarrow, which is not installed: "
+                         f"pip install pyarrow (or convert the data to JSONL)") from None
+    index = 0
+    for batch in pq.ParquetFile(path).iter_batches():
+        for row in batch.to_pylist():
+            yield f"{path}:row {index}", row
+            index += 1
+
+
+def _hf_rows(path: str, split: str | None) -> Iterator[tuple[str, dict]]:
+    try:
+        import datasets
+    except ImportError:
+        raise ValueError(f"reading the HF datasets directory {path} needs `datasets`, which "
+                         f"is not installed: pip install datasets (or export it to JSONL)"
+                         ) from None
+    data = datasets.load_from_disk(path)
+    if isinstance(data, datasets.DatasetDict):
+        splits = sorted(data)
+        if split is None:
+            split = splits[0] if len(splits) == 1 else "train" if "train" in data else None
+        if split not in data:
+            raise ValueError(f"{path} has splits {splits}; choose one with split: NAME")
+        data, path = data[split], f"{path}[{split}]"
+    elif split is not None:
+        raise ValueError(f"{path} holds a single dataset without splits; remove split: {split}")
+    for index, row in enumerate(data):
+        yield f"{path}:row {index}", row

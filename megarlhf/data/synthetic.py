@@ -1,0 +1,92 @@
+"""Demo data made by code: SFT demonstrations, preference pairs and prompts about everyday
+topics, plus the text to train a tokenizer on. Deterministic for a given seed.
+
+The learnable preference: a chosen response describes the topic with warm words
+('wonderful', 'peaceful', ...), its rejected twin says the same with cold ones ('dull',
+'gloomy', ...). SFT responses are warm or cold at random, so a fine-tuned policy starts near
+50% warm and PPO against a reward model trained on the pairs has room to raise it.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+from megarlhf.data.embedded import TEXT
+from megarlhf.data.templates import plain_prompt
+
+TOPICS = ("the sea", "a garden", "the city", "music", "the mountains", "winter", "a library",
+          "the river", "coffee", "the forest", "a train ride", "the desert", "spring",
+          "the market", "a storm", "the night sky", "a bakery", "the harbour", "snow",
+          "the museum", "a lake", "the village", "autumn", "a bridge")
+WARM = ("wonderful", "lovely", "bright", "peaceful", "delightful", "beautiful", "cheerful",
+        "pleasant", "warm", "charming")
+COLD = ("dull", "gloomy", "noisy", "dreary", "boring", "grim", "dirty", "awful", "cold",
+        "bleak")
+PROMPTS = ("Tell me about {t}.", "What do you think of {t}?", "Describe {t}.",
+           "How is {t} today?", "Say something about {t}.")
+RESPONSES = ("{T} is {a} and {b}.", "I find {t} {a}, even {b}.", "{T} feels {a} and {b}.",
+             "To me {t} is {a} and a little {b}.")
+
+
+def _response(rng: random.Random, topic: str, words: tuple[str, ...], shape: str) -> str:
+    a, b = rng.sample(words, 2)
+    return shape.format(t=topic, T=topic[0].upper() + topic[1:], a=a, b=b)
+
+
+def _prompt(rng: random.Random) -> tuple[str, str]:
+    topic = rng.choice(TOPICS)
+    return topic, rng.choice(PROMPTS).format(t=topic)
+
+
+def sft_records(n: int, *, seed: int = 0) -> list[dict]:
+    """{prompt, response}: half the responses warm, half cold."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        topic, prompt = _prompt(rng)
+        words = WARM if rng.random() < 0.5 else COLD
+        out.append({"prompt": prompt,
+                    "response": _response(rng, topic, words, rng.choice(RESPONSES))})
+    return out
+
+
+def preference_records(n: int, *, seed: int = 1) -> list[dict]:
+    """{prompt, chosen, rejected}: the same sentence shape, warm (chosen) vs cold words."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        topic, prompt = _prompt(rng)
+        shape = rng.choice(RESPONSES)
+        out.append({"prompt": prompt, "chosen": _response(rng, topic, WARM, shape),
+                    "rejected": _response(rng, topic, COLD, shape)})
+    return out
+
+
+def prompt_records(n: int, *, seed: int = 2) -> list[dict]:
+    rng = random.Random(seed)
+    return [{"prompt": _prompt(rng)[1]} for _ in range(n)]
+
+
+def is_warm(text: str) -> bool:
+    """Whether `text` uses more warm than cold words (the demo's measure of alignment)."""
+    words = text.lower().replace(".", " ").replace(",", " ").split()
+    return sum(w in WARM for w in words) > sum(w in COLD for w in words)
+
+
+def tokenizer_corpus(*, seed: int = 3) -> list[str]:
+    """Lines covering every word the records above can contain, in the plain prompt format,
+    and the embedded prose."""
+    lines = [line for line in TEXT.splitlines() if line.strip()]
+    for rec in sft_records(1000, seed=seed) + preference_records(500, seed=seed + 1):
+        for key in ("response", "chosen", "rejected"):
+            if key in rec:
+                lines.append(f"{plain_prompt(rec['prompt'])} {rec[key]}")
+    return lines
+
+
+def write_jsonl(records: list[dict], path: str) -> str:
+    with open(path, "w") as f:
+        for rec in records:
+            f.write(json.dumps(rec) + "\n")
+    return path

@@ -1,0 +1,134 @@
+"""The run configs of `megarlhf sft` and `megarlhf rm`: one frozen dataclass per concern, each
+validated when built. A YAML file maps onto them key for key (configio.load_config)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from megarlhf.data.config import DataConfig
+from megarlhf.data.records import field_columns
+from megarlhf.engine.optim import OptimConfig
+from megarlhf.models.config import ModelConfig
+from megarlhf.models.presets import preset
+from megarlhf.models.transformer_config import parse_dtype
+from megarlhf.parallel.mesh import ParallelConfig
+
+LAYER_SPECS = ("auto", "local", "sdpa", "te")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelSource:
+    preset: str | None = None
+    """A named architecture (megarlhf.models.presets) with fresh weights seeded by
+    `train.seed`."""
+    checkpoint: str | None = None
+    """A megarlhf checkpoint (converted from HF, or an earlier stage's output). A reward model
+    can start from an LM checkpoint: its trunk is loaded and the value head starts fresh."""
+    overrides: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """ModelConfig fields replaced in the preset, e.g. {vocab_size: 256}; presets only."""
+    dtype: str = "fp32"
+    """Parameter dtype: fp32, bf16 or fp16."""
+    layer_spec: str = "auto"
+    """Megatron layer spec: auto (local on CPU, TE or SDPA on GPU), local, sdpa, te."""
+
+    def __post_init__(self):
+        if (self.preset is None) == (self.checkpoint is None):
+            raise ValueError("model needs exactly one of preset or checkpoint")
+        if self.overrides and self.preset is None:
+            raise ValueError("model.overrides apply to presets only; a checkpoint's "
+                             "architecture is fixed by its weights")
+        parse_dtype(self.dtype)
+        if self.layer_spec not in LAYER_SPECS:
+            raise ValueError(f"unknown layer_spec {self.layer_spec!r}; choose one of "
+                             f"{LAYER_SPECS}")
+        if self.preset is not None:
+            self.preset_config()  # unknown preset or override fields fail here
+
+    def preset_config(self) -> ModelConfig:
+        return ModelConfig.from_dict({**preset(self.preset).to_dict(), **self.overrides})
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LoopConfig:
+    output_dir: str
+    """Checkpoints (checkpoints/step_N), metrics.jsonl and the resolved config.yaml."""
+    steps: int
+    """Optimizer steps in total (a resumed run continues up to this number)."""
+    global_batch_size: int
+    """Rows per step over all DP ranks: SFT sequences (packed rows when packing) or RM
+    pairs. Must be a multiple of data-parallel size x micro_batch_size."""
+    micro_batch_size: int = 1
+    """Rows (SFT) or pairs (RM) per micro-batch on one DP rank."""
+    eval_interval: int = 0
+    """Evaluate every this many steps (0: only after the last step); needs eval data."""
+    save_interval: int = 0
+    """Checkpoint every this many steps (0: only after the last step)."""
+    resume: bool = True
+    """Continue from the latest complete checkpoint in output_dir. False refuses an output_dir
+    that already has checkpoints rather than mixing two runs."""
+    export_hf: str | None = None
+    """After the last step, export the final checkpoint here as an HF model (replacing what
+    is there)."""
+    log_interval: int = 1
+    """Print every this many steps (metrics.jsonl gets every step)."""
+    seed: int = 0
+    """Seeds fresh (preset) weights and the reward model's new value head."""
+
+    def __post_init__(self):
+        for name in ("steps", "global_batch_size", "micro_batch_size", "log_interval"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"train.{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("eval_interval", "save_interval"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"train.{name} must be >= 0, got {getattr(self, name)}")
+        if self.global_batch_size % self.micro_batch_size:
+            raise ValueError(f"train.global_batch_size ({self.global_batch_size}) must be a "
+                             f"multiple of train.micro_batch_size ({self.micro_batch_size})")
+
+    def num_microbatches(self, dp_size: int) -> int:
+        per_step = dp_size * self.micro_batch_size
+        if self.global_batch_size % per_step:
+            raise ValueError(
+                f"train.global_batch_size ({self.global_batch_size}) must be a multiple of "
+                f"data-parallel size x micro_batch_size = {dp_size} x {self.micro_batch_size}")
+        return self.global_batch_size // per_step
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SFTConfig:
+    model: ModelSource
+    data: DataConfig
+    train: LoopConfig
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+    pack: bool = True
+    """Pack several documents into each row of data.max_length tokens (block-diagonal
+    attention, positions restarting per document) instead of one padded document per row."""
+
+    def __post_init__(self):
+        _check_data(self.data, self.train, "sft")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RMConfig:
+    model: ModelSource
+    data: DataConfig
+    train: LoopConfig
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+    margin: float = 0.0
+    """Loss -logsigmoid(chosen - rejected - margin); a pair's own margin field (mapped with
+    data.train.fields.margin) replaces it."""
+
+    def __post_init__(self):
+        _check_data(self.data, self.train, "pairwise")
+
+
+def _check_data(data: DataConfig, train: LoopConfig, kind: str) -> None:
+    for source in (data.train, data.eval):
+        if source is not None:
+            field_columns(source, kind)
+    if train.eval_interval and data.eval is None and data.eval_fraction == 0:
+        raise ValueError("train.eval_interval is set but there is no eval data; give data.eval "
+                         "or data.eval_fraction")

@@ -1,0 +1,110 @@
+"""YAML files and `key=value` overrides -> frozen config dataclasses, strictly.
+
+Every key must name a field (an unknown or misspelt key is an error that lists the valid ones),
+every value must have the field's type, and each dataclass validates itself on construction,
+so a config is checked once, before any process group or model exists.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from typing import Any, TypeVar
+
+import yaml
+
+C = TypeVar("C")
+
+
+def from_dict(cls: type[C], data: Any, where: str = "config") -> C:
+    if not isinstance(data, dict):
+        raise ValueError(f"{where} must be a mapping of {cls.__name__} fields, got "
+                         f"{type(data).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ValueError(f"unknown key(s) {unknown} in {where}; valid keys: {sorted(fields)}")
+    hints = typing.get_type_hints(cls)
+    missing = sorted(name for name, f in fields.items() if name not in data
+                     and f.default is dataclasses.MISSING
+                     and f.default_factory is dataclasses.MISSING)
+    if missing:
+        raise ValueError(f"{where} is missing required key(s) {missing}")
+    kwargs = {k: _convert(hints[k], v, f"{where}.{k}") for k, v in data.items()}
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{where}: {e}") from None
+
+
+def _convert(tp, value, where: str):
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(tp)
+        if value is None and type(None) in options:
+            return None
+        errors = []
+        for option in (o for o in options if o is not type(None)):
+            try:
+                return _convert(option, value, where)
+            except ValueError as e:
+                errors.append(str(e))
+        raise ValueError(errors[0] if len(errors) == 1 else f"{where}: {value!r} fits none of "
+                         f"{[getattr(o, '__name__', str(o)) for o in options]}")
+    if dataclasses.is_dataclass(tp):
+        return from_dict(tp, value, where)
+    if origin is dict or tp is dict:
+        if not isinstance(value, dict):
+            raise ValueError(f"{where} must be a mapping, got {value!r}")
+        args = typing.get_args(tp)
+        if args:
+            return {_convert(args[0], k, f"{where} key"): _convert(args[1], v, f"{where}.{k}")
+                    for k, v in value.items()}
+        return dict(value)
+    if tp is Any:
+        return value
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp is float and isinstance(value, str):
+        try:  # YAML 1.1 reads 1e-3 (no dot) as a string
+            return float(value)
+        except ValueError:
+            pass
+    if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
+        raise ValueError(f"{where} must be {tp.__name__}, got {value!r}")
+    return value
+
+
+def to_dict(config) -> dict:
+    """JSON/YAML-ready form (round-trips through from_dict)."""
+    return dataclasses.asdict(config)
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """`a.b.c=value` pairs applied to nested `data` (a copy); values are parsed as YAML."""
+    out = yaml.safe_load(yaml.safe_dump(data))  # deep copy of plain data
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"override {item!r} is not key=value (e.g. train.steps=100)")
+        node = out
+        *parents, leaf = key.split(".")
+        for part in parents:
+            if node.get(part) is None:
+                node[part] = {}
+            node = node[part]
+            if not isinstance(node, dict):
+                raise ValueError(f"override {item!r}: {part} is not a mapping")
+        node[leaf] = yaml.safe_load(raw)
+    return out
+
+
+def load_config(cls: type[C], path: str, overrides: list[str] = ()) -> C:
+    with open(path) as f:
+        data = yaml.safe_load(f)
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a mapping at the top level")
+    return from_dict(cls, apply_overrides(data, list(overrides)), where=path)

@@ -1,0 +1,245 @@
+"""The training loop SFT and RM share: data stream -> TrainEngine steps -> eval, checkpoints,
+resume, metrics, HF export. A `Stage` says what differs (rows, batches, loss, metrics).
+
+Every rank reads and tokenizes the whole dataset and builds the same global batch for each
+step; `rank_microbatches` then takes this rank's DP share. The data position is the number
+of stream items consumed, stored in every checkpoint, so a resumed run (at any layout or
+batch size) continues the same sequence of examples.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from typing import Callable
+
+import torch.distributed as dist
+import yaml
+
+from megarlhf.data.dataset import Examples, load_examples
+from megarlhf.data.encode import Example
+from megarlhf.data.order import EpochStream
+from megarlhf.data.tokenizer import Tokenizer, is_tokenizer, load_tokenizer
+from megarlhf.engine.checkpoint import (HF_SIDECAR, is_complete, load_checkpoint, read_meta,
+                                        save_checkpoint)
+from megarlhf.engine.schedule import Batch, LossFn, rank_microbatches
+from megarlhf.engine.train import TrainEngine
+from megarlhf.models.config import ModelConfig
+from megarlhf.parallel.mesh import Mesh, init_mesh
+from megarlhf.sft.config import RMConfig, SFTConfig
+from megarlhf.sft.configio import to_dict
+from megarlhf.sft.metrics import MetricsLog, metrics_path
+from megarlhf.sft.model import init_weights, model_config, new_engine
+
+CHECKPOINTS = "checkpoints"
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    name: str
+    """'sft' or 'rm': log prefix, and recorded in checkpoints so a resume cannot mix them."""
+    kind: str
+    """Record kind read from the data ('sft' or 'pairwise')."""
+    value_head: bool
+    rows_per_item: int
+    """Batch rows per stream item: 1 (an SFT row) or 2 (a pair's chosen + rejected)."""
+    arrange: Callable[[list[Example]], list]
+    """Examples (shuffled for training, in order for eval) -> stream items."""
+    to_batch: Callable[[list], Batch]
+    """Stream items -> the global batch dict."""
+    filler_key: str
+    """Per-row tensor zeroed on filler rows, which pad the last eval batch to full size."""
+    loss_fn: Callable[[Mesh, ModelConfig], LossFn]
+    metrics: Callable[[dict[str, float]], dict[str, float]]
+    """The loss closure's global sums -> named metrics."""
+    default_margin: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What a run needs before any process group exists, checked: the tokenizer, the stage,
+    the architecture, the tokenized data, and where to resume from."""
+
+    tokenizer: Tokenizer
+    stage: Stage
+    model: ModelConfig
+    examples: Examples
+    resume_from: str | None
+    fingerprint: dict
+    """Recorded in checkpoints; a resume must match it (same stage, same data order)."""
+
+
+def plan(cfg: SFTConfig | RMConfig, make_stage: Callable[[int], Stage]) -> Plan:
+    """`make_stage(pad_id)` gives the stage for the configured tokenizer's padding id."""
+    tokenizer = load_tokenizer(_tokenizer_path(cfg))
+    stage = make_stage(tokenizer.pad_id)
+    model = model_config(cfg.model, value_head=stage.value_head)
+    _check_fit(model, tokenizer, cfg.data.max_length)
+    examples = load_examples(cfg.data, stage.kind, tokenizer,
+                             default_margin=stage.default_margin)
+    fingerprint = {"stage": stage.name, "train_examples": len(examples.train),
+                   "data_seed": cfg.data.seed}
+    latest = latest_checkpoint(os.path.join(cfg.train.output_dir, CHECKPOINTS))
+    if latest and not cfg.train.resume:
+        raise ValueError(f"{cfg.train.output_dir} already holds checkpoints ({latest}); set "
+                         f"train.resume=true to continue that run or use another output_dir")
+    if latest:
+        _check_resume(latest, read_meta(latest)["extra"], fingerprint)
+    return Plan(tokenizer=tokenizer, stage=stage, model=model, examples=examples,
+                resume_from=latest, fingerprint=fingerprint)
+
+
+def run(cfg: SFTConfig | RMConfig, make_stage: Callable[[int], Stage]) -> dict:
+    """Train on every rank of the job; returns (on every rank) the final checkpoint path, the
+    HF export path, the metric history and the data report."""
+    p = plan(cfg, make_stage)
+    stage, train = p.stage, cfg.train
+    mesh = init_mesh(cfg.parallel, seed=train.seed)
+    num_microbatches = train.num_microbatches(mesh.dp_size)
+    ckpt_root = os.path.join(train.output_dir, CHECKPOINTS)
+    log = MetricsLog(metrics_path(train.output_dir) if mesh.rank == 0 else None, stage.name)
+    if mesh.rank == 0:
+        os.makedirs(ckpt_root, exist_ok=True)
+        with open(os.path.join(train.output_dir, "config.yaml"), "w") as f:
+            yaml.safe_dump(to_dict(cfg), f, sort_keys=False)
+    dist.barrier()
+    log.write({"event": "data", **p.examples.report}, echo=False)
+    log.note(_data_line(p.examples))
+
+    engine = new_engine(cfg.model, p.model, cfg.parallel, mesh, cfg.optim,
+                        value_head=stage.value_head)
+    step, consumed = 0, 0
+    if p.resume_from:
+        extra = load_checkpoint(p.resume_from, engine, with_optimizer=True)
+        step, consumed = extra["step"], extra["items_consumed"]
+        log.note(f"resumed from {p.resume_from} at step {step}")
+    else:
+        log.note(init_weights(cfg.model, engine))
+    # Checkpoints carry the tokenizer, so later stages and exports find it with the weights.
+    engine.provenance["hf_files"] = {**engine.provenance["hf_files"], **p.tokenizer.files()}
+
+    loss_fn = stage.loss_fn(mesh, p.model)
+    stream = EpochStream(p.examples.train, seed=cfg.data.seed, arrange=stage.arrange)
+    eval_batches = _eval_batches(p.examples.eval, stage, train.global_batch_size)
+    history, final = [], p.resume_from
+    while step < train.steps:
+        items, epoch = stream.take(consumed, train.global_batch_size)
+        consumed += len(items)
+        step += 1
+        t0 = time.perf_counter()
+        m = engine.train_step(
+            rank_microbatches(stage.to_batch(items), mesh, num_microbatches), loss_fn)
+        record = {"step": step, "split": "train", **stage.metrics(m.sums),
+                  "grad_norm": m.grad_norm, "lr": m.lr, "epoch": round(epoch, 4),
+                  "step_s": round(time.perf_counter() - t0, 4)}
+        if m.skipped:
+            record["update_skipped"] = True  # non-finite gradients
+        log.write(record, echo=step % train.log_interval == 0 or step == train.steps)
+        history.append(record)
+        last = step == train.steps
+        if eval_batches and (last or train.eval_interval and step % train.eval_interval == 0):
+            record = {"step": step, "split": "eval",
+                      **evaluate(engine, mesh, eval_batches, loss_fn, num_microbatches,
+                                 stage.metrics)}
+            log.write(record)
+            history.append(record)
+        if last or train.save_interval and step % train.save_interval == 0:
+            final = os.path.join(ckpt_root, f"step_{step:07d}")
+            save_checkpoint(final, engine, mesh,
+                            extra={**p.fingerprint, "step": step, "items_consumed": consumed})
+    log.note(f"final checkpoint {final}")
+    export = _export(final, train.export_hf, mesh, log) if train.export_hf else None
+    return {"checkpoint": final, "export": export, "history": history,
+            "data": p.examples.report}
+
+
+def evaluate(engine: TrainEngine, mesh: Mesh, batches: list[Batch], loss_fn: LossFn,
+             num_microbatches: int, metrics) -> dict[str, float]:
+    totals: dict[str, float] = {}
+    for batch in batches:
+        sums = engine.global_sums(
+            engine.forward(rank_microbatches(batch, mesh, num_microbatches), loss_fn))
+        for k, v in sums.items():
+            totals[k] = totals.get(k, 0.0) + v
+    return metrics(totals)
+
+
+def _eval_batches(examples: list[Example], stage: Stage, batch_items: int) -> list[Batch]:
+    """All eval examples in global batches of `batch_items`; the last one is filled up with
+    copies of its first item whose `filler_key` is zero, so they count for nothing."""
+    if not examples:
+        return []
+    items = stage.arrange(examples)
+    batches = []
+    for start in range(0, len(items), batch_items):
+        chunk = items[start:start + batch_items]
+        real = len(chunk)
+        batch = stage.to_batch(chunk + [chunk[0]] * (batch_items - real))
+        batch[stage.filler_key][real * stage.rows_per_item:] = 0
+        batches.append(batch)
+    return batches
+
+
+def latest_checkpoint(root: str) -> str | None:
+    """The complete checkpoint with the highest step under `root` (interrupted saves, which
+    lack the completion marker, are ignored)."""
+    if not os.path.isdir(root):
+        return None
+    steps = sorted(name for name in os.listdir(root)
+                   if name.startswith("step_") and name[5:].isdigit()
+                   and is_complete(os.path.join(root, name)))
+    return os.path.join(root, steps[-1]) if steps else None
+
+
+def _check_resume(path: str, extra: dict, fingerprint: dict) -> None:
+    changed = {k: (extra.get(k), v) for k, v in fingerprint.items() if extra.get(k) != v}
+    if changed:
+        raise ValueError(
+            f"cannot resume from {path}: {changed} (checkpoint vs now) changed, so the run "
+            f"would not continue the same data; use a new output_dir and start it from the "
+            f"checkpoint with model.checkpoint={path}")
+
+
+def _tokenizer_path(cfg) -> str:
+    if cfg.data.tokenizer is not None:
+        return cfg.data.tokenizer
+    sidecar = os.path.join(cfg.model.checkpoint or "", HF_SIDECAR)
+    if cfg.model.checkpoint is None or not is_tokenizer(sidecar):
+        raise ValueError("data.tokenizer is not set and the model checkpoint carries no "
+                         "tokenizer; give data.tokenizer (an HF tokenizer directory or a "
+                         "SentencePiece .model)")
+    return sidecar
+
+
+def _check_fit(model: ModelConfig, tokenizer: Tokenizer, max_length: int) -> None:
+    if tokenizer.vocab_size > model.vocab_size:
+        raise ValueError(f"{tokenizer} has {tokenizer.vocab_size} tokens, more than the "
+                         f"model's vocab_size={model.vocab_size}; use a matching tokenizer or "
+                         f"(presets) model.overrides.vocab_size={tokenizer.vocab_size}")
+    if max_length > model.max_position_embeddings:
+        raise ValueError(f"data.max_length={max_length} exceeds the model's "
+                         f"max_position_embeddings={model.max_position_embeddings}")
+
+
+def _data_line(examples: Examples) -> str:
+    r = examples.report
+    line = (f"{r['train']['kept']} training examples from {r['train']['path']} "
+            f"({r['template']} format), {len(examples.eval)} eval")
+    for split in ("train", "eval"):
+        if r[split].get("skipped"):
+            line += f"; {split}: skipped {r[split]['skipped']} bad records " \
+                    f"{r[split]['reasons']}"
+        if any(r[split].get("truncated", {}).values()):
+            line += f"; {split}: truncated {r[split]['truncated']}"
+    return line
+
+
+def _export(ckpt: str, out: str, mesh: Mesh, log: MetricsLog) -> str:
+    from megarlhf.convert.mcore_to_hf import mcore_to_hf
+
+    if mesh.rank == 0:
+        mcore_to_hf(ckpt, out, force=True)
+        log.note(f"exported {ckpt} to {out}")
+    dist.barrier()
+    return os.path.abspath(out)

@@ -1,0 +1,356 @@
+"""The data pipeline: reading and bad records, tokenizers and prompt formats, truncation,
+seeded order, packing and pair batches, and the demo data."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from megarlhf.data import synthetic
+from megarlhf.data.config import DataConfig, DatasetSource
+from megarlhf.data.dataset import load_examples
+from megarlhf.data.encode import Example, encode_records, fit
+from megarlhf.data.order import EpochStream, shuffled, split_eval
+from megarlhf.data.packing import one_per_row, pack, sft_batch
+from megarlhf.data.pairs import pair_batch
+from megarlhf.data.prompts import write_prompt_ids
+from megarlhf.data.records import read_records
+from megarlhf.data.report import BadRecordError, BadRecords
+from megarlhf.data.templates import PromptFormat
+from megarlhf.data.tokenizer import (SentencePieceTokenizer, load_tokenizer,
+                                     train_sentencepiece)
+
+
+@pytest.fixture(scope="module")
+def sp_path(tmp_path_factory):
+    return train_sentencepiece(synthetic.tokenizer_corpus(),
+                               str(tmp_path_factory.mktemp("tok") / "sp.model"), vocab_size=256)
+
+
+@pytest.fixture(scope="module")
+def sp(sp_path):
+    return load_tokenizer(sp_path)
+
+
+@pytest.fixture(scope="module")
+def hf_chat_dir(tmp_path_factory):
+    """An HF tokenizer directory with a chat template, built offline."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = "hi there how are you the sea is calm fine".split()
+    vocab = {"<pad>": 0, "</s>": 1, "<unk>": 2, "<|user|>": 3, "<|assistant|>": 4,
+             **{w: i + 5 for i, w in enumerate(words)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    template = ("{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} "
+                "{% if m['role'] == 'assistant' %}</s>{% endif %}{% endfor %}"
+                "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", pad_token="<pad>",
+                                   unk_token="<unk>", chat_template=template,
+                                   additional_special_tokens=["<|user|>", "<|assistant|>"])
+    path = tmp_path_factory.mktemp("hf_tok")
+    fast.save_pretrained(str(path))
+    return str(path)
+
+
+def _jsonl(path, lines) -> str:
+    with open(path, "wb") as f:
+        for line in lines:
+            f.write(line if isinstance(line, bytes) else json.dumps(line).encode() + b"\n")
+    return str(path)
+
+
+# -- records and bad records --
+
+def test_jsonl_records_with_mapped_fields_and_message_prompts(tmp_path):
+    path = _jsonl(tmp_path / "d.jsonl", [
+        {"q": "Tell me about the sea.", "good": "Calm.", "bad": "Grey.", "m": 2},
+        b"\n",  # blank lines are not records
+        {"q": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+         "good": "Hello.", "bad": "Go away."}])
+    src = DatasetSource(path=path, fields={"prompt": "q", "chosen": "good", "rejected": "bad",
+                                           "margin": "m"})
+    bad = BadRecords("error")
+    first, second = read_records(src, "pairwise", bad)
+    assert (first.prompt, first.responses, first.margin) == (
+        "Tell me about the sea.", ("Calm.", "Grey."), 2.0)
+    assert second.prompt == (("system", "Be brief."), ("user", "Hi")) and second.margin is None
+    assert first.where == f"{path}:1" and second.where == f"{path}:3"
+
+
+BAD_LINES = [
+    ({"response": "x"}, "missing field 'prompt'"),
+    ({"prompt": "  ", "response": "x"}, "empty prompt"),
+    ({"prompt": "p", "response": ""}, "empty response"),
+    (b'{"prompt": "caf\xe9", "response": "x"}\n', "invalid UTF-8"),
+    (b'{"prompt": "p", "response": \n', "invalid JSON"),
+    ([1, 2], "not a JSON object"),
+    ({"prompt": 3, "response": "x"}, "field 'prompt' is not text"),
+    ({"prompt": [{"role": "bot", "content": "x"}], "response": "x"}, "malformed messages"),
+]
+
+
+@pytest.mark.parametrize("line,reason", BAD_LINES, ids=[r for _, r in BAD_LINES])
+def test_bad_record_is_an_error_naming_file_and_line(tmp_path, line, reason):
+    path = _jsonl(tmp_path / "d.jsonl", [{"prompt": "p", "response": "r"}, line])
+    with pytest.raises(BadRecordError, match=f"{path}:2: {reason}.*on_bad_record=skip"):
+        read_records(DatasetSource(path=path), "sft", BadRecords("error"))
+
+
+def test_bad_records_are_skipped_counted_and_reported(tmp_path):
+    path = _jsonl(tmp_path / "d.jsonl", [{"prompt": "p", "response": "r"}]
+                  + [line for line, _ in BAD_LINES] + [{"prompt": "q", "response": "s"}])
+    bad = BadRecords("skip")
+    records = read_records(DatasetSource(path=path), "sft", bad)
+    assert [r.prompt for r in records] == ["p", "q"]
+    assert bad.skipped == len(BAD_LINES)
+    assert bad.summary()["reasons"] == {reason: 1 for _, reason in BAD_LINES}
+    assert bad.summary()["examples"][0] == f"{path}:2: missing field 'prompt' (the prompt of a " \
+                                           f"sft record)"
+
+
+def test_parquet_records(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    path = str(tmp_path / "d.parquet")
+    pq.write_table(pa.table({"prompt": ["a", "b", None], "response": ["x", "y", "z"]}), path)
+    bad = BadRecords("skip")
+    records = read_records(DatasetSource(path=path), "sft", bad)
+    assert [r.responses for r in records] == [("x",), ("y",)]
+    assert bad.summary()["examples"] == [f"{path}:row 2: missing field 'prompt' (the prompt "
+                                         f"of a sft record)"]
+
+
+def test_hf_datasets_directory(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    path = str(tmp_path / "ds")
+    datasets.DatasetDict({
+        "train": datasets.Dataset.from_dict({"prompt": ["a"], "response": ["x"]}),
+        "test": datasets.Dataset.from_dict({"prompt": ["b"], "response": ["y"]}),
+    }).save_to_disk(path)
+    records = read_records(DatasetSource(path=path, split="test"), "sft", BadRecords("error"))
+    assert records[0].prompt == "b" and records[0].where == f"{path}[test]:row 0"
+    with pytest.raises(ValueError, match=r"has splits \['test', 'train'\]"):
+        read_records(DatasetSource(path=path, split="dev"), "sft", BadRecords("error"))
+
+
+@pytest.mark.parametrize("module,path,match", [
+    ("pyarrow", "d.parquet", "needs pyarrow, which is not installed"),
+    ("datasets", "ds_dir", "needs `datasets`, which is not installed"),
+])
+def test_missing_optional_readers_give_a_clear_error(tmp_path, monkeypatch, module, path,
+                                                     match):
+    monkeypatch.setitem(sys.modules, module, None)  # makes `import module` fail
+    target = tmp_path / path
+    target.mkdir() if path.endswith("dir") else target.write_bytes(b"")
+    with pytest.raises(ValueError, match=match):
+        read_records(DatasetSource(path=str(target)), "sft", BadRecords("error"))
+
+
+def test_reader_errors_for_paths_and_field_maps(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        read_records(DatasetSource(path=str(tmp_path / "no.jsonl")), "sft", BadRecords("error"))
+    with pytest.raises(ValueError, match=r"fields \['chosen'\] are not fields of sft"):
+        read_records(DatasetSource(path="x", fields={"chosen": "c"}), "sft", BadRecords("skip"))
+    with pytest.raises(ValueError, match="unknown dataset format"):
+        DatasetSource(path="x", format="csv")
+
+
+# -- tokenizers and prompt formats --
+
+def test_sentencepiece_training_and_loading(sp_path, sp, tmp_path):
+    assert isinstance(sp, SentencePieceTokenizer) and sp.vocab_size == 256
+    assert (sp.pad_id, sp.eos_id, sp.bos_id) == (0, 3, 2)
+    text = "Tell me about the sea."
+    assert sp.decode(sp.encode(text)) == text
+    assert len(sp.encode("the sea is wonderful")) <= 6  # words of the corpus are few tokens
+    again = train_sentencepiece(synthetic.tokenizer_corpus(), str(tmp_path / "again.model"),
+                                vocab_size=256)
+    assert load_tokenizer(again).encode(text) == sp.encode(text)  # deterministic
+    (tmp_path / "ckpt_hf").mkdir()  # a checkpoint sidecar with only the raw model file
+    (tmp_path / "ckpt_hf" / "tokenizer.model").write_bytes(sp.files()["tokenizer.model"])
+    assert load_tokenizer(str(tmp_path / "ckpt_hf")).encode(text) == sp.encode(text)
+    with pytest.raises(ValueError, match="neither a SentencePiece .model file nor"):
+        load_tokenizer(str(tmp_path))
+
+
+def test_plain_format(sp):
+    fmt = PromptFormat(sp, "auto")
+    assert fmt.name == "plain"
+    prompt = fmt.prompt("Describe the sea.")
+    assert prompt[0] == sp.bos_id
+    assert sp.decode(prompt[1:]) == "Human: Describe the sea. Assistant:"
+    response = fmt.response("Describe the sea.", "The sea is calm.")
+    assert response[-1] == sp.eos_id and sp.decode(response[:-1]) == "The sea is calm."
+    turns = fmt.prompt((("user", "Hi"), ("assistant", "Hello."), ("user", "Describe winter.")))
+    assert sp.decode(turns[1:]) == "Human: Hi Assistant: Hello. Human: Describe winter. " \
+                                   "Assistant:"
+    with pytest.raises(ValueError, match="has no chat template"):
+        PromptFormat(sp, "chat")
+
+
+def test_chat_template_format(hf_chat_dir):
+    tok = load_tokenizer(hf_chat_dir)
+    fmt = PromptFormat(tok, "auto")
+    assert fmt.name == "chat" and tok.vocab_size == 15
+    prompt = fmt.prompt("hi there")
+    response = fmt.response("hi there", "the sea is calm")
+    assert tok.decode(prompt) == tok.tok.apply_chat_template(
+        [{"role": "user", "content": "hi there"}], add_generation_prompt=True, tokenize=False)
+    assert response[-1] == tok.eos_id  # the template's end of turn, not one added by us
+    assert tok.decode(response).split() == ["the", "sea", "is", "calm", "</s>"]
+    assert set(tok.files()) >= {"tokenizer.json", "tokenizer_config.json"}
+    assert PromptFormat(tok, "plain").name == "plain"
+
+
+# -- truncation --
+
+@pytest.mark.parametrize("prompt,responses,floor,expected", [
+    (5, [3], 1, (5, [3])),              # fits
+    (8, [4], 2, (6, [4])),              # prompt loses 2 from the left
+    (8, [9], 2, (2, [8])),              # prompt down to the floor, then the response
+    (8, [4, 9], 2, (2, [4, 8])),        # one prompt for both responses of a pair
+    (12, [4], None, (12, [0])),         # prompt never cut: no room left
+    (15, [], 1, (10, [])),              # a prompt alone keeps its last tokens
+])
+def test_fit_cuts_prompt_from_the_left_first(prompt, responses, floor, expected):
+    p, rs = fit(list(range(prompt)), [list(range(100, 100 + n)) for n in responses],
+                max_length=10, min_prompt_tokens=floor)
+    assert (len(p), [len(r) for r in rs]) == expected
+    assert p == list(range(prompt))[prompt - len(p):]  # the end of the prompt is kept
+    assert all(r == list(range(100, 100 + len(r))) for r in rs)  # the start of responses
+
+
+def _records(tmp_path, lines, kind="sft"):
+    return read_records(DatasetSource(path=_jsonl(tmp_path / "d.jsonl", lines)), kind,
+                        BadRecords("error"))
+
+
+def test_response_cut_to_nothing_is_an_error_or_a_counted_skip(tmp_path, sp):
+    long = " ".join(["the sea is wonderful"] * 10)
+    records = _records(tmp_path, [{"prompt": long, "response": "Calm."},
+                                  {"prompt": "Hi.", "response": "Calm."}])
+    fmt = PromptFormat(sp, "plain")
+    with pytest.raises(BadRecordError, match=r":1: response truncated to zero tokens \(prompt "
+                                             r"of \d+ tokens leaves none of max_length=16\)"):
+        encode_records(records, fmt, max_length=16, min_prompt_tokens=None,
+                       bad=BadRecords("error"))
+    bad = BadRecords("skip")
+    kept = encode_records(records, fmt, max_length=16, min_prompt_tokens=None, bad=bad)
+    assert len(kept) == 1 and bad.counts == {"response truncated to zero tokens": 1}
+    # With the default floor the same record keeps its response and loses prompt tokens.
+    bad = BadRecords("error")
+    kept = encode_records(records, fmt, max_length=16, min_prompt_tokens=1, bad=bad)
+    assert [ex.length() for ex in kept][0] == 16 and bad.truncated["prompt"] == 1
+    assert kept[0].responses[0] == tuple(fmt.response("", "Calm."))
+
+
+def test_pairs_equal_after_truncation_are_bad(tmp_path, sp):
+    records = _records(tmp_path, [
+        {"prompt": "Hi.", "chosen": "The sea is wonderful.", "rejected": "The sea is dull."},
+        {"prompt": "Hi.", "chosen": "Same.", "rejected": "Same."}], kind="pairwise")
+    bad = BadRecords("skip")
+    fmt = PromptFormat(sp, "plain")
+    kept = encode_records(records, fmt, max_length=len(fmt.prompt("Hi.")) + 2,
+                          min_prompt_tokens=None, bad=bad)
+    assert kept == [] and bad.counts == {"chosen equals rejected after truncation": 1,
+                                         "chosen equals rejected": 1}
+
+
+# -- order, split --
+
+def test_shuffle_split_and_epochs_are_seeded():
+    items = list(range(10))
+    assert shuffled(items, 1) == shuffled(items, 1) != shuffled(items, 2)
+    train, held = split_eval(items, 0.25, seed=3)
+    assert len(held) == 2 and sorted(train + held) == items
+    assert split_eval(items, 0.25, seed=3) == (train, held)
+    with pytest.raises(ValueError, match="leaves none for training"):
+        split_eval([1], 0.5, seed=0)
+    stream = EpochStream(items, seed=5)
+    rows, epoch = stream.take(8, 5)  # crosses into epoch 1
+    assert rows == stream.epoch(0)[8:] + stream.epoch(1)[:3] and epoch == pytest.approx(1.3)
+    assert sorted(stream.epoch(1)) == items and stream.epoch(1) != stream.epoch(0)
+    # A fresh stream (a resumed run) continues exactly where the first one was.
+    assert EpochStream(items, seed=5).take(13, 4)[0] == stream.take(13, 4)[0]
+
+
+# -- packing and pair batches --
+
+def _ex(prompt, response):
+    return Example(prompt=tuple(prompt), responses=(tuple(response),))
+
+
+def test_packed_rows_keep_documents_apart():
+    docs = [_ex([11, 12], [13, 14, 15]), _ex([21], [22]), _ex([31, 32, 33], [34])]
+    rows = pack(docs, row_length=8)
+    assert rows == [[docs[0], docs[1]], [docs[2]]]  # best fit: doc 3 does not fit row 0
+    batch = sft_batch(rows, pad_id=0)
+    assert batch["tokens"].tolist() == [[11, 12, 13, 14, 15, 21, 22], [31, 32, 33, 34, 0, 0, 0]]
+    assert batch["position_ids"].tolist() == [[0, 1, 2, 3, 4, 0, 1], [0, 1, 2, 3, 0, 0, 0]]
+    # Labels never cross a document boundary; loss only where the label is a response token.
+    assert batch["labels"][0].tolist() == [12, 13, 14, 15, 0, 22, 0]
+    assert batch["loss_mask"].tolist() == [[0, 1, 1, 1, 0, 1, 0], [0, 0, 1, 0, 0, 0, 0]]
+    allowed = ~batch["attention_mask"][:, 0]
+    assert allowed[0, 6].tolist() == [False] * 5 + [True, True]  # doc 2 sees only itself
+    assert allowed[0, 4].tolist() == [True] * 5 + [False, False]
+    assert allowed[1, 5].tolist() == [False] * 5 + [True, False]  # padding sees itself
+    unpacked = sft_batch(one_per_row(docs), pad_id=0)
+    assert unpacked["loss_mask"].sum() == batch["loss_mask"].sum()
+    with pytest.raises(ValueError, match="does not fit rows of 4"):
+        pack(docs, row_length=4)
+
+
+def test_packing_fills_rows_and_loses_nothing(sp):
+    examples = [_ex([1] * (1 + i % 7), [2] * (1 + i % 5)) for i in range(200)]
+    rows = pack(shuffled(examples, 0), row_length=32)
+    assert sorted(map(id, (ex for row in rows for ex in row))) == sorted(map(id, examples))
+    assert all(sum(ex.length() for ex in row) <= 32 for row in rows)
+    used = sum(ex.length() for ex in examples) / (32 * len(rows))
+    assert used > 0.95
+
+
+def test_pair_batch_puts_chosen_and_rejected_side_by_side():
+    pairs = [Example(prompt=(5, 6), responses=((7, 8, 9), (10,)), margin=0.5),
+             Example(prompt=(5,), responses=((11,), (12, 13)))]
+    batch = pair_batch(pairs, pad_id=0)
+    assert batch["tokens"].tolist() == [[5, 6, 7, 8, 9], [5, 6, 10, 0, 0], [5, 11, 0, 0, 0],
+                                        [5, 12, 13, 0, 0]]
+    assert batch["last_index"].tolist() == [4, 2, 1, 2]
+    assert batch["margin"].tolist() == [0.5, 0.5, 0.0, 0.0]
+    assert batch["pair_weight"].tolist() == [1.0] * 4
+    assert batch["position_ids"][1].tolist() == [0, 1, 2, 2, 2]
+
+
+# -- end to end, demo data --
+
+def test_load_examples_holds_out_eval_and_reports(tmp_path, sp_path):
+    path = synthetic.write_jsonl(synthetic.sft_records(50) + [{"prompt": "x"}],
+                                 str(tmp_path / "s.jsonl"))
+    cfg = DataConfig(train=DatasetSource(path=path), tokenizer=sp_path, eval_fraction=0.2,
+                     max_length=32, on_bad_record="skip")
+    ex = load_examples(cfg, "sft", load_tokenizer(sp_path))
+    assert (len(ex.train), len(ex.eval)) == (40, 10)
+    assert ex.report["train"]["reasons"] == {"missing field 'response'": 1}
+    assert ex.report["template"] == "plain"
+    assert load_examples(cfg, "sft", load_tokenizer(sp_path)).eval == ex.eval
+
+
+def test_demo_data_is_deterministic_and_learnable(tmp_path, sp):
+    assert synthetic.preference_records(20) == synthetic.preference_records(20)
+    pairs = synthetic.preference_records(200)
+    assert all(synthetic.is_warm(p["chosen"]) and not synthetic.is_warm(p["rejected"])
+               for p in pairs)
+    warm = sum(synthetic.is_warm(r["response"]) for r in synthetic.sft_records(400)) / 400
+    assert 0.4 < warm < 0.6
+    path = synthetic.write_jsonl(synthetic.prompt_records(5), str(tmp_path / "p.jsonl"))
+    report = write_prompt_ids(DatasetSource(path=path), sp, str(tmp_path / "ids.jsonl"),
+                              max_length=64)
+    ids = [json.loads(line)["prompt_ids"] for line in open(tmp_path / "ids.jsonl")]
+    assert report["kept"] == 5 and ids[0] == PromptFormat(sp, "auto").prompt(
+        synthetic.prompt_records(5)[0]["prompt"])
+    assert all(sp.sp.unk_id() not in i for i in ids)  # the corpus covers the demo data
