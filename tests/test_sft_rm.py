@@ -30,7 +30,7 @@ from megarlhf.engine.optim import OptimConfig
 from megarlhf.parallel import launch_local
 from megarlhf.parallel.mesh import ParallelConfig as P
 from megarlhf.sft.config import LoopConfig, ModelSource, RMConfig, SFTConfig
-from megarlhf.sft.configio import apply_overrides, from_dict, load_config, to_dict
+from megarlhf.configio import apply_overrides, from_dict, load_config, to_dict
 from megarlhf.sft.loop import latest_checkpoint, plan
 from megarlhf.sft.rm import pairwise_loss, rm_metrics, rm_stage, run_rm
 from megarlhf.sft.sft import run_sft, sft_stage

@@ -9,11 +9,11 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import os
-import types
 import typing
 
 import yaml
 
+from megarlhf.configio import convert
 from megarlhf.rl import AGGREGATION_MODES, CRITIC_FREE_ESTIMATORS, KL_ESTIMATORS
 
 ALGORITHMS = ("ppo", *sorted(CRITIC_FREE_ESTIMATORS))
@@ -163,26 +163,11 @@ def load_config(recipe: str, overrides: list[str] = ()) -> PPOConfig:
     unknown = sorted(set(fields) - known)
     if unknown:
         raise ValueError(f"unknown PPO config keys {unknown}; known keys: {sorted(known)}")
-    if isinstance(fields.get("stop_token_ids"), list):
-        fields["stop_token_ids"] = tuple(fields["stop_token_ids"])
-    _check_types(fields)
-    return PPOConfig(**fields)
-
-
-def _check_types(fields: dict) -> None:
-    """Raise on a value of the wrong type; YAML reads '1e-4' as a string, so numbers written
-    that way are converted where the field is a float."""
     hints = typing.get_type_hints(PPOConfig)
+    typed = {}
     for key, value in fields.items():
-        expected = hints[key]
-        union = typing.get_origin(expected) in (typing.Union, types.UnionType)
-        allowed = typing.get_args(expected) if union else (expected,)
-        allowed = tuple(typing.get_origin(t) or t for t in allowed)
-        if float in allowed and isinstance(value, (int, str)) and not isinstance(value, bool):
-            try:
-                fields[key] = float(value)
-                continue
-            except ValueError:
-                pass
-        if not isinstance(value, tuple(t for t in allowed if isinstance(t, type))):
-            raise ValueError(f"{key}={value!r} should be of type {expected}")
+        try:
+            typed[key] = convert(hints[key], value, key)
+        except ValueError:
+            raise ValueError(f"{key}={value!r} should be of type {hints[key]}") from None
+    return PPOConfig(**typed)

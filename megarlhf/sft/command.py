@@ -9,7 +9,7 @@ import os
 
 from megarlhf.parallel import launch_local
 from megarlhf.sft.config import RMConfig, SFTConfig
-from megarlhf.sft.configio import load_config
+from megarlhf.configio import load_config
 from megarlhf.sft.loop import plan
 from megarlhf.sft.rm import rm_stage, run_rm
 from megarlhf.sft.sft import run_sft, sft_stage

@@ -28,7 +28,7 @@ from megarlhf.engine.train import TrainEngine
 from megarlhf.models.config import ModelConfig
 from megarlhf.parallel.mesh import Mesh, init_mesh
 from megarlhf.sft.config import RMConfig, SFTConfig
-from megarlhf.sft.configio import to_dict
+from megarlhf.configio import to_dict
 from megarlhf.sft.metrics import MetricsLog, metrics_path
 from megarlhf.sft.model import init_weights, model_config, new_engine
 

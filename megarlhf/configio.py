@@ -31,14 +31,15 @@ def from_dict(cls: type[C], data: Any, where: str = "config") -> C:
                      and f.default_factory is dataclasses.MISSING)
     if missing:
         raise ValueError(f"{where} is missing required key(s) {missing}")
-    kwargs = {k: _convert(hints[k], v, f"{where}.{k}") for k, v in data.items()}
+    kwargs = {k: convert(hints[k], v, f"{where}.{k}") for k, v in data.items()}
     try:
         return cls(**kwargs)
     except (TypeError, ValueError) as e:
         raise ValueError(f"{where}: {e}") from None
 
 
-def _convert(tp, value, where: str):
+def convert(tp, value, where: str):
+    """`value` as type `tp` (a field's annotation), or ValueError naming `where`."""
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         options = typing.get_args(tp)
@@ -47,19 +48,24 @@ def _convert(tp, value, where: str):
         errors = []
         for option in (o for o in options if o is not type(None)):
             try:
-                return _convert(option, value, where)
+                return convert(option, value, where)
             except ValueError as e:
                 errors.append(str(e))
         raise ValueError(errors[0] if len(errors) == 1 else f"{where}: {value!r} fits none of "
                          f"{[getattr(o, '__name__', str(o)) for o in options]}")
     if dataclasses.is_dataclass(tp):
         return from_dict(tp, value, where)
+    if origin is tuple:  # tuple[X, ...]: YAML gives a list
+        if not isinstance(value, (list, tuple)):
+            raise ValueError(f"{where} must be a list, got {value!r}")
+        item = typing.get_args(tp)[0]
+        return tuple(convert(item, v, f"{where}[{i}]") for i, v in enumerate(value))
     if origin is dict or tp is dict:
         if not isinstance(value, dict):
             raise ValueError(f"{where} must be a mapping, got {value!r}")
         args = typing.get_args(tp)
         if args:
-            return {_convert(args[0], k, f"{where} key"): _convert(args[1], v, f"{where}.{k}")
+            return {convert(args[0], k, f"{where} key"): convert(args[1], v, f"{where}.{k}")
                     for k, v in value.items()}
         return dict(value)
     if tp is Any:
@@ -108,3 +114,4 @@ def load_config(cls: type[C], path: str, overrides: list[str] = ()) -> C:
     if not isinstance(data, dict):
         raise ValueError(f"{path} must hold a mapping at the top level")
     return from_dict(cls, apply_overrides(data, list(overrides)), where=path)
+
