@@ -93,7 +93,7 @@ def teacher_forced(chunk, prompt: list[int], completion: list[int], vocab_size: 
     return choices, logp[torch.arange(len(completion)), torch.tensor(completion)].tolist()
 
 
-def _error(fn) -> tuple[str, str]:
+def error_of(fn) -> tuple[str, str]:
     try:
         fn()
     except Exception as e:  # noqa: BLE001 - the test inspects the type and message
@@ -101,7 +101,7 @@ def _error(fn) -> tuple[str, str]:
     return "none", ""
 
 
-def _as_tuples(completions) -> list[tuple]:
+def as_tuples(completions) -> list[tuple]:
     return [dataclasses.astuple(c) for c in completions]
 
 
@@ -116,30 +116,30 @@ def tp1_checks(model: ModelConfig, prompts: list[list[int]]) -> dict:
     engine, spec, mesh = _engine(model, ParallelConfig(), max_batch_size=8)
     V = model.vocab_size
     weights = random_hf_weights(model, seed=0)
-    out = {"before_weights": _error(lambda: engine.generate(prompts, GREEDY))}
+    out = {"before_weights": error_of(lambda: engine.generate(prompts, GREEDY))}
     engine.update_weights(buckets(weights, 3))
 
     greedy = engine.generate(prompts, GREEDY)
     penalized = dataclasses.replace(GREEDY, repetition_penalty=1.5)
-    out["greedy"] = _as_tuples(greedy)
+    out["greedy"] = as_tuples(greedy)
     out["greedy_ref"] = [reference_greedy(engine.model, p, 10, V) for p in prompts]
-    out["penalized"] = _as_tuples(engine.generate(prompts, penalized))
+    out["penalized"] = as_tuples(engine.generate(prompts, penalized))
     out["penalized_ref"] = [teacher_forced(engine.model, p, c[1], V, 1.5)
                             for p, c in zip(prompts, out["penalized"])]
 
     sampled = [engine.generate(prompts, dataclasses.replace(SAMPLED, seed=s)) for s in (1, 1, 2)]
-    out["sampled"] = [_as_tuples(s) for s in sampled]
+    out["sampled"] = [as_tuples(s) for s in sampled]
     out["sampled_ref_logprobs"] = [
         teacher_forced(engine.model, prompts[c.prompt_index], c.token_ids, V)[1]
         for c in sampled[0]]
-    out["top_k1"] = _as_tuples(engine.generate(
+    out["top_k1"] = as_tuples(engine.generate(
         prompts, SamplingParams(max_new_tokens=10, temperature=0.7, top_k=1, seed=3)))
 
     stop = greedy[0].token_ids[2]
     out["stop_token"] = stop
-    out["greedy_stopped"] = _as_tuples(engine.generate(
+    out["greedy_stopped"] = as_tuples(engine.generate(
         prompts, dataclasses.replace(GREEDY, stop_token_ids=(stop,))))
-    out["sampled_stopped"] = _as_tuples(engine.generate(
+    out["sampled_stopped"] = as_tuples(engine.generate(
         prompts, dataclasses.replace(SAMPLED, stop_token_ids=(stop, 7, 8, 9))))
 
     out.update(_vocab_padding_checks(engine, model))
@@ -182,14 +182,14 @@ def _weight_stream_checks(engine, spec, mesh, model, prompts) -> dict:
     out["stream_greedy_ref"] = [teacher_forced(other, p, tokens, model.vocab_size)[0]
                                 for p, tokens in zip(prompts, out["stream_greedy"])]
     name, tensor = streamed[5]
-    out["unknown"] = _error(lambda: engine.update_weights([streamed + [("lm_head.bias",
+    out["unknown"] = error_of(lambda: engine.update_weights([streamed + [("lm_head.bias",
                                                                        tensor)]]))
-    out["misshapen"] = _error(lambda: engine.update_weights(
+    out["misshapen"] = error_of(lambda: engine.update_weights(
         [streamed[:5] + [(name, tensor[:-1])] + streamed[6:]]))
-    out["missing"] = _error(lambda: engine.update_weights([streamed[:5] + streamed[6:]]))
+    out["missing"] = error_of(lambda: engine.update_weights([streamed[:5] + streamed[6:]]))
     out["missing_name"] = name
-    out["twice"] = _error(lambda: engine.update_weights([streamed, streamed[:1]]))
-    out["after_failed_update"] = _error(lambda: engine.generate(prompts, GREEDY))
+    out["twice"] = error_of(lambda: engine.update_weights([streamed, streamed[:1]]))
+    out["after_failed_update"] = error_of(lambda: engine.generate(prompts, GREEDY))
     return out
 
 
@@ -197,23 +197,23 @@ def _lifecycle_checks(engine, weights, prompts, mesh, spec) -> dict:
     out = {}
     engine.sleep()
     out["asleep_bytes"] = sum(p.untyped_storage().nbytes() for p in engine.model.parameters())
-    out["asleep_generate"] = _error(lambda: engine.generate(prompts, GREEDY))
-    out["asleep_update"] = _error(lambda: engine.update_weights([weights]))
+    out["asleep_generate"] = error_of(lambda: engine.generate(prompts, GREEDY))
+    out["asleep_update"] = error_of(lambda: engine.update_weights([weights]))
     engine.wake()
-    out["woken_generate"] = _error(lambda: engine.generate(prompts, GREEDY))
+    out["woken_generate"] = error_of(lambda: engine.generate(prompts, GREEDY))
     engine.update_weights([weights])
-    out["greedy_after_wake"] = _as_tuples(engine.generate(prompts, GREEDY))
+    out["greedy_after_wake"] = as_tuples(engine.generate(prompts, GREEDY))
 
     def broken_forward(*args, **kwargs):
         raise RuntimeError("simulated kernel failure")
 
     engine.model.forward = broken_forward
-    out["failing_generate"] = _error(lambda: engine.generate(prompts, GREEDY))
-    out["too_long"] = _error(lambda: engine.generate(
+    out["failing_generate"] = error_of(lambda: engine.generate(prompts, GREEDY))
+    out["too_long"] = error_of(lambda: engine.generate(
         prompts, SamplingParams(max_new_tokens=spec.model.max_position_embeddings)))
-    out["bad_prompt"] = _error(lambda: engine.generate([[1, 2], []], GREEDY))
+    out["bad_prompt"] = error_of(lambda: engine.generate([[1, 2], []], GREEDY))
     pp_mesh = dataclasses.replace(mesh, config=ParallelConfig(pipeline_parallel=2))
-    out["pp2"] = _error(lambda: MegatronEngine(spec, pp_mesh))
+    out["pp2"] = error_of(lambda: MegatronEngine(spec, pp_mesh))
     return out
 
 
@@ -222,4 +222,4 @@ def generations(model: ModelConfig, parallel: ParallelConfig, prompts: list[list
     """Per rank: completions for each SamplingParams, weights from the seed-0 HF stream."""
     engine, _, _ = _engine(model, parallel)
     engine.update_weights(buckets(random_hf_weights(model, seed=0), 4))
-    return [_as_tuples(engine.generate(prompts, p)) for p in params]
+    return [as_tuples(engine.generate(prompts, p)) for p in params]

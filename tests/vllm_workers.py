@@ -26,6 +26,7 @@ from megarlhf.rollout.engine import SamplingParams
 from megarlhf.rollout.experience import rollout_batch
 from megarlhf.rollout.gap import logprob_gap
 from megarlhf.rollout.vllm_engine import VLLMEngine, VLLMEngineConfig
+from tests.generation_workers import as_tuples, error_of
 
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0)
 SAMPLED = SamplingParams(max_new_tokens=12, temperature=0.9, top_k=40, top_p=0.9,
@@ -35,18 +36,6 @@ MAX_MODEL_LEN = 64
 BUCKET_BYTES = 512 * 1024
 OPTIM = OptimConfig(lr=1e-2, weight_decay=0.0, clip_grad=1.0)
 """Large enough that one step changes greedy outputs (the test checks it did)."""
-
-
-def _error(fn) -> tuple[str, str]:
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001 - the test inspects the type and message
-        return type(e).__name__, str(e)
-    return "none", ""
-
-
-def _as_tuples(completions) -> list[tuple]:
-    return [dataclasses.astuple(c) for c in completions]
 
 
 def _actor(ckpt: str, parallel: ParallelConfig):
@@ -78,19 +67,19 @@ def colocated(hf_dir: str, ckpt: str, out_dir: str, prompts: list[list[int]]) ->
     """Single rank, TP1 trainer + TP1 engine: everything but the TP2 comparison."""
     actor, bridge, mesh = _actor(ckpt, ParallelConfig())
     engine = _engine(hf_dir)
-    out = {"before_weights": _error(lambda: engine.generate(prompts, GREEDY))}
+    out = {"before_weights": error_of(lambda: engine.generate(prompts, GREEDY))}
     engine.update_weights(bridge.stream())
 
     greedy = engine.generate(prompts, GREEDY)
-    out["greedy"] = _as_tuples(greedy)
+    out["greedy"] = as_tuples(greedy)
     out["greedy_scored"] = _scored(actor, prompts, greedy)
     sampled = [engine.generate(prompts, dataclasses.replace(SAMPLED, seed=s)) for s in (1, 1, 2)]
-    out["sampled"] = [_as_tuples(s) for s in sampled]
+    out["sampled"] = [as_tuples(s) for s in sampled]
     out["sampled_scored"] = _scored(actor, prompts, sampled[0])
-    out["greedy_n2"] = _as_tuples(engine.generate(prompts, dataclasses.replace(GREEDY, n=2)))
+    out["greedy_n2"] = as_tuples(engine.generate(prompts, dataclasses.replace(GREEDY, n=2)))
     stop = greedy[0].token_ids[3]
     out["stop_token"] = stop
-    out["greedy_stopped"] = _as_tuples(engine.generate(
+    out["greedy_stopped"] = as_tuples(engine.generate(
         prompts, dataclasses.replace(GREEDY, stop_token_ids=(stop,))))
 
     out.update(_failures(engine, bridge, prompts))
@@ -104,20 +93,20 @@ def colocated(hf_dir: str, ckpt: str, out_dir: str, prompts: list[list[int]]) ->
                                    batch.response_mask)  # before the sync
     engine.update_weights(bridge.stream())
     trained = engine.generate(prompts, GREEDY)
-    out["trained_greedy"] = _as_tuples(trained)
+    out["trained_greedy"] = as_tuples(trained)
     out["trained_scored"] = _scored(actor, prompts, trained)
-    out["trained_sampled"] = _as_tuples(engine.generate(prompts, SAMPLED))
+    out["trained_sampled"] = as_tuples(engine.generate(prompts, SAMPLED))
 
     save_checkpoint(f"{out_dir}/actor", actor.engine, mesh, with_optimizer=False)
     mcore_to_hf(f"{out_dir}/actor", f"{out_dir}/actor_hf")
     engine.shutdown()
     out["trainer_group_alive"] = _trainer_group_works()
     fresh = _engine(f"{out_dir}/actor_hf", load_format="auto")
-    out["fresh_greedy"] = _as_tuples(fresh.generate(prompts, GREEDY))
-    out["fresh_sampled"] = _as_tuples(fresh.generate(prompts, SAMPLED))
+    out["fresh_greedy"] = as_tuples(fresh.generate(prompts, GREEDY))
+    out["fresh_sampled"] = as_tuples(fresh.generate(prompts, SAMPLED))
     out.update(_failing_forward(fresh, prompts))
     fresh.shutdown()
-    out["after_shutdown"] = _error(lambda: fresh.generate(prompts, GREEDY))
+    out["after_shutdown"] = error_of(lambda: fresh.generate(prompts, GREEDY))
     return out
 
 
@@ -136,10 +125,10 @@ def _failing_forward(engine: VLLMEngine, prompts) -> dict:
     """A failure in the middle of vLLM's generation loop surfaces as an EngineError, and the
     next call is not polluted by the failed call's requests."""
     engine._llm.collective_rpc(_break_forward)
-    out = {"failing_generate": _error(lambda: engine.generate(prompts, GREEDY))}
+    out = {"failing_generate": error_of(lambda: engine.generate(prompts, GREEDY))}
     engine._llm.collective_rpc(_restore_forward)
-    out["greedy_after_failure"] = _as_tuples(engine.generate(prompts, GREEDY))
-    out["out_of_vocab"] = _error(lambda: engine.generate([[5, 100_000]], GREEDY))
+    out["greedy_after_failure"] = as_tuples(engine.generate(prompts, GREEDY))
+    out["out_of_vocab"] = error_of(lambda: engine.generate([[5, 100_000]], GREEDY))
     return out
 
 
@@ -149,17 +138,17 @@ def _failures(engine: VLLMEngine, bridge: WeightBridge, prompts) -> dict:
     name, tensor = weights[3]
     misshapen = weights[:3] + [(name, tensor[:-1])] + weights[4:]
     out = {
-        "too_long": _error(lambda: engine.generate(
+        "too_long": error_of(lambda: engine.generate(
             [list(range(1, MAX_MODEL_LEN - GREEDY.max_new_tokens + 2))], GREEDY)),
-        "misshapen": _error(lambda: engine.update_weights([misshapen])),
+        "misshapen": error_of(lambda: engine.update_weights([misshapen])),
         "misshapen_name": name,
     }
-    out["after_failed_update"] = _error(lambda: engine.generate(prompts, GREEDY))
-    out["unknown"] = _error(lambda: engine.update_weights([weights + [("lm_head.bias",
+    out["after_failed_update"] = error_of(lambda: engine.generate(prompts, GREEDY))
+    out["unknown"] = error_of(lambda: engine.update_weights([weights + [("lm_head.bias",
                                                                        tensor)]]))
-    out["missing"] = _error(lambda: engine.update_weights([weights[:3] + weights[4:]]))
+    out["missing"] = error_of(lambda: engine.update_weights([weights[:3] + weights[4:]]))
     engine.update_weights([weights])
-    out["greedy_after_recovery"] = _as_tuples(engine.generate(prompts, GREEDY))
+    out["greedy_after_recovery"] = as_tuples(engine.generate(prompts, GREEDY))
     return out
 
 
@@ -167,13 +156,13 @@ def _sleep_wake(engine: VLLMEngine, bridge: WeightBridge, prompts) -> dict:
     out = {"kv_bytes_awake": engine.kv_cache_bytes()}
     engine.sleep()
     out["kv_bytes_asleep"] = engine.kv_cache_bytes()
-    out["asleep_generate"] = _error(lambda: engine.generate(prompts, GREEDY))
-    out["asleep_update"] = _error(lambda: engine.update_weights(bridge.stream()))
+    out["asleep_generate"] = error_of(lambda: engine.generate(prompts, GREEDY))
+    out["asleep_update"] = error_of(lambda: engine.update_weights(bridge.stream()))
     engine.wake()
     out["kv_bytes_woken"] = engine.kv_cache_bytes()
-    out["woken_generate"] = _error(lambda: engine.generate(prompts, GREEDY))
+    out["woken_generate"] = error_of(lambda: engine.generate(prompts, GREEDY))
     engine.update_weights(bridge.stream())
-    out["greedy_after_wake"] = _as_tuples(engine.generate(prompts, GREEDY))
+    out["greedy_after_wake"] = as_tuples(engine.generate(prompts, GREEDY))
     return out
 
 
@@ -192,7 +181,7 @@ def tensor_parallel(hf_dir: str, ckpt: str, prompts: list[list[int]]) -> dict:
         engine = _engine(hf_dir, tensor_parallel_size=tp)
         engine.update_weights(bridge.stream())
         greedy = engine.generate(prompts, GREEDY)
-        out[f"vllm_tp{tp}"] = {"greedy": _as_tuples(greedy),
+        out[f"vllm_tp{tp}"] = {"greedy": as_tuples(greedy),
                                "scored": _scored(actor, prompts, greedy)}
         engine.shutdown()
     out["trainer_group_alive"] = _trainer_group_works()

@@ -16,7 +16,7 @@ from megarlhf.convert.mcore_io import checkpoint_template, write_checkpoint
 from megarlhf.convert.outputs import copy_sidecar, prepare_output, removed_on_error
 from megarlhf.convert.safetensors_io import SafetensorsReader
 from megarlhf.engine.checkpoint import HF_SIDECAR, checkpoint_meta, publish
-from megarlhf.models.arch import TensorRule, architecture_for_hf_class
+from megarlhf.models.arch import TensorRule, architecture_for_hf_config
 from megarlhf.models.config import ModelConfig
 from megarlhf.parallel.mesh import ParallelConfig
 
@@ -46,22 +46,19 @@ def inspect_hf(hf_dir: str, *, role: str = "actor", init_value_head: bool = Fals
     if not os.path.isfile(os.path.join(hf_dir, "config.json")):
         raise ValueError(f"{hf_dir} has no config.json; is it an HF model directory?")
     config = transformers.AutoConfig.from_pretrained(hf_dir)
-    classes = getattr(config, "architectures", None) or []
-    if len(classes) != 1:
-        raise ValueError(f"{hf_dir}/config.json must name exactly one class in 'architectures', "
-                         f"got {classes}")
-    arch, is_seq_cls = architecture_for_hf_class(classes[0])
+    arch, is_seq_cls = architecture_for_hf_config(config, hf_dir)
+    hf_class = arch.hf_class(is_seq_cls)
     value_head = role in VALUE_ROLES
     if value_head and is_seq_cls and config.num_labels != 1:
-        raise ValueError(f"{classes[0]} in {hf_dir} has {config.num_labels} labels; a {role} "
+        raise ValueError(f"{hf_class} in {hf_dir} has {config.num_labels} labels; a {role} "
                          f"needs a single score (num_labels=1)")
     if value_head and not is_seq_cls and not init_value_head:
         raise ValueError(
-            f"{hf_dir} holds a causal LM ({classes[0]}); a {role} is converted from "
+            f"{hf_dir} holds a causal LM ({hf_class}); a {role} is converted from "
             f"{arch.sequence_classification} with one label, or pass --init-value-head to start "
             f"it from this LM with a freshly initialised value head")
     if not value_head and is_seq_cls:
-        raise ValueError(f"{hf_dir} holds {classes[0]} (a scalar head, no LM head); it can be "
+        raise ValueError(f"{hf_dir} holds {hf_class} (a scalar head, no LM head); it can be "
                          f"converted as a critic or reward (--role critic|reward), not as {role}")
     model = arch.model_config(config, make_vocab_size_divisible_by=make_vocab_size_divisible_by)
     rules = arch.rules(model, lm_head=not value_head, value_head=value_head)
@@ -69,7 +66,7 @@ def inspect_hf(hf_dir: str, *, role: str = "actor", init_value_head: bool = Fals
     fresh_head = value_head and not is_seq_cls
     _check_tensors(hf_dir, reader, model, rules, skip_value_head=fresh_head)
     dtype = reader.dtype(rules[0].hf[0])  # the embedding's dtype is the checkpoint's dtype
-    return HFSource(arch.name, classes[0], model, value_head, fresh_head, dtype, tuple(rules),
+    return HFSource(arch.name, hf_class, model, value_head, fresh_head, dtype, tuple(rules),
                     reader)
 
 

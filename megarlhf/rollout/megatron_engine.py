@@ -40,6 +40,7 @@ from megarlhf.parallel.mesh import Mesh
 from megarlhf.parallel.vocab import vocab_parallel_logprobs
 from megarlhf.rollout.engine import Completion, EngineError, SamplingParams, WeightStream
 from megarlhf.rollout.pieces import Piece, local_pieces
+from megarlhf.rollout.weights import WeightCheck, hf_weight_shapes
 
 Unit = tuple[str, int | None]
 """(Megatron checkpoint key, layer index or None): one full per-layer tensor."""
@@ -98,6 +99,7 @@ class MegatronEngine:
         arch = architecture(self.config.architecture or infer_architecture(spec.model))
         rules = arch.rules(spec.model, lm_head=True, value_head=False)
         self._slots = _hf_slots(rules, spec.model.num_layers)
+        self._shapes = hf_weight_shapes(rules, spec.model.num_layers)
         self._pieces = _pieces_by_unit(local_pieces([self.model]))
         self._check_rules_cover_model({s.unit for s in self._slots.values()}, arch.name)
         self._weights_ready = False
@@ -237,11 +239,20 @@ class MegatronEngine:
         if self._asleep:
             raise EngineError(f"{self.name}: asleep; call wake() before update_weights")
         self._weights_ready = False  # a failed update leaves a half-written model
+        try:
+            self._load_stream(buckets)
+        except ValueError as e:
+            raise ValueError(f"{self.name}: {e}") from None
+        self._weights_ready = True
+
+    def _load_stream(self, buckets: WeightStream) -> None:
+        check = WeightCheck(self._shapes, f"this model (LM head, {self.spec.model.num_layers} "
+                                          f"layers)")
         pending: dict[Unit, list[torch.Tensor | None]] = {}
-        arrived: set[str] = set()
         for bucket in buckets:
             for name, tensor in bucket:
-                slot = self._accept(name, tensor, arrived)
+                check.accept(name, tensor)
+                slot = self._slots[name]
                 parts = pending.setdefault(slot.unit, [None] * len(slot.rule.hf))
                 parts[slot.index] = tensor
                 if all(p is not None for p in parts):
@@ -249,25 +260,7 @@ class MegatronEngine:
             # The producer may reuse this bucket's memory (copies_each_bucket).
             for parts in pending.values():
                 parts[:] = [p if p is None else p.clone() for p in parts]
-        missing = sorted(set(self._slots) - arrived)
-        if missing:
-            shown = ", ".join(missing[:8]) + (", ..." if len(missing) > 8 else "")
-            raise ValueError(f"{self.name}: {len(missing)} weight(s) never arrived: {shown}")
-        self._weights_ready = True
-
-    def _accept(self, name: str, tensor: torch.Tensor, arrived: set[str]) -> _Slot:
-        slot = self._slots.get(name)
-        if slot is None:
-            raise ValueError(f"{self.name}: unknown weight {name!r}: not a parameter of this "
-                             f"model (LM head, {self.spec.model.num_layers} layers)")
-        if name in arrived:
-            raise ValueError(f"{self.name}: weight {name!r} arrived twice in one update")
-        expected = slot.rule.hf_shapes[slot.index]
-        if tuple(tensor.shape) != expected:
-            raise ValueError(f"{self.name}: weight {name!r} has shape {tuple(tensor.shape)}, "
-                             f"the model needs {expected}")
-        arrived.add(name)
-        return slot
+        check.finish()
 
     def _load_unit(self, slot: _Slot, parts: list[torch.Tensor]) -> None:
         pieces = self._pieces[slot.unit]

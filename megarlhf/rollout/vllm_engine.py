@@ -31,7 +31,8 @@ import torch
 import torch.distributed as dist
 import transformers
 
-from megarlhf.models.arch import architecture_for_hf_class
+from megarlhf.models.arch import architecture_for_hf_config
+from megarlhf.rollout.weights import WeightCheck, hf_weight_shapes
 from megarlhf.rollout.engine import Completion, EngineError, SamplingParams, WeightStream
 
 LOAD_FORMATS = ("auto", "dummy")
@@ -188,24 +189,12 @@ class VLLMEngine:
     def _checked(self, buckets: WeightStream) -> Iterator[tuple[str, torch.Tensor]]:
         """The stream's tensors, each checked against the model's HF names and shapes (vLLM's
         loader skips unknown names and only warns about missing ones)."""
-        arrived: set[str] = set()
+        check = WeightCheck(self._expected, self.config.model_dir)
         for bucket in buckets:
             for name, tensor in bucket:
-                expected = self._expected.get(name)
-                if expected is None:
-                    raise ValueError(f"unknown weight {name!r}: not a parameter of "
-                                     f"{self.config.model_dir}")
-                if name in arrived:
-                    raise ValueError(f"weight {name!r} arrived twice in one update")
-                if tuple(tensor.shape) != expected:
-                    raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, the "
-                                     f"model needs {expected}")
-                arrived.add(name)
+                check.accept(name, tensor)
                 yield name, tensor
-        missing = sorted(set(self._expected) - arrived)
-        if missing:
-            shown = ", ".join(missing[:8]) + (", ..." if len(missing) > 8 else "")
-            raise ValueError(f"{len(missing)} weight(s) never arrived: {shown}")
+        check.finish()
 
     # ---------------------------------------------------------------------- sleep / lifecycle
 
@@ -252,20 +241,12 @@ def expected_hf_weights(model_dir: str) -> dict[str, tuple[int, ...]]:
     """{HF name: shape} of every tensor an update must bring, from config.json through our
     architecture registry (the mapping the bridge streams with)."""
     config = transformers.AutoConfig.from_pretrained(model_dir)
-    classes = getattr(config, "architectures", None) or []
-    if len(classes) != 1:
-        raise ValueError(f"{model_dir}/config.json must name exactly one class in "
-                         f"'architectures', got {classes}")
-    arch, is_seq_cls = architecture_for_hf_class(classes[0])
+    arch, is_seq_cls = architecture_for_hf_config(config, model_dir)
     if is_seq_cls:
-        raise ValueError(f"{model_dir} holds {classes[0]}, a scalar-head model; rollouts need "
-                         f"the causal LM ({arch.causal_lm})")
+        raise ValueError(f"{model_dir} holds {arch.sequence_classification}, a scalar-head "
+                         f"model; rollouts need the causal LM ({arch.causal_lm})")
     model = arch.model_config(config)
-    expected = {}
-    for rule in arch.rules(model, lm_head=True, value_head=False):
-        for layer in range(model.num_layers) if rule.per_layer else [None]:
-            expected.update(zip(rule.hf_names(layer), rule.hf_shapes))
-    return expected
+    return hf_weight_shapes(arch.rules(model, lm_head=True, value_head=False), model.num_layers)
 
 
 def _drop_unfinished(llm) -> None:

@@ -10,9 +10,10 @@ from megarlhf.models.arch.registry import (
     TensorRule,
     architecture,
     architecture_for_hf_class,
+    architecture_for_hf_config,
     register,
     supported_hf_classes,
 )
 
 __all__ = ["Architecture", "TensorRule", "architecture", "architecture_for_hf_class",
-           "register", "supported_hf_classes"]
+           "architecture_for_hf_config", "register", "supported_hf_classes"]

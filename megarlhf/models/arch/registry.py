@@ -87,6 +87,16 @@ def architecture_for_hf_class(hf_class: str) -> tuple[Architecture, bool]:
     return arch, hf_class == arch.sequence_classification
 
 
+def architecture_for_hf_config(config, where: str) -> tuple[Architecture, bool]:
+    """(architecture, is_sequence_classification) of a loaded HF config; `where` names the
+    directory in errors."""
+    classes = getattr(config, "architectures", None) or []
+    if len(classes) != 1:
+        raise ValueError(f"{where}/config.json must name exactly one class in 'architectures', "
+                         f"got {classes}")
+    return architecture_for_hf_class(classes[0])
+
+
 def architecture(name: str) -> Architecture:
     if name not in _BY_NAME:
         raise ValueError(f"unknown architecture {name!r}; known: {sorted(_BY_NAME)}")
