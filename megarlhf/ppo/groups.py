@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import time
 import traceback
 
 from megarlhf.parallel.mesh import free_port
@@ -75,7 +76,7 @@ class LocalWorkerGroup:
                                        [self._procs[r].sentinel for r in pending],
                                        timeout=self.timeout_s)
             if not ready:
-                self.shutdown()
+                self._reap(grace_s=0)
                 raise WorkerError(f"{what}: ranks {sorted(pending)} did not answer within "
                                   f"{self.timeout_s:.0f} s")
             for rank in sorted(pending):
@@ -83,24 +84,31 @@ class LocalWorkerGroup:
                 if conn.poll():
                     ok, value = conn.recv()
                     if not ok:
-                        self.shutdown()
+                        self._reap(grace_s=0)
                         raise WorkerError(f"{what} failed on rank {rank}:\n{value}")
                     results[rank] = value
                     pending.discard(rank)
                 elif proc.exitcode is not None:
-                    self.shutdown()
+                    self._reap(grace_s=0)
                     raise WorkerError(f"{what}: rank {rank} died (exit code {proc.exitcode})")
         return results
 
     def shutdown(self) -> None:
+        """Ask every rank to stop (engines shut down cleanly), then kill what is left."""
         for conn, proc in zip(self._conns, self._procs):
             if proc.is_alive():
                 try:
                     conn.send((None, ()))
                 except (BrokenPipeError, OSError):
                     pass
+        self._reap(grace_s=30)
+
+    def _reap(self, grace_s: float) -> None:
+        """Join the ranks within one shared grace period and kill the rest: after a failure
+        (grace 0) the others are stuck in a collective and would never return."""
+        deadline = time.monotonic() + grace_s
         for proc in self._procs:
-            proc.join(timeout=10)
+            proc.join(timeout=max(0.0, deadline - time.monotonic()))
             if proc.is_alive():
                 proc.kill()
                 proc.join()

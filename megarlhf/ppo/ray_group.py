@@ -54,7 +54,7 @@ class RayWorkerGroup:
         actor = ray.remote(_Rank)
         self._ranks = [
             actor.options(
-                num_cpus=cpus_per_rank, name=None,
+                num_cpus=cpus_per_rank,
                 runtime_env={"env_vars": {"OMP_NUM_THREADS": threads}},
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement_group=self._pg, placement_group_bundle_index=rank),

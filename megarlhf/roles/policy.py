@@ -8,7 +8,9 @@ import dataclasses
 import torch
 
 from megarlhf.engine.train import StepMetrics, TrainEngine
-from megarlhf.parallel.vocab import vocab_parallel_logprobs_and_entropy
+from megarlhf.parallel.vocab import (
+    vocab_parallel_logprobs, vocab_parallel_logprobs_and_entropy,
+)
 from megarlhf.rl.losses import AGGREGATION_MODES, aggregate, policy_loss
 from megarlhf.engine.schedule import gather_rows
 from megarlhf.roles.common import microbatches
@@ -55,6 +57,17 @@ def ptx_scale(cfg: PolicyLossConfig, batch: SequenceBatch, ptx: SequenceBatch | 
     return cfg.ptx_coef * ppo_den / int(ptx.response_mask.sum())
 
 
+_STEP_METRICS = ("loss_sum", "num_tokens", "pg_sum", "tokens", "clipped", "approx_kl",
+                 "entropy", "ptx_sum", "ptx_tokens")
+
+
+def _step_metrics(**given: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Every micro-batch reports the same keys (the engine sums them); PPO and ptx
+    micro-batches each fill theirs and leave the others 0."""
+    zero = torch.zeros((), device=next(iter(given.values())).device)
+    return {key: given.get(key, zero) for key in _STEP_METRICS}
+
+
 class PolicyRole:
     """Actor (with an optimizer) or reference (without) over one TrainEngine."""
 
@@ -66,6 +79,12 @@ class PolicyRole:
         self.engine, self.num_microbatches = engine, num_microbatches
         self.loss = loss or PolicyLossConfig()
         self._vocab_size = engine.spec.model.vocab_size
+
+    def _logp(self, mb, logits_BTV):
+        mesh = self.engine.mesh
+        return shift_right(vocab_parallel_logprobs(
+            logits_BTV, mb["labels"], tp_group=mesh.tp_group,
+            vocab_start=mesh.tp_rank * logits_BTV.shape[-1], vocab_size=self._vocab_size))
 
     def _logp_entropy(self, mb, logits_BTV):
         mesh = self.engine.mesh
@@ -106,30 +125,30 @@ class PolicyRole:
         scale = ptx_scale(cfg, batch, ptx)
         zeros = torch.zeros(batch.shape)
 
-        def loss_fn(mb, logits_BTV):
+        def ptx_loss(mb, logits_BTV):
+            mask = mb["response_mask"]
+            nll = -(self._logp(mb, logits_BTV) * mask).sum()
+            no_tokens = mask.bool().sum() * 0
+            return scale * nll, no_tokens.to(torch.int), _step_metrics(
+                loss_sum=(scale * nll).detach(), num_tokens=no_tokens, ptx_sum=nll.detach(),
+                ptx_tokens=mask.bool().sum())
+
+        def ppo_loss(mb, logits_BTV):
             logp, entropy = self._logp_entropy(mb, logits_BTV)
             mask = mb["response_mask"]
             m = mask.bool()
-            zero = torch.zeros((), device=logp.device)
-            if bool(mb["is_ptx"][0, 0]):
-                nll = -(logp * mask).sum()
-                metrics = {"loss_sum": (scale * nll).detach(), "num_tokens": m.sum() * 0,
-                           "pg_sum": zero, "tokens": m.sum() * 0, "clipped": zero,
-                           "approx_kl": zero, "entropy": zero, "ptx_sum": nll.detach(),
-                           "ptx_tokens": m.sum()}
-                return scale * nll, m.sum().to(torch.int) * 0, metrics
             pg_BT, stats = policy_loss(logp, mb["old_logp"], mb["advantages"], mask,
                                        clip_eps=cfg.clip_eps, clip_eps_high=cfg.clip_eps_high,
                                        dual_clip=cfg.dual_clip)
             num, den = aggregate(pg_BT - cfg.entropy_coef * entropy, mask, cfg.aggregation)
             pg_num, _ = aggregate(pg_BT, mask, cfg.aggregation)
-            metrics = {"loss_sum": num.detach().clone(), "num_tokens": den.detach().clone(),
-                       "pg_sum": pg_num.detach(), "tokens": m.sum(),
-                       "clipped": stats["clipped"][m].sum(),
-                       "approx_kl": stats["approx_kl"][m].sum(),
-                       "entropy": entropy.detach()[m].sum(), "ptx_sum": zero,
-                       "ptx_tokens": m.sum() * 0}
-            return num, den.to(torch.int), metrics
+            return num, den.to(torch.int), _step_metrics(
+                loss_sum=num.detach().clone(), num_tokens=den.detach().clone(),
+                pg_sum=pg_num.detach(), tokens=m.sum(), clipped=stats["clipped"][m].sum(),
+                approx_kl=stats["approx_kl"][m].sum(), entropy=entropy.detach()[m].sum())
+
+        def loss_fn(mb, logits_BTV):
+            return (ptx_loss if bool(mb["is_ptx"][0, 0]) else ppo_loss)(mb, logits_BTV)
 
         mbs = self._microbatches(batch, old_logp, advantages, is_ptx=False)
         if ptx is not None:
