@@ -8,7 +8,10 @@ import argparse
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="megarlhf", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("demo", help="train a tiny model at TP2 x PP2 on 4 local CPU ranks")
+    demo_cmd = sub.add_parser("demo", help="tokenizer, SFT, reward model and PPO on embedded "
+                                           "data, 4 local CPU ranks")
+    demo_cmd.add_argument("--out", default="demo_out",
+                          help="output directory (a previous demo's is replaced)")
     ppo = sub.add_parser("ppo", help="PPO / GRPO / RLOO / REINFORCE++ training")
     ppo.add_argument("--config", required=True,
                      help="recipe: a YAML file of PPOConfig fields, or module:function")
@@ -49,7 +52,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "demo":
         from megarlhf import demo
 
-        demo.main()
+        demo.main(args.out)
 
 
 if __name__ == "__main__":
