@@ -57,6 +57,8 @@ def checkpoints(hf_dirs, tmp_path_factory):
 
 LAYOUTS = {
     "TP2xPP2": ParallelConfig(tensor_parallel=2, pipeline_parallel=2),
+    # Without pipeline stages the stream hands out views of parameters and gathered tensors.
+    "TP2xDP2": ParallelConfig(tensor_parallel=2),
     "PP2xVPP2xDP2": ParallelConfig(pipeline_parallel=2, virtual_pipeline_parallel=2),
 }
 
@@ -74,9 +76,10 @@ def test_colocated_stream_equals_export(checkpoints, layout):
             assert max(bucket_bytes) <= max(BUCKET, largest), (rank, name)
 
 
-def test_colocated_stream_casts_like_export_with_a_reused_buffer(checkpoints):
+@pytest.mark.parametrize("layout", ["TP2xPP2", "TP2xDP2"])
+def test_colocated_stream_casts_like_export_with_a_reused_buffer(checkpoints, layout):
     results = launch_local(bridge_workers.colocated, 4, [checkpoints["llama"][0]],
-                           LAYOUTS["TP2xPP2"], BUCKET, torch.bfloat16, True)
+                           LAYOUTS[layout], BUCKET, torch.bfloat16, True)
     for per_ckpt in results:
         assert_bitwise(per_ckpt[0][0], checkpoints["llama_bf16"])
 

@@ -7,13 +7,13 @@ HF tensors of some whole Megatron tensors (a layer's fused QKV, an embedding ...
 
 1. the owning stage's TP ranks all-gather one Megatron tensor at a time (its full per-layer
    form, assembled from Megatron's own shard offsets), split it with the architecture's
-   `TensorRule` into HF tensors and copy them (cast to the rollout dtype) into one flat buffer;
-2. the buffer is broadcast: over the pipeline group when the engine runs in the training
-   processes (colocated), or over a separate channel to the engine's processes
-   (disaggregated, `send` / `receive`);
-3. the engine gets views of the buffer as (HF name, tensor) pairs; an engine that copies each
-   bucket before asking for the next lets the bridge reuse one buffer across buckets and
-   syncs (`stream(reuse_buffer=True)`), others get a fresh buffer per bucket.
+   `TensorRule` into HF tensors (views, cast to the rollout dtype where it differs);
+2. colocated without pipeline stages, the engine gets those tensors as they are; otherwise
+   they are copied into one flat buffer, broadcast over the pipeline group (colocated) or a
+   separate channel to the engine's processes (disaggregated, `send` / `receive`);
+3. the engine gets (HF name, tensor) pairs; an engine that copies each bucket before asking
+   for the next lets the bridge reuse one buffer across buckets and syncs
+   (`stream(reuse_buffer=True)`), others get a fresh buffer per bucket.
 
 DP replicas hold the same weights, so each replica serves its own ranks in colocated mode and
 only replica 0 sends in disaggregated mode. Extra memory per rank is one bucket plus the
@@ -175,8 +175,10 @@ class WeightBridge:
     def _assemble(self, unit: Unit) -> torch.Tensor:
         """The full per-layer Megatron tensor of `unit` from this TP group's pieces."""
         pieces = self._pieces[unit]
-        if len(pieces) == 1 and pieces[0].is_whole:
-            return pieces[0].data.detach()  # read in place: no copy before the split
+        local = self.mesh.tp == 1 or all(p.is_whole for p in pieces)
+        in_place = _tiled_in_place(pieces) if local else None
+        if in_place is not None:
+            return in_place  # read the parameter itself: no copy before the split
         full = torch.empty(pieces[0].full_shape, dtype=pieces[0].data.dtype,
                            device=pieces[0].data.device)
         # Replicated pieces, and every piece at TP1, are already here.
@@ -212,33 +214,49 @@ class WeightBridge:
                                      dtype=self.plan.dtype)
         return self._flat[:bucket.numel]
 
+    def _hf_tensors(self, bucket: Bucket) -> Iterator[tuple[Slot, torch.Tensor]]:
+        """The bucket's HF tensors, on a rank of its owning stage: views of each assembled
+        Megatron tensor (of the parameter itself where this rank holds it whole)."""
+        for unit, slots in zip(bucket.units, bucket.slots):
+            rule = self._rules[unit[0]]
+            for slot, tensor in zip(slots, rule.split(self._assemble(unit))):
+                yield slot, tensor[: self.model.vocab_size] if rule.vocab else tensor
+
     def _fill(self, bucket: Bucket, reuse: bool = True) -> torch.Tensor:
         """The bucket's flat buffer, on a rank of its owning stage."""
         buffer = self._buffer(bucket, reuse)
-        for unit, slots in zip(bucket.units, bucket.slots):
-            rule = self._rules[unit[0]]
-            with torch.no_grad():
-                for slot, tensor in zip(slots, rule.split(self._assemble(unit))):
-                    if rule.vocab:
-                        tensor = tensor[: self.model.vocab_size]
-                    buffer[slot.offset:slot.offset + slot.numel].view(slot.shape).copy_(tensor)
+        with torch.no_grad():
+            for slot, tensor in self._hf_tensors(bucket):
+                buffer[slot.offset:slot.offset + slot.numel].view(slot.shape).copy_(tensor)
         return buffer
 
     def stream(self, *, reuse_buffer: bool = False) -> WeightStream:
         """Colocated: every training rank gets every bucket (collective over the mesh).
 
-        `reuse_buffer=True` overwrites a bucket's tensors when the next bucket is made: for
-        engines that copy each bucket before asking for the next (MegatronEngine). vLLM's
-        loader keeps tensors of earlier buckets until a layer is complete, so it needs fresh
-        buffers (the default)."""
+        Without pipeline stages every rank owns every bucket, so the HF tensors are handed
+        out as they are, with no bucket copy: views of the parameters (TP1, replicated
+        tensors) or of the gathered tensor, cast when the rollout dtype differs. Consumers
+        read them and must not write into them.
+
+        With pipeline stages a bucket travels as one flat buffer. `reuse_buffer=True`
+        overwrites it when the next bucket is made: for engines that copy each bucket before
+        asking for the next (MegatronEngine). vLLM's loader keeps tensors of earlier buckets
+        until a layer is complete, so it needs fresh buffers (the default)."""
+        if self.mesh.pp == 1:
+            for bucket in self.plan.buckets:
+                with torch.no_grad():
+                    tensors = [(slot.name, tensor.to(self.plan.dtype))
+                               for slot, tensor in self._hf_tensors(bucket)]
+                yield tensors
+                del tensors
+            return
         pp_ranks = dist.get_process_group_ranks(self.mesh.pp_group)
         for bucket in self.plan.buckets:
             if self.mesh.pp_rank == bucket.stage:
                 buffer = self._fill(bucket, reuse_buffer)
             else:
                 buffer = self._buffer(bucket, reuse_buffer)
-            if self.mesh.pp > 1:
-                dist.broadcast(buffer, src=pp_ranks[bucket.stage], group=self.mesh.pp_group)
+            dist.broadcast(buffer, src=pp_ranks[bucket.stage], group=self.mesh.pp_group)
             yield named_views(bucket, buffer)
             del buffer
 
@@ -257,6 +275,28 @@ class WeightBridge:
                     channel.broadcast(buffer, root=bucket.stage)
             elif sender:
                 channel.broadcast(self._buffer(bucket), root=bucket.stage)
+
+
+def _tiled_in_place(pieces: list[Piece]) -> torch.Tensor | None:
+    """The full tensor as a view of one parameter, when the pieces are all its parts laid out
+    as in the full tensor (a whole parameter; TP1's fused gate/up, two halves of one
+    parameter); None otherwise."""
+    first = pieces[0].data.detach()
+    storage = first.untyped_storage().data_ptr()
+    if any(p.data.untyped_storage().data_ptr() != storage for p in pieces):
+        return None
+    shape = pieces[0].full_shape
+    strides = [1] * len(shape)
+    for dim in range(len(shape) - 2, -1, -1):
+        strides[dim] = strides[dim + 1] * shape[dim + 1]
+    start = min(p.data.storage_offset() for p in pieces)
+    full = first.as_strided(shape, strides, start)
+    covered = sum(p.data.numel() for p in pieces) == full.numel()
+    for p in pieces:
+        region = p.region(full)
+        if (region.data_ptr(), region.stride()) != (p.data.data_ptr(), p.data.stride()):
+            return None
+    return full if covered else None
 
 
 def named_views(bucket: Bucket, buffer: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
