@@ -110,18 +110,20 @@ def hf_to_mcore(hf_dir: str, out: str, *, parallel: ParallelConfig, role: str = 
     reader = src.reader
     by_key = {rule.mcore: rule for rule in src.rules}
 
-    def source(key: str, layer: int | None, shape: tuple[int, ...]) -> torch.Tensor:
+    def source(key: str, layer: int | None, shape: tuple[int, ...]) -> list[torch.Tensor]:
         rule = by_key.get(key)
         if rule is None:
             raise ValueError(f"Megatron expects {key!r}, which no {src.arch_name} rule produces")
         if src.init_value_head and key.startswith("value_head."):
             g = torch.Generator().manual_seed(seed)
-            return (torch.randn(shape, generator=g) * src.model.init_std).to(src.dtype)
-        tensor = rule.fuse([reader.get(n) for n in rule.hf_names(layer)])
-        if rule.vocab and tensor.shape[0] < shape[0]:  # Megatron's padding rows are zeros
-            tensor = torch.cat([tensor, tensor.new_zeros(shape[0] - tensor.shape[0],
-                                                         *tensor.shape[1:])])
-        return tensor
+            return [(torch.randn(shape, generator=g) * src.model.init_std).to(src.dtype)]
+        hf = [reader.get(n) for n in rule.hf_names(layer)]
+        # Row-stacked HF tensors go to the writer as they were read: no fused copy.
+        blocks = hf if rule.row_stacked else [rule.fuse(hf)]
+        rows = sum(b.shape[0] for b in blocks)
+        if rule.vocab and rows < shape[0]:  # Megatron's padding rows are zeros
+            blocks.append(blocks[0].new_zeros(shape[0] - rows, *blocks[0].shape[1:]))
+        return blocks
 
     with removed_on_error(tmp):
         template = checkpoint_template(src.model, value_head=src.value_head, dtype=src.dtype)

@@ -44,8 +44,11 @@ from megarlhf.models.gpt import build_model, model_spec
 from megarlhf.parallel.mesh import DistEnv, ParallelConfig, destroy_mesh, free_port, init_mesh
 
 # Resolves one chunk: (checkpoint key, layer index or None, the key's per-layer global shape)
-# -> the whole per-layer tensor; the writer cuts the chunk out of it.
-TensorSource = Callable[[str, "int | None", tuple[int, ...]], torch.Tensor]
+# -> the whole per-layer tensor as row blocks (tensors whose concatenation along dim 0 is the
+# tensor: one block, or e.g. HF's gate and up projections for the fused MLP, or a weight
+# and its padding rows); the writer cuts the chunk out of them. A chunk that is exactly one
+# block is written as that block, with no copy.
+TensorSource = Callable[[str, "int | None", tuple[int, ...]], list[torch.Tensor]]
 
 
 @contextlib.contextmanager
@@ -134,32 +137,52 @@ def _owns_exactly(tensor: torch.Tensor) -> bool:
 
 
 class _Chunks:
-    """Each planned chunk, cut out of the per-layer tensor that `source` gives for its key.
+    """Each planned chunk, cut out of the row blocks that `source` gives for its key.
 
     Chunks of one key and layer (e.g. gate and up of the fused MLP) come one after another,
-    so the last per-layer tensor is kept rather than rebuilt per chunk."""
+    so the last key's blocks are kept rather than rebuilt per chunk."""
 
     def __init__(self, by_index: dict[MetadataIndex, ShardedTensor], source: TensorSource):
         self._by_index, self._source = by_index, source
-        self._id, self._full = None, None
+        self._id, self._blocks = None, []
 
     def __call__(self, item: WriteItem) -> torch.Tensor:
         sh = self._by_index[item.index]
         prepend = sh.prepend_axis_num
         layer = sh.global_offset[0] if prepend else None
         if (sh.key, layer) != self._id:
-            self._full = None  # freed before the next one is built
+            self._blocks = []  # freed before the next ones are built
             self._id = (sh.key, layer)
-            self._full = self._source(sh.key, layer, tuple(sh.global_shape[prepend:]))
-        full = self._full
-        if full.dtype != sh.dtype:
-            raise ValueError(f"{sh.key}: source tensor is {full.dtype}, checkpoint is {sh.dtype}")
-        if tuple(full.shape) == tuple(sh.local_shape) and _owns_exactly(full):
-            self._id = self._full = None  # the only chunk: handed out, and freed once written
-            part = full
-        else:
-            part = _narrow(full, sh.global_offset[prepend:], sh.local_shape).clone()
-        return part.reshape(item.tensor_data.chunk.sizes)
+            self._blocks, first = [], 0
+            for block in self._source(sh.key, layer, tuple(sh.global_shape[prepend:])):
+                if block.dtype != sh.dtype:
+                    raise ValueError(f"{sh.key}: source tensor is {block.dtype}, checkpoint "
+                                     f"is {sh.dtype}")
+                self._blocks.append([first, block])
+                first += block.shape[0]
+        offsets, shape = sh.global_offset[prepend:], tuple(sh.local_shape)
+        return self._cut(offsets, shape).reshape(item.tensor_data.chunk.sizes)
+
+    def _cut(self, offsets, shape) -> torch.Tensor:
+        """The chunk at `offsets` of `shape`: a block itself when it is exactly one, else a
+        copy of the rows (and columns) it covers."""
+        rows, parts = (offsets[0], offsets[0] + shape[0]), []
+        for entry in self._blocks:
+            first, block = entry
+            if block is None:
+                continue  # handed out earlier: chunks do not overlap
+            start, end = max(rows[0], first), min(rows[1], first + block.shape[0])
+            if start >= end:
+                continue
+            if (first, first + block.shape[0]) == rows and tuple(block.shape) == shape \
+                    and _owns_exactly(block):
+                entry[1] = None  # handed out, and freed once written
+                return block
+            parts.append(_narrow(block.narrow(0, start - first, end - start),
+                                 (0, *offsets[1:]), (end - start, *shape[1:])))
+        if sum(p.shape[0] for p in parts) != shape[0]:
+            raise ValueError(f"the source's row blocks do not cover rows {rows} of the chunk")
+        return parts[0].clone() if len(parts) == 1 else torch.cat(parts)
 
 
 def write_checkpoint(path: str, template, source: TensorSource) -> None:

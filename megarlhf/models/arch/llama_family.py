@@ -52,10 +52,10 @@ def _same():
     return (lambda tensors: tensors[0].contiguous()), (lambda t: [t.contiguous()])
 
 
-def _rule(mcore, hf, shapes, fns, *, vocab=False) -> TensorRule:
+def _rule(mcore, hf, shapes, fns, **flags) -> TensorRule:
     fuse, split = fns
     return TensorRule(mcore=mcore, hf=tuple(hf), hf_shapes=tuple(shapes), fuse=fuse,
-                      split=split, vocab=vocab)
+                      split=split, **flags)
 
 
 def llama_family_rules(m: ModelConfig, *, lm_head: bool, value_head: bool) -> list[TensorRule]:
@@ -64,9 +64,9 @@ def llama_family_rules(m: ModelConfig, *, lm_head: bool, value_head: bool) -> li
     rules = [_rule("embedding.word_embeddings.weight", ["model.embed_tokens.weight"],
                    [(m.vocab_size, h)], _same(), vocab=True)]
 
-    def per_layer(mcore, hf, shapes, fns):
+    def per_layer(mcore, hf, shapes, fns, **flags):
         rules.append(_rule("decoder.layers." + mcore, ["model.layers.{i}." + n for n in hf],
-                           shapes, fns))
+                           shapes, fns, **flags))
 
     per_layer("self_attention.linear_qkv.layer_norm_weight", ["input_layernorm.weight"],
               [(h,)], _same())
@@ -86,7 +86,7 @@ def llama_family_rules(m: ModelConfig, *, lm_head: bool, value_head: bool) -> li
     per_layer("mlp.linear_fc1.layer_norm_weight", ["post_attention_layernorm.weight"], [(h,)],
               _same())
     per_layer("mlp.linear_fc1.weight", ["mlp.gate_proj.weight", "mlp.up_proj.weight"],
-              [(f, h), (f, h)], _fuse_cat())
+              [(f, h), (f, h)], _fuse_cat(), row_stacked=True)
     per_layer("mlp.linear_fc2.weight", ["mlp.down_proj.weight"], [(h, f)], _same())
     rules.append(_rule("decoder.final_layernorm.weight", ["model.norm.weight"], [(h,)], _same()))
     if lm_head and not m.tie_embeddings:

@@ -22,7 +22,9 @@ class TensorRule:
     `mcore` is the layout-free checkpoint key (layers stacked on a leading axis); in `hf`
     names, `{i}` stands for the layer index. `fuse` builds the Megatron tensor of one layer from
     the HF tensors (in `hf` order) and `split` is its exact inverse. A `vocab` tensor has one row
-    per token: Megatron pads its rows for TP, HF has exactly `vocab_size`.
+    per token: Megatron pads its rows for TP, HF has exactly `vocab_size`. A `row_stacked`
+    rule's `fuse` is concatenation along dim 0 (the gate/up MLP), so its HF tensors can stand
+    for the Megatron tensor without being fused.
     """
 
     mcore: str
@@ -31,6 +33,7 @@ class TensorRule:
     split: Callable[[torch.Tensor], list[torch.Tensor]]
     hf_shapes: tuple[tuple[int, ...], ...]
     vocab: bool = False
+    row_stacked: bool = False
 
     @property
     def per_layer(self) -> bool:
