@@ -16,14 +16,30 @@ def main(argv: list[str] | None = None) -> None:
     ppo.add_argument("--config", required=True,
                      help="recipe: a YAML file of PPOConfig fields, or module:function")
     ppo.add_argument("overrides", nargs="*", help="key=value settings on top of the recipe")
+    plan = sub.add_parser("plan", help="check a PPO recipe against a cluster and estimate "
+                                       "memory per GPU; exit 1 if it does not fit")
+    plan.add_argument("--config", required=True, help="PPO recipe (as for `megarlhf ppo`); "
+                      "a model path may be preset:NAME (megarlhf.models.presets)")
+    plan.add_argument("--nodes", type=int, required=True)
+    plan.add_argument("--gpus-per-node", type=int, default=8)
+    plan.add_argument("--gpu-mem-gb", type=float, default=80.0, help="GiB per GPU")
+    plan.add_argument("--prompt-len", type=int, default=None,
+                      help="tokens of the longest prompt (default: measured in the prompts file)")
+    plan.add_argument("overrides", nargs="*", help="key=value settings on top of the recipe")
+    stages = []
     for name, help in (("sft", "supervised fine-tuning (stage 1)"),
                        ("rm", "pairwise reward-model training (stage 2)")):
         stage = sub.add_parser(name, help=help)
+        stages.append(stage)
         stage.add_argument("--config", required=True, help="YAML file of SFTConfig / RMConfig")
         stage.add_argument("--nproc", type=int, default=None,
                            help="spawn this many local ranks (instead of torchrun / srun)")
         stage.add_argument("overrides", nargs="*", metavar="key=value",
                            help="dotted overrides, e.g. train.steps=100 parallel.tensor_parallel=2")
+    for with_dry_run in (ppo, plan, *stages):
+        with_dry_run.add_argument("--dry-run", action="store_true",
+                             help="check the config, layout and paths, print what would run, "
+                                  "and stop (no model is built, no process started)")
     plot = sub.add_parser("plot", help="a run's metrics.jsonl as PNG curves")
     plot.add_argument("run_dir")
     plot.add_argument("--out", help="PNG path (default RUN_DIR/curves.png)")
@@ -39,16 +55,35 @@ def main(argv: list[str] | None = None) -> None:
         from megarlhf.sft import command
 
         try:
-            command.main(args.command, args.config, args.overrides, args.nproc)
+            command.main(args.command, args.config, args.overrides, args.nproc,
+                         dry_run=args.dry_run)
         except ValueError as e:
             parser.exit(2, f"error: {e}\n")
     if args.command == "ppo":
         from megarlhf.ppo.controller import main as ppo_main
 
         try:
-            ppo_main(args.config, args.overrides)
+            if args.dry_run:
+                from megarlhf.plan import dryrun
+                from megarlhf.ppo.config import load_config
+
+                print(dryrun.ppo(load_config(args.config, args.overrides)))
+            else:
+                ppo_main(args.config, args.overrides)
         except ValueError as e:
             parser.exit(2, f"error: {e}\n")
+    if args.command == "plan":
+        from megarlhf.plan import command as plan_command
+        from megarlhf.plan.job import Cluster
+
+        try:
+            cluster = Cluster(nodes=args.nodes, gpus_per_node=args.gpus_per_node,
+                              gpu_mem_gb=args.gpu_mem_gb)
+            status = plan_command.main(args.config, args.overrides, cluster,
+                                       prompt_len=args.prompt_len, dry_run=args.dry_run)
+        except ValueError as e:
+            parser.exit(2, f"error: {e}\n")
+        parser.exit(status)
     if args.command == "demo":
         from megarlhf import demo
 

@@ -1,4 +1,4 @@
-"""Named model sizes used by the demo, tests and benchmarks."""
+"""Named model sizes used by the demo, tests, benchmarks and the memory planner."""
 
 from __future__ import annotations
 
@@ -18,6 +18,27 @@ PRESETS = {
         num_attention_heads=32, num_kv_heads=8, max_position_embeddings=8192,
         rope_theta=500000.0, tie_embeddings=True,
         rope_scaling=RopeScaling(factor=32.0, original_max_position_embeddings=8192),
+    ),
+    # The shapes below are the public HF config.json values of each model, so `preset:NAME`
+    # plans (megarlhf plan) and meta-device builds match the converted checkpoints exactly.
+    # meta-llama/Meta-Llama-3-8B
+    "llama3-8b": ModelConfig(
+        vocab_size=128256, hidden_size=4096, ffn_hidden_size=14336, num_layers=32,
+        num_attention_heads=32, num_kv_heads=8, max_position_embeddings=8192,
+        rope_theta=500000.0, norm_eps=1e-5,
+    ),
+    # meta-llama/Meta-Llama-3-70B
+    "llama3-70b": ModelConfig(
+        vocab_size=128256, hidden_size=8192, ffn_hidden_size=28672, num_layers=80,
+        num_attention_heads=64, num_kv_heads=8, max_position_embeddings=8192,
+        rope_theta=500000.0, norm_eps=1e-5,
+    ),
+    # Qwen/Qwen2.5-72B (base; the Instruct model has norm_eps=1e-6 and a 32768 context).
+    # Sliding window is off in its config (use_sliding_window=false), so attention is full.
+    "qwen2.5-72b": ModelConfig(
+        vocab_size=152064, hidden_size=8192, ffn_hidden_size=29568, num_layers=80,
+        num_attention_heads=64, num_kv_heads=8, max_position_embeddings=131072,
+        rope_theta=1000000.0, norm_eps=1e-5, qkv_bias=True,
     ),
 }
 

@@ -122,25 +122,33 @@ class PPOConfig:
             problems.append("rollout_backend=vllm needs vllm_model_dir (an HF dir with the "
                             "actor's config.json, e.g. its mcore_to_hf export)")
         rows = self.prompts_per_step * self.samples_per_prompt
-        dp = self.nproc // max(1, self.tensor_parallel * self.pipeline_parallel)
+        # At least 1: a model-parallel size above nproc is reported above, not divided by.
+        dp = max(1, self.nproc // (self.tensor_parallel * self.pipeline_parallel))
         if rows % (self.mini_batches * dp * self.micro_batches):
             problems.append(f"prompts_per_step x samples_per_prompt = {rows} rows do not split "
                             f"into mini_batches ({self.mini_batches}) x DP ({dp}) x "
                             f"micro_batches ({self.micro_batches})")
-        for name in ("actor", "critic", "reward_model", "prompts"):
-            path = getattr(self, name)
-            if path is not None and not os.path.exists(path):
-                problems.append(f"{name}: {path} does not exist")
         if problems:
             raise ValueError("invalid PPO config:\n  " + "\n  ".join(problems))
+
+    def check_paths(self) -> None:
+        """Raise ValueError naming every input path that does not exist. Kept apart from the
+        field checks so a recipe can be planned (megarlhf plan) before its checkpoints exist."""
+        missing = [f"{name}: {getattr(self, name)} does not exist"
+                   for name in ("actor", "critic", "reward_model", "prompts")
+                   if getattr(self, name) is not None and not os.path.exists(getattr(self, name))]
+        if missing:
+            raise ValueError("invalid PPO config:\n  " + "\n  ".join(missing))
 
     @property
     def rows_per_step(self) -> int:
         return self.prompts_per_step * self.samples_per_prompt
 
 
-def load_config(recipe: str, overrides: list[str] = ()) -> PPOConfig:
-    """A YAML path or 'module:function' recipe, with 'key=value' overrides."""
+def load_config(recipe: str, overrides: list[str] = (), *, check_paths: bool = True
+                ) -> PPOConfig:
+    """A YAML path or 'module:function' recipe, with 'key=value' overrides; `check_paths`
+    also requires its checkpoints and prompts to exist."""
     if os.path.isfile(recipe):
         with open(recipe) as f:
             fields = yaml.safe_load(f) or {}
@@ -170,4 +178,7 @@ def load_config(recipe: str, overrides: list[str] = ()) -> PPOConfig:
             typed[key] = convert(hints[key], value, key)
         except ValueError:
             raise ValueError(f"{key}={value!r} should be of type {hints[key]}") from None
-    return PPOConfig(**typed)
+    config = PPOConfig(**typed)
+    if check_paths:
+        config.check_paths()
+    return config

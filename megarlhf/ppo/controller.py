@@ -46,6 +46,7 @@ def make_worker_group(config: PPOConfig):
 
 def run(config: PPOConfig) -> list[dict]:
     """Run (or resume) the job; returns the metrics of the steps this call ran."""
+    config.check_paths()
     reward_fn = load_reward_fn(config.reward_fn) if config.reward_fn else None
     sampler = PromptSampler(config.prompts, seed=config.seed)
     kl_ctl = (AdaptiveKLController(config.kl_coef, config.kl_target, config.kl_horizon)

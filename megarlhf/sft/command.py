@@ -8,18 +8,23 @@ import math
 import os
 
 from megarlhf.parallel import launch_local
+from megarlhf.parallel.mesh import DistEnv
 from megarlhf.sft.config import RMConfig, SFTConfig
 from megarlhf.configio import load_config
-from megarlhf.sft.loop import plan
+from megarlhf.sft.loop import Plan, plan
 from megarlhf.sft.rm import rm_stage, run_rm
 from megarlhf.sft.sft import run_sft, sft_stage
 
 STAGES = {"sft": (SFTConfig, sft_stage, run_sft), "rm": (RMConfig, rm_stage, run_rm)}
 
 
-def main(stage: str, config_path: str, overrides: list[str], nproc: int | None) -> dict:
+def main(stage: str, config_path: str, overrides: list[str], nproc: int | None, *,
+         dry_run: bool = False) -> dict:
     config_cls, make_stage, run = STAGES[stage]
     cfg = load_config(config_cls, config_path, overrides)
+    if dry_run:
+        print(describe(stage, cfg, plan(cfg, functools.partial(make_stage, cfg)), nproc))
+        return {}
     if nproc is None:
         return run(cfg)
     if "RANK" in os.environ or "SLURM_PROCID" in os.environ:
@@ -29,3 +34,19 @@ def main(stage: str, config_path: str, overrides: list[str], nproc: int | None) 
     plan(cfg, functools.partial(make_stage, cfg))
     # A training run has no natural time limit; the launcher's default is meant for tests.
     return launch_local(run, nproc, cfg, timeout_s=math.inf)[0]
+
+
+def describe(stage: str, cfg: SFTConfig | RMConfig, checked: Plan, nproc: int | None) -> str:
+    """`--dry-run`: the layout checked against the model and the world size (the ranks --nproc
+    would spawn, or torchrun's / srun's), and what the run would do."""
+    world = nproc if nproc is not None else DistEnv.detect().world_size
+    checked.model.check_parallel(cfg.parallel)
+    dp = cfg.parallel.data_parallel_size(world)
+    micro = cfg.train.num_microbatches(dp)
+    start = f"resuming from {checked.resume_from}" if checked.resume_from else "from step 0"
+    return (f"dry run: would train {stage} for {cfg.train.steps} steps ({start}) on {world} "
+            f"rank(s) at TP{cfg.parallel.tensor_parallel} x PP{cfg.parallel.pipeline_parallel}"
+            f" x DP{dp}, {micro} micro-batch(es) of {cfg.train.micro_batch_size} per step; "
+            f"{len(checked.examples.train)} training examples; model "
+            f"{checked.model.num_layers} layers, hidden {checked.model.hidden_size}; outputs in "
+            f"{cfg.train.output_dir}")

@@ -1,0 +1,71 @@
+"""Exact parameter counts of the model chunks one rank holds, without building them.
+
+Every TP rank of a pipeline stage holds the same count: TP splits each weight matrix evenly
+(heads, KV heads and the FFN width must divide by TP, and the vocabulary is padded to a
+multiple of TP), while norms and the value head are replicated. So a position in the layout is
+just (pipeline rank, virtual chunk). The counts follow megarlhf.models.gpt.build_model:
+
+- a layer: fused QKV (+ bias for Qwen2), output projection, fused gate/up, down projection,
+  two RMSNorm weights (+ per-head q/k norms for Qwen3);
+- the first chunk of pipeline rank 0 holds the (padded) word embedding;
+- the last chunk of the last pipeline rank holds the final norm and either the LM output layer
+  or the value head. A tied LM output layer has no weight of its own only where it sits on the
+  same chunk as the embedding (PP=1); otherwise the last stage holds a synchronised copy.
+"""
+
+from __future__ import annotations
+
+from megarlhf.models.config import ModelConfig
+from megarlhf.parallel.mesh import ParallelConfig
+
+
+def layer_params(model: ModelConfig, tp: int) -> int:
+    """Parameters of one transformer layer on one TP rank."""
+    h, f = model.hidden_size, model.ffn_hidden_size
+    q = model.num_attention_heads * model.kv_channels
+    kv = model.kv_heads * model.kv_channels
+    split = (q + 2 * kv) * h + q * h + 3 * f * h
+    if model.qkv_bias:
+        split += q + 2 * kv
+    replicated = 2 * h + (2 * model.kv_channels if model.qk_norm else 0)
+    return split // tp + replicated
+
+
+def vocab_rows(model: ModelConfig, tp: int) -> int:
+    """Rows of the word embedding (and of the LM output layer) on one TP rank."""
+    return model.padded_vocab_size(tp) // tp
+
+
+def chunk_params(model: ModelConfig, parallel: ParallelConfig, pp_rank: int, chunk: int, *,
+                 value_head: bool) -> int:
+    """Parameters of virtual chunk `chunk` of pipeline rank `pp_rank`, on any of its TP ranks."""
+    tp, pp, vpp = parallel.tensor_parallel, parallel.pipeline_parallel, parallel.num_chunks
+    model.check_parallel(parallel)
+    if not (0 <= pp_rank < pp and 0 <= chunk < vpp):
+        raise ValueError(f"no position (pp_rank={pp_rank}, chunk={chunk}) in a layout with "
+                         f"PP={pp} and {vpp} chunk(s) per rank")
+    h = model.hidden_size
+    first = pp_rank == 0 and chunk == 0
+    last = pp_rank == pp - 1 and chunk == vpp - 1
+    count = model.num_layers // (pp * vpp) * layer_params(model, tp)
+    if first:
+        count += vocab_rows(model, tp) * h
+    if last:
+        count += h  # final norm
+        if value_head:
+            count += h
+        elif not (model.tie_embeddings and first):
+            count += vocab_rows(model, tp) * h
+    return count
+
+
+def rank_params(model: ModelConfig, parallel: ParallelConfig, pp_rank: int, *,
+                value_head: bool = False) -> int:
+    """Parameters held by one rank at pipeline rank `pp_rank` (all its virtual chunks)."""
+    return sum(chunk_params(model, parallel, pp_rank, c, value_head=value_head)
+               for c in range(parallel.num_chunks))
+
+
+def total_params(model: ModelConfig, *, value_head: bool = False) -> int:
+    """Parameters of the whole model at TP1/PP1 (vocabulary padded for TP1)."""
+    return rank_params(model, ParallelConfig(), 0, value_head=value_head)
