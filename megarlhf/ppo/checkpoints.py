@@ -1,8 +1,9 @@
 """PPO run checkpoints: out_dir/checkpoints/step_<N>/ with the workers' models, optimizers,
 schedulers and RNG states, and the controller's state (step, data position, KL controller).
 
-A step directory is written as step_<N>.tmp and renamed only when complete, so a crash during
-a save leaves the previous checkpoint the latest; only the last `keep_last` are kept.
+Every rank of every worker group writes its part (ppo/worker.py: save). A step directory is
+written as step_<N>.tmp and renamed only when complete, so a crash during a save leaves the
+previous checkpoint the latest; only the last `keep_last` are kept.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def save(config, workers, step: int, state: dict) -> str:
     tmp = final + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
-    workers.call("save", tmp)
+    workers.save(tmp)
     with open(os.path.join(tmp, STATE), "w") as f:
         json.dump(state, f)
     shutil.rmtree(final, ignore_errors=True)

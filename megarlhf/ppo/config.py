@@ -20,6 +20,7 @@ ALGORITHMS = ("ppo", *sorted(CRITIC_FREE_ESTIMATORS))
 ROLLOUT_BACKENDS = ("megatron", "vllm")
 NAN_POLICIES = ("stop", "skip")
 WORKER_GROUPS = ("local", "ray")
+PLACEMENTS = ("colocated", "disaggregated")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -39,11 +40,18 @@ class PPOConfig:
     out_dir: str
     # -- layout --
     nproc: int = 1
-    """Ranks; all roles are colocated on them (TP x PP x DP = nproc)."""
+    """Ranks of a model group (TP x PP x DP = nproc): colocated, every role shares them;
+    disaggregated, actor, critic and ref+reward get nproc ranks each."""
     tensor_parallel: int = 1
     pipeline_parallel: int = 1
     worker_group: str = "local"
     """'local' (spawned processes) or 'ray' (one Ray actor per rank)."""
+    placement: str = "colocated"
+    """'colocated': all roles and the rollout engine on the same nproc ranks;
+    'disaggregated': a group of ranks per role, each its own torch.distributed world, the
+    independent work of a phase running concurrently (see ppo/placement.py)."""
+    rollout_nproc: int = 1
+    """Disaggregated only: rollout ranks, one TP1 engine each, fed by the actor's ranks."""
     # -- rollout --
     rollout_backend: str = "megatron"
     vllm_model_dir: str | None = None
@@ -97,11 +105,12 @@ class PPOConfig:
         choice("rollout_backend", ROLLOUT_BACKENDS)
         choice("nan_policy", NAN_POLICIES)
         choice("worker_group", WORKER_GROUPS)
+        choice("placement", PLACEMENTS)
         choice("kl_estimator", KL_ESTIMATORS)
         choice("aggregation", AGGREGATION_MODES)
         for name in ("nproc", "tensor_parallel", "pipeline_parallel", "prompts_per_step",
                      "samples_per_prompt", "max_new_tokens", "steps", "ppo_epochs",
-                     "mini_batches", "micro_batches", "keep_last"):
+                     "mini_batches", "micro_batches", "keep_last", "rollout_nproc"):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.nproc % (self.tensor_parallel * self.pipeline_parallel):
@@ -115,9 +124,15 @@ class PPOConfig:
                             f"set samples_per_prompt >= 2")
         if self.reward_model is None and self.reward_fn is None:
             problems.append("no reward: set reward_model=CKPT and/or reward_fn=module:function")
-        if self.rollout_backend == "megatron" and self.pipeline_parallel > 1:
-            problems.append("the Megatron rollout backend runs at PP=1; use "
-                            "rollout_backend=vllm with pipeline_parallel > 1")
+        if self.placement == "colocated" and self.rollout_nproc != 1:
+            problems.append(f"rollout_nproc={self.rollout_nproc} needs "
+                            f"placement=disaggregated; colocated rollouts run on the nproc "
+                            f"training ranks")
+        if (self.placement == "colocated" and self.rollout_backend == "megatron"
+                and self.pipeline_parallel > 1):
+            problems.append("the colocated Megatron rollout backend runs at PP=1 (the "
+                            "actor's layout); use rollout_backend=vllm, or "
+                            "placement=disaggregated, with pipeline_parallel > 1")
         if self.rollout_backend == "vllm" and not self.vllm_model_dir:
             problems.append("rollout_backend=vllm needs vllm_model_dir (an HF dir with the "
                             "actor's config.json, e.g. its mcore_to_hf export)")

@@ -1,11 +1,13 @@
-"""The PPO loop: one controller drives the worker group, top to bottom.
+"""The PPO loop: one controller drives the worker groups, top to bottom.
 
     prompts -> rollout (n per prompt) -> experience (logprobs, ref logprobs, values, rewards)
     -> advantages -> PPO epochs (actor, critic) -> weight sync -> metrics -> checkpoint
 
 The controller holds no model: it samples prompts, scores responses with the reward
 function, computes advantages (cheap tensor math on the global batch) and logs; every model
-computation is a collective call on the workers.
+computation is a collective call on the workers. The `Placement` sends each phase to the
+groups that hold its roles (one group colocated, several at once disaggregated), so this
+loop is the same for both placements.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from megarlhf.ppo import checkpoints
 from megarlhf.ppo.config import PPOConfig
 from megarlhf.ppo.data import PromptSampler
 from megarlhf.ppo.metrics import MetricsLog, step_metrics
+from megarlhf.ppo.placement import Placement
 from megarlhf.ppo.rewards import load_reward_fn
 from megarlhf.rl import (
     AdaptiveKLController, FixedKLController, critic_free_advantages, gae, kl_shaped_rewards,
@@ -34,16 +37,6 @@ class NonFiniteError(RuntimeError):
     """A reward or loss was NaN/Inf and the run's nan_policy is 'stop'."""
 
 
-def make_worker_group(config: PPOConfig):
-    if config.worker_group == "ray":
-        from megarlhf.ppo.ray_group import RayWorkerGroup
-
-        return RayWorkerGroup(config)
-    from megarlhf.ppo.groups import LocalWorkerGroup
-
-    return LocalWorkerGroup(config)
-
-
 def run(config: PPOConfig) -> list[dict]:
     """Run (or resume) the job; returns the metrics of the steps this call ran."""
     config.check_paths()
@@ -52,14 +45,14 @@ def run(config: PPOConfig) -> list[dict]:
     kl_ctl = (AdaptiveKLController(config.kl_coef, config.kl_target, config.kl_horizon)
               if config.kl_target is not None else FixedKLController(config.kl_coef))
     log = MetricsLog(config.out_dir)
-    workers = make_worker_group(config)
+    workers = Placement(config)
     history = []
     try:
         start = 0
         latest = checkpoints.latest(config.out_dir)
         if latest is not None:
             state = checkpoints.read_state(latest)
-            workers.call("load", latest)
+            workers.load(latest)
             start = state["step"]
             sampler.load_state_dict(state["sampler"])
             kl_ctl.load_state_dict(state["kl"])
@@ -78,22 +71,22 @@ def run(config: PPOConfig) -> list[dict]:
     return history
 
 
-def ppo_step(config: PPOConfig, workers, sampler: PromptSampler, kl_ctl, reward_fn,
+def ppo_step(config: PPOConfig, workers: Placement, sampler: PromptSampler, kl_ctl, reward_fn,
              step: int) -> dict:
     timer = {}
-    t = time.perf_counter()
+    t = start = time.perf_counter()
     prompts = sampler.next(config.prompts_per_step)
     params = SamplingParams(max_new_tokens=config.max_new_tokens, n=config.samples_per_prompt,
                             temperature=config.temperature, top_p=config.top_p,
                             top_k=config.top_k, stop_token_ids=config.stop_token_ids,
                             seed=config.seed * 1_000_003 + step)  # resume-stable sampling
-    completions = workers.call("generate", prompts, params)
+    completions = workers.rollout(prompts, params)
     rollout = rollout_batch(prompts, completions)
     batch = rollout.sequences
     mask = batch.response_mask.float()
     timer["rollout"], t = time.perf_counter() - t, time.perf_counter()
 
-    exp = workers.call("experience", batch)
+    exp = workers.experience(batch)
     score = score_responses(exp, prompts, completions, reward_fn)
     timer["experience"], t = time.perf_counter() - t, time.perf_counter()
 
@@ -115,21 +108,32 @@ def ppo_step(config: PPOConfig, workers, sampler: PromptSampler, kl_ctl, reward_
         raise NonFiniteError(f"step {step}: non-finite reward or advantage; set "
                              f"nan_policy=skip to skip such batches")
     if _finite(score, advantages):
-        train_metrics = workers.call("train", batch, exp["logp"], advantages, values, returns)
+        train_metrics = workers.train(batch, exp["logp"], advantages, values, returns)
         losses = [v for m in train_metrics for k, v in m.items() if k.endswith("_loss")]
         if not all(math.isfinite(v) for v in losses) and config.nan_policy == "stop":
             raise NonFiniteError(f"step {step}: non-finite loss {losses}")
     timer["train"], t = time.perf_counter() - t, time.perf_counter()
 
-    workers.call("sync_weights")
+    workers.sync()
     timer["sync"] = time.perf_counter() - t
 
     kl = ((exp["logp"] - exp["ref_logp"]) * mask).sum() / mask.sum()
     kl_ctl.update(float(kl), config.rows_per_step)
     gap = logprob_gap(rollout.engine_logp, exp["logp"], batch.response_mask)
-    return step_metrics(step=step, score=score, exp=exp, mask=mask, values=values,
-                        returns=returns, train=train_metrics, gap=gap, kl=float(kl),
-                        kl_coef=kl_ctl.value, timer=timer, skipped=not train_metrics)
+    metrics = step_metrics(step=step, score=score, exp=exp, mask=mask, values=values,
+                           returns=returns, train=train_metrics, gap=gap, kl=float(kl),
+                           kl_coef=kl_ctl.value, timer=timer, skipped=not train_metrics)
+    return {**metrics, **overhead_metrics(time.perf_counter() - start, workers.take_busy())}
+
+
+def overhead_metrics(wall: float, busy: dict[str, float]) -> dict[str, float]:
+    """Where the step's wall time went: each phase's time inside the workers (its slowest
+    rank), and the rest: the controller's own work, moving arguments and results, and
+    waiting on the slowest rank to be asked and answer."""
+    out = {f"time/worker/{phase}": seconds for phase, seconds in busy.items()}
+    out["time/wall"] = wall
+    out["time/controller_overhead"] = wall - sum(busy.values())
+    return out
 
 
 def score_responses(exp: dict, prompts, completions, reward_fn) -> torch.Tensor:

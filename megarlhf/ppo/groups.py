@@ -1,17 +1,25 @@
-"""Worker groups: the controller's handle on the ranks of the job.
+"""Worker groups of spawned processes on this machine: the controller's handle on their ranks.
 
-`call(method, *args)` runs `PPOWorker.method(*args)` on every rank and returns rank 0's result
-(all ranks compute the same). A rank that raises or dies stops the call with a `WorkerError`
-naming the rank and carrying its traceback; the group is then shut down, so no rank is left
-waiting in a collective.
+A group is `nproc` ranks forming a torch.distributed world of their own (each group meets at
+its own port), each running one `PPOWorker`. `group.async_call(method, *args)` sends the call
+to every rank and returns at once; `LocalBackend.wait_all(calls)` then waits for several calls,
+of several groups that meanwhile run concurrently, and returns per rank (result, seconds
+spent in the method); every rank computes the same result, so only rank 0 sends it. A rank that raises or dies ends the wait with a `WorkerError` naming its
+group and rank and carrying its traceback; the caller then kills every group, so no rank is
+left waiting in a collective.
 """
 
 from __future__ import annotations
 
+import copyreg
+import io
 import multiprocessing as mp
 import os
+import pickle
 import time
 import traceback
+
+import torch
 
 from megarlhf.parallel.mesh import free_port
 
@@ -20,95 +28,170 @@ class WorkerError(RuntimeError):
     """A rank of the PPO job raised or died."""
 
 
-def _serve(rank: int, world_size: int, port: int, config, conn) -> None:
+_NUMPY_DTYPES = {torch.float64, torch.float32, torch.float16, torch.int64, torch.int32,
+                 torch.int16, torch.int8, torch.uint8, torch.bool}
+
+
+def _reduce_tensor(t: torch.Tensor):
+    """CPU tensors travel as numpy arrays: torch's own pickling costs ~0.15 ms per tensor
+    (it writes a small torch.save archive each), 15x what the array takes."""
+    if t.device.type != "cpu" or t.requires_grad or t.layout != torch.strided \
+            or t.dtype not in _NUMPY_DTYPES:
+        return t.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+    return torch.from_numpy, (t.numpy(),)
+
+
+def dumps(obj) -> bytes:
+    """A pickle of a call's arguments or result (tensors as plain arrays, see above)."""
+    out = io.BytesIO()
+    pickler = pickle.Pickler(out, protocol=pickle.HIGHEST_PROTOCOL)
+    pickler.dispatch_table = {**copyreg.dispatch_table, torch.Tensor: _reduce_tensor}
+    pickler.dump(obj)
+    return out.getvalue()
+
+
+# Messages are plain pickles: a Connection's own pickler would move every tensor through a
+# shared-memory file and a passed descriptor, which costs more than copying batch-sized data.
+def _send(conn, message) -> None:
+    conn.send_bytes(dumps(message))
+
+
+def _recv(conn):
+    return pickle.loads(conn.recv_bytes())
+
+
+def _serve(rank: int, world_size: int, port: int, threads: int, worker_args: tuple,
+           conn) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), VLLM_ENABLE_V1_MULTIPROCESSING="0")
+                      MASTER_PORT=str(port), VLLM_ENABLE_V1_MULTIPROCESSING="0",
+                      OMP_NUM_THREADS=str(threads))
     try:
         from megarlhf.ppo.worker import PPOWorker
 
-        worker = PPOWorker(config)
-        conn.send((True, None))
+        # torch read OMP_NUM_THREADS when this module was imported, before the update above.
+        torch.set_num_threads(threads)
+
+        start = time.perf_counter()
+        worker = PPOWorker(*worker_args)
+        _send(conn, (True, (None, time.perf_counter() - start)))
     except BaseException:  # noqa: BLE001 - the controller must see every failure
-        conn.send((False, traceback.format_exc()))
+        _send(conn, (False, traceback.format_exc()))
         return
     while True:
-        method, args = conn.recv()
+        method, args = _recv(conn)
         if method is None:
             break
         try:
-            conn.send((True, getattr(worker, method)(*args)))
+            start = time.perf_counter()
+            value = getattr(worker, method)(*args)
+            # Every rank computes the same result: only rank 0's travels.
+            _send(conn, (True, (value if rank == 0 else None, time.perf_counter() - start)))
         except BaseException:  # noqa: BLE001
-            conn.send((False, traceback.format_exc()))
+            _send(conn, (False, traceback.format_exc()))
             return
     worker.shutdown()
 
 
-class LocalWorkerGroup:
-    """`config.nproc` spawned processes on this machine, gloo/NCCL between them."""
+class LocalCall:
+    """One method running on every rank of a group; filled in by `LocalBackend.wait_all`."""
 
-    def __init__(self, config, *, timeout_s: float = 1800.0):
-        self.timeout_s = timeout_s
+    def __init__(self, group: "LocalWorkerGroup", what: str):
+        self.group, self.what = group, what
+        self.results: list = [None] * group.nproc
+        self.pending = set(range(group.nproc))
+
+    def waitables(self) -> list:
+        return [w for r in self.pending
+                for w in (self.group.conns[r], self.group.procs[r].sentinel)]
+
+    def collect(self) -> None:
+        """Take every answer that has arrived; raise if a rank failed or died."""
+        for rank in sorted(self.pending):
+            conn, proc = self.group.conns[rank], self.group.procs[rank]
+            if conn.poll():
+                ok, value = _recv(conn)
+                if not ok:
+                    raise WorkerError(f"{self.what} failed on {self.group.name} rank "
+                                      f"{rank}:\n{value}")
+                self.results[rank] = value
+                self.pending.discard(rank)
+            elif proc.exitcode is not None:
+                raise WorkerError(f"{self.what}: {self.group.name} rank {rank} died (exit "
+                                  f"code {proc.exitcode})")
+
+
+class LocalWorkerGroup:
+    """`nproc` spawned processes, gloo/NCCL between them. Start-up runs in the background:
+    wait for `starting` before the first call."""
+
+    def __init__(self, name: str, nproc: int, worker_args: tuple, *, threads: int = 1):
+        self.name, self.nproc = name, nproc
         ctx = mp.get_context("spawn")
         port = free_port()
-        self._conns, self._procs = [], []
-        os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1)
-                                                          // config.nproc)))
-        for rank in range(config.nproc):
+        self.conns, self.procs = [], []
+        for rank in range(nproc):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_serve, args=(rank, config.nproc, port, config, child),
-                               name=f"megarlhf-ppo-rank{rank}")
+            proc = ctx.Process(target=_serve,
+                               args=(rank, nproc, port, threads, worker_args, child),
+                               name=f"megarlhf-ppo-{name}-rank{rank}")
             proc.start()
-            self._conns.append(parent)
-            self._procs.append(proc)
-        self._collect("start-up")
+            self.conns.append(parent)
+            self.procs.append(proc)
+        self.starting = LocalCall(self, "start-up")
 
-    def call(self, method: str, *args):
-        for conn in self._conns:
-            conn.send((method, args))
-        return self._collect(method)[0]
+    def async_call(self, method: str, *args) -> LocalCall:
+        message = dumps((method, args))  # once for all ranks
+        for conn in self.conns:
+            conn.send_bytes(message)
+        return LocalCall(self, method)
 
-    def _collect(self, what: str) -> list:
-        results = [None] * len(self._conns)
-        pending = set(range(len(self._conns)))
-        while pending:
-            ready = mp.connection.wait([self._conns[r] for r in pending] +
-                                       [self._procs[r].sentinel for r in pending],
-                                       timeout=self.timeout_s)
-            if not ready:
-                self._reap(grace_s=0)
-                raise WorkerError(f"{what}: ranks {sorted(pending)} did not answer within "
-                                  f"{self.timeout_s:.0f} s")
-            for rank in sorted(pending):
-                conn, proc = self._conns[rank], self._procs[rank]
-                if conn.poll():
-                    ok, value = conn.recv()
-                    if not ok:
-                        self._reap(grace_s=0)
-                        raise WorkerError(f"{what} failed on rank {rank}:\n{value}")
-                    results[rank] = value
-                    pending.discard(rank)
-                elif proc.exitcode is not None:
-                    self._reap(grace_s=0)
-                    raise WorkerError(f"{what}: rank {rank} died (exit code {proc.exitcode})")
-        return results
+    def address(self) -> tuple[str, int]:
+        """A free port where this group's rank 0 runs (this machine)."""
+        return "127.0.0.1", free_port()
 
-    def shutdown(self) -> None:
-        """Ask every rank to stop (engines shut down cleanly), then kill what is left."""
-        for conn, proc in zip(self._conns, self._procs):
+    def stop(self) -> None:
+        """Ask every rank to stop (engines shut down cleanly); `join` waits for them."""
+        for conn, proc in zip(self.conns, self.procs):
             if proc.is_alive():
                 try:
-                    conn.send((None, ()))
+                    _send(conn, (None, ()))
                 except (BrokenPipeError, OSError):
                     pass
-        self._reap(grace_s=30)
 
-    def _reap(self, grace_s: float) -> None:
-        """Join the ranks within one shared grace period and kill the rest: after a failure
-        (grace 0) the others are stuck in a collective and would never return."""
-        deadline = time.monotonic() + grace_s
-        for proc in self._procs:
+    def join(self, deadline: float) -> None:
+        """Wait for the ranks until `deadline` (time.monotonic()), then kill the rest."""
+        for proc in self.procs:
             proc.join(timeout=max(0.0, deadline - time.monotonic()))
             if proc.is_alive():
                 proc.kill()
                 proc.join()
+
+
+class LocalBackend:
+    """Makes local worker groups and waits on their calls."""
+
+    def __init__(self, total_ranks: int, *, timeout_s: float = 1800.0):
+        self.timeout_s = timeout_s
+        # Every rank of every group shares this machine's cores, unless the user says.
+        self.threads = int(os.environ.get("OMP_NUM_THREADS")
+                           or max(1, (os.cpu_count() or 1) // total_ranks))
+
+    def group(self, name: str, nproc: int, worker_args: tuple) -> LocalWorkerGroup:
+        return LocalWorkerGroup(name, nproc, worker_args, threads=self.threads)
+
+    def wait_all(self, calls: list[LocalCall]) -> list[list[tuple]]:
+        """Per call and rank, (result (rank 0; None elsewhere), seconds in the method)."""
+        deadline = time.monotonic() + self.timeout_s
+        while any(call.pending for call in calls):
+            waitables = [w for call in calls for w in call.waitables()]
+            if not mp.connection.wait(waitables, timeout=max(0.0, deadline - time.monotonic())):
+                late = {f"{c.group.name} ranks {sorted(c.pending)}" for c in calls if c.pending}
+                raise WorkerError(f"{calls[0].what}: {', '.join(sorted(late))} did not answer "
+                                  f"within {self.timeout_s:.0f} s")
+            for call in calls:
+                call.collect()
+        return [call.results for call in calls]
+
+    def shutdown(self) -> None:
+        """Nothing outlives the groups here."""

@@ -1,14 +1,21 @@
-"""The worker group on Ray: one actor per rank, placed together by a placement group.
+"""Worker groups on Ray: one actor per rank, a group's actors placed together by a placement
+group; the same interface as the local groups (groups.py).
 
 Ray is started locally (`ray.init`) unless a cluster is already running (RAY_ADDRESS, or
-`ray start` on a Slurm allocation). The ranks meet through torch.distributed at rank 0's node.
+`ray start` on a Slurm allocation). A group's ranks meet through torch.distributed at its
+rank 0's node.
 """
 
 from __future__ import annotations
 
 import os
+import pickle
+import time
 
-from megarlhf.ppo.groups import WorkerError
+from megarlhf.ppo.groups import WorkerError, dumps
+
+_INLINE_BYTES = 64 * 1024
+"""Smaller call arguments travel inside each rank's task (a put costs more than a copy)."""
 
 
 class _Rank:
@@ -21,34 +28,44 @@ class _Rank:
 
         return ray.util.get_node_ip_address(), free_port()
 
-    def start(self, rank: int, world_size: int, addr: str, port: int, config) -> None:
+    def start(self, rank: int, world_size: int, master: tuple[str, int], worker_args: tuple
+              ) -> bytes:
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0",
-                          MASTER_ADDR=addr, MASTER_PORT=str(port),
+                          MASTER_ADDR=master[0], MASTER_PORT=str(master[1]),
                           VLLM_ENABLE_V1_MULTIPROCESSING="0")
         from megarlhf.ppo.worker import PPOWorker
 
-        self.worker = PPOWorker(config)
+        start = time.perf_counter()
+        self.rank, self.worker = rank, PPOWorker(*worker_args)
+        return dumps((None, time.perf_counter() - start))
 
-    def call(self, method: str, args):
-        return getattr(self.worker, method)(*args)
+    def call(self, method: str, args: bytes) -> bytes:
+        start = time.perf_counter()
+        value = getattr(self.worker, method)(*pickle.loads(args))
+        # Every rank computes the same result: only rank 0's travels.
+        return dumps((value if self.rank == 0 else None, time.perf_counter() - start))
 
     def stop(self) -> None:
         self.worker.shutdown()
 
 
+class RayCall:
+    """One method running on every rank of a group: a Ray reference per rank."""
+
+    def __init__(self, group: "RayWorkerGroup", what: str, refs: list):
+        self.group, self.what, self.refs = group, what, refs
+
+
 class RayWorkerGroup:
-    def __init__(self, config, *, cpus_per_rank: float = 1.0):
+    def __init__(self, name: str, nproc: int, worker_args: tuple, *,
+                 cpus_per_rank: float = 1.0):
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        self._ray = ray
-        self._started_ray = not ray.is_initialized()
-        if self._started_ray:
-            ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False,
-                     **({} if os.environ.get("RAY_ADDRESS") else
-                        {"num_cpus": max(config.nproc, os.cpu_count() or 1)}))
-        self._pg = placement_group([{"CPU": cpus_per_rank}] * config.nproc, strategy="PACK")
+        self._ray, self.name = ray, name
+        self._stopping: list = []
+        self._pg = placement_group([{"CPU": cpus_per_rank}] * nproc, strategy="PACK")
         ray.get(self._pg.ready())
         threads = str(max(1, int(cpus_per_rank)))
         actor = ray.remote(_Rank)
@@ -59,38 +76,75 @@ class RayWorkerGroup:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement_group=self._pg, placement_group_bundle_index=rank),
             ).remote()
-            for rank in range(config.nproc)
+            for rank in range(nproc)
         ]
-        addr, port = ray.get(self._ranks[0].address.remote())
-        self._wait("start-up", [r.start.remote(i, config.nproc, addr, port, config)
-                                for i, r in enumerate(self._ranks)])
+        # Passed as a reference, so no group waits here for its rank 0 to come up: every
+        # group's actors boot at once and each rank starts once the address is known.
+        master = self._ranks[0].address.remote()
+        self.starting = RayCall(self, "start-up", [
+            r.start.remote(i, nproc, master, worker_args) for i, r in enumerate(self._ranks)])
 
-    def call(self, method: str, *args):
-        args_ref = self._ray.put(args)  # one copy in the object store for all ranks
-        return self._wait(method, [r.call.remote(method, args_ref) for r in self._ranks])[0]
+    def async_call(self, method: str, *args) -> RayCall:
+        payload = dumps(args)  # once for all ranks
+        if len(payload) > _INLINE_BYTES:  # one copy in the object store for all ranks
+            payload = self._ray.put(payload)
+        return RayCall(self, method, [r.call.remote(method, payload) for r in self._ranks])
 
-    def _wait(self, what: str, refs: list) -> list:
+    def address(self) -> tuple[str, int]:
+        """A free port on the node of this group's rank 0."""
+        return self._ray.get(self._ranks[0].address.remote())
+
+    def stop(self) -> None:
+        """Ask every rank to stop (engines shut down cleanly); `join` waits for them."""
+        self._stopping = [r.stop.remote() for r in self._ranks]
+
+    def join(self, deadline: float) -> None:
+        """Wait for the ranks until `deadline` (time.monotonic()), then kill them all."""
         ray = self._ray
-        rank_of = {ref: i for i, ref in enumerate(refs)}
-        pending = list(refs)
+        if self._stopping:
+            ray.wait(self._stopping, num_returns=len(self._stopping),
+                     timeout=max(0.0, deadline - time.monotonic()))
+        for rank in self._ranks:
+            ray.kill(rank)
+        self._ranks, self._stopping = [], []
+        ray.util.remove_placement_group(self._pg)
+
+
+class RayBackend:
+    """Starts Ray here unless a cluster is running; makes Ray worker groups and waits on
+    their calls."""
+
+    def __init__(self, total_ranks: int):
+        import ray
+
+        self._ray = ray
+        self._started_ray = not ray.is_initialized()
+        if self._started_ray:
+            ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False,
+                     **({} if os.environ.get("RAY_ADDRESS") else
+                        {"num_cpus": max(total_ranks, os.cpu_count() or 1)}))
+
+    def group(self, name: str, nproc: int, worker_args: tuple) -> RayWorkerGroup:
+        return RayWorkerGroup(name, nproc, worker_args)
+
+    def wait_all(self, calls: list[RayCall]) -> list[list[tuple]]:
+        """Per call and rank, (result (rank 0; None elsewhere), seconds in the method); a
+        failed rank raises within a second, while the others may hang in a collective with
+        it."""
+        ray = self._ray
+        owner = {ref: (call, rank) for call in calls for rank, ref in enumerate(call.refs)}
+        answers, pending = {}, list(owner)
         while pending:
-            done, pending = ray.wait(pending, num_returns=1)
-            try:
-                ray.get(done[0])
-            except Exception as e:  # noqa: BLE001 - RayTaskError / RayActorError carry the cause
-                self.shutdown()
-                raise WorkerError(f"{what} failed on rank {rank_of[done[0]]}:\n{e}") from None
-        return ray.get(refs)
+            done, pending = ray.wait(pending, num_returns=len(pending), timeout=1.0)
+            for ref in done:
+                try:
+                    answers[ref] = pickle.loads(ray.get(ref))
+                except Exception as e:  # noqa: BLE001 - RayTaskError / RayActorError carry it
+                    call, rank = owner[ref]
+                    raise WorkerError(f"{call.what} failed on {call.group.name} rank {rank}:\n"
+                                      f"{e}") from None
+        return [[answers[ref] for ref in call.refs] for call in calls]
 
     def shutdown(self) -> None:
-        ray = self._ray
-        for rank in self._ranks:
-            try:
-                ray.get(rank.stop.remote(), timeout=30)
-            except Exception:  # noqa: BLE001 - a dead or stuck rank is killed below anyway
-                pass
-            ray.kill(rank)
-        self._ranks = []
-        ray.util.remove_placement_group(self._pg)
         if self._started_ray:
-            ray.shutdown()
+            self._ray.shutdown()

@@ -1,8 +1,10 @@
-"""One rank of the PPO job: every role's model shard on this rank, colocated on one mesh.
+"""One rank of a PPO worker group: the model shards of the roles its group holds, on the
+group's mesh (ppo/placement.py: colocated, one group holds every role; disaggregated, a group
+per role set).
 
-The controller calls the same method with the same arguments on every rank (SPMD); each
-method is collective over the mesh and returns the same result on every rank, so the
-controller reads rank 0's. Batches are global: the roles cut out this rank's share.
+The controller calls the same method with the same arguments on every rank of a group (SPMD);
+each method is collective over the group's mesh and returns the same result on every rank, so
+the controller reads rank 0's. Batches are global: the roles cut out this rank's share.
 """
 
 from __future__ import annotations
@@ -22,9 +24,10 @@ from megarlhf.engine.train import TrainEngine
 from megarlhf.models.arch import architecture
 from megarlhf.models.config import ModelConfig
 from megarlhf.models.gpt import model_spec
-from megarlhf.parallel.mesh import ParallelConfig, init_mesh
+from megarlhf.parallel.mesh import init_mesh
 from megarlhf.ppo.config import PPOConfig
-from megarlhf.rollout.bridge import WeightBridge
+from megarlhf.ppo.placement import GroupSpec
+from megarlhf.rollout.bridge import WeightBridge, open_channel, receive
 from megarlhf.rollout.engine import SamplingParams
 from megarlhf.roles.policy import PolicyLossConfig, PolicyRole
 from megarlhf.roles.sequences import SequenceBatch
@@ -37,45 +40,50 @@ def _rows(batch: SequenceBatch, rows: slice) -> SequenceBatch:
 
 
 class PPOWorker:
-    def __init__(self, config: PPOConfig):
-        self.config = c = config
-        parallel = ParallelConfig(tensor_parallel=c.tensor_parallel,
-                                  pipeline_parallel=c.pipeline_parallel)
-        self.parallel = parallel
-        self.mesh = init_mesh(parallel, seed=c.seed)
+    def __init__(self, config: PPOConfig, group: GroupSpec):
+        self.config, self.group = config, group
+        c, roles = config, group.roles
+        self.mesh = init_mesh(group.parallel, seed=c.seed)
         self.rank = self.mesh.rank
-        loss = PolicyLossConfig(clip_eps=c.clip_eps, entropy_coef=c.entropy_coef,
-                                aggregation=c.aggregation)
-        self.actor = PolicyRole(self._engine(c.actor, c.actor_lr), loss=loss,
-                                num_microbatches=c.micro_batches)
-        self.ref = PolicyRole(self._engine(c.actor, None), num_microbatches=c.micro_batches)
-        self.critic = None
-        if c.algorithm == "ppo":
+        self.actor = self.ref = self.critic = self.reward = None
+        if "actor" in roles:
+            loss = PolicyLossConfig(clip_eps=c.clip_eps, entropy_coef=c.entropy_coef,
+                                    aggregation=c.aggregation)
+            self.actor = PolicyRole(self._engine(c.actor, c.actor_lr), loss=loss,
+                                    num_microbatches=c.micro_batches)
+        if "ref" in roles:
+            self.ref = PolicyRole(self._engine(c.actor, None), num_microbatches=c.micro_batches)
+        if "critic" in roles:
             self.critic = ValueRole(self._engine(c.critic, c.critic_lr),
                                     loss=ValueLossConfig(clip_eps=c.value_clip_eps,
                                                          aggregation=c.aggregation),
                                     num_microbatches=c.micro_batches)
-        self.reward = None
-        if c.reward_model:
+        if "reward" in roles:
             self.reward = ValueRole(self._engine(c.reward_model, None),
                                     num_microbatches=c.micro_batches)
-        model = self.actor.engine.spec.model
-        arch = architecture(self.actor.engine.provenance["architecture"]
-                            or infer_architecture(model))
-        self.bridge = WeightBridge(self.actor.engine.chunks, self.mesh, model, arch)
-        self.engine = self._rollout_engine(arch.name)
-        self.sync_weights()
+        model, arch = self._actor_model()
+        self.bridge = self.engine = self.channel = None
+        if self.actor is not None:
+            self.bridge = WeightBridge(self.actor.engine.chunks, self.mesh, model, arch)
+        if "rollout" in roles:
+            self.engine = self._rollout_engine(model, arch.name)
 
     def _engine(self, ckpt: str, lr: float | None) -> TrainEngine:
         meta = read_meta(ckpt)
-        spec = model_spec(ModelConfig.from_dict(meta["model"]), self.parallel,
+        spec = model_spec(ModelConfig.from_dict(meta["model"]), self.group.parallel,
                           value_head=meta["value_head"])
         optim = OptimConfig(lr=lr, clip_grad=1.0) if lr is not None else None
         engine = TrainEngine(spec, self.mesh, optim)
         load_checkpoint(ckpt, engine, with_optimizer=False)
         return engine
 
-    def _rollout_engine(self, arch_name: str):
+    def _actor_model(self):
+        """The actor's model config and architecture (HF names for the bridge and engines)."""
+        meta = read_meta(self.config.actor)
+        model = ModelConfig.from_dict(meta["model"])
+        return model, architecture(meta.get("architecture") or infer_architecture(model))
+
+    def _rollout_engine(self, model: ModelConfig, arch_name: str):
         c = self.config
         if c.rollout_backend == "vllm":
             from megarlhf.rollout.vllm_engine import VLLMEngine, VLLMEngineConfig
@@ -84,8 +92,19 @@ class PPOWorker:
                                                kv_cache_memory_bytes=64 * 1024**2))
         from megarlhf.rollout.megatron_engine import MegatronEngine, MegatronEngineConfig
 
-        return MegatronEngine(self.actor.engine.spec, self.mesh,
+        return MegatronEngine(model_spec(model, self.group.parallel), self.mesh,
                               MegatronEngineConfig(architecture=arch_name))
+
+    def open_channel(self, host: str, port: int) -> None:
+        """Disaggregated: join the weight channel. Its members are the actor's senders (TP
+        rank 0 of DP replica 0 of each pipeline stage: channel ranks 0..PP-1) and every
+        rollout rank (PP..); the actor's other ranks only help assemble tensors."""
+        pp = self.config.pipeline_parallel
+        size = pp + self.config.rollout_nproc
+        if self.engine is not None:
+            self.channel = open_channel(host, port, pp + self.rank, size)
+        elif self.mesh.tp_rank == 0 and self.mesh.dp_rank == 0:
+            self.channel = open_channel(host, port, self.mesh.pp_rank, size)
 
     # -- the loop's phases -----------------------------------------------------------------
 
@@ -106,9 +125,13 @@ class PPOWorker:
         return sorted(merged, key=lambda c: c.prompt_index)  # stable: samples keep order
 
     def experience(self, batch: SequenceBatch) -> dict[str, torch.Tensor]:
-        """Old/ref logprobs, entropy, values and reward-model scores of the rollout batch."""
-        logp, entropy = self.actor.logprobs(batch, with_entropy=True)
-        out = {"logp": logp, "entropy": entropy, "ref_logp": self.ref.logprobs(batch)}
+        """What this group's roles add to the rollout batch: old logprobs and entropy (actor),
+        ref logprobs, values (critic), reward-model scores."""
+        out = {}
+        if self.actor is not None:
+            out["logp"], out["entropy"] = self.actor.logprobs(batch, with_entropy=True)
+        if self.ref is not None:
+            out["ref_logp"] = self.ref.logprobs(batch)
         if self.critic is not None:
             out["values"] = self.critic.values(batch)
         if self.reward is not None:
@@ -117,7 +140,8 @@ class PPOWorker:
 
     def train(self, batch: SequenceBatch, old_logp: torch.Tensor, advantages: torch.Tensor,
               old_values: torch.Tensor | None, returns: torch.Tensor | None) -> list[dict]:
-        """PPO epochs over mini-batches; metrics of every optimizer step."""
+        """PPO epochs over mini-batches for this group's actor and/or critic; metrics of every
+        optimizer step."""
         c = self.config
         size = batch.shape[0] // c.mini_batches
         metrics = []
@@ -125,10 +149,12 @@ class PPOWorker:
             for k in range(c.mini_batches):
                 rows = slice(k * size, (k + 1) * size)
                 part = _rows(batch, rows)
-                step, actor = self.actor.train_step(part, old_logp[rows], advantages[rows])
-                m = {f"actor/{k}": v for k, v in actor.items()}
-                m.update({"actor/grad_norm": step.grad_norm, "actor/lr": step.lr,
-                          "actor/skipped": float(step.skipped)})
+                m = {}
+                if self.actor is not None:
+                    step, actor = self.actor.train_step(part, old_logp[rows], advantages[rows])
+                    m.update({f"actor/{k}": v for k, v in actor.items()})
+                    m.update({"actor/grad_norm": step.grad_norm, "actor/lr": step.lr,
+                              "actor/skipped": float(step.skipped)})
                 if self.critic is not None:
                     vstep, critic = self.critic.train_step(part, old_values[rows],
                                                            returns[rows])
@@ -138,31 +164,43 @@ class PPOWorker:
         return metrics
 
     def sync_weights(self) -> None:
-        self.engine.update_weights(
-            self.bridge.stream(reuse_buffer=self.engine.copies_each_bucket))
+        """The actor's weights into the rollout engines: streamed inside this rank
+        (colocated), or sent (actor group) / received (rollout group) over the channel."""
+        if self.bridge is not None and self.engine is not None:
+            self.engine.update_weights(
+                self.bridge.stream(reuse_buffer=self.engine.copies_each_bucket))
+        elif self.bridge is not None:
+            self.bridge.send(self.channel)
+        else:
+            self.engine.update_weights(receive(self.channel))
 
     # -- checkpoints -------------------------------------------------------------------------
 
     def save(self, directory: str) -> None:
-        save_checkpoint(os.path.join(directory, "actor"), self.actor.engine, self.mesh)
+        """The trained models with their optimizers, and every rank's RNG states."""
+        if self.actor is not None:
+            save_checkpoint(os.path.join(directory, "actor"), self.actor.engine, self.mesh)
         if self.critic is not None:
             save_checkpoint(os.path.join(directory, "critic"), self.critic.engine, self.mesh)
         os.makedirs(os.path.join(directory, "rng"), exist_ok=True)
         torch.save({"torch": torch.get_rng_state(), "python": random.getstate(),
-                    "numpy": np.random.get_state()},
-                   os.path.join(directory, "rng", f"rank{self.rank}.pt"))
+                    "numpy": np.random.get_state()}, self._rng_path(directory))
         dist.barrier()
 
     def load(self, directory: str) -> None:
-        load_checkpoint(os.path.join(directory, "actor"), self.actor.engine)
+        """Undo save(); the rollout engines need a weight sync afterwards."""
+        if self.actor is not None:
+            load_checkpoint(os.path.join(directory, "actor"), self.actor.engine)
         if self.critic is not None:
             load_checkpoint(os.path.join(directory, "critic"), self.critic.engine)
-        rng = torch.load(os.path.join(directory, "rng", f"rank{self.rank}.pt"),
-                         weights_only=False)
+        rng = torch.load(self._rng_path(directory), weights_only=False)
         torch.set_rng_state(rng["torch"])
         random.setstate(rng["python"])
         np.random.set_state(rng["numpy"])
-        self.sync_weights()
+
+    def _rng_path(self, directory: str) -> str:
+        return os.path.join(directory, "rng", f"{self.group.name}-rank{self.rank}.pt")
 
     def shutdown(self) -> None:
-        self.engine.shutdown()
+        if self.engine is not None:
+            self.engine.shutdown()

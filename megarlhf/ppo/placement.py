@@ -1,0 +1,155 @@
+"""Where the PPO roles run, and which ranks each phase of the loop goes to.
+
+- colocated: one group of `nproc` ranks holds every role: actor, ref, critic, reward and the
+  rollout engine, fed by the bridge inside each rank.
+- disaggregated: a group per role set, each with a torch.distributed world and Megatron mesh of
+  its own: actor (trains; the weight source), critic (PPO only), ref+reward (frozen
+  inference), each `nproc` ranks at TP x PP; and `rollout_nproc` rollout ranks (one TP1 engine
+  each) that receive the actor's weights over the bridge's channel.
+
+The loop calls the same phases either way. A phase goes to every group holding a role it
+needs, all at once, and then waits for all of them: disaggregated, the actor's and ref's
+logprobs, the critic's values and the reward model's scores are computed concurrently, and
+so are the actor and critic updates.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from megarlhf.parallel.mesh import ParallelConfig
+from megarlhf.ppo.config import PPOConfig
+from megarlhf.ppo.groups import WorkerError
+from megarlhf.rollout.engine import Completion, SamplingParams
+from megarlhf.roles.sequences import SequenceBatch
+
+ROLLOUT, EXPERIENCE, TRAIN, SYNC = ({"rollout"}, {"actor", "ref", "critic", "reward"},
+                                    {"actor", "critic"}, {"actor", "rollout"})
+"""The roles each phase needs: the groups holding any of them take part."""
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupSpec:
+    name: str
+    roles: frozenset[str]
+    nproc: int
+    parallel: ParallelConfig
+    """This group's mesh (TP x PP; DP = nproc / (TP x PP))."""
+
+
+def group_specs(config: PPOConfig) -> tuple[GroupSpec, ...]:
+    parallel = ParallelConfig(tensor_parallel=config.tensor_parallel,
+                              pipeline_parallel=config.pipeline_parallel)
+    critic = {"critic"} if config.algorithm == "ppo" else set()
+    reward = {"reward"} if config.reward_model else set()
+    if config.placement == "colocated":
+        roles = frozenset({"actor", "ref", "rollout"} | critic | reward)
+        return (GroupSpec("colocated", roles, config.nproc, parallel),)
+    groups = [GroupSpec("actor", frozenset({"actor"}), config.nproc, parallel)]
+    if critic:
+        groups.append(GroupSpec("critic", frozenset(critic), config.nproc, parallel))
+    inference = frozenset({"ref"} | reward)
+    groups.append(GroupSpec("+".join(sorted(inference)), inference, config.nproc, parallel))
+    groups.append(GroupSpec("rollout", frozenset({"rollout"}), config.rollout_nproc,
+                            ParallelConfig()))
+    return tuple(groups)
+
+
+def _backend(config: PPOConfig, total_ranks: int):
+    if config.worker_group == "ray":
+        from megarlhf.ppo.ray_group import RayBackend
+
+        return RayBackend(total_ranks)
+    from megarlhf.ppo.groups import LocalBackend
+
+    return LocalBackend(total_ranks)
+
+
+class Placement:
+    """The controller's handle on every group of the job. Starting it starts every rank (all
+    groups at once), connects the weight channel and loads the rollout engines' weights."""
+
+    def __init__(self, config: PPOConfig):
+        self.config = config
+        self.specs = group_specs(config)
+        self._all_roles = set().union(*(spec.roles for spec in self.specs))
+        self.busy: dict[str, float] = {}
+        """Worker-side seconds of each phase's latest call (its slowest rank)."""
+        self._failed = False
+        self._backend = _backend(config, sum(s.nproc for s in self.specs))
+        self._groups = []
+        try:
+            for spec in self.specs:
+                self._groups.append(self._backend.group(spec.name, spec.nproc, (config, spec)))
+            self._wait([g.starting for g in self._groups])
+            if config.placement == "disaggregated":
+                host, port = self._groups[0].address()  # the actor's rank 0 hosts the channel
+                self._run("open_channel", SYNC, host, port)
+            self.sync()
+        except BaseException:
+            self._failed = True
+            self.shutdown()
+            raise
+
+    # -- the loop's phases -------------------------------------------------------------------
+
+    def rollout(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        (completions,), self.busy["rollout"] = self._run("generate", ROLLOUT, prompts, params)
+        return completions
+
+    def experience(self, batch: SequenceBatch) -> dict:
+        parts, self.busy["experience"] = self._run("experience", EXPERIENCE, batch)
+        return {key: value for part in parts for key, value in part.items()}
+
+    def train(self, batch: SequenceBatch, old_logp, advantages, old_values, returns
+              ) -> list[dict]:
+        """Metrics of every optimizer step (actor and critic steps of one mini-batch merged)."""
+        parts, self.busy["train"] = self._run("train", TRAIN, batch, old_logp, advantages,
+                                              old_values, returns)
+        return [{k: v for step in steps for k, v in step.items()} for steps in zip(*parts)]
+
+    def sync(self) -> None:
+        _, self.busy["sync"] = self._run("sync_weights", SYNC)
+
+    def take_busy(self) -> dict[str, float]:
+        busy, self.busy = self.busy, {}
+        return busy
+
+    # -- checkpoints -------------------------------------------------------------------------
+
+    def save(self, directory: str) -> None:
+        self._run("save", self._all_roles, directory)
+
+    def load(self, directory: str) -> None:
+        self._run("load", self._all_roles, directory)
+        self.sync()
+
+    def shutdown(self) -> None:
+        """Stop every rank, all groups at once; after a failure without waiting (the others
+        may be stuck in a collective with the failed rank and would never answer)."""
+        deadline = time.monotonic() + (0 if self._failed else 30)
+        for group in self._groups:
+            group.stop()
+        for group in self._groups:
+            group.join(deadline)
+        self._groups = []
+        self._backend.shutdown()
+
+    # -- plumbing ----------------------------------------------------------------------------
+
+    def _run(self, method: str, roles: set[str], *args) -> tuple[list, float]:
+        """`method(*args)` on every rank of the groups holding any of `roles`, concurrently:
+        (rank 0's result per group, the slowest rank's seconds in the method)."""
+        calls = [g.async_call(method, *args)
+                 for g, spec in zip(self._groups, self.specs) if spec.roles & roles]
+        per_call = self._wait(calls)
+        return ([ranks[0][0] for ranks in per_call],
+                max(seconds for ranks in per_call for _, seconds in ranks))
+
+    def _wait(self, calls: list) -> list[list[tuple]]:
+        try:
+            return self._backend.wait_all(calls)
+        except WorkerError:
+            self._failed = True
+            raise
