@@ -114,6 +114,26 @@ def test_placements_give_each_role_its_ranks(prompts_file, tmp_path):
     assert [g.name for g in group_specs(grpo)] == ["actor", "ref", "rollout"]
 
 
+def test_worker_messages_carry_tensors_exactly():
+    """Calls and results travel as one pickle: CPU tensors as arrays, the rest as torch
+    pickles them (bf16, autograd leaves); values, dtypes and shapes must all survive."""
+    import pickle
+
+    from megarlhf.ppo.groups import dumps
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {"logp": torch.randn(4, 6, generator=g), "ids": torch.arange(24).view(4, 6).t(),
+               "mask": torch.rand(4, 6, generator=g) > 0.5,
+               "bf16": torch.randn(3, generator=g).bfloat16(),
+               "leaf": torch.randn(3, generator=g, requires_grad=True)}
+    back = pickle.loads(dumps(("experience", tensors)))[1]
+    for key, tensor in tensors.items():
+        assert back[key].dtype == tensor.dtype and torch.equal(back[key], tensor), key
+    assert back["leaf"].requires_grad
+    back["ids"] += 1  # a writable tensor of its own
+    assert torch.equal(back["ids"], tensors["ids"] + 1)
+
+
 def test_prompt_sampler_is_seeded_and_resumable(prompts_file):
     a, b = PromptSampler(prompts_file, seed=1), PromptSampler(prompts_file, seed=1)
     first = a.next(40)  # crosses an epoch boundary

@@ -4,9 +4,9 @@ A group is `nproc` ranks forming a torch.distributed world of their own (each gr
 its own port), each running one `PPOWorker`. `group.async_call(method, *args)` sends the call
 to every rank and returns at once; `LocalBackend.wait_all(calls)` then waits for several calls,
 of several groups that meanwhile run concurrently, and returns per rank (result, seconds
-spent in the method); every rank computes the same result, so only rank 0 sends it. A rank that raises or dies ends the wait with a `WorkerError` naming its
-group and rank and carrying its traceback; the caller then kills every group, so no rank is
-left waiting in a collective.
+spent in the method); every rank computes the same result, so only rank 0 sends it. A rank
+that raises or dies ends the wait with a `WorkerError` naming its group and rank and carrying
+its traceback; the caller then kills every group, so no rank is left waiting in a collective.
 """
 
 from __future__ import annotations
