@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.util
 import os
 import typing
 
@@ -93,6 +94,12 @@ class PPOConfig:
     keep_last: int = 2
     nan_policy: str = "stop"
     """Non-finite reward or loss: 'stop' the run, or 'skip' the step's update."""
+    # -- dashboards (metrics.jsonl and the console always) --
+    tensorboard: bool = False
+    """Also write TensorBoard event files to out_dir/tensorboard (needs `tensorboard`)."""
+    wandb_project: str | None = None
+    """Also log to this W&B project (needs `wandb` and a login); a resumed job continues the
+    same W&B run."""
 
     def __post_init__(self):
         problems = []
@@ -143,6 +150,11 @@ class PPOConfig:
             problems.append(f"prompts_per_step x samples_per_prompt = {rows} rows do not split "
                             f"into mini_batches ({self.mini_batches}) x DP ({dp}) x "
                             f"micro_batches ({self.micro_batches})")
+        for flag, module in ((self.tensorboard, "tensorboard"),
+                             (self.wandb_project, "wandb")):
+            if flag and importlib.util.find_spec(module) is None:
+                problems.append(f"{module} logging is on but {module} is not installed: "
+                                f"pip install {module}")
         if problems:
             raise ValueError("invalid PPO config:\n  " + "\n  ".join(problems))
 

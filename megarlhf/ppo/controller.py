@@ -12,6 +12,7 @@ loop is the same for both placements.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -21,7 +22,7 @@ import torch
 from megarlhf.ppo import checkpoints
 from megarlhf.ppo.config import PPOConfig
 from megarlhf.ppo.data import PromptSampler
-from megarlhf.ppo.metrics import MetricsLog, step_metrics
+from megarlhf.ppo.metrics import MetricsLog, Progress, step_metrics
 from megarlhf.ppo.placement import Placement
 from megarlhf.ppo.rewards import load_reward_fn
 from megarlhf.rl import (
@@ -44,9 +45,10 @@ def run(config: PPOConfig) -> list[dict]:
     sampler = PromptSampler(config.prompts, seed=config.seed)
     kl_ctl = (AdaptiveKLController(config.kl_coef, config.kl_target, config.kl_horizon)
               if config.kl_target is not None else FixedKLController(config.kl_coef))
-    log = MetricsLog(config.out_dir)
+    log = MetricsLog(config.out_dir, tensorboard=config.tensorboard,
+                     wandb_project=config.wandb_project, run_config=dataclasses.asdict(config))
     workers = Placement(config)
-    history = []
+    history, progress = [], None
     try:
         start = 0
         latest = checkpoints.latest(config.out_dir)
@@ -57,22 +59,26 @@ def run(config: PPOConfig) -> list[dict]:
             sampler.load_state_dict(state["sampler"])
             kl_ctl.load_state_dict(state["kl"])
             log.info(f"resumed from {latest} (step {start})")
+        progress = Progress(config.steps, start)
         for step in range(start + 1, config.steps + 1):
-            metrics = ppo_step(config, workers, sampler, kl_ctl, reward_fn, step)
+            metrics = ppo_step(config, workers, sampler, kl_ctl, reward_fn, step, progress)
             history.append(metrics)
             log.write(step, metrics)
+            progress.step_done(metrics)
             if step == config.steps or (config.save_every and step % config.save_every == 0):
                 checkpoints.save(config, workers, step, {
                     "step": step, "sampler": sampler.state_dict(),
                     "kl": kl_ctl.state_dict()})
     finally:
+        if progress is not None:
+            progress.close()
         workers.shutdown()
         log.close()
     return history
 
 
 def ppo_step(config: PPOConfig, workers: Placement, sampler: PromptSampler, kl_ctl, reward_fn,
-             step: int) -> dict:
+             step: int, progress: Progress) -> dict:
     timer = {}
     t = start = time.perf_counter()
     prompts = sampler.next(config.prompts_per_step)
@@ -80,12 +86,14 @@ def ppo_step(config: PPOConfig, workers: Placement, sampler: PromptSampler, kl_c
                             temperature=config.temperature, top_p=config.top_p,
                             top_k=config.top_k, stop_token_ids=config.stop_token_ids,
                             seed=config.seed * 1_000_003 + step)  # resume-stable sampling
+    progress.phase("rollout")
     completions = workers.rollout(prompts, params)
     rollout = rollout_batch(prompts, completions)
     batch = rollout.sequences
     mask = batch.response_mask.float()
     timer["rollout"], t = time.perf_counter() - t, time.perf_counter()
 
+    progress.phase("experience")
     exp = workers.experience(batch)
     score = score_responses(exp, prompts, completions, reward_fn)
     timer["experience"], t = time.perf_counter() - t, time.perf_counter()
@@ -108,12 +116,14 @@ def ppo_step(config: PPOConfig, workers: Placement, sampler: PromptSampler, kl_c
         raise NonFiniteError(f"step {step}: non-finite reward or advantage; set "
                              f"nan_policy=skip to skip such batches")
     if _finite(score, advantages):
+        progress.phase("train")
         train_metrics = workers.train(batch, exp["logp"], advantages, values, returns)
         losses = [v for m in train_metrics for k, v in m.items() if k.endswith("_loss")]
         if not all(math.isfinite(v) for v in losses) and config.nan_policy == "stop":
             raise NonFiniteError(f"step {step}: non-finite loss {losses}")
     timer["train"], t = time.perf_counter() - t, time.perf_counter()
 
+    progress.phase("sync")
     workers.sync()
     timer["sync"] = time.perf_counter() - t
 
