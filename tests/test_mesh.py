@@ -32,8 +32,15 @@ def test_detect_torchrun(monkeypatch):
 def test_detect_slurm(monkeypatch):
     for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(k, raising=False)
-    for k, v in dict(SLURM_PROCID="5", SLURM_NTASKS="16", SLURM_LOCALID="5",
-                     SLURM_JOB_NODELIST="gpu[10-11]", SLURM_JOB_ID="4242").items():
+    # The batch script: the job's task count, but no step, so not one of its ranks.
+    for k, v in dict(SLURM_PROCID="0", SLURM_NTASKS="32", SLURM_JOB_NODELIST="gpu[10-11]",
+                     SLURM_JOB_ID="4242").items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("SLURM_STEP_ID", raising=False)
+    assert DistEnv.detect().world_size == 1
+    # A task of an srun step.
+    for k, v in dict(SLURM_STEP_ID="0", SLURM_PROCID="5", SLURM_STEP_NUM_TASKS="16",
+                     SLURM_LOCALID="5").items():
         monkeypatch.setenv(k, v)
     env = DistEnv.detect()
     assert (env.rank, env.world_size, env.local_rank, env.master_addr) == (5, 16, 5, "gpu10")

@@ -92,7 +92,9 @@ class DistEnv:
                 master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
                 master_port=int(env.get("MASTER_PORT", 29500)),
             )
-        if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        # A task of an srun step. The batch script itself also has SLURM_PROCID=0 and the
+        # job's SLURM_NTASKS but is no rank: a command run there directly is a single process.
+        if "SLURM_STEP_ID" in env and "SLURM_PROCID" in env:
             return cls.from_slurm(env)
         return cls(rank=0, world_size=1, local_rank=0, master_addr="127.0.0.1",
                    master_port=free_port())
@@ -105,7 +107,7 @@ class DistEnv:
         job_id = int(env.get("SLURM_JOB_ID", "0"))
         return cls(
             rank=int(env["SLURM_PROCID"]),
-            world_size=int(env["SLURM_NTASKS"]),
+            world_size=int(env.get("SLURM_STEP_NUM_TASKS") or env["SLURM_NTASKS"]),
             local_rank=int(env.get("SLURM_LOCALID", 0)),
             master_addr=env.get("MASTER_ADDR") or first_host(nodelist),
             # One port per job, so two jobs sharing a node do not collide.

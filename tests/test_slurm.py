@@ -1,0 +1,269 @@
+"""The launch/ scripts on a real two-node Slurm cluster (tests/slurm_cluster.py): SFT ranks on
+both nodes through srun, PPO on Ray-on-Slurm across both nodes (requeued after its first
+checkpoint and resumed), scancel leaving no process behind, and failures reaching the job's
+exit code. The fast tests run the scripts under bash with stand-ins for srun and scontrol, to
+check the command lines they build (container mode cannot run here: no Pyxis)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from megarlhf.ppo import checkpoints
+from megarlhf.ppo.metrics import read_metrics
+from megarlhf.sft.loop import latest_checkpoint
+from tests.slurm_cluster import SlurmCluster, SlurmUnavailable, job_processes
+from tests.test_ppo import prompts_file  # noqa: F401 (a fixture: the PPO tests' prompts)
+
+REPO = Path(__file__).resolve().parent.parent
+LAUNCH = REPO / "launch"
+# Two nodes, one task (rank or Ray node) on each, no GPUs: the scripts' #SBATCH lines ask for
+# 8 GPUs per node and these options replace them.
+TWO_NODES = ("--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=1", "--gpus-per-node=0",
+             "--time=15")
+FINAL = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
+# ppo.sbatch takes whole nodes (2 CPUs each here); one CPU per Ray node leaves room for one
+# rank (a bundle of one CPU), so a 2-rank run that starts at all has a rank on each node.
+ONE_RANK_PER_NODE = {"RAY_CPUS_PER_NODE": "1"}
+JOB_TIMEOUT = 420  # seconds; one PPO run took 40-100 s here, on 2 cores shared with others
+
+
+@pytest.fixture(scope="session")
+def slurm(tmp_path_factory):
+    cluster = SlurmCluster(tmp_path_factory.mktemp("slurm"))
+    try:
+        cluster.start()
+    except SlurmUnavailable as e:
+        cluster.stop()
+        pytest.skip(f"no local Slurm cluster: {e}")
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def ray_root():
+    """Ray's session directories; short, since its socket paths must fit in 107 bytes."""
+    path = tempfile.mkdtemp(prefix="rs", dir="/tmp")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def job_env(slurm, ray_root):
+    """What a user's shell has at submission: the venv's commands on PATH (and this checkout
+    importable, for the tests' reward function)."""
+    return slurm.env(PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+                     PYTHONPATH=str(REPO), RAY_TEMP_ROOT=ray_root)
+
+
+def _submit(slurm, script, *args, cwd: Path, env) -> int:
+    """sbatch as a user types it: `launch/SCRIPT` relative to the submit directory (here a
+    link to the checkout's launch/), which the script must resolve to find common.sh."""
+    if not (cwd / "launch").exists():
+        (cwd / "launch").symlink_to(LAUNCH)
+    return slurm.submit(f"launch/{script}", *map(str, args), options=TWO_NODES, cwd=cwd,
+                        env=env)
+
+
+def _run_job(slurm, script, *args, cwd, env) -> tuple[int, dict]:
+    """Submit and wait for the end: (job id, its scontrol record: JobState, ExitCode ...)."""
+    job = _submit(slurm, script, *args, cwd=cwd, env=env)
+    return job, slurm.wait_job(job, FINAL, JOB_TIMEOUT)
+
+
+def _job_log(cwd: Path, name: str, job_id: int) -> str:
+    path = cwd / "logs" / f"{name}-{job_id}" / "job.log"
+    return path.read_text() if path.exists() else f"(no {path})"
+
+
+def _sft_config(tmp_path: Path) -> Path:
+    from megarlhf.data import synthetic
+    from megarlhf.data.tokenizer import train_sentencepiece
+
+    sp = train_sentencepiece(synthetic.tokenizer_corpus(), str(tmp_path / "sp.model"),
+                             vocab_size=256)
+    data = synthetic.write_jsonl(synthetic.sft_records(64), str(tmp_path / "sft.jsonl"))
+    path = tmp_path / "sft.yaml"
+    path.write_text(yaml.safe_dump({
+        "model": {"preset": "tiny", "overrides": {"vocab_size": 256}, "layer_spec": "local"},
+        "data": {"train": {"path": data}, "tokenizer": sp, "max_length": 48},
+        "train": {"output_dir": str(tmp_path / "sft"), "steps": 2, "global_batch_size": 4},
+        # TP2 needs both ranks, so a run that finishes proves the two nodes met.
+        "parallel": {"tensor_parallel": 2}}))
+    return path
+
+
+@pytest.mark.slow
+def test_sft_runs_one_rank_on_each_node(slurm, job_env, tmp_path):
+    config = _sft_config(tmp_path)
+    job, info = _run_job(slurm, "train.sbatch", "sft", config, cwd=tmp_path, env=job_env)
+    log = _job_log(tmp_path, "megarlhf-train", job)
+    assert info["JobState"] == "COMPLETED", log[-3000:]
+    assert info["NodeList"] == "n[1-2]"
+    assert "rendezvous n1:" in log and "2 ranks" in log
+    final = latest_checkpoint(str(tmp_path / "sft" / "checkpoints"))
+    assert int(Path(final).name.split("_")[1]) == 2, final
+    logs = tmp_path / "logs" / f"megarlhf-train-{job}"
+    assert sorted(p.name for p in logs.iterdir()) == [
+        "job.log", "rank-0.exit", "rank-0.log", "rank-1.exit", "rank-1.log"]
+    assert [(logs / f"rank-{r}.exit").read_text() for r in (0, 1)] == ["0\n", "0\n"]
+
+
+@pytest.mark.slow
+def test_a_failing_stage_fails_the_job_with_its_exit_code(slurm, job_env, tmp_path):
+    config = _sft_config(tmp_path)
+    job, info = _run_job(slurm, "train.sbatch", "sft", config, "train.no_such_key=1",
+                         cwd=tmp_path, env=job_env)
+    log = _job_log(tmp_path, "megarlhf-train", job)
+    # 2: the CLI's exit code for a bad config (0:0 or a signal would mean it got lost)
+    assert (info["JobState"], info["ExitCode"]) == ("FAILED", "2:0"), log[-3000:]
+    assert "sft failed (exit code 2;" in log and "exited with code 2" in log
+    assert "unknown key(s) ['no_such_key']" in log  # the failing rank's own words
+
+
+@pytest.fixture
+def ppo_recipe(lm_ref, prompts_file, tmp_path):  # noqa: F811 (pytest fixture argument)
+    """GRPO on the PPO tests' task (no critic: less to load), 2 ranks."""
+    path = tmp_path / "ppo.yaml"
+    path.write_text(yaml.safe_dump({
+        "actor": lm_ref, "prompts": prompts_file, "out_dir": str(tmp_path / "ppo"),
+        "reward_fn": "tests.ppo_tasks:low_token_fraction", "algorithm": "grpo", "nproc": 2,
+        "prompts_per_step": 2, "samples_per_prompt": 2, "max_new_tokens": 4}))
+    return path
+
+
+def _wait_for(condition, what: str, timeout: float, log) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} within {timeout} s:\n{log()[-3000:]}"
+        time.sleep(0.5)
+
+
+@pytest.mark.slow
+def test_ppo_on_ray_across_nodes_resumes_after_requeue(slurm, job_env, ppo_recipe, ray_root,
+                                                       tmp_path):
+    out = tmp_path / "ppo"
+    job = _submit(slurm, "ppo.sbatch", ppo_recipe, "steps=12", "save_every=2", cwd=tmp_path,
+                  env={**job_env, **ONE_RANK_PER_NODE})
+    log = lambda: _job_log(tmp_path, "megarlhf-ppo", job)  # noqa: E731
+    _wait_for(lambda: checkpoints.latest(str(out)) is not None, "a first checkpoint",
+              JOB_TIMEOUT, log)
+    slurm.run("scontrol", "requeue", str(job))
+    # Slurm holds a requeued job back ~2 minutes (BeginTime); release it now.
+    slurm.wait_job(job, ("PENDING",), 120)
+    slurm.run("scontrol", "update", f"JobId={job}", "StartTime=now")
+    info = slurm.wait_job(job, FINAL, JOB_TIMEOUT)
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", log()[-3000:]
+
+    text = log()
+    assert text.count("ray: 2/2 nodes up") == 2  # both runs had a Ray node on each node
+    assert "(restart 1)" in text
+    resumed = int(text.split("resumed from ")[1].split("(step ")[1].split(")")[0])
+    steps = [m["step"] for m in read_metrics(str(out))]
+    # The first run logged steps 1.. up to where it was stopped (maybe past its last
+    # checkpoint); the second continued after the checkpoint it resumed from, up to 12.
+    first_run, second_run = steps[:-(12 - resumed)], steps[-(12 - resumed):]
+    assert resumed >= 2 and first_run == list(range(1, len(first_run) + 1)), steps
+    assert len(first_run) >= resumed and second_run == list(range(resumed + 1, 13)), steps
+    assert checkpoints.latest(str(out)).endswith("step_12")
+    assert job_processes(job, (f"{ray_root}/ray-{job}-",)) == []
+
+
+@pytest.mark.slow
+def test_scancel_leaves_no_process_of_the_job(slurm, job_env, ppo_recipe, ray_root, tmp_path):
+    out = tmp_path / "ppo"
+    job = _submit(slurm, "ppo.sbatch", ppo_recipe, "steps=100000", cwd=tmp_path,
+                  env={**job_env, **ONE_RANK_PER_NODE})
+    log = lambda: _job_log(tmp_path, "megarlhf-ppo", job)  # noqa: E731
+    _wait_for(lambda: (out / "metrics.jsonl").exists() and read_metrics(str(out)),
+              "a first PPO step", JOB_TIMEOUT, log)
+    markers = (f"{ray_root}/ray-{job}-",)
+    running = "\n".join(job_processes(job, markers))
+    # The check below sees the job's processes: Ray on both nodes, the ranks, the controller.
+    for name in ("gcs_server", f"ray-{job}-n1", f"ray-{job}-n2", "ray::_Rank", "megarlhf ppo"):
+        assert name in running, (name, running)
+
+    slurm.run("scancel", str(job))
+    slurm.wait_job(job, ("CANCELLED",), 120)
+    _wait_for(lambda: not job_processes(job, markers), "every process of the job gone", 90,
+              lambda: "\n".join(job_processes(job, markers)))
+    assert "stopping the controller and Ray on n1 n2" in log()
+
+
+# -- fast: the command lines, with stand-ins for the Slurm commands --
+
+FAKE_SRUN = """#!/bin/bash
+args="$*"
+echo "srun ${args//$'\n'/ }" >>"$FAKE_LOG"
+# The controller's or a rank's exit code; Ray nodes and the join check succeed.
+[[ " $* " == *" ppo "* || " $* " == *" sft "* ]] && exit "${FAKE_RC:-0}"
+exit 0
+"""
+FAKE_SCONTROL = """#!/bin/bash
+[[ $1 == show && $2 == hostnames ]] && printf 'n1\\nn2\\n'
+"""
+
+
+def _fake_job(tmp_path: Path, script: str, *args: str, **env: str):
+    """Run a launch script under bash as Slurm would (job variables set), with srun,
+    scontrol and scancel replaced: (exit code, the srun command lines)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    for name, body in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL),
+                       ("scancel", "#!/bin/bash\n")):
+        (bin_dir / name).write_text(body)
+        (bin_dir / name).chmod(0o755)
+    fake_log = tmp_path / "srun.log"
+    fake_log.unlink(missing_ok=True)
+    job = {"SLURM_JOB_ID": "77", "SLURM_JOB_NAME": "fake", "SLURM_SUBMIT_DIR": str(tmp_path),
+           "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_NTASKS": "2", "SLURM_CPUS_ON_NODE": "4",
+           "LAUNCH_DIR": str(LAUNCH), "FAKE_LOG": str(fake_log),
+           "PATH": f"{bin_dir}:{os.environ['PATH']}", "HOME": str(tmp_path)}
+    run = subprocess.run(["bash", str(LAUNCH / script), *args], env={**job, **env},
+                         capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    return run.returncode, fake_log.read_text().splitlines() if fake_log.exists() else []
+
+
+@pytest.mark.parametrize("script, args", [("train.sbatch", ("sft", "c.yaml")),
+                                          ("ppo.sbatch", ("r.yaml",))])
+def test_container_mode_runs_every_step_in_the_image(tmp_path, script, args):
+    rc, bare = _fake_job(tmp_path, script, *args)
+    assert rc == 0 and bare and not any("--container" in line for line in bare), bare
+    rc, contained = _fake_job(tmp_path, script, *args, CONTAINER_IMAGE="nvcr.io#org/img:1")
+    # First, a step that unpacks the image on both nodes; then the same steps as bare.
+    assert rc == 0 and len(contained) == len(bare) + 1
+    assert "--nodes=2 --ntasks=2" in contained[0] and contained[0].endswith(" true")
+    for line in contained:
+        assert "--container-image=nvcr.io#org/img:1" in line, line
+        assert "--container-name=megarlhf-77" in line, line
+        assert f"--container-mounts={tmp_path}," in line, line
+
+
+@pytest.mark.parametrize("script, args", [("train.sbatch", ("sft", "c.yaml")),
+                                          ("ppo.sbatch", ("r.yaml",))])
+def test_the_job_exit_code_is_the_stage_exit_code(tmp_path, script, args):
+    assert _fake_job(tmp_path, script, *args, FAKE_RC="3")[0] == 3
+
+
+def test_ppo_starts_ray_on_each_node_then_the_controller(tmp_path):
+    rc, lines = _fake_job(tmp_path, "ppo.sbatch", "r.yaml", "steps=5")
+    assert rc == 0
+    assert len(lines) == 5, lines
+    # Steps started in the background log in any order.
+    head, worker, wait1, wait2, controller = (
+        next(line for line in lines if key in line)
+        for key in ("--head", "--address=", "ray_wait.py 1 ", "ray_wait.py 2 ", " ppo "))
+    assert "--nodelist=n1" in head and "--head --port=40077" in head
+    assert "--exclude=n1" in worker and "--address=n1:40077" in worker
+    assert "--nodelist=n1" in wait1 and "--nodelist=n1" in wait2
+    assert controller.endswith("ppo --config r.yaml steps=5 worker_group=ray")
+    assert "--num-cpus=4" in head and "--num-cpus=4" in worker
+    assert (tmp_path / "logs" / "fake-77" / "job.log").exists()
