@@ -269,43 +269,27 @@ def test_every_recipe_is_tested():
     assert sorted(os.listdir(RECIPES)) == sorted(SMALL + LARGE)
 
 
-@pytest.mark.parametrize("name", SMALL)
+@pytest.mark.parametrize("name", SMALL + LARGE)
 def test_recipe_fits_at_its_stated_node_count(name, capsys):
     code, out, err = run_cli(recipe_plan_command(name), capsys)
     assert code == 0, err
     assert ": fits" in out
 
 
-@pytest.mark.xfail(strict=True, reason="the PPO trainer builds fp32 roles and TP1 vLLM engines; "
-                   "these recipes need bf16 and TP8 engines (see their headers)")
 @pytest.mark.parametrize("name", LARGE)
-def test_large_recipe_fits_the_trainer_of_today(name, capsys):
-    code, out, err = run_cli(recipe_plan_command(name), capsys)
-    assert code == 0, err
-
-
-@pytest.mark.parametrize("name", LARGE)
-def test_large_recipe_fits_a_bf16_trainer_with_tp8_vllm_engines(name, capsys):
-    """What the headers claim, and the peak they quote."""
-    from megarlhf.plan.command import main as plan_main
-    from megarlhf.plan.job import GIB, Cluster, TrainerBuild, plan
-    from megarlhf.ppo.config import load_config
-
+def test_large_recipe_peaks_where_its_header_says_and_needs_bf16_and_tp8_engines(name,
+                                                                                   capsys):
     args = recipe_plan_command(name)
-    nodes = int(args[args.index("--nodes") + 1])
-    prompt_len = int(args[args.index("--prompt-len") + 1])
-    overrides = [a for a in args if "=" in a and not a.startswith("--")]
-    config = load_config(args[args.index("--config") + 1], overrides, check_paths=False)
-    result = plan(config, Cluster(nodes=nodes), prompt_len,
-                  build=TrainerBuild(param_bytes=2, vllm_tp=8, vllm_bytes=2))
-    assert result.fits and result.gpus_needed == nodes * 8
+    code, out, _ = run_cli(args, capsys)
+    assert code == 0
+    planned = float(re.search(r"peak ([\d.]+) GiB per GPU", out).group(1))
     with open(os.path.join(RECIPES, name)) as f:
-        quoted = float(re.search(r"peak ([\d.]+) GiB of the 72 usable", f.read()).group(1))
-    assert quoted == round(result.worst.peak / GIB, 1)
-    # ...and today's trainer is refused at the same node count, for the rollout weights.
-    assert plan_main(args[args.index("--config") + 1], overrides, Cluster(nodes=nodes),
-                     prompt_len=prompt_len) == 1
-    assert "largest term: rollout weights" in capsys.readouterr().err
+        quoted = float(re.search(r"peak\s+#?\s*([\d.]+) GiB of the 72 usable", f.read()).group(1))
+    assert quoted == planned
+    # The trainer's defaults, fp32 and an engine per GPU, are refused for the rollout weights.
+    for defaults in (["dtype=fp32"], ["rollout_tensor_parallel=1"]):
+        code, _, err = run_cli(args + defaults, capsys)
+        assert code == 1 and "largest term: rollout weights" in err, (defaults, err)
 
 
 # -- refusals --------------------------------------------------------------------------------
@@ -367,12 +351,19 @@ def test_disaggregated_placement_gives_each_group_its_own_gpus():
                      "rollout": {"rollout"}}
     assert [g.first_gpu for g in result.groups] == [0, 8, 16, 24]
     # The rollout ranks hold the whole model in fp32 (TP1 engines), the actor's ranks their
-    # TP8 shard.
-    weights = {g.spec.name: sum(t.bytes for t in g.terms if t.what == "weights")
-               for g in result.groups}
+    # TP8 shard; in bf16 with TP8 engines, both hold a bf16 TP8 shard.
     model = preset("llama3-8b")
-    assert weights["rollout"] == 4 * total_params(model)
-    assert weights["actor"] == 4 * rank_params(model, ParallelConfig(tensor_parallel=8), 0)
+    tp8 = rank_params(model, ParallelConfig(tensor_parallel=8), 0)
+    assert weights_per_group(result) == {"rollout": 4 * total_params(model), "actor": 4 * tp8}
+    bf16 = plan(dataclasses.replace(config, dtype="bf16", rollout_tensor_parallel=8),
+                Cluster(nodes=4), 512)
+    assert weights_per_group(bf16) == {"rollout": 2 * tp8, "actor": 2 * tp8}
+
+
+def weights_per_group(result) -> dict[str, int]:
+    """Resident weight bytes of the actor's and the rollout group's most loaded ranks."""
+    return {g.spec.name: sum(t.bytes for t in g.terms if t.what == "weights")
+            for g in result.groups if g.spec.name in ("actor", "rollout")}
 
 
 # -- where shapes come from ------------------------------------------------------------------

@@ -95,6 +95,35 @@ def test_config_errors_name_the_problem(prompts_file, tmp_path):
         load_config(str(recipe), ["steps=x"])
 
 
+def test_dtype_and_rollout_engine_size_are_checked(prompts_file, tmp_path):
+    (tmp_path / "actor").mkdir()
+    grpo = PPOConfig(actor=str(tmp_path / "actor"), prompts=prompts_file,
+                     out_dir=str(tmp_path / "out"), algorithm="grpo", samples_per_prompt=2,
+                     reward_fn="tests.ppo_tasks:low_token_fraction", nproc=4, tensor_parallel=2)
+    with pytest.raises(ValueError, match=r"dtype='fp8' is not one of \['fp32', 'bf16', 'fp16'\]"):
+        dataclasses.replace(grpo, dtype="fp8")
+    # Unset, the engine size is the colocated Megatron engine's (the actor's TP), else 1.
+    assert grpo.rollout_tp == 2
+    assert dataclasses.replace(grpo, placement="disaggregated").rollout_tp == 1
+    with pytest.raises(ValueError, match="colocated Megatron rollout backend runs in the actor's "
+                                         "layout, at tensor_parallel=2"):
+        dataclasses.replace(grpo, rollout_tensor_parallel=4)
+    vllm = dataclasses.replace(grpo, rollout_backend="vllm", vllm_model_dir="hf")
+    assert vllm.rollout_tp == 1
+    assert dataclasses.replace(vllm, rollout_tensor_parallel=4).rollout_tp == 4
+    with pytest.raises(ValueError, match="rollout_tensor_parallel=3 does not divide nproc=4"):
+        dataclasses.replace(vllm, rollout_tensor_parallel=3)
+    with pytest.raises(ValueError, match="rollout_tensor_parallel=2 does not divide "
+                                         "rollout_nproc=3"):
+        dataclasses.replace(vllm, placement="disaggregated", rollout_nproc=3,
+                            rollout_tensor_parallel=2)
+    with pytest.raises(ValueError, match="rollout_tensor_parallel must be >= 1, got 0"):
+        dataclasses.replace(vllm, rollout_tensor_parallel=0)
+    apart = dataclasses.replace(vllm, placement="disaggregated", rollout_nproc=4,
+                                rollout_tensor_parallel=2)
+    assert group_specs(apart)[-1].parallel.tensor_parallel == 2
+
+
 def test_placements_give_each_role_its_ranks(prompts_file, tmp_path):
     for name in ("actor", "critic", "rm"):
         (tmp_path / name).mkdir()

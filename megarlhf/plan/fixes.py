@@ -27,7 +27,7 @@ def _fitting(base: Plan, field: str, *, grow_cluster: bool = False) -> tuple[str
                 needed = sum(spec.nproc for spec in group_specs(config))
                 cluster = dataclasses.replace(
                     cluster, nodes=max(cluster.nodes, math.ceil(needed / cluster.gpus_per_node)))
-            candidate = plan(config, cluster, base.prompt_len, base.models, base.build)
+            candidate = plan(config, cluster, base.prompt_len, base.models)
         except ValueError:  # the change breaks a rule of the recipe or of the layout
             continue
         if candidate.fits:

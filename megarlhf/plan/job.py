@@ -1,12 +1,12 @@
 """A PPO job's memory per GPU: which models each group of ranks holds (ppo/placement.py), at
 which layout, and what they allocate in each phase of the loop.
 
-What is planned is what the trainer builds (ppo/worker.py; TrainerBuild holds what the recipe
-does not say):
-- every role at the recipe's TP x PP, its weights in the param dtype; actor and critic with
+What is planned is what the trainer builds (ppo/worker.py):
+- every role at the recipe's TP x PP, its weights in the recipe's dtype; actor and critic with
   fp32 main grads and the distributed optimizer, ref and reward frozen (weights only);
-- the rollout engine: Megatron (its own copy of the actor at TP, PP=1, param dtype) or vLLM
-  (engines of TrainerBuild.vllm_tp ranks), sized by its share of the rollout batch;
+- the rollout engine in the same dtype: Megatron (its own copy of the actor at the rollout
+  group's TP, PP=1) or vLLM (engines of config.rollout_tp ranks), sized by its share of the
+  rollout batch;
 - the peak of a rank is everything resident (all weights, grads and optimizer states, and the
   rollout engine's weights: the worker neither offloads an idle role nor sleeps the engine)
   plus the largest transient of a phase. Phases never overlap on a rank, and inside a phase
@@ -22,6 +22,7 @@ import dataclasses
 import math
 
 from megarlhf.models.config import ModelConfig
+from megarlhf.models.transformer_config import parse_dtype
 from megarlhf.parallel.mesh import ParallelConfig
 from megarlhf.plan import memory
 from megarlhf.plan.params import rank_params
@@ -35,19 +36,6 @@ PHASES = ("rollout", "experience", "train")
 MODEL_ROLES = {"actor": ("actor", False, True), "ref": ("actor", False, False),
                "critic": ("critic", True, True), "reward": ("reward_model", True, False)}
 """role -> (PPOConfig field with its checkpoint, value head, trained)."""
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class TrainerBuild:
-    """What the PPO trainer builds that the recipe does not say; the defaults are what
-    ppo/worker.py does today. Another value plans a trainer that builds differently."""
-
-    param_bytes: int = 4
-    """Every role, and the Megatron rollout engine, at model_spec's default dtype: fp32."""
-    vllm_tp: int = 1
-    """vLLM at VLLMEngineConfig's default: one TP1 engine per rank..."""
-    vllm_bytes: int = 4
-    """...in its default dtype, float32."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -131,8 +119,12 @@ class Plan:
     cluster: Cluster
     prompt_len: int
     models: dict[str, ModelSource]
-    build: TrainerBuild
     groups: tuple[GroupPlan, ...]
+
+    @property
+    def param_bytes(self) -> int:
+        """Bytes per parameter of every role and of the rollout engine."""
+        return param_bytes(self.config)
 
     @property
     def gpus_needed(self) -> int:
@@ -192,6 +184,10 @@ def check_cluster(config: PPOConfig, cluster: Cluster) -> list[str]:
                             f"{cluster.gpus_per_node} GPUs (TP all-reduces inside every layer); "
                             f"keep TP a divisor of gpus_per_node")
         first += spec.nproc
+    # Disaggregated, the rollout group's own TP is its engines' (checked above).
+    if config.placement == "colocated" and cluster.gpus_per_node % config.rollout_tp:
+        problems.append(f"rollout_tensor_parallel={config.rollout_tp}: engines would span nodes "
+                        f"of {cluster.gpus_per_node} GPUs; keep it a divisor of gpus_per_node")
     return problems
 
 
@@ -203,31 +199,33 @@ def check(config: PPOConfig, cluster: Cluster, models: dict[str, ModelSource], s
         raise ValueError("the layout cannot run:\n  " + "\n  ".join(problems))
 
 
+def param_bytes(config: PPOConfig) -> int:
+    return parse_dtype(config.dtype).itemsize
+
+
 def _parallel(config: PPOConfig) -> ParallelConfig:
     return ParallelConfig(tensor_parallel=config.tensor_parallel,
                           pipeline_parallel=config.pipeline_parallel)
 
 
 def plan(config: PPOConfig, cluster: Cluster, prompt_len: int,
-         models: dict[str, ModelSource] | None = None,
-         build: TrainerBuild = TrainerBuild()) -> Plan:
+         models: dict[str, ModelSource] | None = None) -> Plan:
     """The per-GPU memory of every group; ValueError if the layout itself is impossible."""
     models = models if models is not None else resolve_models(config)
     seq = prompt_len + config.max_new_tokens
     check(config, cluster, models, seq)
     groups, first = [], 0
     for spec in group_specs(config):
-        per_rank = [_group_at(config, build, spec, models, seq, first, r)
+        per_rank = [_group_at(config, spec, models, seq, first, r)
                     for r in range(spec.parallel.pipeline_parallel)]
         groups.append(max(per_rank, key=lambda g: g.peak))
         first += spec.nproc
-    return Plan(config, cluster, prompt_len, models, build, tuple(groups))
+    return Plan(config, cluster, prompt_len, models, tuple(groups))
 
 
-def _group_at(config: PPOConfig, build: TrainerBuild, spec: GroupSpec,
-              models: dict[str, ModelSource], seq: int, first_gpu: int, pp_rank: int
-              ) -> GroupPlan:
-    parallel, nbytes = spec.parallel, build.param_bytes
+def _group_at(config: PPOConfig, spec: GroupSpec, models: dict[str, ModelSource], seq: int,
+              first_gpu: int, pp_rank: int) -> GroupPlan:
+    parallel, nbytes = spec.parallel, param_bytes(config)
     tp, pp = parallel.tensor_parallel, parallel.pipeline_parallel
     dp = spec.nproc // parallel.model_parallel_size
     last = pp_rank == pp - 1
@@ -258,25 +256,25 @@ def _group_at(config: PPOConfig, build: TrainerBuild, spec: GroupSpec,
                 terms.append(Term(role, "logits",
                                   memory.lm_logits(model, tp, train_rows, seq, nbytes), "train"))
     if "rollout" in spec.roles:
-        terms += _rollout_terms(config, build, spec, models["actor"].model, seq)
+        terms += _rollout_terms(config, spec, models["actor"].model, seq)
     return GroupPlan(spec, first_gpu, pp_rank, tuple(terms), recompute)
 
 
-def _rollout_terms(config: PPOConfig, build: TrainerBuild, spec: GroupSpec,
-                   model: ModelConfig, seq: int) -> list[Term]:
+def _rollout_terms(config: PPOConfig, spec: GroupSpec, model: ModelConfig, seq: int
+                   ) -> list[Term]:
     """The engine's weights, and the KV cache of its share of the rollout batch at once."""
-    n = config.samples_per_prompt
+    n, nbytes = config.samples_per_prompt, param_bytes(config)
     if config.rollout_backend == "megatron":
         # One engine per DP replica, at the group's TP; it generates max_batch_size rows at a
         # time (a prompt's samples together).
-        tp, nbytes = spec.parallel.tensor_parallel, build.param_bytes
+        tp = spec.parallel.tensor_parallel
         engines = spec.nproc // spec.parallel.model_parallel_size
         per_batch = max(1, MegatronEngineConfig().max_batch_size // n)
         rows = min(math.ceil(config.prompts_per_step / engines), per_batch) * n
     else:
         # vLLM pages its cache; planning the engine's whole share at once is what lets it
         # run every sequence concurrently.
-        tp, nbytes = build.vllm_tp, build.vllm_bytes
+        tp = config.rollout_tp
         engines = spec.nproc // tp
         rows = math.ceil(config.prompts_per_step / engines) * n
     weights = rank_params(model, ParallelConfig(tensor_parallel=tp), 0) * nbytes

@@ -29,15 +29,15 @@ def _bits(nbytes: int) -> str:
 
 
 def header(plan: Plan, recipe: str) -> list[str]:
-    c, cluster, b = plan.config, plan.cluster, plan.build
-    rollout = (f"vLLM TP{b.vllm_tp} engines, {_bits(b.vllm_bytes)}"
-               if c.rollout_backend == "vllm" else f"Megatron engine, {_bits(b.param_bytes)}")
+    c, cluster, nbytes = plan.config, plan.cluster, plan.param_bytes
+    engine = "vLLM" if c.rollout_backend == "vllm" else "Megatron"
+    rollout = f"{engine} TP{c.rollout_tp} engines, {_bits(nbytes)}"
     lines = [
         f"megarlhf plan: {recipe} on {cluster.nodes} node(s) x {cluster.gpus_per_node} GPUs of "
         f"{cluster.gpu_mem_gb:g} GiB ({_gib(cluster.usable_bytes)} GiB usable: "
         f"{cluster.reserve_fraction:.0%} kept free for the CUDA context, NCCL and fragmentation)",
         f"job: {c.algorithm}, {c.placement} placement, {plan.gpus_needed} of {cluster.gpus} "
-        f"GPUs; params {_bits(b.param_bytes)}, fp32 grads, Adam states (+ fp32 master "
+        f"GPUs; params {_bits(nbytes)}, fp32 grads, Adam states (+ fp32 master "
         f"weights for 16-bit params) sharded over DP by the distributed optimizer",
         f"batch: {c.prompts_per_step} prompts x {c.samples_per_prompt} samples, sequences of "
         f"{plan.prompt_len} prompt + {c.max_new_tokens} response tokens, {c.mini_batches} "

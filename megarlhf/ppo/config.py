@@ -15,6 +15,7 @@ import typing
 import yaml
 
 from megarlhf.configio import convert
+from megarlhf.models.transformer_config import DTYPES
 from megarlhf.rl import AGGREGATION_MODES, CRITIC_FREE_ESTIMATORS, KL_ESTIMATORS
 
 ALGORITHMS = ("ppo", *sorted(CRITIC_FREE_ESTIMATORS))
@@ -52,7 +53,17 @@ class PPOConfig:
     'disaggregated': a group of ranks per role, each its own torch.distributed world, the
     independent work of a phase running concurrently (see ppo/placement.py)."""
     rollout_nproc: int = 1
-    """Disaggregated only: rollout ranks, one TP1 engine each, fed by the actor's ranks."""
+    """Disaggregated only: rollout ranks, in engines of rollout_tp ranks, fed by the actor's
+    ranks."""
+    dtype: str = "fp32"
+    """Param dtype of every role and of the rollout engine: fp32, bf16 or fp16. 16-bit roles
+    train with fp32 main grads and fp32 master weights (the distributed optimizer's). A
+    checkpoint saved in another dtype is cast on load, so fp32 or bf16 conversions of an HF
+    model train in any of them."""
+    rollout_tensor_parallel: int | None = None
+    """Ranks per rollout engine (consecutive ranks form one). None: the actor's
+    tensor_parallel for the colocated Megatron backend (it runs in the actor's layout),
+    else 1. See `rollout_tp`."""
     # -- rollout --
     rollout_backend: str = "megatron"
     vllm_model_dir: str | None = None
@@ -115,6 +126,7 @@ class PPOConfig:
         choice("placement", PLACEMENTS)
         choice("kl_estimator", KL_ESTIMATORS)
         choice("aggregation", AGGREGATION_MODES)
+        choice("dtype", DTYPES)
         for name in ("nproc", "tensor_parallel", "pipeline_parallel", "prompts_per_step",
                      "samples_per_prompt", "max_new_tokens", "steps", "ppo_epochs",
                      "mini_batches", "micro_batches", "keep_last", "rollout_nproc"):
@@ -143,6 +155,7 @@ class PPOConfig:
         if self.rollout_backend == "vllm" and not self.vllm_model_dir:
             problems.append("rollout_backend=vllm needs vllm_model_dir (an HF dir with the "
                             "actor's config.json, e.g. its mcore_to_hf export)")
+        problems += self._rollout_tp_problems()
         rows = self.prompts_per_step * self.samples_per_prompt
         # At least 1: a model-parallel size above nproc is reported above, not divided by.
         dp = max(1, self.nproc // (self.tensor_parallel * self.pipeline_parallel))
@@ -157,6 +170,35 @@ class PPOConfig:
                                 f"pip install {module}")
         if problems:
             raise ValueError("invalid PPO config:\n  " + "\n  ".join(problems))
+
+    def _rollout_tp_problems(self) -> list[str]:
+        tp = self.rollout_tp
+        if tp < 1:
+            return [f"rollout_tensor_parallel must be >= 1, got {tp}"]
+        problems = []
+        if self.placement == "colocated":
+            ranks, where = self.nproc, "nproc"
+        else:
+            ranks, where = self.rollout_nproc, "rollout_nproc"
+        if ranks >= 1 and ranks % tp:
+            problems.append(f"rollout_tensor_parallel={tp} does not divide {where}={ranks} "
+                            f"(the ranks that run rollout engines, {tp} per engine)")
+        if (self.placement == "colocated" and self.rollout_backend == "megatron"
+                and tp != self.tensor_parallel):
+            problems.append(f"rollout_tensor_parallel={tp}: the colocated Megatron rollout "
+                            f"backend runs in the actor's layout, at tensor_parallel="
+                            f"{self.tensor_parallel}; leave rollout_tensor_parallel unset, or "
+                            f"use rollout_backend=vllm for engines of another size")
+        return problems
+
+    @property
+    def rollout_tp(self) -> int:
+        """Ranks per rollout engine, with rollout_tensor_parallel's default resolved."""
+        if self.rollout_tensor_parallel is not None:
+            return self.rollout_tensor_parallel
+        if self.placement == "colocated" and self.rollout_backend == "megatron":
+            return self.tensor_parallel
+        return 1
 
     def check_paths(self) -> None:
         """Raise ValueError naming every input path that does not exist. Kept apart from the

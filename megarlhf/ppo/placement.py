@@ -4,8 +4,9 @@
   rollout engine, fed by the bridge inside each rank.
 - disaggregated: a group per role set, each with a torch.distributed world and Megatron mesh of
   its own: actor (trains; the weight source), critic (PPO only), ref+reward (frozen
-  inference), each `nproc` ranks at TP x PP; and `rollout_nproc` rollout ranks (one TP1 engine
-  each) that receive the actor's weights over the bridge's channel.
+  inference), each `nproc` ranks at TP x PP; and `rollout_nproc` rollout ranks (engines of
+  config.rollout_tp consecutive ranks) that all receive the actor's weights over the bridge's
+  channel, each engine rank loading its own shard.
 
 The loop calls the same phases either way. A phase goes to every group holding a role it
 needs, all at once, and then waits for all of them: disaggregated, the actor's and ref's
@@ -52,7 +53,7 @@ def group_specs(config: PPOConfig) -> tuple[GroupSpec, ...]:
     inference = frozenset({"ref"} | reward)
     groups.append(GroupSpec("+".join(sorted(inference)), inference, config.nproc, parallel))
     groups.append(GroupSpec("rollout", frozenset({"rollout"}), config.rollout_nproc,
-                            ParallelConfig()))
+                            ParallelConfig(tensor_parallel=config.rollout_tp)))
     return tuple(groups)
 
 

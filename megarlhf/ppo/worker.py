@@ -24,6 +24,7 @@ from megarlhf.engine.train import TrainEngine
 from megarlhf.models.arch import architecture
 from megarlhf.models.config import ModelConfig
 from megarlhf.models.gpt import model_spec
+from megarlhf.models.transformer_config import parse_dtype
 from megarlhf.parallel.mesh import init_mesh
 from megarlhf.ppo.config import PPOConfig
 from megarlhf.ppo.placement import GroupSpec
@@ -45,6 +46,7 @@ class PPOWorker:
         c, roles = config, group.roles
         self.mesh = init_mesh(group.parallel, seed=c.seed)
         self.rank = self.mesh.rank
+        self.dtype = parse_dtype(c.dtype)
         self.actor = self.ref = self.critic = self.reward = None
         if "actor" in roles:
             loss = PolicyLossConfig(clip_eps=c.clip_eps, entropy_coef=c.entropy_coef,
@@ -71,10 +73,10 @@ class PPOWorker:
     def _engine(self, ckpt: str, lr: float | None) -> TrainEngine:
         meta = read_meta(ckpt)
         spec = model_spec(ModelConfig.from_dict(meta["model"]), self.group.parallel,
-                          value_head=meta["value_head"])
+                          value_head=meta["value_head"], dtype=self.dtype)
         optim = OptimConfig(lr=lr, clip_grad=1.0) if lr is not None else None
         engine = TrainEngine(spec, self.mesh, optim)
-        load_checkpoint(ckpt, engine, with_optimizer=False)
+        load_checkpoint(ckpt, engine, with_optimizer=False)  # casts another dtype's weights
         return engine
 
     def _actor_model(self):
@@ -88,12 +90,14 @@ class PPOWorker:
         if c.rollout_backend == "vllm":
             from megarlhf.rollout.vllm_engine import VLLMEngine, VLLMEngineConfig
 
-            return VLLMEngine(VLLMEngineConfig(model_dir=c.vllm_model_dir, seed=c.seed,
-                                               kv_cache_memory_bytes=64 * 1024**2))
+            return VLLMEngine(VLLMEngineConfig(
+                model_dir=c.vllm_model_dir, seed=c.seed, kv_cache_memory_bytes=64 * 1024**2,
+                tensor_parallel_size=c.rollout_tp,
+                dtype=str(self.dtype).removeprefix("torch.")))
         from megarlhf.rollout.megatron_engine import MegatronEngine, MegatronEngineConfig
 
-        return MegatronEngine(model_spec(model, self.group.parallel), self.mesh,
-                              MegatronEngineConfig(architecture=arch_name))
+        return MegatronEngine(model_spec(model, self.group.parallel, dtype=self.dtype),
+                              self.mesh, MegatronEngineConfig(architecture=arch_name))
 
     def open_channel(self, host: str, port: int) -> None:
         """Disaggregated: join the weight channel. Its members are the actor's senders (TP
@@ -110,16 +114,22 @@ class PPOWorker:
 
     def generate(self, prompts: list[list[int]], params: SamplingParams):
         """Completions of all prompts, on every rank. Prompts are dealt round-robin over the
-        engines and the results gathered: a vLLM engine per rank, or one Megatron engine per
-        DP replica (it spans the replica's TP group)."""
+        engines, every rank of an engine generating the same share, and each engine's results
+        gathered once: vLLM engines of rollout_tp consecutive ranks, or one Megatron engine
+        per DP replica (it spans the replica's TP group)."""
         if self.config.rollout_backend == "vllm":
-            share, count, group = self.rank, self.mesh.world_size, None
+            tp = self.config.rollout_tp
+            share, count, group = self.rank // tp, self.mesh.world_size // tp, None
+            # An engine's ranks all hold its completions: its first rank speaks for it.
+            speaks = self.rank % tp == 0
         else:
             share, count, group = self.mesh.dp_rank, self.mesh.dp_size, self.mesh.dp_group
+            speaks = True  # dp_group holds one rank of each engine
         mine = list(range(share, len(prompts), count))
         local = self.engine.generate([prompts[i] for i in mine], params) if mine else []
-        local = [dataclasses.replace(c, prompt_index=mine[c.prompt_index]) for c in local]
-        parts = [None] * count
+        local = [dataclasses.replace(c, prompt_index=mine[c.prompt_index])
+                 for c in local if speaks]
+        parts = [None] * dist.get_world_size(group)
         dist.all_gather_object(parts, local, group=group)
         merged = [c for part in parts for c in part]
         return sorted(merged, key=lambda c: c.prompt_index)  # stable: samples keep order
