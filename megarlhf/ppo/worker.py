@@ -132,6 +132,10 @@ class PPOWorker:
         parts = [None] * dist.get_world_size(group)
         dist.all_gather_object(parts, local, group=group)
         merged = [c for part in parts for c in part]
+        # A rank gathered twice (or not at all) would silently reweight the batch.
+        if len(merged) != len(prompts) * params.n:
+            raise RuntimeError(f"the rollout engines returned {len(merged)} completions for "
+                               f"{len(prompts)} prompts x {params.n} samples")
         return sorted(merged, key=lambda c: c.prompt_index)  # stable: samples keep order
 
     def experience(self, batch: SequenceBatch) -> dict[str, torch.Tensor]:
