@@ -9,3 +9,8 @@ scores about 0.1 and the optimum is 1.0."""
 
 def low_token_fraction(prompt_ids: list[int], response_ids: list[int]) -> float:
     return sum(t < LOW_IDS for t in response_ids) / len(response_ids)
+
+
+def nan_reward(prompt_ids: list[int], response_ids: list[int]) -> float:
+    """A broken reward function: every score is NaN (the loop's nan_policy must act)."""
+    return float("nan")

@@ -110,8 +110,14 @@ class LocalCall:
         for rank in sorted(self.pending):
             conn, proc = self.group.conns[rank], self.group.procs[rank]
             if conn.poll():
-                ok, value = _recv(conn)
+                try:
+                    ok, value = _recv(conn)
+                except EOFError:  # its end of the pipe closed: the rank is gone
+                    self._raise_if_a_rank_died("", grace_s=10.0)
+                    raise WorkerError(f"{self.what}: {self.group.name} rank {rank} closed its "
+                                      f"pipe without an answer") from None
                 if not ok:
+                    self._raise_if_a_rank_died(f"; then rank {rank} failed:\n{value}")
                     raise WorkerError(f"{self.what} failed on {self.group.name} rank "
                                       f"{rank}:\n{value}")
                 self.results[rank] = value
@@ -119,6 +125,19 @@ class LocalCall:
             elif proc.exitcode is not None:
                 raise WorkerError(f"{self.what}: {self.group.name} rank {rank} died (exit "
                                   f"code {proc.exitcode})")
+
+    def _raise_if_a_rank_died(self, then: str, grace_s: float = 2.0) -> None:
+        """A rank that dies makes its peers fail in their next collective, often before its
+        own exit is seen here: name the dead rank (the cause), not the first peer to fail."""
+        deadline = time.monotonic() + grace_s
+        while True:
+            for rank, proc in enumerate(self.group.procs):
+                if proc.exitcode is not None:
+                    raise WorkerError(f"{self.what}: {self.group.name} rank {rank} died (exit "
+                                      f"code {proc.exitcode}){then}")
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.05)
 
 
 class LocalWorkerGroup:

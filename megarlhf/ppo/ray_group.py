@@ -58,20 +58,23 @@ class RayCall:
 
 class RayWorkerGroup:
     def __init__(self, name: str, nproc: int, worker_args: tuple, *,
-                 cpus_per_rank: float = 1.0):
+                 cpus_per_rank: float = 1.0, gpus_per_rank: int = 0):
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self._ray, self.name = ray, name
         self._stopping: list = []
-        self._pg = placement_group([{"CPU": cpus_per_rank}] * nproc, strategy="PACK")
+        bundle = {"CPU": cpus_per_rank, **({"GPU": gpus_per_rank} if gpus_per_rank else {})}
+        # PACK fills a node's GPUs before the next node's, so consecutive ranks (a TP group)
+        # share a node; Ray gives each actor its own CUDA_VISIBLE_DEVICES.
+        self._pg = placement_group([bundle] * nproc, strategy="PACK")
         ray.get(self._pg.ready())
         threads = str(max(1, int(cpus_per_rank)))
         actor = ray.remote(_Rank)
         self._ranks = [
             actor.options(
-                num_cpus=cpus_per_rank,
+                num_cpus=cpus_per_rank, num_gpus=gpus_per_rank,
                 runtime_env={"env_vars": {"OMP_NUM_THREADS": threads}},
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement_group=self._pg, placement_group_bundle_index=rank),
@@ -125,7 +128,9 @@ class RayBackend:
                         {"num_cpus": max(total_ranks, os.cpu_count() or 1)}))
 
     def group(self, name: str, nproc: int, worker_args: tuple) -> RayWorkerGroup:
-        return RayWorkerGroup(name, nproc, worker_args)
+        # One GPU per rank wherever the cluster has GPUs; CPU-only clusters run on gloo.
+        gpus = 1 if self._ray.cluster_resources().get("GPU", 0) > 0 else 0
+        return RayWorkerGroup(name, nproc, worker_args, gpus_per_rank=gpus)
 
     def wait_all(self, calls: list[RayCall]) -> list[list[tuple]]:
         """Per call and rank, (result (rank 0; None elsewhere), seconds in the method); a

@@ -1,0 +1,90 @@
+"""PPO failure handling: a non-finite reward under each nan_policy, and a rank killed mid-run."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import signal
+import time
+
+import psutil
+import pytest
+import torch
+
+from megarlhf.ppo import checkpoints
+from megarlhf.ppo.controller import NonFiniteError, run
+from megarlhf.ppo.metrics import read_metrics
+from tests import role_workers
+from tests.test_ppo import _ppo_process, base, prompts_file  # noqa: F401 (fixtures)
+
+pytestmark = pytest.mark.slow
+
+
+def test_nan_reward_stops_the_run_with_the_step_and_the_remedy(base, tmp_path):  # noqa: F811
+    config = dataclasses.replace(base, reward_fn="tests.ppo_tasks:nan_reward", nproc=1,
+                                 tensor_parallel=1, steps=2, out_dir=str(tmp_path))
+    with pytest.raises(NonFiniteError, match="step 1: non-finite reward.*nan_policy=skip"):
+        run(config)
+    assert checkpoints.latest(config.out_dir) is None  # nothing half-trained was saved
+
+
+def test_nan_reward_skips_the_update_and_keeps_going(base, tmp_path):  # noqa: F811
+    config = dataclasses.replace(base, reward_fn="tests.ppo_tasks:nan_reward", nproc=1,
+                                 tensor_parallel=1, steps=2, nan_policy="skip",
+                                 out_dir=str(tmp_path))
+    history = run(config)
+    assert [m["skipped"] for m in history] == [1.0, 1.0]
+    assert [m["step"] for m in read_metrics(config.out_dir)] == [1, 2]
+    final = role_workers.checkpoint_tensors(f"{checkpoints.latest(config.out_dir)}/actor")
+    initial = role_workers.checkpoint_tensors(base.actor)
+    shared = final.keys() & initial.keys()
+    assert shared  # the same model's weights, compared tensor by tensor
+    for key in shared:
+        assert torch.equal(final[key], initial[key]), f"{key} changed on a skipped step"
+
+
+def _rank_processes(controller: psutil.Process, worker_group: str) -> list[psutil.Process]:
+    """The job's rank processes; local ranks in start order (rank 0 first)."""
+    marker = "spawn_main" if worker_group == "local" else "ray::_Rank"
+    ranks = [p for p in controller.children(recursive=True)
+             if marker in " ".join(p.cmdline())]
+    return sorted(ranks, key=lambda p: p.create_time())
+
+
+@pytest.mark.parametrize("worker_group", ["local", "ray"])
+def test_a_rank_killed_mid_run_ends_the_job_naming_it(base, tmp_path, worker_group):  # noqa: F811
+    """Local ranks: the dead rank is named. Under Ray the killed actor's death and its
+    peers' failed collectives race: the job names whichever rank Ray reports first, the dead
+    one ("actor died") or a peer (its broken connection as the cause)."""
+    if worker_group == "ray":
+        pytest.importorskip("ray")
+    config = dataclasses.replace(base, steps=200, out_dir=str(tmp_path / "run"),
+                                 worker_group=worker_group)
+    proc = _ppo_process(config)
+    controller = psutil.Process(proc.pid)
+    err = config.out_dir + ".yaml.err"
+    deadline = time.monotonic() + 300
+    while not (os.path.isfile(os.path.join(config.out_dir, "metrics.jsonl"))
+               and read_metrics(config.out_dir)):
+        assert proc.poll() is None and time.monotonic() < deadline, open(err).read()[-3000:]
+        time.sleep(0.2)
+    ranks = _rank_processes(controller, worker_group)
+    assert len(ranks) == config.nproc
+    ranks[1].send_signal(signal.SIGKILL)
+    killed_at = time.monotonic()
+    try:
+        code = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert time.monotonic() - killed_at < 60
+    assert code != 0
+    log = open(err).read()
+    if worker_group == "local":  # local ranks start in rank order
+        assert re.search(r"WorkerError: \w+: colocated rank 1 died \(exit code -9\)", log)
+    else:
+        assert re.search(r"WorkerError: \w+ failed on colocated rank \d:\n(The actor died "
+                         r"unexpectedly|.*Connection reset by peer)", log, re.S)
+    survivors = [p for p in ranks if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not survivors, survivors
