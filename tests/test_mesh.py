@@ -77,3 +77,15 @@ def test_launcher_reports_failing_rank_with_traceback():
 def test_launcher_reports_dead_rank_without_hanging():
     with pytest.raises(RankError, match=r"rank\(s\) \[0\] died .*exit codes \{0: 3\}"):
         launch_local(_dies_on_rank0, 2, timeout_s=60)
+
+
+@pytest.mark.parametrize("env, launched", [
+    ({}, False),
+    ({"RANK": "0", "WORLD_SIZE": "2"}, True),  # torchrun
+    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "2"}, False),  # an sbatch script itself
+    ({"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_STEP_ID": "0"}, True),  # an srun task
+])
+def test_started_by_launcher_tells_ranks_from_batch_scripts(env, launched):
+    from megarlhf.parallel.mesh import started_by_launcher
+
+    assert started_by_launcher(env) is launched

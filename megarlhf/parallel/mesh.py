@@ -84,6 +84,9 @@ class DistEnv:
     def detect(cls) -> "DistEnv":
         """Read the rendezvous from torchrun variables, else from Slurm, else a single rank."""
         env = os.environ
+        if not started_by_launcher(env):
+            return cls(rank=0, world_size=1, local_rank=0, master_addr="127.0.0.1",
+                       master_port=free_port())
         if "RANK" in env and "WORLD_SIZE" in env:
             return cls(
                 rank=int(env["RANK"]),
@@ -92,12 +95,7 @@ class DistEnv:
                 master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
                 master_port=int(env.get("MASTER_PORT", 29500)),
             )
-        # A task of an srun step. The batch script itself also has SLURM_PROCID=0 and the
-        # job's SLURM_NTASKS but is no rank: a command run there directly is a single process.
-        if "SLURM_STEP_ID" in env and "SLURM_PROCID" in env:
-            return cls.from_slurm(env)
-        return cls(rank=0, world_size=1, local_rank=0, master_addr="127.0.0.1",
-                   master_port=free_port())
+        return cls.from_slurm(env)
 
     @classmethod
     def from_slurm(cls, env) -> "DistEnv":
@@ -113,6 +111,15 @@ class DistEnv:
             # One port per job, so two jobs sharing a node do not collide.
             master_port=int(env.get("MASTER_PORT") or 20000 + job_id % 20000),
         )
+
+
+def started_by_launcher(env=None) -> bool:
+    """Whether torchrun or an srun step started this process as one rank of a job. A Slurm
+    batch script itself also has SLURM_PROCID=0 and the job's SLURM_NTASKS but is no rank (no
+    step): a command run there directly is a single process."""
+    env = os.environ if env is None else env
+    return ("RANK" in env and "WORLD_SIZE" in env) or ("SLURM_STEP_ID" in env
+                                                       and "SLURM_PROCID" in env)
 
 
 def first_host(nodelist: str) -> str:

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 from megarlhf.parallel import launch_local
+from megarlhf.parallel.mesh import started_by_launcher
 from megarlhf.parallel.mesh import DistEnv
 from megarlhf.sft.config import RMConfig, SFTConfig
 from megarlhf.configio import load_config
@@ -27,7 +27,7 @@ def main(stage: str, config_path: str, overrides: list[str], nproc: int | None, 
         return {}
     if nproc is None:
         return run(cfg)
-    if "RANK" in os.environ or "SLURM_PROCID" in os.environ:
+    if started_by_launcher():
         raise ValueError("--nproc spawns its own ranks; leave it out under torchrun or srun")
     # Data, tokenizer and resume problems surface here as one plain error, not as a traceback
     # from each spawned rank.
