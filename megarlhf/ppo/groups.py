@@ -128,11 +128,12 @@ class LocalCall:
 
     def _raise_if_a_rank_died(self, then: str, grace_s: float = 2.0) -> None:
         """A rank that dies makes its peers fail in their next collective, often before its
-        own exit is seen here: name the dead rank (the cause), not the first peer to fail."""
+        own exit is seen here: name the dead rank (the cause), not the first peer to fail.
+        Ranks that report a failure exit with code 0 after it; a dead one has another code."""
         deadline = time.monotonic() + grace_s
         while True:
             for rank, proc in enumerate(self.group.procs):
-                if proc.exitcode is not None:
+                if proc.exitcode not in (None, 0):
                     raise WorkerError(f"{self.what}: {self.group.name} rank {rank} died (exit "
                                       f"code {proc.exitcode}){then}")
             if time.monotonic() > deadline:
