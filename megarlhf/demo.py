@@ -18,17 +18,13 @@ import os
 import shutil
 import time
 
-from megarlhf.convert.mcore_to_hf import infer_architecture
+from megarlhf.convert.mcore_to_hf import checkpoint_architecture
 from megarlhf.data import synthetic
 from megarlhf.data.config import DataConfig, DatasetSource
 from megarlhf.data.prompts import write_prompt_ids
 from megarlhf.data.tokenizer import load_tokenizer, train_sentencepiece
-from megarlhf.engine.checkpoint import load_checkpoint, read_meta
+from megarlhf.engine.checkpoint import engine_from_checkpoint, read_meta
 from megarlhf.engine.optim import OptimConfig
-from megarlhf.engine.train import TrainEngine
-from megarlhf.models.arch import architecture
-from megarlhf.models.config import ModelConfig
-from megarlhf.models.gpt import model_spec
 from megarlhf.parallel import launch_local
 from megarlhf.parallel.mesh import ParallelConfig, init_mesh
 from megarlhf.ppo import checkpoints
@@ -118,13 +114,11 @@ def sample_rank(checkpoints: list[str], prompts: list[list[int]],
     mesh = init_mesh(ParallelConfig())
     out = []
     for checkpoint in checkpoints:
-        meta = read_meta(checkpoint)
-        model = ModelConfig.from_dict(meta["model"])
-        trainer = TrainEngine(model_spec(model, ParallelConfig()), mesh, None)
-        load_checkpoint(checkpoint, trainer, with_optimizer=False)
-        arch = architecture(meta.get("architecture") or infer_architecture(model))
+        trainer = engine_from_checkpoint(checkpoint, ParallelConfig(), mesh)
+        arch = checkpoint_architecture(read_meta(checkpoint))
         engine = MegatronEngine(trainer.spec, mesh, MegatronEngineConfig(architecture=arch.name))
-        engine.update_weights(WeightBridge(trainer.chunks, mesh, model, arch).stream())
+        engine.update_weights(WeightBridge(trainer.chunks, mesh, trainer.spec.model,
+                                           arch).stream())
         out.append([c.token_ids for c in engine.generate(prompts, params)])
     return out
 

@@ -6,8 +6,8 @@ import dataclasses
 
 import torch
 
-from megarlhf.convert.mcore_to_hf import infer_architecture
-from megarlhf.engine.checkpoint import load_checkpoint, read_meta
+from megarlhf.convert.mcore_to_hf import checkpoint_architecture
+from megarlhf.engine.checkpoint import engine_from_checkpoint, read_meta
 from megarlhf.engine.train import TrainEngine
 from megarlhf.models.arch import architecture
 from megarlhf.models.config import ModelConfig
@@ -19,13 +19,9 @@ from tests.live_bytes import LiveBytes
 
 def _bridge(ckpt: str, parallel: ParallelConfig, env: DistEnv | None = None, **kwargs):
     mesh = init_mesh(parallel, env)
-    meta = read_meta(ckpt)
-    model = ModelConfig.from_dict(meta["model"])
-    engine = TrainEngine(model_spec(model, parallel, on_gpu=False), mesh)
-    load_checkpoint(ckpt, engine, with_optimizer=False)
-    arch = architecture(meta.get("architecture") or infer_architecture(model))
-    return WeightBridge(engine.chunks, mesh, model, arch,
-                        **kwargs), mesh
+    engine = engine_from_checkpoint(ckpt, parallel, mesh, on_gpu=False)
+    return WeightBridge(engine.chunks, mesh, engine.spec.model,
+                        checkpoint_architecture(read_meta(ckpt)), **kwargs), mesh
 
 
 def _collect(stream) -> tuple[dict[str, torch.Tensor], list[int]]:

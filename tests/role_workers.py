@@ -5,11 +5,8 @@ from __future__ import annotations
 import torch
 
 from megarlhf.convert.mcore_io import CheckpointReader
-from megarlhf.engine.checkpoint import load_checkpoint, read_meta, save_checkpoint
+from megarlhf.engine.checkpoint import engine_from_checkpoint, save_checkpoint
 from megarlhf.engine.optim import OptimConfig
-from megarlhf.engine.train import TrainEngine
-from megarlhf.models.config import ModelConfig
-from megarlhf.models.gpt import model_spec
 from megarlhf.parallel.mesh import ParallelConfig, init_mesh
 from megarlhf.roles.policy import PolicyLossConfig, PolicyRole
 from megarlhf.roles.sequences import SequenceBatch
@@ -40,11 +37,7 @@ def experience_batch(vocab_size: int, *, rows: int, seed: int) -> SequenceBatch:
 
 
 def _engine(ckpt: str, parallel: ParallelConfig, mesh, optim):
-    meta = read_meta(ckpt)
-    engine = TrainEngine(model_spec(ModelConfig.from_dict(meta["model"]), parallel,
-                                    value_head=meta["value_head"], on_gpu=False), mesh, optim)
-    load_checkpoint(ckpt, engine, with_optimizer=False)
-    return engine
+    return engine_from_checkpoint(ckpt, parallel, mesh, optim, on_gpu=False)
 
 
 def ppo_step(actor_ckpt: str, critic_ckpt: str, parallel: ParallelConfig, batch: SequenceBatch,

@@ -12,13 +12,9 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from megarlhf.convert.mcore_to_hf import mcore_to_hf
-from megarlhf.engine.checkpoint import load_checkpoint, read_meta, save_checkpoint
+from megarlhf.convert.mcore_to_hf import checkpoint_architecture, mcore_to_hf
+from megarlhf.engine.checkpoint import engine_from_checkpoint, read_meta, save_checkpoint
 from megarlhf.engine.optim import OptimConfig
-from megarlhf.engine.train import TrainEngine
-from megarlhf.models.arch import architecture
-from megarlhf.models.config import ModelConfig
-from megarlhf.models.gpt import model_spec
 from megarlhf.parallel.mesh import ParallelConfig, init_mesh
 from megarlhf.roles.policy import PolicyRole
 from megarlhf.rollout.bridge import WeightBridge
@@ -40,12 +36,9 @@ OPTIM = OptimConfig(lr=1e-2, weight_decay=0.0, clip_grad=1.0)
 
 def _actor(ckpt: str, parallel: ParallelConfig):
     mesh = init_mesh(parallel)
-    meta = read_meta(ckpt)
-    model = ModelConfig.from_dict(meta["model"])
-    engine = TrainEngine(model_spec(model, parallel, on_gpu=False), mesh, OPTIM)
-    load_checkpoint(ckpt, engine, with_optimizer=False)
-    bridge = WeightBridge(engine.chunks, mesh, model, architecture(meta["architecture"]),
-                          bucket_bytes=BUCKET_BYTES)
+    engine = engine_from_checkpoint(ckpt, parallel, mesh, OPTIM, on_gpu=False)
+    bridge = WeightBridge(engine.chunks, mesh, engine.spec.model,
+                          checkpoint_architecture(read_meta(ckpt)), bucket_bytes=BUCKET_BYTES)
     return PolicyRole(engine), bridge, mesh
 
 

@@ -151,9 +151,8 @@ class _Chunks:
         prepend = sh.prepend_axis_num
         layer = sh.global_offset[0] if prepend else None
         if (sh.key, layer) != self._id:
-            self._blocks = []  # freed before the next ones are built
+            self._blocks, first = [], 0  # the last key's blocks freed before the next are read
             self._id = (sh.key, layer)
-            self._blocks, first = [], 0
             for block in self._source(sh.key, layer, tuple(sh.global_shape[prepend:])):
                 if block.dtype != sh.dtype:
                     raise ValueError(f"{sh.key}: source tensor is {block.dtype}, checkpoint "

@@ -23,13 +23,19 @@ def infer_architecture(model: ModelConfig) -> str:
     return "qwen3" if model.qk_norm else "qwen2" if model.qkv_bias else "llama"
 
 
+def checkpoint_architecture(meta: dict) -> Architecture:
+    """The architecture a checkpoint was converted from, else the one its model implies."""
+    return architecture(meta.get("architecture")
+                        or infer_architecture(ModelConfig.from_dict(meta["model"])))
+
+
 def mcore_to_hf(ckpt: str, out: str, *, dtype: str | None = None, force: bool = False,
                 arch_name: str | None = None, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> str:
     """Export; returns the output directory. `dtype` defaults to the checkpoint's own."""
     meta = read_meta(ckpt)
     model = ModelConfig.from_dict(meta["model"])
     value_head = meta["value_head"]
-    arch = architecture(arch_name or meta.get("architecture") or infer_architecture(model))
+    arch = architecture(arch_name) if arch_name else checkpoint_architecture(meta)
     out_dtype = parse_dtype(dtype or meta["dtype"])
     reader = CheckpointReader(ckpt)
     rules = arch.rules(model, lm_head=not value_head, value_head=value_head)

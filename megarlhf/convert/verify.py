@@ -13,12 +13,10 @@ import dataclasses
 import torch
 import transformers
 
-from megarlhf.engine.checkpoint import load_checkpoint, read_meta
+from megarlhf.engine.checkpoint import engine_from_checkpoint, read_meta
 from megarlhf.engine.losses import gather_logits
 from megarlhf.engine.schedule import gather_rows, rank_microbatches
-from megarlhf.engine.train import TrainEngine
 from megarlhf.models.config import ModelConfig
-from megarlhf.models.gpt import model_spec
 from megarlhf.models.transformer_config import parse_dtype
 from megarlhf.parallel import launch_local
 from megarlhf.parallel.mesh import DistEnv, ParallelConfig, init_mesh
@@ -55,9 +53,8 @@ def checkpoint_outputs(ckpt: str, parallel: ParallelConfig, tokens_BT: torch.Ten
     model = ModelConfig.from_dict(meta["model"])
     value_head = meta["value_head"]
     mesh = init_mesh(parallel)
-    engine = TrainEngine(model_spec(model, parallel, value_head=value_head,
-                                    dtype=parse_dtype(dtype), layer_spec=layer_spec), mesh)
-    load_checkpoint(ckpt, engine, with_optimizer=False)
+    engine = engine_from_checkpoint(ckpt, parallel, mesh, dtype=parse_dtype(dtype),
+                                    layer_spec=layer_spec)
 
     def keep_output(mb, out):
         if not value_head:

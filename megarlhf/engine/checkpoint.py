@@ -18,9 +18,11 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing
 
 from megarlhf.models.config import ModelConfig
-from megarlhf.models.gpt import ModelSpec
+from megarlhf.engine.optim import OptimConfig
+from megarlhf.engine.train import TrainEngine
+from megarlhf.models.gpt import ModelSpec, model_spec
 from megarlhf.models.transformer_config import dtype_name
-from megarlhf.parallel.mesh import Mesh
+from megarlhf.parallel.mesh import Mesh, ParallelConfig
 
 COMPLETE_MARKER = "megarlhf_complete.json"
 HF_SIDECAR = "hf"
@@ -227,6 +229,18 @@ def _check_same_model(path: str, meta: dict, spec: ModelSpec) -> None:
         raise ValueError(f"{path} holds a different model than the one being loaded into: "
                          + "; ".join(diffs) + f". Build the model from the checkpoint's own "
                          f"config ({COMPLETE_MARKER}, key 'model') or load a matching checkpoint")
+
+
+def engine_from_checkpoint(path: str, parallel: ParallelConfig, mesh: Mesh,
+                           optim: OptimConfig | None = None, **spec) -> TrainEngine:
+    """An engine at `parallel` holding the checkpoint's model (its config and head from the
+    metadata) and weights, cast to `spec`'s dtype when it differs; `spec`: model_spec's
+    keyword arguments (dtype, layer_spec, on_gpu). The optimizer, if any, starts fresh."""
+    meta = read_meta(path)
+    engine = TrainEngine(model_spec(ModelConfig.from_dict(meta["model"]), parallel,
+                                    value_head=meta["value_head"], **spec), mesh, optim)
+    load_checkpoint(path, engine, with_optimizer=False)
+    return engine
 
 
 def load_checkpoint(path: str, engine, *, with_optimizer: bool = True) -> dict:

@@ -17,11 +17,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megarlhf.convert.mcore_to_hf import infer_architecture
-from megarlhf.engine.checkpoint import load_checkpoint, read_meta, save_checkpoint
+from megarlhf.convert.mcore_to_hf import checkpoint_architecture
+from megarlhf.engine.checkpoint import (
+    engine_from_checkpoint, load_checkpoint, read_meta, save_checkpoint,
+)
 from megarlhf.engine.optim import OptimConfig
 from megarlhf.engine.train import TrainEngine
-from megarlhf.models.arch import architecture
 from megarlhf.models.config import ModelConfig
 from megarlhf.models.gpt import model_spec
 from megarlhf.models.transformer_config import parse_dtype
@@ -71,19 +72,14 @@ class PPOWorker:
             self.engine = self._rollout_engine(model, arch.name)
 
     def _engine(self, ckpt: str, lr: float | None) -> TrainEngine:
-        meta = read_meta(ckpt)
-        spec = model_spec(ModelConfig.from_dict(meta["model"]), self.group.parallel,
-                          value_head=meta["value_head"], dtype=self.dtype)
         optim = OptimConfig(lr=lr, clip_grad=1.0) if lr is not None else None
-        engine = TrainEngine(spec, self.mesh, optim)
-        load_checkpoint(ckpt, engine, with_optimizer=False)  # casts another dtype's weights
-        return engine
+        return engine_from_checkpoint(ckpt, self.group.parallel, self.mesh, optim,
+                                      dtype=self.dtype)
 
     def _actor_model(self):
         """The actor's model config and architecture (HF names for the bridge and engines)."""
         meta = read_meta(self.config.actor)
-        model = ModelConfig.from_dict(meta["model"])
-        return model, architecture(meta.get("architecture") or infer_architecture(model))
+        return ModelConfig.from_dict(meta["model"]), checkpoint_architecture(meta)
 
     def _rollout_engine(self, model: ModelConfig, arch_name: str):
         c = self.config

@@ -4,7 +4,7 @@ validated when built. A YAML file maps onto them key for key (configio.load_conf
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 from megarlhf.data.config import DataConfig
 from megarlhf.data.records import field_columns
@@ -96,33 +96,35 @@ class LoopConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class SFTConfig:
+class StageConfig:
+    """What both stages configure; each stage adds its own fields."""
+
+    RECORD_KIND: ClassVar[str]
+    """The records the stage reads ('sft' or 'pairwise')."""
     model: ModelSource
     data: DataConfig
     train: LoopConfig
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+
+    def __post_init__(self):
+        _check_data(self.data, self.train, self.RECORD_KIND)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SFTConfig(StageConfig):
+    RECORD_KIND: ClassVar[str] = "sft"
     pack: bool = True
     """Pack several documents into each row of data.max_length tokens (block-diagonal
     attention, positions restarting per document) instead of one padded document per row."""
 
-    def __post_init__(self):
-        _check_data(self.data, self.train, "sft")
-
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class RMConfig:
-    model: ModelSource
-    data: DataConfig
-    train: LoopConfig
-    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
-    optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+class RMConfig(StageConfig):
+    RECORD_KIND: ClassVar[str] = "pairwise"
     margin: float = 0.0
     """Loss -logsigmoid(chosen - rejected - margin); a pair's own margin field (mapped with
     data.train.fields.margin) replaces it."""
-
-    def __post_init__(self):
-        _check_data(self.data, self.train, "pairwise")
 
 
 def _check_data(data: DataConfig, train: LoopConfig, kind: str) -> None:
