@@ -17,7 +17,6 @@ import json
 import os
 import re
 import shlex
-import time
 
 import pytest
 import torch
@@ -130,14 +129,6 @@ def test_planned_rank_params_with_qk_norm_equal_the_meta_built_model():
         for tp_rank in (0, 1):
             assert built_params(model, parallel, tp_rank, pp_rank) \
                 == rank_params(model, parallel, pp_rank)
-
-
-def test_a_70b_meta_build_takes_well_under_a_second():
-    parallel = ParallelConfig(tensor_parallel=8, pipeline_parallel=8)
-    built_params(preset("llama3-70b"), parallel, 0, 0)  # imports and first-use costs
-    start = time.perf_counter()
-    built_params(preset("llama3-70b"), parallel, 7, 7)
-    assert time.perf_counter() - start < 1.0
 
 
 @pytest.mark.parametrize("pp,vpp", [(4, None), (4, 2), (8, 5)])

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 
-from megarlhf.plan.job import check_models, resolve_models
+from megarlhf.plan.job import MODEL_ROLES, check_models, resolve_models
 from megarlhf.ppo import checkpoints
 from megarlhf.ppo.config import PPOConfig
 from megarlhf.ppo.data import read_prompts
@@ -23,6 +23,11 @@ def ppo(config: PPOConfig) -> str:
     prompts = read_prompts(config.prompts)
     longest = max(len(p) for p in prompts)
     problems = check_models(config, models, longest + config.max_new_tokens)
+    problems += [f"{role}: {getattr(config, field)} is an HF model directory, not a megarlhf "
+                 f"checkpoint; convert it first (python -m tools.convert_hf.hf_to_mcore --hf "
+                 f"DIR --out CKPT [--role critic|reward])"
+                 for role, (field, _, _) in MODEL_ROLES.items()
+                 if role in models and models[role].origin != "checkpoint"]
     if config.rollout_backend == "vllm" and not os.path.isfile(
             os.path.join(config.vllm_model_dir, "config.json")):
         problems.append(f"vllm_model_dir {config.vllm_model_dir} has no config.json")

@@ -152,15 +152,20 @@ def resolve_models(config: PPOConfig) -> dict[str, ModelSource]:
 def check_models(config: PPOConfig, models: dict[str, ModelSource], seq: int) -> list[str]:
     """What makes the models unrunnable at the recipe's layout, each with a fix."""
     problems = []
+    training = group_specs(config)[0].parallel  # every model group's TP x PP
     for role, source in models.items():
         try:
-            source.model.check_parallel(_parallel(config))
+            source.model.check_parallel(training)
         except ValueError as e:
             problems.append(f"{role}: {e}")
         if seq > source.model.max_position_embeddings:
             problems.append(f"{role}: a prompt + response of {seq} tokens exceeds the model's "
                             f"max_position_embeddings={source.model.max_position_embeddings}; "
                             f"lower max_new_tokens or the prompt length")
+    try:
+        models["actor"].model.check_parallel(ParallelConfig(tensor_parallel=config.rollout_tp))
+    except ValueError as e:
+        problems.append(f"rollout engines (rollout_tensor_parallel={config.rollout_tp}): {e}")
     return problems
 
 
@@ -179,10 +184,14 @@ def check_cluster(config: PPOConfig, cluster: Cluster) -> list[str]:
     first = 0
     for spec in specs:
         tp = spec.parallel.tensor_parallel
-        if cluster.gpus_per_node % tp or first % tp:
+        if cluster.gpus_per_node % tp:
             problems.append(f"{spec.name}: tensor_parallel={tp} groups would span nodes of "
                             f"{cluster.gpus_per_node} GPUs (TP all-reduces inside every layer); "
                             f"keep TP a divisor of gpus_per_node")
+        elif first % tp:
+            problems.append(f"{spec.name}: starts at GPU {first}, not a multiple of its "
+                            f"tensor_parallel={tp}, so a TP group would span nodes; make the "
+                            f"groups before it a multiple of {tp} GPUs")
         first += spec.nproc
     # Disaggregated, the rollout group's own TP is its engines' (checked above).
     if config.placement == "colocated" and cluster.gpus_per_node % config.rollout_tp:
@@ -201,11 +210,6 @@ def check(config: PPOConfig, cluster: Cluster, models: dict[str, ModelSource], s
 
 def param_bytes(config: PPOConfig) -> int:
     return parse_dtype(config.dtype).itemsize
-
-
-def _parallel(config: PPOConfig) -> ParallelConfig:
-    return ParallelConfig(tensor_parallel=config.tensor_parallel,
-                          pipeline_parallel=config.pipeline_parallel)
 
 
 def plan(config: PPOConfig, cluster: Cluster, prompt_len: int,
@@ -227,7 +231,7 @@ def _group_at(config: PPOConfig, spec: GroupSpec, models: dict[str, ModelSource]
               first_gpu: int, pp_rank: int) -> GroupPlan:
     parallel, nbytes = spec.parallel, param_bytes(config)
     tp, pp = parallel.tensor_parallel, parallel.pipeline_parallel
-    dp = spec.nproc // parallel.model_parallel_size
+    dp = parallel.data_parallel_size(spec.nproc)
     last = pp_rank == pp - 1
     train_rows = config.rows_per_step // (config.mini_batches * dp * config.micro_batches)
     exp_rows = config.rows_per_step // (dp * config.micro_batches)
@@ -268,7 +272,7 @@ def _rollout_terms(config: PPOConfig, spec: GroupSpec, model: ModelConfig, seq: 
         # One engine per DP replica, at the group's TP; it generates max_batch_size rows at a
         # time (a prompt's samples together).
         tp = spec.parallel.tensor_parallel
-        engines = spec.nproc // spec.parallel.model_parallel_size
+        engines = spec.parallel.data_parallel_size(spec.nproc)
         per_batch = max(1, MegatronEngineConfig().max_batch_size // n)
         rows = min(math.ceil(config.prompts_per_step / engines), per_batch) * n
     else:

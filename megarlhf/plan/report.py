@@ -4,6 +4,7 @@ fit."""
 
 from __future__ import annotations
 
+from megarlhf.plan.fixes import MAX_FACTOR
 from megarlhf.plan.job import GIB, PHASES, GroupPlan, Plan
 from megarlhf.plan.params import total_params
 
@@ -52,7 +53,7 @@ def header(plan: Plan, recipe: str) -> list[str]:
 def group_table(group: GroupPlan) -> list[str]:
     spec = group.spec
     tp, pp = spec.parallel.tensor_parallel, spec.parallel.pipeline_parallel
-    dp = spec.nproc // spec.parallel.model_parallel_size
+    dp = spec.parallel.data_parallel_size(spec.nproc)
     lines = [f"group {spec.name}: GPUs {group.first_gpu}-{group.first_gpu + spec.nproc - 1}, "
              f"TP{tp} x PP{pp} x DP{dp}; most loaded rank: pipeline stage {group.pp_rank} of "
              f"{pp} (GiB per GPU)",
@@ -102,6 +103,6 @@ def refusal(plan: Plan, fixes: list[tuple[str, Plan]]) -> str:
             f"{change} (peak {_gib(fixed.worst.peak)} GiB)" for change, fixed in fixes))
     else:
         lines.append("no single change found that fits: deepening the pipeline, more ranks "
-                     "on more nodes, or more micro-batches (each alone, up to 16x, within the "
-                     "recipe's batch-split rules)")
+                     f"on more nodes, or more micro-batches (each alone, up to {MAX_FACTOR}x, "
+                     "within the recipe's batch-split rules)")
     return "\n".join(lines)
