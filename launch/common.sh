@@ -70,5 +70,5 @@ if [[ -n ${CONTAINER_IMAGE:-} ]]; then
     say "container: $CONTAINER_IMAGE"
     # Unpack it on every node first: steps starting together on a node would race to.
     srun --nodes="${#NODES[@]}" --ntasks="${#NODES[@]}" --ntasks-per-node=1 \
-        "${SRUN_CONTAINER[@]}" true || { say "cannot start $CONTAINER_IMAGE"; exit 1; }
+        "${SRUN_CONTAINER[@]}" true || { say "cannot start $CONTAINER_IMAGE (srun's error is above: check the image name and that Pyxis is installed on the nodes)"; exit 1; }
 fi

@@ -23,7 +23,8 @@ def main(want: int, timeout_s: float) -> int:
             break
         except ConnectionError as e:
             if time.monotonic() > deadline:
-                print(f"no Ray head at {address} after {timeout_s:.0f} s: {e}", flush=True)
+                print(f"no Ray head at {address} after {timeout_s:.0f} s: {e}; see the head "
+                      f"node's ray-*.log in the job's log directory", flush=True)
                 return 1
             time.sleep(2)
     alive = 0

@@ -17,6 +17,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from megarlhf.parallel.mesh import free_port
+
 NODES = ("n1", "n2")
 BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "scancel", "sinfo")
 HOSTS = Path("/etc/hosts")
@@ -30,19 +32,13 @@ def missing_binaries() -> list[str]:
     return [b for b in BINARIES if shutil.which(b) is None]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _conf(root: Path, munge_socket: Path) -> str:
-    nodes = "\n".join(f"NodeName={n} NodeAddr=127.0.0.1 Port={_free_port()} CPUs={os.cpu_count()}"
+    nodes = "\n".join(f"NodeName={n} NodeAddr=127.0.0.1 Port={free_port()} CPUs={os.cpu_count()}"
                       f" State=UNKNOWN" for n in NODES)
     return f"""\
 ClusterName=megarlhf-test
 SlurmctldHost=localhost(127.0.0.1)
-SlurmctldPort={_free_port()}
+SlurmctldPort={free_port()}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge

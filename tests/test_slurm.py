@@ -22,6 +22,7 @@ from megarlhf.ppo.metrics import read_metrics
 from megarlhf.sft.loop import latest_checkpoint
 from tests.slurm_cluster import SlurmCluster, SlurmUnavailable, job_processes
 from tests.test_ppo import prompts_file  # noqa: F401 (a fixture: the PPO tests' prompts)
+from tests.test_sft_rm import corpus  # noqa: F401 (a fixture: tokenizer and SFT data)
 
 REPO = Path(__file__).resolve().parent.parent
 LAUNCH = REPO / "launch"
@@ -84,17 +85,12 @@ def _job_log(cwd: Path, name: str, job_id: int) -> str:
     return path.read_text() if path.exists() else f"(no {path})"
 
 
-def _sft_config(tmp_path: Path) -> Path:
-    from megarlhf.data import synthetic
-    from megarlhf.data.tokenizer import train_sentencepiece
-
-    sp = train_sentencepiece(synthetic.tokenizer_corpus(), str(tmp_path / "sp.model"),
-                             vocab_size=256)
-    data = synthetic.write_jsonl(synthetic.sft_records(64), str(tmp_path / "sft.jsonl"))
+def _sft_config(tmp_path: Path, corpus: dict) -> Path:  # noqa: F811
     path = tmp_path / "sft.yaml"
     path.write_text(yaml.safe_dump({
         "model": {"preset": "tiny", "overrides": {"vocab_size": 256}, "layer_spec": "local"},
-        "data": {"train": {"path": data}, "tokenizer": sp, "max_length": 48},
+        "data": {"train": {"path": corpus["sft"]}, "tokenizer": corpus["sp"],
+                 "max_length": 48},
         "train": {"output_dir": str(tmp_path / "sft"), "steps": 2, "global_batch_size": 4},
         # TP2 needs both ranks, so a run that finishes proves the two nodes met.
         "parallel": {"tensor_parallel": 2}}))
@@ -102,8 +98,8 @@ def _sft_config(tmp_path: Path) -> Path:
 
 
 @pytest.mark.slow
-def test_sft_runs_one_rank_on_each_node(slurm, job_env, tmp_path):
-    config = _sft_config(tmp_path)
+def test_sft_runs_one_rank_on_each_node(slurm, job_env, tmp_path, corpus):  # noqa: F811
+    config = _sft_config(tmp_path, corpus)
     job, info = _run_job(slurm, "train.sbatch", "sft", config, cwd=tmp_path, env=job_env)
     log = _job_log(tmp_path, "megarlhf-train", job)
     assert info["JobState"] == "COMPLETED", log[-3000:]
@@ -118,8 +114,9 @@ def test_sft_runs_one_rank_on_each_node(slurm, job_env, tmp_path):
 
 
 @pytest.mark.slow
-def test_a_failing_stage_fails_the_job_with_its_exit_code(slurm, job_env, tmp_path):
-    config = _sft_config(tmp_path)
+def test_a_failing_stage_fails_the_job_with_its_exit_code(slurm, job_env, tmp_path,
+                                                          corpus):  # noqa: F811
+    config = _sft_config(tmp_path, corpus)
     job, info = _run_job(slurm, "train.sbatch", "sft", config, "train.no_such_key=1",
                          cwd=tmp_path, env=job_env)
     log = _job_log(tmp_path, "megarlhf-train", job)

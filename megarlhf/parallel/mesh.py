@@ -99,15 +99,19 @@ class DistEnv:
 
     @classmethod
     def from_slurm(cls, env) -> "DistEnv":
-        nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
-        if not nodelist:
-            raise ValueError("running under Slurm but SLURM_JOB_NODELIST is not set")
+        master = env.get("MASTER_ADDR")
+        if not master:
+            nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
+            if not nodelist:
+                raise ValueError("running under Slurm but SLURM_JOB_NODELIST is not set; set "
+                                 "MASTER_ADDR to the host of rank 0")
+            master = first_host(nodelist)
         job_id = int(env.get("SLURM_JOB_ID", "0"))
         return cls(
             rank=int(env["SLURM_PROCID"]),
             world_size=int(env.get("SLURM_STEP_NUM_TASKS") or env["SLURM_NTASKS"]),
             local_rank=int(env.get("SLURM_LOCALID", 0)),
-            master_addr=env.get("MASTER_ADDR") or first_host(nodelist),
+            master_addr=master,
             # One port per job, so two jobs sharing a node do not collide.
             master_port=int(env.get("MASTER_PORT") or 20000 + job_id % 20000),
         )
