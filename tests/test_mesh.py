@@ -16,9 +16,17 @@ from megarlhf.parallel.mesh import DistEnv, first_host
     ("gpu[003-010,012],login1", "gpu003"),
     ("node[07,09]-ib", "node07-ib"),
     ("a1,b2", "a1"),
+    ("rack[1-2]-n[01-04]", "rack1-n01"),
+    ("rack[3,5]-n[7-8],rack9-n1", "rack3-n7"),
 ])
 def test_first_host(nodelist, host):
     assert first_host(nodelist) == host
+
+
+@pytest.mark.parametrize("nodelist", ["", "gpu[", "gpu[]", "gpu]1"])
+def test_first_host_malformed(nodelist):
+    with pytest.raises(ValueError, match="cannot parse Slurm node list"):
+        first_host(nodelist)
 
 
 def test_detect_torchrun(monkeypatch):

@@ -251,7 +251,7 @@ def test_the_job_exit_code_is_the_stage_exit_code(tmp_path, script, args):
 
 
 def test_ppo_starts_ray_on_each_node_then_the_controller(tmp_path):
-    rc, lines = _fake_job(tmp_path, "ppo.sbatch", "r.yaml", "steps=5")
+    rc, lines = _fake_job(tmp_path, "ppo.sbatch", "r.yaml", "steps=5", PYTHON="/opt/py/python")
     assert rc == 0
     assert len(lines) == 5, lines
     # Steps started in the background log in any order.
@@ -263,4 +263,8 @@ def test_ppo_starts_ray_on_each_node_then_the_controller(tmp_path):
     assert "--nodelist=n1" in wait1 and "--nodelist=n1" in wait2
     assert controller.endswith("ppo --config r.yaml steps=5 worker_group=ray")
     assert "--num-cpus=4" in head and "--num-cpus=4" in worker
+    # Every Ray node and the controller run the Python named by PYTHON, not PATH's.
+    for line in (head, worker):
+        assert "-m ray.scripts.scripts start" in line and " /opt/py/python " in line, line
+    assert "/opt/py/python ray_wait.py" in wait1.replace(str(LAUNCH) + "/", "")
     assert (tmp_path / "logs" / "fake-77" / "job.log").exists()

@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
-import re
 import socket
 
 import torch
@@ -127,15 +126,24 @@ def started_by_launcher(env=None) -> bool:
 
 
 def first_host(nodelist: str) -> str:
-    """First host of a Slurm compressed node list, e.g. 'gpu[003-010,012],login1' -> 'gpu003'."""
-    match = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?([^,]*)", nodelist.strip())
-    if not match:
+    """First host of a Slurm compressed node list: the first entry of each bracket of the first
+    comma-separated name, e.g. 'gpu[003-010,012],login1' -> 'gpu003',
+    'rack[1-2]-n[01-04]' -> 'rack1-n01'."""
+    text, host, i = nodelist.strip(), [], 0
+    while i < len(text) and text[i] != ",":
+        if text[i] == "[":
+            end = text.find("]", i)
+            first = text[i + 1:end].split(",")[0].split("-")[0] if end > 0 else ""
+            if not first:
+                raise ValueError(f"cannot parse Slurm node list {nodelist!r}")
+            host.append(first)
+            i = end + 1
+        else:
+            host.append(text[i])
+            i += 1
+    if not host or "]" in "".join(host):
         raise ValueError(f"cannot parse Slurm node list {nodelist!r}")
-    prefix, ranges, suffix = match.groups()
-    if ranges is None:
-        return prefix + suffix
-    first = ranges.split(",")[0].split("-")[0]
-    return f"{prefix}{first}{suffix}"
+    return "".join(host)
 
 
 def free_port() -> int:
