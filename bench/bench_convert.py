@@ -20,7 +20,6 @@ Diagnostics, to attribute the converters' time and memory (outputs discarded):
   malloc threshold    MALLOC_MMAP_THRESHOLD_=1 MiB: glibc maps every large block and unmaps it
                       on free, instead of raising the threshold and keeping freed blocks in
                       its heap; what the per-layer blocks glibc keeps add to the peak
-  no CRC32            torch.save without the zip CRC32 (`torch.utils.serialization.config`)
 
 Before every step the page cache is dropped (`echo 3 > /proc/sys/vm/drop_caches`, when the
 process may), so every step reads its input cold; each step's time is its call plus an
@@ -50,18 +49,17 @@ from bench.report import append_entry
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXED_MMAP = {"MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
-# name -> (child call, output dir, reads the Megatron checkpoint, extra environment, options)
+# name -> (child call, output dir, reads the Megatron checkpoint, extra environment)
 STEPS = {
-    "safetensors round": ("safetensors round", "plain_st", False, {}, {}),
-    "stream copy": ("stream copy", "plain_stream", False, {}, {}),
-    "stream copy, fresh buffers": ("stream copy fresh", "plain_fresh", False, {}, {}),
-    "copyfile": ("copyfile", "plain_copy", False, {}, {}),
-    "hf_to_mcore": ("hf_to_mcore", "mcore", False, {}, {}),
-    "mcore_to_hf": ("mcore_to_hf", "hf2", True, {}, {}),
-    "mcore_to_hf, small shards": ("mcore_to_hf small", "hf2_small", True, {}, {}),
-    "diag: hf_to_mcore setup only": ("setup", None, False, {}, {}),
-    "diag: hf_to_mcore, malloc threshold": ("hf_to_mcore", "diag", False, FIXED_MMAP, {}),
-    "diag: hf_to_mcore, no CRC32": ("hf_to_mcore", "diag", False, {}, {"no_crc": True}),
+    "safetensors round": ("safetensors round", "plain_st", False, {}),
+    "stream copy": ("stream copy", "plain_stream", False, {}),
+    "stream copy, fresh buffers": ("stream copy fresh", "plain_fresh", False, {}),
+    "copyfile": ("copyfile", "plain_copy", False, {}),
+    "hf_to_mcore": ("hf_to_mcore", "mcore", False, {}),
+    "mcore_to_hf": ("mcore_to_hf", "hf2", True, {}),
+    "mcore_to_hf, small shards": ("mcore_to_hf small", "hf2_small", True, {}),
+    "diag: hf_to_mcore setup only": ("setup", None, False, {}),
+    "diag: hf_to_mcore, malloc threshold": ("hf_to_mcore", "diag", False, FIXED_MMAP),
 }
 PLAIN = ("safetensors round", "stream copy")
 VERIFIED = ("mcore_to_hf", "mcore_to_hf, small shards", "safetensors round", "stream copy",
@@ -182,7 +180,7 @@ def _child(spec: dict) -> dict:
     if step == "verify":
         return _verify(spec)
     parallel = ParallelConfig(tensor_parallel=spec["tp"], pipeline_parallel=spec["pp"])
-    src, dst, opts = spec["src"], spec.get("dst"), spec.get("opts", {})
+    src, dst = spec["src"], spec.get("dst")
     calls = {
         "floor": lambda: None,
         "safetensors round": lambda: _safetensors_round(src, dst),
@@ -195,10 +193,6 @@ def _child(spec: dict) -> dict:
         "mcore_to_hf small": lambda: mcore_to_hf(src, dst,
                                                  max_shard_bytes=spec["shard_mb"] * 10**6),
     }
-    if opts.get("no_crc"):
-        from torch.utils.serialization import config
-
-        config.save.compute_crc32 = False
     before = _vm("VmRSS")
     r0 = resource.getrusage(resource.RUSAGE_SELF)
     t0 = time.perf_counter()
@@ -322,14 +316,14 @@ def main() -> None:
         print(f"built {model['params'] / 1e6:.1f}M params, {model['disk'] / 1e9:.3f} GB on disk "
               f"in {model['shards']} shards ({time.perf_counter() - t0:.0f} s)", flush=True)
 
-        def measure(name, call, out_key=None, reads_mcore=False, env=None, opts=None):
+        def measure(name, call, out_key=None, reads_mcore=False, env=None):
             out = path(out_key) if out_key else None
             if out:
                 shutil.rmtree(out, ignore_errors=True)
             dropped = _drop_caches()
             r = _run_child({**base_spec, "step": call, "src": path("mcore" if reads_mcore
                                                                   else "hf"),
-                            "dst": out, "opts": opts or {}}, env)
+                            "dst": out}, env)
             r["dropped"] = dropped
             print(f"  {name}: {r['wall']:.2f} s + sync {r['sync']:.2f} s (user {r['user']:.2f},"
                   f" sys {r['sys']:.2f}), peak RSS {r['peak']:.0f} MiB (before the call "
@@ -340,8 +334,8 @@ def main() -> None:
         for rep in range(args.repeats):
             print(f"round {rep + 1}/{args.repeats}", flush=True)
             floors.append(measure("import floor", "floor"))
-            for name, (call, out_key, reads_mcore, env, opts) in STEPS.items():
-                results[name].append(measure(name, call, out_key, reads_mcore, env, opts))
+            for name, (call, out_key, reads_mcore, env) in STEPS.items():
+                results[name].append(measure(name, call, out_key, reads_mcore, env))
             load.append(os.getloadavg()[0])
         shutil.rmtree(path("diag"), ignore_errors=True)
         mcore_bytes = _dir_bytes(path("mcore"))

@@ -3,9 +3,12 @@ trips, dtype, sharded export that transformers loads, and bad input."""
 
 from __future__ import annotations
 
+import concurrent.futures
+import io
 import json
 import logging
 import os
+import zipfile
 import shutil
 
 import pytest
@@ -122,6 +125,91 @@ def test_round_trip_is_bitwise_with_equal_config(hf_dirs, tmp_path, name):
     assert load_json(f"{out}/config.json") == load_json(f"{hf_dirs[name]}/config.json")
     for f in ("tokenizer.json", "tokenizer_config.json"):
         assert os.path.isfile(os.path.join(out, f))
+
+
+def _archives(ckpt: str):
+    """Each stored tensor's torch.save archive in a torch_dist checkpoint, as bytes."""
+    from megarlhf.convert.mcore_io import CheckpointReader
+
+    reader = CheckpointReader(ckpt)
+    for index, info in reader.metadata.storage_data.items():
+        if reader.shape(index.fqn) is not None:
+            with open(os.path.join(ckpt, info.relative_path), "rb") as f:
+                f.seek(info.offset)
+                yield index.fqn, f.read(info.length)
+
+
+def test_converted_chunks_are_torch_save_archives_with_valid_crc32(hf_dirs, tmp_path):
+    """The converter writes each chunk's data record itself (CRC32 from zlib in a second
+    thread): every archive must pass zipfile's CRC check and equal what torch.save writes for
+    the same tensor, record by record (all but the random serialization id)."""
+    hf_to_mcore(hf_dirs["qwen2"], str(tmp_path / "mc"), parallel=TP2PP2)
+    count = 0
+    for key, archive in _archives(str(tmp_path / "mc")):
+        ours = zipfile.ZipFile(io.BytesIO(archive))
+        assert ours.testzip() is None, key  # reads every record, checks its CRC32
+        tensor = torch.load(io.BytesIO(archive), weights_only=True)
+        reference = io.BytesIO()
+        torch.save(tensor, reference)
+        torch_own = zipfile.ZipFile(reference)
+        names = [i.filename for i in torch_own.infolist()]
+        assert [i.filename for i in ours.infolist()] == names, key
+        for name in names:
+            if not name.endswith("serialization_id"):
+                assert ours.read(name) == torch_own.read(name), (key, name)
+                assert ours.getinfo(name).CRC == torch_own.getinfo(name).CRC, (key, name)
+        assert len(archive) == len(reference.getvalue()), key
+        count += 1
+    assert count > 10
+
+
+@pytest.mark.parametrize("tensor", [torch.randn(3, 5), torch.arange(6.0).to(torch.bfloat16),
+                                    torch.randn(4, 6).t(), torch.randn(10)[2:7], torch.ones(0)],
+                         ids=["fp32", "bf16", "transposed", "view", "empty"])
+def test_chunk_archive_of_any_tensor_loads_back(tmp_path, tensor):
+    from megarlhf.convert.chunk_file import write_tensor_archive
+
+    path = str(tmp_path / "file")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT)
+    with concurrent.futures.ThreadPoolExecutor(1) as crc_thread:
+        length = write_tensor_archive(fd, 5, tensor, crc_thread)
+    os.close(fd)
+    with open(path, "rb") as f:
+        archive = f.read()[5:]
+    assert len(archive) == length
+    assert zipfile.ZipFile(io.BytesIO(archive)).testzip() is None
+    loaded = torch.load(io.BytesIO(archive), weights_only=True)
+    assert loaded.dtype == tensor.dtype and torch.equal(loaded, tensor)
+
+
+def test_reader_views_and_reads_into_equal_plain_reads(tmp_path):
+    src = hf_models.save_model(str(tmp_path / "src"), "qwen2", dtype=torch.bfloat16)
+    reader = SafetensorsReader(src)
+    for name in reader.names():
+        plain = reader.get(name)
+        assert reader.view(name).dtype == torch.bfloat16
+        assert torch.equal(reader.view(name), plain), name
+        into = torch.empty(reader.shape(name), dtype=reader.dtype(name))
+        assert reader.get(name, out=into) is into and torch.equal(into, plain), name
+    with pytest.raises(ValueError, match="cannot read it into a"):
+        reader.get(name, out=torch.empty(3))
+
+
+def test_conversion_holds_one_tensor_at_a_time(hf_dirs, tmp_path):
+    """Streaming: the CPU tensors alive at once never exceed the largest Megatron tensor,
+    here the embedding with its vocab padding (300 -> 384 rows), which is read straight into
+    its padded rows. Two chunks held at once, or padding added by a copy, would double it.
+    (Toy sizes: q/k/v and their fused copy, the largest per-layer pair, are 64 KiB.)"""
+    from tests.live_bytes import LiveBytes
+
+    model = ModelConfig.from_dict(hf_to_mcore(hf_dirs["llama"], str(tmp_path / "warm"),
+                                              parallel=ParallelConfig())["model"])
+    rows = model.padded_vocab_size(1)  # the checkpoint is layout-free: padded as at TP1
+    assert rows > model.vocab_size
+    padded = rows * model.hidden_size * 4
+    with LiveBytes() as live:
+        hf_to_mcore(hf_dirs["llama"], str(tmp_path / "mc"), parallel=ParallelConfig())
+    assert padded <= live.peak <= padded + 4096, (live.peak, padded)
 
 
 def test_bf16_is_preserved_and_exports_to_other_dtypes(tmp_path):

@@ -117,13 +117,16 @@ def hf_to_mcore(hf_dir: str, out: str, *, parallel: ParallelConfig, role: str = 
         if src.init_value_head and key.startswith("value_head."):
             g = torch.Generator().manual_seed(seed)
             return [(torch.randn(shape, generator=g) * src.model.init_std).to(src.dtype)]
-        hf = [reader.get(n) for n in rule.hf_names(layer)]
-        # Row-stacked HF tensors go to the writer as they were read: no fused copy.
-        blocks = hf if rule.row_stacked else [rule.fuse(hf)]
-        rows = sum(b.shape[0] for b in blocks)
-        if rule.vocab and rows < shape[0]:  # Megatron's padding rows are zeros
-            blocks.append(blocks[0].new_zeros(shape[0] - rows, *blocks[0].shape[1:]))
-        return blocks
+        names = rule.hf_names(layer)
+        if rule.vocab and reader.shape(names[0])[0] < shape[0]:
+            (name,) = names  # read into the first rows; Megatron's padding rows are zeros
+            padded, rows = torch.empty(shape, dtype=src.dtype), reader.shape(name)[0]
+            reader.get(name, out=padded[:rows])
+            padded[rows:].zero_()
+            return [padded]
+        # Views of the file's pages, in Megatron's row order: written as they are stored,
+        # never copied into fresh memory (not even the fused QKV).
+        return rule.rows([reader.view(n) for n in names])
 
     with removed_on_error(tmp):
         template = checkpoint_template(src.model, value_head=src.value_head, dtype=src.dtype)

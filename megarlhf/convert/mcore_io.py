@@ -3,9 +3,10 @@
 A Megatron checkpoint is layout-free: each tensor is stored under its global key, layers
 stacked on a leading axis, in chunks with global offsets. Megatron's own `sharded_state_dict`
 of a meta-device model at TP1/PP1 tells which keys, shapes and chunks a full checkpoint has;
-the writer below plans exactly those chunks and asks for each chunk's data only when the
-storage writer reaches it, and frees it once written, so at most one chunk (one layer's matrix)
-is in memory. The reader fetches arbitrary slabs (e.g. one layer of one key) of a checkpoint
+the writer below plans exactly those chunks with DCP, which also writes the metadata, and
+writes the data file itself (`chunk_file.ChunkFileWriter`), asking for each chunk's data just
+before writing it and dropping it after, so at most one chunk (one layer's matrix) is in
+memory. The reader fetches arbitrary slabs (e.g. one layer of one key) of a checkpoint
 written at any layout, loading each stored chunk once and copying only to assemble a slab from
 several chunks.
 """
@@ -16,7 +17,9 @@ import contextlib
 import io
 import math
 import os
+import struct
 import warnings
+import zipfile
 from typing import Callable
 
 import torch
@@ -39,15 +42,17 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+from megarlhf.convert.chunk_file import ChunkFileWriter, RowBlocks
+from megarlhf.convert.pages import map_tensor
 from megarlhf.models.config import ModelConfig
 from megarlhf.models.gpt import build_model, model_spec
 from megarlhf.parallel.mesh import DistEnv, ParallelConfig, destroy_mesh, free_port, init_mesh
 
 # Resolves one chunk: (checkpoint key, layer index or None, the key's per-layer global shape)
 # -> the whole per-layer tensor as row blocks (tensors whose concatenation along dim 0 is the
-# tensor: one block, or e.g. HF's gate and up projections for the fused MLP, or a weight
-# and its padding rows); the writer cuts the chunk out of them. A chunk that is exactly one
-# block is written as that block, with no copy.
+# tensor: one block, HF's gate and up projections for the fused MLP, or the query, key and
+# value heads of each KV group for the fused QKV); the writer cuts each chunk out of them and
+# writes the parts it covers one after another, with no copy.
 TensorSource = Callable[[str, "int | None", tuple[int, ...]], list[torch.Tensor]]
 
 
@@ -93,20 +98,14 @@ def _narrow(tensor: torch.Tensor, offsets, lengths) -> torch.Tensor:
 
 
 class _StreamingSavePlanner(DefaultSavePlanner):
-    """Plans the given write items and produces each tensor only when it is written.
-
-    DCP's writer keeps every tensor it wrote (the last of each key) until its file is closed,
-    which with one file per rank is the whole save. Its serial loader (ensured by
-    `per_thread_copy_ahead=0`) asks for an item only after writing the one before, so the
-    memory of each tensor handed out is freed when the next is asked for, and of the last one
-    by `release`. That needs every tensor handed out to own its memory, exactly its size (DCP
-    would otherwise write a clone, which this cannot reach)."""
+    """Plans the given write items and produces each tensor only when it is written:
+    `ChunkFileWriter` asks for a chunk just before writing it and drops it after, so one
+    chunk (and the source's blocks of its key) is in memory at a time."""
 
     def __init__(self, items: list[WriteItem], tensor_for: Callable[[WriteItem], torch.Tensor],
                  objects: dict[str, io.BytesIO]):
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
         self._items, self._tensor_for, self._objects = items, tensor_for, objects
-        self._handed_out: torch.Tensor | None = None
 
     def set_up_planner(self, state_dict, storage_meta=None, is_coordinator=False):
         self.state_dict, self.is_coordinator = {}, is_coordinator
@@ -118,22 +117,7 @@ class _StreamingSavePlanner(DefaultSavePlanner):
     def resolve_data(self, write_item: WriteItem):
         if write_item.type == WriteItemType.BYTE_IO:
             return self._objects[write_item.index.fqn]
-        self.release()
-        tensor = self._tensor_for(write_item)
-        if not _owns_exactly(tensor):
-            raise AssertionError(f"{write_item.index}: a chunk must own exactly its memory")
-        self._handed_out = tensor
-        return tensor
-
-    def release(self) -> None:
-        if self._handed_out is not None:
-            self._handed_out.untyped_storage().resize_(0)
-            self._handed_out = None
-
-
-def _owns_exactly(tensor: torch.Tensor) -> bool:
-    storage = tensor.untyped_storage()
-    return tensor.is_contiguous() and storage.nbytes() == tensor.nbytes and storage.resizable()
+        return self._tensor_for(write_item)
 
 
 class _Chunks:
@@ -146,7 +130,7 @@ class _Chunks:
         self._by_index, self._source = by_index, source
         self._id, self._blocks = None, []
 
-    def __call__(self, item: WriteItem) -> torch.Tensor:
+    def __call__(self, item: WriteItem) -> RowBlocks:
         sh = self._by_index[item.index]
         prepend = sh.prepend_axis_num
         layer = sh.global_offset[0] if prepend else None
@@ -157,31 +141,23 @@ class _Chunks:
                 if block.dtype != sh.dtype:
                     raise ValueError(f"{sh.key}: source tensor is {block.dtype}, checkpoint "
                                      f"is {sh.dtype}")
-                self._blocks.append([first, block])
+                self._blocks.append((first, block))
                 first += block.shape[0]
         offsets, shape = sh.global_offset[prepend:], tuple(sh.local_shape)
-        return self._cut(offsets, shape).reshape(item.tensor_data.chunk.sizes)
+        return RowBlocks(self._cut(offsets, shape), tuple(item.tensor_data.chunk.sizes))
 
-    def _cut(self, offsets, shape) -> torch.Tensor:
-        """The chunk at `offsets` of `shape`: a block itself when it is exactly one, else a
-        copy of the rows (and columns) it covers."""
+    def _cut(self, offsets, shape) -> tuple[torch.Tensor, ...]:
+        """The parts of the blocks that the chunk at `offsets` of `shape` covers, in order:
+        views, so nothing is copied unless the chunk takes some of a block's columns."""
         rows, parts = (offsets[0], offsets[0] + shape[0]), []
-        for entry in self._blocks:
-            first, block = entry
-            if block is None:
-                continue  # handed out earlier: chunks do not overlap
+        for first, block in self._blocks:
             start, end = max(rows[0], first), min(rows[1], first + block.shape[0])
-            if start >= end:
-                continue
-            if (first, first + block.shape[0]) == rows and tuple(block.shape) == shape \
-                    and _owns_exactly(block):
-                entry[1] = None  # handed out, and freed once written
-                return block
-            parts.append(_narrow(block.narrow(0, start - first, end - start),
-                                 (0, *offsets[1:]), (end - start, *shape[1:])))
+            if start < end:
+                parts.append(_narrow(block.narrow(0, start - first, end - start),
+                                     (0, *offsets[1:]), (end - start, *shape[1:])))
         if sum(p.shape[0] for p in parts) != shape[0]:
             raise ValueError(f"the source's row blocks do not cover rows {rows} of the chunk")
-        return parts[0].clone() if len(parts) == 1 else torch.cat(parts)
+        return tuple(parts)
 
 
 def write_checkpoint(path: str, template, source: TensorSource) -> None:
@@ -211,12 +187,10 @@ def write_checkpoint(path: str, template, source: TensorSource) -> None:
     stacked = {index for index, sh in by_index.items() if sh.prepend_axis_num}
     items.sort(key=lambda item: item.index in stacked)
 
-    writer = dcp.FileSystemWriter(path, single_file_per_rank=True, thread_count=1,
-                                  per_thread_copy_ahead=0)
+    writer = ChunkFileWriter(path)
     planner = _StreamingSavePlanner(items, _Chunks(by_index, source), objects)
     with _single_process():
         dcp.save({}, storage_writer=writer, planner=planner, no_dist=True)
-    planner.release()
     # The files Megatron's loader expects next to the torch_dist data.
     save_config(CheckpointingConfig("torch_dist", 1, "torch", 1), path)
     torch.save({}, os.path.join(path, "common.pt"))
@@ -269,14 +243,37 @@ class CheckpointReader:
         return out
 
     def _chunk(self, index: MetadataIndex) -> torch.Tensor:
-        # FileSystemWriter's layout: each chunk torch.save'd at (offset, length) of its file.
+        """A stored chunk over the file's pages (`pages.map_tensor`), not read into fresh
+        memory. FileSystemWriter's layout: each chunk torch.save'd at (offset, length) of its
+        file; torch.load under `skip_data` gives the tensor's shape, strides and storage
+        without reading its bytes, which are the archive's stored data/0 record."""
         info = self.metadata.storage_data[index]
         if getattr(info, "transform_descriptors", None):
             raise ValueError(f"{self.path}: {index.fqn} is stored with transforms "
                              f"{info.transform_descriptors}, which this reader does not undo")
         with open(os.path.join(self.path, info.relative_path), "rb") as f:
-            return torch.load(_FileWindow(f, info.offset, info.length), map_location="cpu",
-                              weights_only=True)
+            archive = _FileWindow(f, info.offset, info.length)
+            with torch.serialization.skip_data():
+                layout = torch.load(archive, map_location="cpu", weights_only=True)
+            storage_bytes = layout.untyped_storage().nbytes()
+            start = info.offset + _data_record_offset(archive, storage_bytes, index.fqn)
+            flat = map_tensor(f, start, storage_bytes // layout.element_size(), layout.dtype)
+        return flat.as_strided(layout.shape, layout.stride(), layout.storage_offset())
+
+
+def _data_record_offset(archive: io.RawIOBase, nbytes: int, key: str) -> int:
+    """Where the bytes of a torch.save archive's only storage (data/0, stored uncompressed)
+    begin within the archive."""
+    with zipfile.ZipFile(archive) as zf:
+        records = [i for i in zf.infolist() if "/data/" in i.filename]
+    if len(records) != 1 or records[0].compress_type != zipfile.ZIP_STORED \
+            or records[0].file_size != nbytes:
+        raise ValueError(f"chunk {key!r} is not one uncompressed tensor storage of {nbytes} "
+                         f"bytes: {[(i.filename, i.file_size) for i in records]}")
+    archive.seek(records[0].header_offset)
+    header = archive.read(30)
+    name_length, extra_length = struct.unpack("<HH", header[26:30])
+    return records[0].header_offset + 30 + name_length + extra_length
 
 
 class _FileWindow(io.RawIOBase):

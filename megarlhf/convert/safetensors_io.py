@@ -1,9 +1,10 @@
 """Streaming access to HF safetensors checkpoints.
 
-Reading uses plain file reads, not mmap: a tensor occupies memory only while the caller holds
-it, and mapped pages of a whole 140 GB checkpoint never pile up in the process's RSS. Writing
-streams each tensor to disk as it comes, into shards of a bounded size, and ends with HF's index
-file.
+Reading touches one tensor's byte range at a time, never a whole file: `get` reads it into
+memory, `view` maps just that range and unmaps it when the tensor is freed. Either way a tensor
+occupies memory only while the caller holds it, and the pages of a whole 140 GB checkpoint
+never pile up in the process's RSS. Writing streams each tensor to disk as it comes, into
+shards of a bounded size, and ends with HF's index file.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import os
 import struct
 
 import torch
+
+from megarlhf.convert.pages import map_tensor
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -76,18 +79,31 @@ class SafetensorsReader:
     def dtype(self, name: str) -> torch.dtype:
         return self._entries[name].dtype
 
-    def get(self, name: str) -> torch.Tensor:
-        """The tensor, read straight from the file into its (uninitialised) memory."""
+    def get(self, name: str, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The tensor, read straight from the file into fresh memory or into `out` (a
+        contiguous tensor of its shape and dtype)."""
         e = self._entries[name]
-        out = torch.empty(e.shape, dtype=e.dtype)
+        if out is None:
+            out = torch.empty(e.shape, dtype=e.dtype)
+        elif (tuple(out.shape), out.dtype) != (e.shape, e.dtype) or not out.is_contiguous():
+            raise ValueError(f"{name} is {e.dtype} {e.shape}; cannot read it into a "
+                             f"{'' if out.is_contiguous() else 'non-contiguous '}"
+                             f"{out.dtype} {tuple(out.shape)} tensor")
         with open(e.file, "rb") as f:
             f.seek(e.start)
-            if f.readinto(_bytes(out)) != e.end - e.start:
+            if f.readinto(tensor_bytes(out)) != e.end - e.start:
                 raise ValueError(f"{e.file} ended while reading {name}: the file is truncated")
         return out
 
+    def view(self, name: str) -> torch.Tensor:
+        """The tensor over the file's pages (`pages.map_tensor`): no copy into fresh memory;
+        only its byte range is mapped, until the tensor is freed."""
+        e = self._entries[name]
+        with open(e.file, "rb") as f:
+            return map_tensor(f, e.start, math.prod(e.shape), e.dtype).view(e.shape)
 
-def _bytes(tensor: torch.Tensor) -> ctypes.Array:
+
+def tensor_bytes(tensor: torch.Tensor) -> ctypes.Array:
     """A contiguous tensor's memory as a writable byte buffer (any dtype, bf16 included), to
     use while the tensor is alive. Not through numpy, which would pin the tensor's storage to
     its size: a converter frees a tensor's memory by resizing its storage."""
@@ -158,7 +174,7 @@ class ShardWriter:
             raise ValueError(f"writer expected {expected} next, got {got}")
         if k != self._shard:
             self._open(k)
-        self._stream.write(_bytes(tensor.contiguous()))
+        self._stream.write(tensor_bytes(tensor.contiguous()))
         self._added += 1
 
     def _open(self, k: int) -> None:

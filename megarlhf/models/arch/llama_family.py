@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 import logging
 
-import torch
 
 from megarlhf.models.arch.registry import Architecture, TensorRule
 from megarlhf.models.config import ModelConfig, RopeScaling
@@ -23,38 +22,37 @@ def _fuse_qkv(m: ModelConfig):
     groups, d = m.kv_heads, m.kv_channels
     q_rows = m.num_attention_heads // groups * d
 
-    def fuse(tensors):
+    def rows(tensors):  # per KV group: its query heads, its key head, its value head
         q, k, v = tensors
-        rest = q.shape[1:]
-        parts = [q.reshape(groups, q_rows, *rest), k.reshape(groups, d, *rest),
-                 v.reshape(groups, d, *rest)]
-        return torch.cat(parts, dim=1).reshape(-1, *rest)
+        return [block for g in range(groups)
+                for block in (q[g * q_rows:(g + 1) * q_rows], k[g * d:(g + 1) * d],
+                              v[g * d:(g + 1) * d])]
 
     def split(qkv):
         rest = qkv.shape[1:]
         q, k, v = qkv.reshape(groups, q_rows + 2 * d, *rest).split([q_rows, d, d], dim=1)
         return [t.reshape(-1, *rest).contiguous() for t in (q, k, v)]
 
-    return fuse, split
+    return rows, split
 
 
 def _fuse_cat():
-    def fuse(tensors):
-        return torch.cat(tensors, dim=0)
+    def rows(tensors):
+        return list(tensors)
 
     def split(fused):
         return [t.contiguous() for t in fused.chunk(2, dim=0)]
 
-    return fuse, split
+    return rows, split
 
 
 def _same():
-    return (lambda tensors: tensors[0].contiguous()), (lambda t: [t.contiguous()])
+    return (lambda tensors: [tensors[0]]), (lambda t: [t.contiguous()])
 
 
 def _rule(mcore, hf, shapes, fns, **flags) -> TensorRule:
-    fuse, split = fns
-    return TensorRule(mcore=mcore, hf=tuple(hf), hf_shapes=tuple(shapes), fuse=fuse,
+    rows, split = fns
+    return TensorRule(mcore=mcore, hf=tuple(hf), hf_shapes=tuple(shapes), rows=rows,
                       split=split, **flags)
 
 
@@ -86,7 +84,7 @@ def llama_family_rules(m: ModelConfig, *, lm_head: bool, value_head: bool) -> li
     per_layer("mlp.linear_fc1.layer_norm_weight", ["post_attention_layernorm.weight"], [(h,)],
               _same())
     per_layer("mlp.linear_fc1.weight", ["mlp.gate_proj.weight", "mlp.up_proj.weight"],
-              [(f, h), (f, h)], _fuse_cat(), row_stacked=True)
+              [(f, h), (f, h)], _fuse_cat())
     per_layer("mlp.linear_fc2.weight", ["mlp.down_proj.weight"], [(h, f)], _same())
     rules.append(_rule("decoder.final_layernorm.weight", ["model.norm.weight"], [(h,)], _same()))
     if lm_head and not m.tie_embeddings:

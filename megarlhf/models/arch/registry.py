@@ -20,20 +20,23 @@ class TensorRule:
     """One Megatron tensor and the HF tensors it is made of.
 
     `mcore` is the layout-free checkpoint key (layers stacked on a leading axis); in `hf`
-    names, `{i}` stands for the layer index. `fuse` builds the Megatron tensor of one layer from
-    the HF tensors (in `hf` order) and `split` is its exact inverse. A `vocab` tensor has one row
-    per token: Megatron pads its rows for TP, HF has exactly `vocab_size`. A `row_stacked`
-    rule's `fuse` is concatenation along dim 0 (the gate/up MLP), so its HF tensors can stand
-    for the Megatron tensor without being fused.
+    names, `{i}` stands for the layer index. `rows` gives the Megatron tensor of one layer as
+    row blocks of the HF tensors (in `hf` order): views whose concatenation along dim 0 is the
+    tensor, so a writer can write them one after another without fusing them; `fuse`
+    concatenates them and `split` is its exact inverse. A `vocab` tensor has one row per
+    token: Megatron pads its rows for TP, HF has exactly `vocab_size`.
     """
 
     mcore: str
     hf: tuple[str, ...]
-    fuse: Callable[[list[torch.Tensor]], torch.Tensor]
+    rows: Callable[[list[torch.Tensor]], list[torch.Tensor]]
     split: Callable[[torch.Tensor], list[torch.Tensor]]
     hf_shapes: tuple[tuple[int, ...], ...]
     vocab: bool = False
-    row_stacked: bool = False
+
+    def fuse(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        blocks = self.rows(tensors)
+        return blocks[0].contiguous() if len(blocks) == 1 else torch.cat(blocks)
 
     @property
     def per_layer(self) -> bool:
