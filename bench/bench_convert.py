@@ -23,7 +23,7 @@ Diagnostics, to attribute the converters' time and memory (outputs discarded):
 
 Before every step the page cache is dropped (`echo 3 > /proc/sys/vm/drop_caches`, when the
 process may), so every step reads its input cold; each step's time is its call plus an
-`os.sync()` of what it wrote (DCP fsyncs its files itself, the plain baselines do not).
+`os.sync()` of what it wrote (hf_to_mcore fsyncs its files itself, the others do not).
 Rounds interleave the steps; the table reports the median time, the largest peak RSS, and
 speed ratios paired within a round (median over rounds), as other load drifts between rounds.
 The outputs of the last round are checked bitwise against the source, outside the timings.

@@ -112,10 +112,8 @@ class LocalCall:
             if conn.poll():
                 try:
                     ok, value = _recv(conn)
-                except EOFError:  # its end of the pipe closed: the rank is gone
-                    self._raise_if_a_rank_died("", grace_s=10.0)
-                    raise WorkerError(f"{self.what}: {self.group.name} rank {rank} closed its "
-                                      f"pipe without an answer") from None
+                except (EOFError, ConnectionError):  # its end of the pipe closed or reset
+                    self.raise_closed(rank)
                 if not ok:
                     self._raise_if_a_rank_died(f"; then rank {rank} failed:\n{value}")
                     raise WorkerError(f"{self.what} failed on {self.group.name} rank "
@@ -125,6 +123,12 @@ class LocalCall:
             elif proc.exitcode is not None:
                 raise WorkerError(f"{self.what}: {self.group.name} rank {rank} died (exit "
                                   f"code {proc.exitcode})")
+
+    def raise_closed(self, rank: int) -> None:
+        """Rank `rank`'s pipe closed: the rank is gone. Name the rank that died."""
+        self._raise_if_a_rank_died("", grace_s=10.0)
+        raise WorkerError(f"{self.what}: {self.group.name} rank {rank} closed its pipe "
+                          f"without an answer") from None
 
     def _raise_if_a_rank_died(self, then: str, grace_s: float = 2.0) -> None:
         """A rank that dies makes its peers fail in their next collective, often before its
@@ -162,9 +166,13 @@ class LocalWorkerGroup:
 
     def async_call(self, method: str, *args) -> LocalCall:
         message = dumps((method, args))  # once for all ranks
-        for conn in self.conns:
-            conn.send_bytes(message)
-        return LocalCall(self, method)
+        call = LocalCall(self, method)
+        for rank, conn in enumerate(self.conns):
+            try:
+                conn.send_bytes(message)
+            except (BrokenPipeError, ConnectionError):
+                call.raise_closed(rank)
+        return call
 
     def address(self) -> tuple[str, int]:
         """A free port where this group's rank 0 runs (this machine)."""
