@@ -7,7 +7,7 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["megarlhf", "megarlhf.*", "tools", "tools.*"]),
     install_requires=[
-        "torch>=2.4",
+        "torch>=2.6",  # torch.serialization.skip_data on save and load (the converters)
         "megatron-core==0.16.1",
         "ray[default]>=2.40",
         "transformers>=4.51",

@@ -10,7 +10,8 @@ general-purpose bit 3, so the local header carries none). The archive equals tor
 byte for byte except for the random serialization id torch gives every save.
 
 The bytes can come as row blocks (`RowBlocks`), e.g. views of an HF file's pages in Megatron's
-row order, and are written block after block: a chunk is never assembled in memory.
+row order, and are written block after block: a chunk is never assembled in memory. Readers
+find a chunk's bytes in its archive with `ArchiveWindow` and `data_record_offset`.
 """
 
 from __future__ import annotations
@@ -36,6 +37,12 @@ from megarlhf.convert.safetensors_io import tensor_bytes
 _DESCRIPTOR = b"PK\x07\x08"
 _DATA_RECORD = "/data/0"  # torch.save names a tensor's only storage data/0
 _MAX_WRITE = 1 << 30  # one pwrite at most; Linux writes at most ~2 GiB per call
+
+
+def _layout_changed(what: str) -> RuntimeError:
+    return RuntimeError(f"{what}: this torch ({torch.__version__}) lays out torch.save archives "
+                        f"differently from the torch this writer was built against (2.13); "
+                        f"convert with that torch, or teach chunk_file.py the new layout")
 
 
 class ChunkFileWriter(dcp.FileSystemWriter):
@@ -149,7 +156,7 @@ class _Skeleton(io.RawIOBase):
     def seek(self, pos: int, whence: int = os.SEEK_SET) -> int:
         target = pos if whence == os.SEEK_SET else self._pos + pos
         if whence not in (os.SEEK_SET, os.SEEK_CUR) or target < self._pos:
-            raise io.UnsupportedOperation("torch.save only skips forward over a tensor's bytes")
+            raise _layout_changed("torch.save seeks back or from the end while writing")
         if target > self._pos:
             self._holes.append((self._pos, target))
         self._pos = target
@@ -164,14 +171,14 @@ class _Skeleton(io.RawIOBase):
     def parts(self, nbytes: int) -> tuple[bytes, int, bytearray]:
         """(bytes before the hole, hole length, bytes after it)."""
         if len(self._holes) != 1 or self._holes[0][1] - self._holes[0][0] != nbytes:
-            raise RuntimeError(f"torch.save left holes {self._holes}, expected one of "
-                               f"{nbytes} bytes: this torch writes archives differently")
+            raise _layout_changed(f"torch.save left holes {self._holes}, expected one of "
+                                  f"{nbytes} bytes")
         start, end = self._holes[0]
         head, tail = bytearray(), bytearray()
         for pos, piece in self._pieces:
             part = head if pos < start else tail
             if pos != (len(head) if pos < start else end + len(tail)):
-                raise RuntimeError("torch.save's archive is not contiguous around the hole")
+                raise _layout_changed("torch.save's archive is not contiguous around the hole")
             part += piece
         return bytes(head), end - start, tail
 
@@ -188,23 +195,36 @@ def _crc_positions(head: bytes, hole: int, tail: bytearray) -> list[int]:
                 break
             entry += 46 + len(info.orig_filename.encode()) + len(info.extra) + len(info.comment)
         else:
-            raise RuntimeError("torch.save's archive has no data/0 record")
+            raise _layout_changed("torch.save's archive has no data/0 record")
     descriptor = len(head) + hole
     if not info.flag_bits & 0x08 or tail[:4] != _DESCRIPTOR or \
             tail[entry - descriptor:entry - descriptor + 4] != b"PK\x01\x02":
-        raise RuntimeError("torch.save's data record is not laid out as expected (data "
-                           "descriptor after the bytes, CRC32 there and in the directory)")
+        raise _layout_changed("torch.save's data record is not followed by a data "
+                              "descriptor with its CRC32, and one in the directory")
     return [descriptor + 4, entry + 16]
 
 
-class _SparseArchive(io.RawIOBase):
-    """head + `hole` zero bytes + tail, readable without the hole in memory (zipfile reads
-    only the directory in the tail)."""
+def data_record_offset(archive: io.RawIOBase, nbytes: int, key: str) -> int:
+    """Where the bytes of a torch.save archive's only storage (data/0, stored uncompressed)
+    begin within the archive."""
+    with zipfile.ZipFile(archive) as zf:
+        records = [i for i in zf.infolist() if "/data/" in i.filename]
+    if len(records) != 1 or records[0].compress_type != zipfile.ZIP_STORED \
+            or records[0].file_size != nbytes:
+        raise ValueError(f"chunk {key!r} is not one uncompressed tensor storage of {nbytes} "
+                         f"bytes: {[(i.filename, i.file_size) for i in records]}; was the "
+                         f"checkpoint saved in Megatron's torch_dist format?")
+    archive.seek(records[0].header_offset)
+    name_length, extra_length = struct.unpack("<HH", archive.read(30)[26:30])
+    return records[0].header_offset + 30 + name_length + extra_length
 
-    def __init__(self, head: bytes, hole: int, tail: bytes):
+
+class _Range(io.RawIOBase):
+    """A read-only file of `size` bytes; subclasses read from position `_pos`."""
+
+    def __init__(self, size: int):
         super().__init__()
-        self._head, self._hole, self._tail, self._pos = head, hole, tail, 0
-        self._size = len(head) + hole + len(tail)
+        self._size, self._pos = size, 0
 
     def readable(self) -> bool:
         return True
@@ -219,6 +239,31 @@ class _SparseArchive(io.RawIOBase):
         base = {os.SEEK_SET: 0, os.SEEK_CUR: self._pos, os.SEEK_END: self._size}[whence]
         self._pos = min(max(base + pos, 0), self._size)
         return self._pos
+
+
+class ArchiveWindow(_Range):
+    """Bytes [offset, offset + length) of an open file as a file of their own: the
+    torch.save archive of one chunk, among the many back to back in a torch_dist file."""
+
+    def __init__(self, file, offset: int, length: int):
+        super().__init__(length)
+        self._file, self._offset = file, offset
+
+    def readinto(self, buffer) -> int:
+        view = memoryview(buffer).cast("B")[:max(0, self._size - self._pos)]
+        self._file.seek(self._offset + self._pos)
+        n = self._file.readinto(view)
+        self._pos += n
+        return n
+
+
+class _SparseArchive(_Range):
+    """head + `hole` zero bytes + tail, readable without the hole in memory (zipfile reads
+    only the directory in the tail)."""
+
+    def __init__(self, head: bytes, hole: int, tail: bytes):
+        super().__init__(len(head) + hole + len(tail))
+        self._head, self._hole, self._tail = head, hole, tail
 
     def readinto(self, buffer) -> int:
         view = memoryview(buffer).cast("B")

@@ -17,9 +17,7 @@ import contextlib
 import io
 import math
 import os
-import struct
 import warnings
-import zipfile
 from typing import Callable
 
 import torch
@@ -42,7 +40,8 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from megarlhf.convert.chunk_file import ChunkFileWriter, RowBlocks
+from megarlhf.convert.chunk_file import (ArchiveWindow, ChunkFileWriter, RowBlocks,
+                                         data_record_offset)
 from megarlhf.convert.pages import map_tensor
 from megarlhf.models.config import ModelConfig
 from megarlhf.models.gpt import build_model, model_spec
@@ -252,56 +251,10 @@ class CheckpointReader:
             raise ValueError(f"{self.path}: {index.fqn} is stored with transforms "
                              f"{info.transform_descriptors}, which this reader does not undo")
         with open(os.path.join(self.path, info.relative_path), "rb") as f:
-            archive = _FileWindow(f, info.offset, info.length)
+            archive = ArchiveWindow(f, info.offset, info.length)
             with torch.serialization.skip_data():
                 layout = torch.load(archive, map_location="cpu", weights_only=True)
             storage_bytes = layout.untyped_storage().nbytes()
-            start = info.offset + _data_record_offset(archive, storage_bytes, index.fqn)
+            start = info.offset + data_record_offset(archive, storage_bytes, index.fqn)
             flat = map_tensor(f, start, storage_bytes // layout.element_size(), layout.dtype)
         return flat.as_strided(layout.shape, layout.stride(), layout.storage_offset())
-
-
-def _data_record_offset(archive: io.RawIOBase, nbytes: int, key: str) -> int:
-    """Where the bytes of a torch.save archive's only storage (data/0, stored uncompressed)
-    begin within the archive."""
-    with zipfile.ZipFile(archive) as zf:
-        records = [i for i in zf.infolist() if "/data/" in i.filename]
-    if len(records) != 1 or records[0].compress_type != zipfile.ZIP_STORED \
-            or records[0].file_size != nbytes:
-        raise ValueError(f"chunk {key!r} is not one uncompressed tensor storage of {nbytes} "
-                         f"bytes: {[(i.filename, i.file_size) for i in records]}")
-    archive.seek(records[0].header_offset)
-    header = archive.read(30)
-    name_length, extra_length = struct.unpack("<HH", header[26:30])
-    return records[0].header_offset + 30 + name_length + extra_length
-
-
-class _FileWindow(io.RawIOBase):
-    """Bytes [offset, offset + length) of an open file as a seekable file of their own: the
-    torch.save archive of one chunk, among the many back to back in a torch_dist file."""
-
-    def __init__(self, file, offset: int, length: int):
-        super().__init__()
-        self._file, self._offset, self._length, self._pos = file, offset, length, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, pos: int, whence: int = os.SEEK_SET) -> int:
-        base = {os.SEEK_SET: 0, os.SEEK_CUR: self._pos, os.SEEK_END: self._length}[whence]
-        self._pos = min(max(base + pos, 0), self._length)
-        return self._pos
-
-    def readinto(self, buffer) -> int:
-        view = memoryview(buffer).cast("B")
-        view = view[:max(0, self._length - self._pos)]
-        self._file.seek(self._offset + self._pos)
-        n = self._file.readinto(view)
-        self._pos += n
-        return n

@@ -129,20 +129,22 @@ def first_host(nodelist: str) -> str:
     """First host of a Slurm compressed node list: the first entry of each bracket of the first
     comma-separated name, e.g. 'gpu[003-010,012],login1' -> 'gpu003',
     'rack[1-2]-n[01-04]' -> 'rack1-n01'."""
+    bad = ValueError(f"cannot parse Slurm node list {nodelist!r}; set MASTER_ADDR to the host "
+                     f"of rank 0")
     text, host, i = nodelist.strip(), [], 0
     while i < len(text) and text[i] != ",":
         if text[i] == "[":
             end = text.find("]", i)
             first = text[i + 1:end].split(",")[0].split("-")[0] if end > 0 else ""
             if not first:
-                raise ValueError(f"cannot parse Slurm node list {nodelist!r}")
+                raise bad
             host.append(first)
             i = end + 1
         else:
             host.append(text[i])
             i += 1
     if not host or "]" in "".join(host):
-        raise ValueError(f"cannot parse Slurm node list {nodelist!r}")
+        raise bad
     return "".join(host)
 
 
