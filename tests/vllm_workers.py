@@ -179,3 +179,79 @@ def tensor_parallel(hf_dir: str, ckpt: str, prompts: list[list[int]]) -> dict:
         engine.shutdown()
     out["trainer_group_alive"] = _trainer_group_works()
     return out
+
+
+# --------------------------------------------------------------- the architecture x layout matrix
+
+
+_VOCAB_TENSORS = {"model.embed_tokens.weight": "embed_tokens", "lm_head.weight": "lm_head"}
+
+
+def _recording(stream, store: dict):
+    """Pass a weight stream through, keeping a copy of the vocabulary tensors it carries."""
+    for bucket in stream:
+        for name, tensor in bucket:
+            if name in _VOCAB_TENSORS:
+                store[_VOCAB_TENSORS[name]] = tensor.detach().clone()
+        yield bucket
+
+
+def _embeddings_match(engine: VLLMEngine, streamed: dict) -> dict:
+    """Whether this rank's engine computes with exactly the streamed embedding and output
+    projection (the embedding again when tied), the latter read through its own GEMM."""
+    seen = engine._llm.collective_rpc("effective_embeddings")[0]
+    start = seen["vocab_start"]
+    out = {}
+    for key in ("embed_tokens", "lm_head"):
+        full = streamed.get(key, streamed["embed_tokens"])
+        rows = full[start:start + seen[key].shape[0]].to(seen[key].dtype)
+        out[key] = bool(torch.equal(seen[key], rows))
+    return out
+
+
+def _nudge_output_copy(engine_) -> None:
+    """Move one element of the last stage's copy of a tied embedding by one ulp."""
+    module = engine_.unwrapped()[-1]
+    if module.post_process:
+        weight = module.shared_embedding_or_output_weight()
+        with torch.no_grad():
+            weight[0, 0] = torch.nextafter(weight[0, 0], weight[0, 0] + 1)
+
+
+def logprob_matrix(cases: list[tuple[str, str, str, list[int]]], parallel: ParallelConfig,
+                   prompts: list[list[int]], *,
+                   probe_tied_drift: bool = False) -> dict:
+    """For each (label, HF dir, checkpoint, engine TPs) and engine TP: a trainer at `parallel`
+    feeds a fresh engine, takes one optimizer step on the engine's samples (so a stale copy of any
+    tensor shows), syncs again, and scores the engine's new samples. Per case and engine TP:
+    the gap, whether the engine's embedding and output projection equal the trainer's
+    bitwise. `probe_tied_drift`: afterwards, one ulp of difference between the last case's
+    two embedding copies (PP > 1) must stop its next optimizer step."""
+    out = {}
+    mesh = None
+    for label, hf_dir, ckpt, engine_tps in cases:
+        mesh = mesh or init_mesh(parallel)
+        engine_ = engine_from_checkpoint(ckpt, parallel, mesh, OPTIM, on_gpu=False)
+        bridge = WeightBridge(engine_.chunks, mesh, engine_.spec.model,
+                              checkpoint_architecture(read_meta(ckpt)),
+                              bucket_bytes=BUCKET_BYTES)
+        actor = PolicyRole(engine_)
+        for tp in engine_tps:
+            engine = _engine(hf_dir, tensor_parallel_size=tp)
+            engine.update_weights(bridge.stream())
+            first = engine.generate(prompts, SAMPLED)
+            batch = rollout_batch(prompts, first).sequences
+            advantages = torch.randn(batch.shape, generator=torch.Generator().manual_seed(tp))
+            step, _ = actor.train_step(batch, actor.logprobs(batch), advantages)
+            synced = {}
+            engine.update_weights(_recording(bridge.stream(), synced))
+            sampled = engine.generate(prompts, dataclasses.replace(SAMPLED, seed=7))
+            out[label, tp] = {"gap": _scored(actor, prompts, sampled)["gap"],
+                              "embeddings": _embeddings_match(engine, synced),
+                              "skipped": step.skipped}
+            engine.shutdown()
+    if probe_tied_drift:
+        _nudge_output_copy(engine_)
+        out["drift"] = error_of(lambda: actor.train_step(batch, actor.logprobs(batch),
+                                                         advantages))
+    return out

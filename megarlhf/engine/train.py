@@ -93,6 +93,7 @@ class TrainEngine:
         out = forward_backward(self.chunks, self.mesh, microbatches, loss_fn, forward_only=False)
         ok, grad_norm, _ = self.optimizer.step()
         self.scheduler.step(increment=1)
+        self._check_tied_copies()
 
         sums = self.global_sums(out)
         return StepMetrics(
@@ -103,6 +104,27 @@ class TrainEngine:
             skipped=not ok,
             sums=sums,
         )
+
+    def _check_tied_copies(self) -> None:
+        """With tied embeddings and PP > 1 Megatron keeps two copies of the embedding, on the
+        first stage (input) and the last (output), kept equal only by updating both with the
+        same all-reduced gradient. A drift would make the trainer's logits disagree with the
+        embedding the rollout engines get (from the first stage), so compare a bitwise
+        fingerprint of the two after every step, over the embedding group."""
+        group = self.mesh.embedding_group
+        if group is None or self.mesh.pp == 1 or not self.spec.model.tie_embeddings \
+                or self.spec.value_head:
+            return
+        modules = self.unwrapped()
+        module = modules[0] if self.mesh.is_first_stage else modules[-1]
+        mine = bit_fingerprint(module.shared_embedding_or_output_weight())
+        prints = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(prints, mine, group=group)
+        if any(not torch.equal(p, prints[0]) for p in prints):
+            raise RuntimeError("the tied embedding's copies on the first and last pipeline "
+                               "stage differ after an optimizer step (their gradients were "
+                               "not reduced together); logits and rollout weights would "
+                               "disagree")
 
     def global_sums(self, out: list[dict]) -> dict[str, float]:
         """Every 0-dim entry of the loss closures' dicts summed over micro-batches and DP
@@ -122,3 +144,21 @@ class TrainEngine:
         return [getattr(c, "module", c) for c in self.chunks]
 
 
+_INT_OF_WIDTH = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+@torch.no_grad()
+def bit_fingerprint(tensor: torch.Tensor, rows_per_block: int = 4096) -> torch.Tensor:
+    """[2] int64 from the tensor's bit patterns: their sum and their row-weighted sum (wrapping
+    on overflow). Equal tensors give equal fingerprints; a changed bit or a moved row changes
+    them. Read in row blocks so the int64 copy stays small."""
+    bits = tensor.detach().view(_INT_OF_WIDTH[tensor.element_size()])
+    bits = bits.reshape(bits.shape[0], -1) if bits.dim() else bits.reshape(1, 1)
+    out = torch.zeros(2, dtype=torch.int64, device=tensor.device)
+    for start in range(0, bits.shape[0], rows_per_block):
+        block = bits[start:start + rows_per_block].to(torch.int64)
+        weights = torch.arange(start + 1, start + 1 + block.shape[0], dtype=torch.int64,
+                               device=tensor.device).unsqueeze(1)
+        out[0] += block.sum()
+        out[1] += (block * weights).sum()
+    return out

@@ -103,6 +103,10 @@ def architecture_for_hf_config(config, where: str) -> tuple[Architecture, bool]:
     return architecture_for_hf_class(classes[0])
 
 
+def architecture_names() -> list[str]:
+    return sorted(_BY_NAME)
+
+
 def architecture(name: str) -> Architecture:
     if name not in _BY_NAME:
         raise ValueError(f"unknown architecture {name!r}; known: {sorted(_BY_NAME)}")
