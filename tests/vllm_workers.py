@@ -15,12 +15,14 @@ import torch.distributed as dist
 from megarlhf.convert.mcore_to_hf import checkpoint_architecture, mcore_to_hf
 from megarlhf.engine.checkpoint import engine_from_checkpoint, read_meta, save_checkpoint
 from megarlhf.engine.optim import OptimConfig
+from megarlhf.models.gpt import model_spec
 from megarlhf.parallel.mesh import ParallelConfig, init_mesh
 from megarlhf.roles.policy import PolicyRole
 from megarlhf.rollout.bridge import WeightBridge
 from megarlhf.rollout.engine import SamplingParams
 from megarlhf.rollout.experience import rollout_batch
 from megarlhf.rollout.gap import logprob_gap
+from megarlhf.rollout.megatron_engine import MegatronEngine, MegatronEngineConfig
 from megarlhf.rollout.vllm_engine import VLLMEngine, VLLMEngineConfig
 from tests.generation_workers import as_tuples, error_of
 
@@ -196,10 +198,23 @@ def _recording(stream, store: dict):
         yield bucket
 
 
-def _embeddings_match(engine: VLLMEngine, streamed: dict) -> dict:
+def _megatron_embeddings(engine: MegatronEngine) -> dict:
+    """This rank's vocabulary rows of a Megatron engine's embedding and output projection (it
+    computes with its parameters as they are)."""
+    model, vocab = engine.model, engine.spec.model.vocab_size
+    embedding = model.embedding.word_embeddings.weight
+    head = model.shared_embedding_or_output_weight() \
+        if model.share_embeddings_and_output_weights else model.output_layer.weight
+    start = engine.mesh.tp_rank * embedding.shape[0]
+    rows = max(0, min(embedding.shape[0], vocab - start))
+    return {"embed_tokens": embedding[:rows], "lm_head": head[:rows], "vocab_start": start}
+
+
+def _embeddings_match(engine, streamed: dict) -> dict:
     """Whether this rank's engine computes with exactly the streamed embedding and output
-    projection (the embedding again when tied), the latter read through its own GEMM."""
-    seen = engine._llm.collective_rpc("effective_embeddings")[0]
+    projection (the embedding again when tied); vLLM's read through its own GEMM."""
+    seen = engine._llm.collective_rpc("effective_embeddings")[0] \
+        if isinstance(engine, VLLMEngine) else _megatron_embeddings(engine)
     start = seen["vocab_start"]
     out = {}
     for key in ("embed_tokens", "lm_head"):
@@ -219,11 +234,12 @@ def _nudge_output_copy(engine_) -> None:
 
 
 def logprob_matrix(cases: list[tuple[str, str, str, list[int]]], parallel: ParallelConfig,
-                   prompts: list[list[int]], *,
+                   prompts: list[list[int]], *, backend: str = "vllm",
                    probe_tied_drift: bool = False) -> dict:
     """For each (label, HF dir, checkpoint, engine TPs) and engine TP: a trainer at `parallel`
     feeds a fresh engine, takes one optimizer step on the engine's samples (so a stale copy of any
-    tensor shows), syncs again, and scores the engine's new samples. Per case and engine TP:
+    tensor shows), syncs again, and scores the engine's new samples. `backend` 'megatron':
+    the colocated Megatron engine, in the trainer's layout (engine TPs are ignored). Per case and engine TP:
     the gap, whether the engine's embedding and output projection equal the trainer's
     bitwise. `probe_tied_drift`: afterwards, one ulp of difference between the last case's
     two embedding copies (PP > 1) must stop its next optimizer step."""
@@ -236,8 +252,10 @@ def logprob_matrix(cases: list[tuple[str, str, str, list[int]]], parallel: Paral
                               checkpoint_architecture(read_meta(ckpt)),
                               bucket_bytes=BUCKET_BYTES)
         actor = PolicyRole(engine_)
-        for tp in engine_tps:
-            engine = _engine(hf_dir, tensor_parallel_size=tp)
+        for tp in engine_tps if backend == "vllm" else [parallel.tensor_parallel]:
+            engine = _engine(hf_dir, tensor_parallel_size=tp) if backend == "vllm" else \
+                MegatronEngine(model_spec(engine_.spec.model, parallel), mesh,
+                               MegatronEngineConfig(architecture=bridge._arch_name))
             engine.update_weights(bridge.stream())
             first = engine.generate(prompts, SAMPLED)
             batch = rollout_batch(prompts, first).sequences
