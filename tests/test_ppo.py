@@ -383,3 +383,66 @@ def test_bf16_ppo_with_a_tp2_vllm_engine_over_two_ranks(base, vllm_checkpoints, 
     gaps = [m["rollout/logprob_gap_max"] for m in history]
     # Above the fp32 gap: the engine and the roles really ran in bf16.
     assert VLLM_TOL < max(gaps) < BF16_GAP_TOL, gaps
+
+
+# ------------------------------------------------------------ every accepted config value runs
+
+VALUE_RUNS = {
+    # Values no other test runs, a few per run so the matrix stays small (one rank, one step).
+    "rloo_fp16": dict(algorithm="rloo", aggregation="seq_mean_token_mean", kl_estimator="k2",
+                      dtype="fp16"),
+    "reinforce_pp": dict(algorithm="reinforce++", kl_estimator="k3", nan_policy="skip"),
+    "reinforce_pp_baseline": dict(algorithm="reinforce++_baseline", kl_estimator="k1",
+                                  whiten_advantages=False),
+}
+RUN_ELSEWHERE = {
+    # field: {value: the test above that runs a step with it}
+    "algorithm": {"ppo": "test_ppo_reward_rises_at_tp2_dp2_under_ray",
+                  "grpo": "test_grpo_reward_rises"},
+    "aggregation": {"token_mean": "test_grpo_reward_rises"},
+    "dtype": {"fp32": "test_grpo_reward_rises",
+              "bf16": "test_bf16_ppo_with_a_tp2_vllm_engine_over_two_ranks"},
+    "nan_policy": {"stop": "test_grpo_reward_rises"},
+    "worker_group": {"local": "test_grpo_reward_rises",
+                     "ray": "test_ppo_reward_rises_at_tp2_dp2_under_ray"},
+    # placement x rollout_backend
+    ("placement", "rollout_backend"): {
+        ("colocated", "megatron"): "test_grpo_reward_rises",
+        ("colocated", "vllm"): "test_colocated_ppo_reward_rises_under_ray_with_vllm",
+        ("disaggregated", "megatron"): "test_disaggregated_equals_colocated_and_resumes_exactly",
+        ("disaggregated", "vllm"): "test_disaggregated_ppo_reward_rises_under_ray_with_vllm"},
+}
+
+
+def test_every_enum_value_and_placement_backend_pair_has_a_run():
+    """A new value of an enum-like field fails here until a test runs a step with it."""
+    from megarlhf.models.transformer_config import DTYPES
+    from megarlhf.ppo import config as ppo_config
+    from megarlhf.rl import AGGREGATION_MODES, KL_ESTIMATORS
+
+    accepted = {"algorithm": ppo_config.ALGORITHMS, "aggregation": AGGREGATION_MODES,
+                "kl_estimator": tuple(KL_ESTIMATORS), "dtype": tuple(DTYPES),
+                "nan_policy": ppo_config.NAN_POLICIES, "worker_group": ppo_config.WORKER_GROUPS,
+                ("placement", "rollout_backend"): tuple(
+                    (p, b) for p in ppo_config.PLACEMENTS for b in ppo_config.ROLLOUT_BACKENDS)}
+    names = set(globals())
+    for field, values in accepted.items():
+        covered = set(RUN_ELSEWHERE.get(field, {}))
+        assert all(name in names for name in RUN_ELSEWHERE.get(field, {}).values()), field
+        if isinstance(field, str):
+            covered |= {run[field] for run in VALUE_RUNS.values() if field in run}
+        assert covered == set(values), (field, set(values) - covered)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(VALUE_RUNS))
+def test_each_config_value_runs_a_step(base, tmp_path, name):
+    fields = VALUE_RUNS[name]
+    critic_free = fields.get("algorithm", "ppo") != "ppo"
+    config = dataclasses.replace(base, out_dir=str(tmp_path), nproc=1, tensor_parallel=1,
+                                 steps=1, ppo_epochs=1, mini_batches=1, prompts_per_step=4,
+                                 samples_per_prompt=4, critic=None if critic_free else base.critic,
+                                 **fields)
+    (metrics,) = run(config)
+    assert metrics["actor/skipped"] == 0.0 and math.isfinite(metrics["actor/policy_loss"]), metrics
+    assert metrics["actor/grad_norm"] > 0, metrics

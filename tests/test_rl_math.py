@@ -443,3 +443,49 @@ def test_dp_global_whitening_equals_whitening_the_whole_batch():
         torch.testing.assert_close(got[key], want[key], **TOL, msg=key)
     per_rank = masked_whiten(x[:B // 2], d["mask"][:B // 2])
     assert (per_rank - want["whiten"][:B // 2]).abs().max() > 0.1
+
+
+# --- the controller's choice of estimator -----------------------------------------------------
+
+
+def _controller_config(algorithm: str, **fields):
+    from megarlhf.ppo.config import PPOConfig
+
+    return PPOConfig(actor="a", critic="c", prompts="p", out_dir="o", reward_fn="m:f",
+                     algorithm=algorithm, prompts_per_step=B // 3, samples_per_prompt=3,
+                     kl_estimator="k3", gamma=0.9, clip_reward=1.5, **fields)
+
+
+@pytest.mark.parametrize("algorithm", ["reinforce++", "reinforce++_baseline"])
+@pytest.mark.parametrize("whiten", [True, False])
+def test_controller_reinforce_pp_is_the_formula_whitened_once(algorithm, whiten):
+    """Token-level KL (k3, coefficient 0.2) in the reward, returns discounted by 0.9, one
+    whitening over the batch; the baseline variant first subtracts the group's mean score."""
+    from megarlhf.ppo.controller import compute_advantages
+
+    d = _reinforce_inputs(seed=40)
+    config = _controller_config(algorithm, whiten_advantages=whiten)
+    exp = {"logp": d["logp"], "ref_logp": d["ref"]}
+    got, returns = compute_advantages(config, d["score"], exp, d["mask"], kl_coef=0.2)
+    s = lists(d["score"])
+    if algorithm == "reinforce++_baseline":
+        s = [s[i] - statistics.fmean(s[i - i % 3:i - i % 3 + 3]) for i in range(B)]
+    rewards = ref_shaped_rewards(s, lists(d["logp"]), lists(d["ref"]), SPANS, 0.2, "k3", 1.5)
+    want = ref_whiten(ref_returns_to_go(rewards, SPANS, 0.9), SPANS)
+    torch.testing.assert_close(got, tensor(want), **TOL)
+    assert returns is None
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "rloo"])
+def test_controller_group_estimators_whiten_when_asked(algorithm):
+    from megarlhf.ppo.controller import compute_advantages
+
+    score, mask = rand(B, seed=41), make_mask()
+    exp = {"logp": torch.zeros(B, T), "ref_logp": torch.zeros(B, T)}
+    plain, _ = compute_advantages(_controller_config(algorithm, whiten_advantages=False),
+                                  score, exp, mask, kl_coef=0.2)
+    torch.testing.assert_close(plain, critic_free_advantages(algorithm, score, mask,
+                                                             group_size=3), **TOL)
+    whitened, _ = compute_advantages(_controller_config(algorithm), score, exp, mask,
+                                     kl_coef=0.2)
+    torch.testing.assert_close(whitened, tensor(ref_whiten(lists(plain), SPANS)), **TOL)

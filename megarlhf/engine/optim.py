@@ -60,6 +60,10 @@ def build_optimizer(cfg: OptimConfig, chunks, *, dtype: torch.dtype):
             clip_grad=cfg.clip_grad,
             bf16=dtype == torch.bfloat16,
             fp16=dtype == torch.float16,
+            # fp16's dynamic loss scale starts here. megatron-core's default, 2**32, overflows
+            # and skips the first ~60 updates while it halves (hysteresis 2): a short RL run
+            # would learn nothing. 2**16 is DeepSpeed's default start.
+            initial_loss_scale=2.0**16,
             params_dtype=dtype,
             use_distributed_optimizer=cfg.use_distributed_optimizer,
         ),

@@ -96,6 +96,8 @@ class PPOConfig:
     gamma: float = 1.0
     lam: float = 0.95
     whiten_advantages: bool = True
+    """Whiten ppo / grpo / rloo advantages over the batch. REINFORCE++ and its baseline
+    variant whiten as part of their estimator, once, whatever this says."""
     actor_lr: float = 1e-5
     critic_lr: float = 1e-5
     # -- run control --

@@ -98,18 +98,8 @@ def ppo_step(config: PPOConfig, workers: Placement, sampler: PromptSampler, kl_c
     score = score_responses(exp, prompts, completions, reward_fn)
     timer["experience"], t = time.perf_counter() - t, time.perf_counter()
 
-    values = returns = None
-    if config.algorithm == "ppo":
-        rewards = kl_shaped_rewards(score, exp["logp"], exp["ref_logp"], mask,
-                                    kl_coef=kl_ctl.value, kind=config.kl_estimator,
-                                    clip_reward=config.clip_reward)
-        values = exp["values"]
-        advantages, returns = gae(rewards, values, mask, gamma=config.gamma, lam=config.lam)
-    else:
-        advantages = critic_free_advantages(config.algorithm, score, mask,
-                                            group_size=config.samples_per_prompt)
-    if config.whiten_advantages:
-        advantages = masked_whiten(advantages, mask)
+    values = exp.get("values")
+    advantages, returns = compute_advantages(config, score, exp, mask, kl_ctl.value)
 
     train_metrics = []
     if not _finite(score, advantages) and config.nan_policy == "stop":
@@ -134,6 +124,38 @@ def ppo_step(config: PPOConfig, workers: Placement, sampler: PromptSampler, kl_c
                            returns=returns, train=train_metrics, gap=gap, kl=float(kl),
                            kl_coef=kl_ctl.value, timer=timer, skipped=not train_metrics)
     return {**metrics, **overhead_metrics(time.perf_counter() - start, workers.take_busy())}
+
+
+def compute_advantages(config: PPOConfig, score: torch.Tensor, exp: dict, mask: torch.Tensor,
+                       kl_coef: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(advantages_BT, returns_BT or None) of the global batch for `config.algorithm`.
+
+    - ppo: KL-shaped token rewards, GAE against the critic's values, then whitening when
+      `whiten_advantages`.
+    - grpo / rloo: the group estimator, then whitening when `whiten_advantages`.
+    - reinforce++ / reinforce++_baseline: KL-shaped token rewards, discounted returns and a
+      whitening over the batch are the estimator itself, so they are whitened exactly once
+      whatever `whiten_advantages` says.
+    The controller holds the whole batch, so batch statistics need no process group."""
+    if config.algorithm == "ppo":
+        rewards = kl_shaped_rewards(score, exp["logp"], exp["ref_logp"], mask, kl_coef=kl_coef,
+                                    kind=config.kl_estimator, clip_reward=config.clip_reward)
+        advantages, returns = gae(rewards, exp["values"], mask, gamma=config.gamma,
+                                  lam=config.lam)
+    elif config.algorithm in ("reinforce++", "reinforce++_baseline"):
+        options = dict(logp_BT=exp["logp"], ref_logp_BT=exp["ref_logp"], kl_coef=kl_coef,
+                       kl_kind=config.kl_estimator, gamma=config.gamma,
+                       clip_reward=config.clip_reward)
+        if config.algorithm == "reinforce++_baseline":
+            options["group_size"] = config.samples_per_prompt
+        return critic_free_advantages(config.algorithm, score, mask, **options), None
+    else:
+        advantages = critic_free_advantages(config.algorithm, score, mask,
+                                            group_size=config.samples_per_prompt)
+        returns = None
+    if config.whiten_advantages:
+        advantages = masked_whiten(advantages, mask)
+    return advantages, returns
 
 
 def overhead_metrics(wall: float, busy: dict[str, float]) -> dict[str, float]:
