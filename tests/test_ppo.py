@@ -391,7 +391,9 @@ VALUE_RUNS = {
     # Values no other test runs, a few per run so the matrix stays small (one rank, one step).
     "rloo_fp16": dict(algorithm="rloo", aggregation="seq_mean_token_mean", kl_estimator="k2",
                       dtype="fp16"),
-    "reinforce_pp": dict(algorithm="reinforce++", kl_estimator="k3", nan_policy="skip"),
+    # A limit below fp32 noise: every step is over it, and 'warn' goes on.
+    "reinforce_pp": dict(algorithm="reinforce++", kl_estimator="k3", nan_policy="skip",
+                         logprob_gap_policy="warn", logprob_gap_limit=1e-12),
     "reinforce_pp_baseline": dict(algorithm="reinforce++_baseline", kl_estimator="k1",
                                   whiten_advantages=False),
 }
@@ -403,6 +405,7 @@ RUN_ELSEWHERE = {
     "dtype": {"fp32": "test_grpo_reward_rises",
               "bf16": "test_bf16_ppo_with_a_tp2_vllm_engine_over_two_ranks"},
     "nan_policy": {"stop": "test_grpo_reward_rises"},
+    "logprob_gap_policy": {"stop": "test_gap_over_the_limit_stops_before_training"},
     "worker_group": {"local": "test_grpo_reward_rises",
                      "ray": "test_ppo_reward_rises_at_tp2_dp2_under_ray"},
     # placement x rollout_backend
@@ -419,10 +422,12 @@ def test_every_enum_value_and_placement_backend_pair_has_a_run():
     from megarlhf.models.transformer_config import DTYPES
     from megarlhf.ppo import config as ppo_config
     from megarlhf.rl import AGGREGATION_MODES, KL_ESTIMATORS
+    from megarlhf.rollout.gap import GAP_POLICIES
 
     accepted = {"algorithm": ppo_config.ALGORITHMS, "aggregation": AGGREGATION_MODES,
                 "kl_estimator": tuple(KL_ESTIMATORS), "dtype": tuple(DTYPES),
-                "nan_policy": ppo_config.NAN_POLICIES, "worker_group": ppo_config.WORKER_GROUPS,
+                "nan_policy": ppo_config.NAN_POLICIES,
+                "logprob_gap_policy": GAP_POLICIES, "worker_group": ppo_config.WORKER_GROUPS,
                 ("placement", "rollout_backend"): tuple(
                     (p, b) for p in ppo_config.PLACEMENTS for b in ppo_config.ROLLOUT_BACKENDS)}
     names = set(globals())
@@ -446,3 +451,16 @@ def test_each_config_value_runs_a_step(base, tmp_path, name):
     (metrics,) = run(config)
     assert metrics["actor/skipped"] == 0.0 and math.isfinite(metrics["actor/policy_loss"]), metrics
     assert metrics["actor/grad_norm"] > 0, metrics
+
+
+@pytest.mark.slow
+def test_gap_over_the_limit_stops_before_training(base, tmp_path):
+    """fp32 Megatron rollouts differ from the trainer by ~1e-7: over a 1e-12 limit the first
+    step stops, before any update or checkpoint."""
+    from megarlhf.rollout.gap import LogprobGapError
+
+    config = dataclasses.replace(base, out_dir=str(tmp_path), nproc=1, tensor_parallel=1,
+                                 steps=2, logprob_gap_limit=1e-12)
+    with pytest.raises(LogprobGapError, match=r"step 1: the rollout engine's logprobs"):
+        run(config)
+    assert checkpoints.latest(config.out_dir) is None

@@ -296,3 +296,16 @@ def test_tp2_trainer_feeds_tp1_and_tp2_engines(tensor_parallel, colocated):
         for engine in ("vllm_tp1", "vllm_tp2"):
             assert rank[engine]["scored"]["gap"].max_abs <= TOL, engine
     assert rank0["vllm_tp2"]["greedy"] == rank1["vllm_tp2"]["greedy"]
+
+
+def test_gap_guard_stops_or_warns_above_the_limit():
+    from megarlhf.rollout.gap import LogprobGap, LogprobGapError, check_gap
+
+    fine = LogprobGap(mean_abs=2e-6, max_abs=1e-5, num_tokens=10)
+    assert check_gap(fine, limit=1e-3, policy="stop", step=3) is None
+    broken = LogprobGap(mean_abs=0.56, max_abs=1.7, num_tokens=10)
+    with pytest.raises(LogprobGapError, match=r"step 3: .* by 0\.56 nats per token on average "
+                                              r"\(max 1\.7; logprob_gap_limit=0\.001\)"):
+        check_gap(broken, limit=1e-3, policy="stop", step=3)
+    warning = check_gap(broken, limit=1e-3, policy="warn", step=3)
+    assert "weight sync" in warning and "logprob_gap_policy=warn" in warning

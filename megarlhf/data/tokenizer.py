@@ -157,3 +157,25 @@ def train_sentencepiece(lines: Iterable[str], out_file: str, *, vocab_size: int,
     )
     os.remove(f"{prefix}.vocab")
     return out_file
+
+
+def eos_token_ids(hf_dir: str) -> tuple[int, ...]:
+    """Every id that ends a sample of the model in `hf_dir` (an HF directory, or a checkpoint's
+    `hf/` sidecar): generation_config.json's and config.json's `eos_token_id` (an id or a
+    list: chat models often stop on end-of-turn as well as end-of-text) and the tokenizer's
+    EOS. Sorted, without repeats; () when none is given."""
+    import json
+
+    ids: set[int] = set()
+    for name in ("generation_config.json", "config.json"):
+        path = os.path.join(hf_dir, name)
+        if os.path.isfile(path):
+            with open(path, encoding="utf-8") as f:
+                value = json.load(f).get("eos_token_id")
+            ids.update([value] if isinstance(value, int) else value or [])
+    if is_tokenizer(hf_dir):
+        try:
+            ids.add(load_tokenizer(hf_dir).eos_id)
+        except ValueError:
+            pass  # a tokenizer without an EOS token adds no id
+    return tuple(sorted(ids))

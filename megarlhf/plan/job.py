@@ -275,13 +275,15 @@ def _rollout_terms(config: PPOConfig, spec: GroupSpec, model: ModelConfig, seq: 
         engines = spec.parallel.data_parallel_size(spec.nproc)
         per_batch = max(1, MegatronEngineConfig().max_batch_size // n)
         rows = min(math.ceil(config.prompts_per_step / engines), per_batch) * n
+        kv = memory.kv_cache(model, tp, rows, seq, nbytes)
     else:
-        # vLLM pages its cache; planning the engine's whole share at once is what lets it
-        # run every sequence concurrently.
+        # vLLM pages its cache; the engines get their whole share of the batch at once, so
+        # every sequence runs concurrently (rollout/sizing.py, which the workers use too).
         tp = config.rollout_tp
-        engines = spec.nproc // tp
-        rows = math.ceil(config.prompts_per_step / engines) * n
+        size = config.vllm_engine_size(model, seq - config.max_new_tokens)
+        rows = math.ceil(config.prompts_per_step / config.rollout_engines) * n
+        kv = size.kv_cache_bytes if size.kv_cache_bytes is not None else \
+            memory.kv_cache(model, tp, rows, size.max_model_len, nbytes)
     weights = rank_params(model, ParallelConfig(tensor_parallel=tp), 0) * nbytes
     return [Term("rollout", "weights", weights, None),
-            Term("rollout", "KV cache", memory.kv_cache(model, tp, rows, seq, nbytes),
-                 "rollout")]
+            Term("rollout", "KV cache", kv, "rollout")]

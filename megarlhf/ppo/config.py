@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import math
 import importlib.util
 import os
 import typing
@@ -15,6 +16,10 @@ import typing
 import yaml
 
 from megarlhf.configio import convert
+from megarlhf.models.config import ModelConfig
+from megarlhf.rollout import sizing
+from megarlhf.rollout.gap import DEFAULT_GAP_LIMITS, GAP_POLICIES
+from megarlhf.rollout.sizing import EngineSize
 from megarlhf.models.transformer_config import DTYPES
 from megarlhf.rl import AGGREGATION_MODES, CRITIC_FREE_ESTIMATORS, KL_ESTIMATORS
 
@@ -68,13 +73,29 @@ class PPOConfig:
     rollout_backend: str = "megatron"
     vllm_model_dir: str | None = None
     """HF directory with the actor's config.json (vLLM backend)."""
+    rollout_max_model_len: int | None = None
+    """vLLM engines: the longest prompt + response they serve. None: the longest prompt of the
+    prompts file + max_new_tokens (never the model's full context)."""
+    rollout_kv_cache_bytes: int | None = None
+    """vLLM engines: KV-cache bytes on each engine rank. None: room for the engine's share of
+    a step's samples at rollout_max_model_len, all at once (what `megarlhf plan` counts)."""
+    rollout_gpu_memory_utilization: float | None = None
+    """vLLM engines: size the KV cache as this fraction of device memory instead, for engines
+    with a device of their own (next to a resident trainer a fraction is fragile; on CPU it
+    is a fraction of all RAM). Excludes rollout_kv_cache_bytes."""
+    rollout_cuda_graphs: bool = False
+    """vLLM engines: capture CUDA graphs for decoding (GPU: slower start, faster decode).
+    False runs eagerly (CPU always does)."""
     prompts_per_step: int = 8
     samples_per_prompt: int = 1
     max_new_tokens: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
-    stop_token_ids: tuple[int, ...] = ()
+    stop_token_ids: tuple[int, ...] | None = None
+    """Tokens that end a sample (kept as its last token). None: the actor's EOS ids, from the
+    config, generation config and tokenizer files its checkpoint carries (a chat model's
+    end-of-turn too); () never stops before max_new_tokens."""
     # -- algorithm --
     algorithm: str = "ppo"
     steps: int = 10
@@ -105,6 +126,11 @@ class PPOConfig:
     save_every: int = 0
     """Checkpoint every N steps (0: only at the end)."""
     keep_last: int = 2
+    logprob_gap_limit: float | None = None
+    """Largest mean |engine - trainer| logprob gap per response token a step accepts. None:
+    the dtype's default (rollout/gap.py: fp32 1e-3, bf16 and fp16 5e-2)."""
+    logprob_gap_policy: str = "stop"
+    """Above the limit: 'stop' the run before the step trains, or 'warn' and go on."""
     nan_policy: str = "stop"
     """Non-finite reward or loss: 'stop' the run, or 'skip' the step's update."""
     # -- dashboards (metrics.jsonl and the console always) --
@@ -124,6 +150,9 @@ class PPOConfig:
         choice("algorithm", ALGORITHMS)
         choice("rollout_backend", ROLLOUT_BACKENDS)
         choice("nan_policy", NAN_POLICIES)
+        choice("logprob_gap_policy", GAP_POLICIES)
+        if self.logprob_gap_limit is not None and self.logprob_gap_limit <= 0:
+            problems.append(f"logprob_gap_limit must be > 0, got {self.logprob_gap_limit}")
         choice("worker_group", WORKER_GROUPS)
         choice("placement", PLACEMENTS)
         choice("kl_estimator", KL_ESTIMATORS)
@@ -158,6 +187,19 @@ class PPOConfig:
             problems.append("rollout_backend=vllm needs vllm_model_dir (an HF dir with the "
                             "actor's config.json, e.g. its mcore_to_hf export)")
         problems += self._rollout_tp_problems()
+        if self.rollout_max_model_len is not None and \
+                self.rollout_max_model_len <= self.max_new_tokens:
+            problems.append(f"rollout_max_model_len={self.rollout_max_model_len} leaves no room "
+                            f"for a prompt next to max_new_tokens={self.max_new_tokens}")
+        if self.rollout_kv_cache_bytes is not None and self.rollout_kv_cache_bytes <= 0:
+            problems.append(f"rollout_kv_cache_bytes must be > 0, got "
+                            f"{self.rollout_kv_cache_bytes}")
+        fraction = self.rollout_gpu_memory_utilization
+        if fraction is not None and not 0 < fraction <= 1:
+            problems.append(f"rollout_gpu_memory_utilization must be in (0, 1], got {fraction}")
+        if fraction is not None and self.rollout_kv_cache_bytes is not None:
+            problems.append("set one of rollout_kv_cache_bytes and "
+                            "rollout_gpu_memory_utilization, not both")
         rows = self.prompts_per_step * self.samples_per_prompt
         # At least 1: a model-parallel size above nproc is reported above, not divided by.
         dp = max(1, self.nproc // (self.tensor_parallel * self.pipeline_parallel))
@@ -210,6 +252,44 @@ class PPOConfig:
                    if getattr(self, name) is not None and not os.path.exists(getattr(self, name))]
         if missing:
             raise ValueError("invalid PPO config:\n  " + "\n  ".join(missing))
+
+    @property
+    def rollout_engines(self) -> int:
+        ranks = self.nproc if self.placement == "colocated" else self.rollout_nproc
+        return max(1, ranks // self.rollout_tp)
+
+    def vllm_engine_size(self, model: ModelConfig, longest_prompt: int) -> EngineSize:
+        """The vLLM engines' size for this job; ValueError naming the field to change when an
+        explicit value cannot serve the prompts (before any rank starts)."""
+        needed = longest_prompt + self.max_new_tokens
+        length = self.rollout_max_model_len or needed
+        if length < needed:
+            raise ValueError(f"rollout_max_model_len={length} is shorter than the longest "
+                             f"prompt ({longest_prompt} tokens) + max_new_tokens="
+                             f"{self.max_new_tokens}; set rollout_max_model_len >= {needed} "
+                             f"or leave it unset")
+        dtype_bytes = DTYPES[self.dtype].itemsize
+        if self.rollout_gpu_memory_utilization is not None:
+            return EngineSize(max_model_len=length, kv_cache_bytes=None,
+                              gpu_memory_utilization=self.rollout_gpu_memory_utilization)
+        least = sizing.minimum_kv_cache_bytes(model, engine_tp=self.rollout_tp,
+                                              max_model_len=length, dtype_bytes=dtype_bytes)
+        kv = self.rollout_kv_cache_bytes
+        if kv is None:
+            rows = math.ceil(self.prompts_per_step / self.rollout_engines) \
+                * self.samples_per_prompt
+            kv = sizing.job_kv_cache_bytes(model, engine_tp=self.rollout_tp, rows=rows,
+                                           max_model_len=length, dtype_bytes=dtype_bytes)
+        elif kv < least:
+            raise ValueError(f"rollout_kv_cache_bytes={kv} cannot hold one sequence of "
+                             f"{length} tokens (rollout_max_model_len); set "
+                             f"rollout_kv_cache_bytes >= {least}")
+        return EngineSize(max_model_len=length, kv_cache_bytes=kv)
+
+    @property
+    def gap_limit(self) -> float:
+        """logprob_gap_limit with its dtype default resolved."""
+        return self.logprob_gap_limit or DEFAULT_GAP_LIMITS[self.dtype]
 
     @property
     def rows_per_step(self) -> int:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import time
 
@@ -24,6 +25,7 @@ from megarlhf.ppo.config import PPOConfig
 from megarlhf.ppo.data import PromptSampler
 from megarlhf.ppo.metrics import MetricsLog, Progress, step_metrics
 from megarlhf.ppo.placement import Placement
+from megarlhf.ppo.preflight import Preflight, preflight
 from megarlhf.ppo.rewards import load_reward_fn
 from megarlhf.rl import (
     AdaptiveKLController, FixedKLController, critic_free_advantages, gae, kl_shaped_rewards,
@@ -31,7 +33,10 @@ from megarlhf.rl import (
 )
 from megarlhf.rollout.engine import SamplingParams
 from megarlhf.rollout.experience import rollout_batch
-from megarlhf.rollout.gap import logprob_gap
+from megarlhf.rollout.gap import check_gap, logprob_gap
+
+
+_log = logging.getLogger(__name__)
 
 
 class NonFiniteError(RuntimeError):
@@ -43,11 +48,12 @@ def run(config: PPOConfig) -> list[dict]:
     config.check_paths()
     reward_fn = load_reward_fn(config.reward_fn) if config.reward_fn else None
     sampler = PromptSampler(config.prompts, seed=config.seed)
+    checked = preflight(config, sampler.prompts)
     kl_ctl = (AdaptiveKLController(config.kl_coef, config.kl_target, config.kl_horizon)
               if config.kl_target is not None else FixedKLController(config.kl_coef))
     log = MetricsLog(config.out_dir, tensorboard=config.tensorboard,
                      wandb_project=config.wandb_project, run_config=dataclasses.asdict(config))
-    workers = Placement(config)
+    workers = Placement(config, checked.engine_size)
     history, progress = [], None
     try:
         start = 0
@@ -61,7 +67,8 @@ def run(config: PPOConfig) -> list[dict]:
             log.info(f"resumed from {latest} (step {start})")
         progress = Progress(config.steps, start)
         for step in range(start + 1, config.steps + 1):
-            metrics = ppo_step(config, workers, sampler, kl_ctl, reward_fn, step, progress)
+            metrics = ppo_step(config, checked, workers, sampler, kl_ctl, reward_fn, step,
+                               progress)
             history.append(metrics)
             log.write(step, metrics)
             progress.step_done(metrics)
@@ -77,14 +84,14 @@ def run(config: PPOConfig) -> list[dict]:
     return history
 
 
-def ppo_step(config: PPOConfig, workers: Placement, sampler: PromptSampler, kl_ctl, reward_fn,
-             step: int, progress: Progress) -> dict:
+def ppo_step(config: PPOConfig, checked: Preflight, workers: Placement, sampler: PromptSampler,
+             kl_ctl, reward_fn, step: int, progress: Progress) -> dict:
     timer = {}
     t = start = time.perf_counter()
     prompts = sampler.next(config.prompts_per_step)
     params = SamplingParams(max_new_tokens=config.max_new_tokens, n=config.samples_per_prompt,
                             temperature=config.temperature, top_p=config.top_p,
-                            top_k=config.top_k, stop_token_ids=config.stop_token_ids,
+                            top_k=config.top_k, stop_token_ids=checked.stop_token_ids,
                             seed=config.seed * 1_000_003 + step)  # resume-stable sampling
     progress.phase("rollout")
     completions = workers.rollout(prompts, params)
@@ -95,6 +102,11 @@ def ppo_step(config: PPOConfig, workers: Placement, sampler: PromptSampler, kl_c
 
     progress.phase("experience")
     exp = workers.experience(batch)
+    gap = logprob_gap(rollout.engine_logp, exp["logp"], batch.response_mask)
+    warning = check_gap(gap, limit=config.gap_limit, policy=config.logprob_gap_policy,
+                        step=step)  # before training on samples from another policy
+    if warning:
+        _log.warning(warning)
     score = score_responses(exp, prompts, completions, reward_fn)
     timer["experience"], t = time.perf_counter() - t, time.perf_counter()
 
@@ -119,7 +131,6 @@ def ppo_step(config: PPOConfig, workers: Placement, sampler: PromptSampler, kl_c
 
     kl = ((exp["logp"] - exp["ref_logp"]) * mask).sum() / mask.sum()
     kl_ctl.update(float(kl), config.rows_per_step)
-    gap = logprob_gap(rollout.engine_logp, exp["logp"], batch.response_mask)
     metrics = step_metrics(step=step, score=score, exp=exp, mask=mask, values=values,
                            returns=returns, train=train_metrics, gap=gap, kl=float(kl),
                            kl_coef=kl_ctl.value, timer=timer, skipped=not train_metrics)

