@@ -18,8 +18,9 @@ setup(
         "matplotlib",  # `megarlhf plot`: a run's curves to PNG
     ],
     extras_require={
-        # tensorboard: the test of PPO's TensorBoard logging (optional for users).
-        "test": ["pytest>=8", "pytest-timeout", "tensorboard"],
+        # tensorboard: the test of PPO's TensorBoard logging (optional for users). gguf and
+        # accelerate: the real-model tier dequantizes a GGUF checkpoint from the package index.
+        "test": ["pytest>=8", "pytest-timeout", "tensorboard", "gguf", "accelerate"],
         # Dashboards, used when installed: `tensorboard=true`, `wandb_project=...`.
         "dashboards": ["tensorboard", "wandb"],
         # CPU machines and CI: the CPU build of torch and vLLM's CPU build for rollouts.

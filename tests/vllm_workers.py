@@ -273,3 +273,19 @@ def logprob_matrix(cases: list[tuple[str, str, str, list[int]]], parallel: Paral
         out["drift"] = error_of(lambda: actor.train_step(batch, actor.logprobs(batch),
                                                          advantages))
     return out
+
+
+def greedy_from_files(model_dir: str, prompts: list[list[int]], max_new_tokens: int
+                      ) -> list[list[int]]:
+    """Greedy tokens of an engine that loads `model_dir`'s own weights, stopping at its EOS."""
+    from megarlhf.data.tokenizer import eos_token_ids
+
+    init_mesh(ParallelConfig())
+    engine = VLLMEngine(VLLMEngineConfig(model_dir=model_dir, load_format="auto",
+                                         max_model_len=max(map(len, prompts)) + max_new_tokens,
+                                         kv_cache_memory_bytes=64 * 1024**2))
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0,
+                            stop_token_ids=eos_token_ids(model_dir))
+    tokens = [c.token_ids for c in engine.generate(prompts, params)]
+    engine.shutdown()
+    return tokens

@@ -134,7 +134,11 @@ def ppo_step(config: PPOConfig, checked: Preflight, workers: Placement, sampler:
     metrics = step_metrics(step=step, score=score, exp=exp, mask=mask, values=values,
                            returns=returns, train=train_metrics, gap=gap, kl=float(kl),
                            kl_coef=kl_ctl.value, timer=timer, skipped=not train_metrics)
-    return {**metrics, **overhead_metrics(time.perf_counter() - start, workers.take_busy())}
+    # Samples that ended on a stop id rather than at max_new_tokens (a chat model that never
+    # stops has a wrong stop id or template).
+    stopped = sum(c.finish_reason == "stop" for c in completions) / len(completions)
+    return {**metrics, "rollout/stopped_fraction": stopped,
+            **overhead_metrics(time.perf_counter() - start, workers.take_busy())}
 
 
 def compute_advantages(config: PPOConfig, score: torch.Tensor, exp: dict, mask: torch.Tensor,
