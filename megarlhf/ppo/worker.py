@@ -30,7 +30,7 @@ from megarlhf.parallel.mesh import init_mesh
 from megarlhf.ppo.config import PPOConfig
 from megarlhf.ppo.placement import GroupSpec
 from megarlhf.rollout.bridge import WeightBridge, open_channel, receive
-from megarlhf.rollout.engine import SamplingParams
+from megarlhf.rollout.engine import EngineError, SamplingParams
 from megarlhf.rollout.sizing import EngineSize
 from megarlhf.roles.policy import PolicyLossConfig, PolicyRole
 from megarlhf.roles.sequences import SequenceBatch
@@ -92,12 +92,19 @@ class PPOWorker:
             if size is None:
                 raise ValueError("vLLM rollouts need the engine size the controller's "
                                  "preflight computes")
-            return VLLMEngine(VLLMEngineConfig(
-                model_dir=c.vllm_model_dir, seed=c.seed, tensor_parallel_size=c.rollout_tp,
-                max_model_len=size.max_model_len, kv_cache_memory_bytes=size.kv_cache_bytes,
-                gpu_memory_utilization=size.gpu_memory_utilization,
-                enforce_eager=not c.rollout_cuda_graphs,
-                dtype=str(self.dtype).removeprefix("torch.")))
+            try:
+                return VLLMEngine(VLLMEngineConfig(
+                    model_dir=c.vllm_model_dir, seed=c.seed, tensor_parallel_size=c.rollout_tp,
+                    max_model_len=size.max_model_len, kv_cache_memory_bytes=size.kv_cache_bytes,
+                    gpu_memory_utilization=size.gpu_memory_utilization,
+                    enforce_eager=not c.rollout_cuda_graphs,
+                    dtype=str(self.dtype).removeprefix("torch.")))
+            except EngineError as e:
+                raise EngineError(f"{e} [started with rollout_max_model_len="
+                                  f"{size.max_model_len}, rollout_kv_cache_bytes="
+                                  f"{size.kv_cache_bytes}, rollout_gpu_memory_utilization="
+                                  f"{size.gpu_memory_utilization}: memory errors are fixed there]"
+                                  ) from e
         from megarlhf.rollout.megatron_engine import MegatronEngine, MegatronEngineConfig
 
         return MegatronEngine(model_spec(model, self.group.parallel, dtype=self.dtype),
