@@ -292,14 +292,16 @@ def test_disaggregated_equals_colocated_and_resumes_exactly(base, tmp_path, monk
 
 @pytest.fixture(scope="module")
 def vllm_checkpoints(tmp_path_factory):
-    """A toy HF Llama that vLLM runs on this CPU (head dim 64; 16, the tiny preset's, fails)
-    and its conversions: actor, and critic with a fresh value head."""
+    """A toy HF Llama that vLLM runs on this CPU (head dim 64; 16, the tiny preset's, fails),
+    with tied embeddings (the sync path small real models need), and its conversions: actor,
+    and critic with a fresh value head."""
     from tests import hf_models
 
     root = tmp_path_factory.mktemp("vllm_ppo")
     hf_dir = hf_models.save_model(str(root / "hf"), "llama", hidden_size=128,
                                   intermediate_size=256, num_hidden_layers=2,
-                                  num_attention_heads=2, num_key_value_heads=2)
+                                  num_attention_heads=2, num_key_value_heads=2,
+                                  tie_word_embeddings=True)
     hf_to_mcore(hf_dir, str(root / "actor"), parallel=ParallelConfig())
     hf_to_mcore(hf_dir, str(root / "critic"), parallel=ParallelConfig(), role="critic",
                 init_value_head=True)
