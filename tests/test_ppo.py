@@ -204,11 +204,25 @@ def test_grpo_reward_rises(base, tmp_path):
 
 @pytest.mark.slow
 def test_a_failing_rank_stops_the_run_with_its_traceback(base, tmp_path):
-    # A value checkpoint given as the actor: every rank raises while building its roles.
-    config = dataclasses.replace(base, actor=base.critic, nproc=1, tensor_parallel=1,
-                                 out_dir=str(tmp_path))
-    with pytest.raises(WorkerError, match=r"(?s)start-up failed on colocated rank 0.*policy role "
-                                          r"needs an LM"):
+    # An actor whose weights are cut short: its metadata passes the controller's checks,
+    # every rank fails loading it.
+    import glob
+
+    actor = str(tmp_path / "actor")
+    shutil.copytree(base.actor, actor)
+    for path in glob.glob(f"{actor}/*.distcp"):
+        os.truncate(path, os.path.getsize(path) // 2)
+    config = dataclasses.replace(base, actor=actor, nproc=1, tensor_parallel=1,
+                                 out_dir=str(tmp_path / "out"))
+    with pytest.raises(WorkerError, match=r"(?s)start-up failed on colocated rank 0.*"
+                                          r"Traceback"):
+        run(config)
+
+
+def test_a_value_checkpoint_as_actor_is_refused_before_any_rank_starts(base, tmp_path):
+    config = dataclasses.replace(base, actor=base.critic, out_dir=str(tmp_path))
+    with pytest.raises(ValueError, match=r"actor: checkpoint .* has a value head, the role "
+                                         r"needs an LM head"):
         run(config)
 
 
@@ -486,6 +500,8 @@ def toy_actor(tmp_path_factory):
 def _preflight(toy_actor, prompts, **fields):
     from megarlhf.ppo.preflight import preflight
 
+    if fields.get("vllm_model_dir") == "hf":  # the HF config the checkpoint carries
+        fields["vllm_model_dir"] = os.path.join(toy_actor, "hf")
     config = PPOConfig(actor=toy_actor, prompts="p.jsonl", out_dir="o", reward_fn="m:f",
                        algorithm="grpo", samples_per_prompt=2, **fields)
     return preflight(config, prompts)
@@ -510,8 +526,9 @@ def test_preflight_resolves_stop_ids_and_the_engine_size(toy_actor):
 
 
 @pytest.mark.parametrize("prompts,fields,match", [
-    ([[1] * 250], {}, r"longest prompt \(250 tokens\) \+ max_new_tokens=16 exceeds the "
-                      r"actor's max_position_embeddings=256"),
+    ([[1] * 250], {}, r"actor: a prompt \+ response of 266 tokens exceeds the model's "
+                      r"max_position_embeddings=256"),
+    ([[5]], {"tensor_parallel": 3, "nproc": 3}, r"actor: .*3"),
     ([[5, 300]], {}, r"token id 300 is outside the actor's vocabulary \(300\)"),
     ([[5]], {"stop_token_ids": (2, 999)}, r"stop_token_ids \[999\] are outside"),
     ([[5]], {"rollout_backend": "vllm", "vllm_model_dir": "hf"},

@@ -14,8 +14,8 @@ import os
 import torch
 
 from megarlhf.data.tokenizer import eos_token_ids
-from megarlhf.engine.checkpoint import HF_SIDECAR, read_meta
-from megarlhf.models.config import ModelConfig
+from megarlhf.engine.checkpoint import HF_SIDECAR
+from megarlhf.plan.job import MODEL_ROLES, check_models, resolve_models
 from megarlhf.ppo.config import PPOConfig
 from megarlhf.rollout.sizing import EngineSize
 
@@ -35,15 +35,23 @@ class Preflight:
 
 
 def preflight(config: PPOConfig, prompts: list[list[int]]) -> Preflight:
-    """Raise ValueError naming the field and the fix for what the ranks would fail on."""
-    model = ModelConfig.from_dict(read_meta(config.actor)["model"])
+    """Raise ValueError naming every problem and its fix, for what the ranks would fail on.
+    `megarlhf ppo --dry-run` runs the same checks."""
+    models = resolve_models(config)
     longest = max(map(len, prompts))
-    problems = []
-    if longest + config.max_new_tokens > model.max_position_embeddings:
-        problems.append(f"prompts: the longest prompt ({longest} tokens) + max_new_tokens="
-                        f"{config.max_new_tokens} exceeds the actor's "
-                        f"max_position_embeddings={model.max_position_embeddings}; shorten the "
-                        f"prompts or lower max_new_tokens")
+    problems = check_models(config, models, longest + config.max_new_tokens)
+    problems += [f"{role}: {getattr(config, field)} is an HF model directory, not a megarlhf "
+                 f"checkpoint; convert it first (python -m tools.convert_hf.hf_to_mcore --hf "
+                 f"DIR --out CKPT [--role critic|reward])"
+                 for role, (field, _, _) in MODEL_ROLES.items()
+                 if role in models and models[role].origin != "checkpoint"]
+    if config.rollout_backend == "vllm" and not os.path.isfile(
+            os.path.join(config.vllm_model_dir, "config.json")):
+        problems.append(f"vllm_model_dir {config.vllm_model_dir} has no config.json (an HF "
+                        f"directory with the actor's config, e.g. its mcore_to_hf export)")
+    if problems:  # what follows reads the actor's checkpoint
+        raise ValueError("the run cannot start:\n  " + "\n  ".join(problems))
+    model = models["actor"].model
     too_big = max(max(p) for p in prompts)
     if too_big >= model.vocab_size:
         problems.append(f"prompts: token id {too_big} is outside the actor's vocabulary "
@@ -66,7 +74,7 @@ def preflight(config: PPOConfig, prompts: list[list[int]]) -> Preflight:
         except ValueError as e:
             problems.append(str(e))
     if problems:
-        raise ValueError("invalid PPO run:\n  " + "\n  ".join(problems))
+        raise ValueError("the run cannot start:\n  " + "\n  ".join(problems))
     return Preflight(stop_token_ids=tuple(stop_ids), engine_size=size)
 
 
