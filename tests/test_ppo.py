@@ -525,14 +525,20 @@ def test_preflight_resolves_stop_ids_and_the_engine_size(toy_actor):
     assert checked.engine_size is None  # Megatron rollouts
 
 
+CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="checks made on CPU machines")
+
+
 @pytest.mark.parametrize("prompts,fields,match", [
     ([[1] * 250], {}, r"actor: a prompt \+ response of 266 tokens exceeds the model's "
                       r"max_position_embeddings=256"),
     ([[5]], {"tensor_parallel": 3, "nproc": 3}, r"actor: .*3"),
     ([[5, 300]], {}, r"token id 300 is outside the actor's vocabulary \(300\)"),
     ([[5]], {"stop_token_ids": (2, 999)}, r"stop_token_ids \[999\] are outside"),
-    ([[5]], {"rollout_backend": "vllm", "vllm_model_dir": "hf"},
-     r"vLLM's CPU attention cannot serve the actor's head_dim 16"),
+    pytest.param([[5]], {"rollout_backend": "vllm", "vllm_model_dir": "hf"},
+                 r"vLLM's CPU attention cannot serve the actor's head_dim 16", marks=CPU_ONLY),
+    pytest.param([[5]], {"rollout_backend": "vllm", "vllm_model_dir": "hf",
+                         "rollout_cuda_graphs": True},
+                 r"rollout_cuda_graphs=true needs CUDA", marks=CPU_ONLY),
     ([[5] * 30], {"rollout_backend": "vllm", "vllm_model_dir": "hf",
                   "rollout_max_model_len": 40},
      r"rollout_max_model_len=40 is shorter than the longest prompt \(30 tokens\) \+ "

@@ -65,6 +65,9 @@ def preflight(config: PPOConfig, prompts: list[list[int]]) -> Preflight:
                         f"({model.vocab_size})")
     size = None
     if config.rollout_backend == "vllm":
+        if not torch.cuda.is_available() and config.rollout_cuda_graphs:
+            problems.append("rollout_cuda_graphs=true needs CUDA (there is no GPU here); "
+                            "leave it false on CPU")
         if not torch.cuda.is_available() and model.kv_channels not in VLLM_CPU_HEAD_DIMS:
             problems.append(f"rollout_backend=vllm: vLLM's CPU attention cannot serve the "
                             f"actor's head_dim {model.kv_channels} (it serves "
