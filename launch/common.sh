@@ -72,3 +72,17 @@ if [[ -n ${CONTAINER_IMAGE:-} ]]; then
     srun --nodes="${#NODES[@]}" --ntasks="${#NODES[@]}" --ntasks-per-node=1 \
         "${SRUN_CONTAINER[@]}" true || { say "cannot start $CONTAINER_IMAGE (srun's error is above: check the image name and that Pyxis is installed on the nodes)"; exit 1; }
 fi
+
+# The job's checks (the command's --dry-run: config, paths, checkpoints' metadata, layout,
+# prompts) on the first node, before any rank or Ray node starts: a mistake fails the job in
+# seconds with its one-line message here, not as a rank's traceback after start-up.
+preflight() {  # preflight MEGARLHF_COMMAND...
+    say "preflight: $* --dry-run"
+    srun --overlap --nodes=1 --ntasks=1 --nodelist="$HEAD_NODE" "${SRUN_CONTAINER[@]}" \
+        "$@" --dry-run
+    local rc=$?
+    if ((rc != 0)); then
+        say "preflight failed (exit code $rc): nothing was started"
+        exit "$rc"
+    fi
+}

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import sys
+
+from megarlhf.errors import run_command
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -44,51 +47,41 @@ def main(argv: list[str] | None = None) -> None:
     plot.add_argument("run_dir")
     plot.add_argument("--out", help="PNG path (default RUN_DIR/curves.png)")
     args = parser.parse_args(argv)
+    sys.exit(run_command(_run, args))
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.command == "plot":
         from megarlhf.ppo.plot import plot_run
 
-        try:
-            print(plot_run(args.run_dir, args.out))
-        except ValueError as e:
-            parser.exit(2, f"error: {e}\n")
-    if args.command in ("sft", "rm"):
+        print(plot_run(args.run_dir, args.out))
+    elif args.command in ("sft", "rm"):
         from megarlhf.sft import command
 
-        try:
-            command.main(args.command, args.config, args.overrides, args.nproc,
-                         dry_run=args.dry_run)
-        except ValueError as e:
-            parser.exit(2, f"error: {e}\n")
-    if args.command == "ppo":
+        command.main(args.command, args.config, args.overrides, args.nproc,
+                     dry_run=args.dry_run)
+    elif args.command == "ppo":
+        from megarlhf.plan import dryrun
+        from megarlhf.ppo.config import load_config
         from megarlhf.ppo.controller import main as ppo_main
 
-        try:
-            if args.dry_run:
-                from megarlhf.plan import dryrun
-                from megarlhf.ppo.config import load_config
-
-                print(dryrun.ppo(load_config(args.config, args.overrides)))
-            else:
-                ppo_main(args.config, args.overrides)
-        except ValueError as e:
-            parser.exit(2, f"error: {e}\n")
-    if args.command == "plan":
+        if args.dry_run:
+            print(dryrun.ppo(load_config(args.config, args.overrides)))
+        else:
+            ppo_main(args.config, args.overrides)
+    elif args.command == "plan":
         from megarlhf.plan import command as plan_command
         from megarlhf.plan.job import Cluster
 
-        try:
-            cluster = Cluster(nodes=args.nodes, gpus_per_node=args.gpus_per_node,
-                              gpu_mem_gb=args.gpu_mem_gb)
-            status = plan_command.main(args.config, args.overrides, cluster,
-                                       prompt_len=args.prompt_len, dry_run=args.dry_run)
-        except ValueError as e:
-            parser.exit(2, f"error: {e}\n")
-        parser.exit(status)
-    if args.command == "demo":
+        cluster = Cluster(nodes=args.nodes, gpus_per_node=args.gpus_per_node,
+                          gpu_mem_gb=args.gpu_mem_gb)
+        return plan_command.main(args.config, args.overrides, cluster,
+                                 prompt_len=args.prompt_len, dry_run=args.dry_run)
+    elif args.command == "demo":
         from megarlhf import demo
 
         demo.main(args.out)
-
+    return 0
 
 if __name__ == "__main__":
     main()

@@ -14,3 +14,24 @@ def low_token_fraction(prompt_ids: list[int], response_ids: list[int]) -> float:
 def nan_reward(prompt_ids: list[int], response_ids: list[int]) -> float:
     """A broken reward function: every score is NaN (the loop's nan_policy must act)."""
     return float("nan")
+
+
+# Broken reward functions for the bad-input catalogue (tests/test_bad_inputs.py).
+
+def none_reward(prompt_ids, response_ids):
+    return None
+
+
+def string_reward(prompt_ids, response_ids):
+    return "1.0"
+
+
+def raising_reward(prompt_ids, response_ids):
+    return 1 / (len(response_ids) - len(response_ids))
+
+
+def typed_reward(prompt_ids, response_ids):
+    """Rewards of every real type a function may return: int, float, 0-d tensor, inf."""
+    import torch
+
+    return [0, 1.0, torch.tensor(2.0), float("inf")][len(response_ids)]

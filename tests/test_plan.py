@@ -17,6 +17,7 @@ import json
 import os
 import re
 import shlex
+import time
 
 import pytest
 import torch
@@ -426,13 +427,14 @@ def test_ppo_dry_run_checks_paths_and_shapes_and_starts_nothing(tmp_path, monkey
         "reward_model": fake_checkpoint(tmp_path / "rm", tiny, value_head=True),
         "prompts": str(prompts), "out_dir": str(tmp_path / "out"), "nproc": 4,
         "tensor_parallel": 2, "algorithm": "grpo", "samples_per_prompt": 2}))
-    cli(["ppo", "--config", str(recipe), "--dry-run"])
-    out = capsys.readouterr().out
+    code, out, _ = run_cli(["ppo", "--config", str(recipe), "--dry-run"], capsys)
+    assert code == 0
     assert "dry run: would run grpo for 10 steps (from step 0), 3 prompts (longest 9 tokens)" \
         in out and "group colocated: 4 local rank(s), TP2 x PP1" in out
     for bad, message in ((["tensor_parallel=4"], "tensor_parallel=4 does not divide "
                                                  "num_kv_heads=2"),
-                         (["max_new_tokens=250"], "259 tokens exceeds"),
+                         (["max_new_tokens=250"], "prompts.jsonl:2: a prompt of 9 tokens + "
+                                                  "max_new_tokens=250 does not fit"),
                          ([f"actor={tmp_path}/none"], "none does not exist")):
         code, _, err = run_cli(["ppo", "--config", str(recipe), "--dry-run", *bad], capsys)
         assert code == 2 and message in err, err
@@ -459,8 +461,37 @@ def test_sft_dry_run_checks_data_and_layout_and_starts_nothing(tmp_path, monkeyp
                     parallel=ParallelConfig(tensor_parallel=2))
     path = tmp_path / "sft.yaml"
     path.write_text(yaml.safe_dump(to_dict(cfg)))
-    cli(["sft", "--config", str(path), "--nproc", "4", "--dry-run"])
-    assert "dry run: would train sft for 3 steps (from step 0) on 4 rank(s) at TP2 x PP1 x " \
-           "DP2, 2 micro-batch(es) of 2 per step; 20 training examples" in capsys.readouterr().out
+    code, out, _ = run_cli(["sft", "--config", str(path), "--nproc", "4", "--dry-run"], capsys)
+    assert code == 0 and "dry run: would train sft for 3 steps (from step 0) on 4 rank(s) at " \
+        "TP2 x PP1 x DP2, 2 micro-batch(es) of 2 per step; 20 training examples" in out
     code, _, err = run_cli(["sft", "--config", str(path), "--nproc", "3", "--dry-run"], capsys)
     assert code == 2 and "world size 3 is not divisible" in err
+
+
+@pytest.mark.parametrize("name", LARGE)
+def test_large_recipe_preflight_on_checkpoint_metadata_takes_seconds(name, tmp_path, capsys):
+    """`megarlhf ppo --dry-run` of a 70B recipe at its planned layout, with checkpoints that
+    hold only their metadata: every pre-spawn check runs, without a weight or a GPU."""
+    with open(os.path.join(RECIPES, name)) as f:
+        recipe = yaml.safe_load(f)
+    shape = preset("qwen2.5-72b" if name.startswith("qwen") else "llama3-70b")
+    for field, value_head in (("actor", False), ("critic", True), ("reward_model", True)):
+        if recipe.get(field):
+            recipe[field] = fake_checkpoint(tmp_path / field, shape, value_head=value_head)
+    vllm_dir = tmp_path / "hf"
+    vllm_dir.mkdir()
+    (vllm_dir / "config.json").write_text("{}")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt_ids": list(range(1, 513))}) + "\n"
+                               for _ in range(4 * recipe["prompts_per_step"])))
+    recipe.update(prompts=str(prompts), vllm_model_dir=str(vllm_dir),
+                  out_dir=str(tmp_path / "out"))
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(recipe))
+    start = time.perf_counter()
+    code, out, err = run_cli(["ppo", "--config", str(path), "--dry-run"], capsys)
+    seconds = time.perf_counter() - start
+    assert code == 0, err
+    assert f"dry run: would run {recipe['algorithm']} for {recipe['steps']} steps" in out
+    assert seconds < 10, seconds  # measured ~0.1 s; the bound only says "seconds, not minutes"
+    assert not os.path.exists(tmp_path / "out")  # a dry run writes nothing

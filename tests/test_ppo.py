@@ -24,8 +24,8 @@ from megarlhf.parallel.mesh import ParallelConfig
 from megarlhf.ppo import checkpoints
 from megarlhf.ppo.config import PPOConfig, load_config
 from megarlhf.ppo.controller import run
-from megarlhf.ppo.data import PromptSampler
-from megarlhf.ppo.groups import WorkerError
+from megarlhf.ppo.data import PromptSampler, read_prompts
+from megarlhf.ppo.groups import WorkerInputError
 from megarlhf.ppo.metrics import read_metrics
 from megarlhf.ppo.placement import group_specs
 from tests import role_workers
@@ -165,14 +165,14 @@ def test_worker_messages_carry_tensors_exactly():
 
 
 def test_prompt_sampler_is_seeded_and_resumable(prompts_file):
-    a, b = PromptSampler(prompts_file, seed=1), PromptSampler(prompts_file, seed=1)
+    a, b = PromptSampler(read_prompts(prompts_file), seed=1), PromptSampler(read_prompts(prompts_file), seed=1)
     first = a.next(40)  # crosses an epoch boundary
     assert sorted(map(tuple, first[:32])) == sorted(map(tuple, a.prompts))
     b.next(13)
-    resumed = PromptSampler(prompts_file, seed=1)
+    resumed = PromptSampler(read_prompts(prompts_file), seed=1)
     resumed.load_state_dict(b.state_dict())
     assert resumed.next(27) == first[13:]
-    assert PromptSampler(prompts_file, seed=2).next(8) != first[:8]
+    assert PromptSampler(read_prompts(prompts_file), seed=2).next(8) != first[:8]
 
 
 def _reward_curve(history: list[dict]) -> tuple[float, float]:
@@ -203,7 +203,7 @@ def test_grpo_reward_rises(base, tmp_path):
 
 
 @pytest.mark.slow
-def test_a_failing_rank_stops_the_run_with_its_traceback(base, tmp_path):
+def test_a_rank_that_meets_a_corrupt_file_stops_the_run_naming_it(base, tmp_path):
     # An actor whose weights are cut short: its metadata passes the controller's checks,
     # every rank fails loading it.
     import glob
@@ -214,9 +214,11 @@ def test_a_failing_rank_stops_the_run_with_its_traceback(base, tmp_path):
         os.truncate(path, os.path.getsize(path) // 2)
     config = dataclasses.replace(base, actor=actor, nproc=1, tensor_parallel=1,
                                  out_dir=str(tmp_path / "out"))
-    with pytest.raises(WorkerError, match=r"(?s)start-up failed on colocated rank 0.*"
-                                          r"Traceback"):
+    # A corrupt file is bad input: one line naming the file, the rank's traceback as a note.
+    with pytest.raises(WorkerInputError, match=r"start-up on colocated rank 0: .*\.distcp") \
+            as failure:
         run(config)
+    assert "\n" not in str(failure.value) and "Traceback" in failure.value.__notes__[0]
 
 
 def test_a_value_checkpoint_as_actor_is_refused_before_any_rank_starts(base, tmp_path):
@@ -251,18 +253,24 @@ def test_resume_after_kill_is_exact(base, tmp_path):
     killed = dataclasses.replace(base, out_dir=str(tmp_path / "killed"), **short)
     proc = _ppo_process(killed)
     deadline = time.monotonic() + 300
-    while checkpoints.latest(killed.out_dir) is None:
+    # Killed once step 4 is logged: its line is after the step-3 checkpoint the run resumes from.
+    while checkpoints.latest(killed.out_dir) is None or len(read_metrics(killed.out_dir)) < 4:
         assert proc.poll() is None and time.monotonic() < deadline, \
             "no checkpoint appeared:\n" + open(killed.out_dir + ".yaml.err").read()[-3000:]
         time.sleep(0.2)
     os.killpg(proc.pid, signal.SIGKILL)  # the controller and every rank
     proc.wait()
     assert checkpoints.latest(killed.out_dir).endswith("step_3")
+    # What a kill during a save or a prune leaves: removed at the next start.
+    leftovers = ["step_6.tmp", "step_1.deleting", "step_2"]  # step_2: no controller state
+    for name in leftovers:
+        os.makedirs(os.path.join(checkpoints.root(killed.out_dir), name, "actor"))
     run(killed)
+    assert sorted(os.listdir(checkpoints.root(killed.out_dir))) == ["step_3", "step_6"]
 
     ours, theirs = read_metrics(killed.out_dir), read_metrics(straight.out_dir)
+    assert [m["step"] for m in ours] == list(range(1, 7))  # step 4 once
     steps = {m["step"]: m for m in ours}
-    assert sorted(steps) == list(range(1, 7))
     for reference in theirs[3:]:
         assert _without_timings(steps[reference["step"]]) == _without_timings(reference)
     final_ours = role_workers.checkpoint_tensors(f"{checkpoints.latest(killed.out_dir)}/actor")
@@ -529,10 +537,14 @@ CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="checks made on 
 
 
 @pytest.mark.parametrize("prompts,fields,match", [
-    ([[1] * 250], {}, r"actor: a prompt \+ response of 266 tokens exceeds the model's "
-                      r"max_position_embeddings=256"),
+    ([[5], [1] * 250, [1] * 251], {},
+     r"prompts p.jsonl:2: a prompt of 250 tokens \+ max_new_tokens=16 does not fit the actor "
+     r"model's max_position_embeddings=256 \(2 prompt\(s\) in all\); .* set "
+     r"skip_overlong=true"),
+    ([[5]], {"max_new_tokens": 300}, r"actor: a prompt \+ response of 301 tokens exceeds"),
     ([[5]], {"tensor_parallel": 3, "nproc": 3}, r"actor: .*3"),
-    ([[5, 300]], {}, r"token id 300 is outside the actor's vocabulary \(300\)"),
+    ([[5], [5, 300]], {}, r"prompts p.jsonl:2: token id 300 is outside the actor's vocabulary "
+                          r"\(300; 1 prompt\(s\) in all\)"),
     ([[5]], {"stop_token_ids": (2, 999)}, r"stop_token_ids \[999\] are outside"),
     pytest.param([[5]], {"rollout_backend": "vllm", "vllm_model_dir": "hf"},
                  r"vLLM's CPU attention cannot serve the actor's head_dim 16", marks=CPU_ONLY),
@@ -541,8 +553,8 @@ CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="checks made on 
                  r"rollout_cuda_graphs=true needs CUDA", marks=CPU_ONLY),
     ([[5] * 30], {"rollout_backend": "vllm", "vllm_model_dir": "hf",
                   "rollout_max_model_len": 40},
-     r"rollout_max_model_len=40 is shorter than the longest prompt \(30 tokens\) \+ "
-     r"max_new_tokens=16; set rollout_max_model_len >= 46"),
+     r"prompts p.jsonl:1: a prompt of 30 tokens \+ max_new_tokens=16 does not fit "
+     r"rollout_max_model_len=40 .* raise rollout_max_model_len"),
     ([[5] * 30], {"rollout_backend": "vllm", "vllm_model_dir": "hf",
                   "rollout_kv_cache_bytes": 1000},
      r"rollout_kv_cache_bytes=1000 cannot hold one sequence of 46 tokens .*; set "
@@ -551,3 +563,12 @@ CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="checks made on 
 def test_preflight_refuses_what_the_ranks_would_fail_on(toy_actor, prompts, fields, match):
     with pytest.raises(ValueError, match=match):
         _preflight(toy_actor, prompts, **fields)
+
+
+def test_skip_overlong_drops_the_prompts_that_do_not_fit(toy_actor):
+    # 256 positions, max_new_tokens 16: 240 tokens fit exactly, 241 do not.
+    checked = _preflight(toy_actor, [[5], [1] * 241, [6, 7], [1] * 240], skip_overlong=True)
+    assert checked.overlong == (1,)
+    with pytest.raises(ValueError, match="skip_overlong drops every prompt"):
+        _preflight(toy_actor, [[1] * 241], skip_overlong=True)
+

@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from megarlhf.ppo import checkpoints
-from megarlhf.ppo.controller import NonFiniteError, run
+from megarlhf.ppo.controller import run
 from megarlhf.ppo.metrics import read_metrics
+from megarlhf.ppo.rewards import RewardFnError
 from tests import role_workers
 from tests.test_ppo import _ppo_process, base, prompts_file  # noqa: F401 (fixtures)
 
@@ -24,7 +25,8 @@ pytestmark = pytest.mark.slow
 def test_nan_reward_stops_the_run_with_the_step_and_the_remedy(base, tmp_path):  # noqa: F811
     config = dataclasses.replace(base, reward_fn="tests.ppo_tasks:nan_reward", nproc=1,
                                  tensor_parallel=1, steps=2, out_dir=str(tmp_path))
-    with pytest.raises(NonFiniteError, match="step 1: non-finite reward.*nan_policy=skip"):
+    with pytest.raises(RewardFnError, match=r"reward_fn tests.ppo_tasks:nan_reward at step 1, "
+                                            r"sample 0 returned nan; .*nan_policy=skip"):
         run(config)
     assert checkpoints.latest(config.out_dir) is None  # nothing half-trained was saved
 
@@ -88,3 +90,36 @@ def test_a_rank_killed_mid_run_ends_the_job_naming_it(base, tmp_path, worker_gro
                          r"unexpectedly|.*Connection (reset|closed) by peer)", log, re.S)
     survivors = [p for p in ranks if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     assert not survivors, survivors
+
+
+def test_ctrl_c_stops_every_rank_and_leaves_the_last_checkpoint(base, tmp_path):  # noqa: F811
+    """Ctrl-C in a terminal signals the whole foreground process group: the controller stops
+    the ranks, prints one line and exits 130; the last checkpoint is complete, so a rerun
+    resumes from it."""
+    config = dataclasses.replace(base, steps=200, save_every=1, nproc=2, tensor_parallel=2,
+                                 out_dir=str(tmp_path / "run"))
+    proc = _ppo_process(config)
+    controller = psutil.Process(proc.pid)
+    err = config.out_dir + ".yaml.err"
+    deadline = time.monotonic() + 300
+    while checkpoints.latest(config.out_dir) is None:
+        assert proc.poll() is None and time.monotonic() < deadline, open(err).read()[-3000:]
+        time.sleep(0.2)
+    descendants = controller.children(recursive=True)
+    assert len(_rank_processes(controller, "local")) >= config.nproc
+    os.killpg(proc.pid, signal.SIGINT)
+    try:
+        code = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    log = open(err).read()
+    assert code == 130, log[-3000:]
+    assert "Traceback" not in log and log.rstrip().splitlines()[-1].startswith("interrupted")
+    # multiprocessing's resource tracker exits on its own once its last client is gone.
+    _, survivors = psutil.wait_procs(descendants, timeout=10)
+    assert not survivors, [(p.cmdline(), p.ppid()) for p in survivors]
+    latest = checkpoints.latest(config.out_dir)
+    assert role_workers.checkpoint_tensors(f"{latest}/actor")  # complete and loadable
+    resumed = run(dataclasses.replace(config, steps=checkpoints.read_state(latest)["step"] + 1))
+    assert len(resumed) == 1

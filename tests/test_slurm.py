@@ -122,8 +122,10 @@ def test_a_failing_stage_fails_the_job_with_its_exit_code(slurm, job_env, tmp_pa
     log = _job_log(tmp_path, "megarlhf-train", job)
     # 2: the CLI's exit code for a bad config (0:0 or a signal would mean it got lost)
     assert (info["JobState"], info["ExitCode"]) == ("FAILED", "2:0"), log[-3000:]
-    assert "sft failed (exit code 2;" in log and "exited with code 2" in log
-    assert "unknown key(s) ['no_such_key']" in log  # the failing rank's own words
+    # Refused by the preflight step, before any rank started, in the command's own words.
+    assert "preflight failed (exit code 2): nothing was started" in log
+    assert "unknown key(s) ['no_such_key']" in log and "rank-0.log" not in " ".join(
+        p.name for p in (tmp_path / "logs" / f"megarlhf-train-{job}").iterdir())
 
 
 @pytest.fixture
@@ -253,10 +255,12 @@ def test_the_job_exit_code_is_the_stage_exit_code(tmp_path, script, args):
 def test_ppo_starts_ray_on_each_node_then_the_controller(tmp_path):
     rc, lines = _fake_job(tmp_path, "ppo.sbatch", "r.yaml", "steps=5", PYTHON="/opt/py/python")
     assert rc == 0
-    assert len(lines) == 5, lines
-    # Steps started in the background log in any order.
+    assert len(lines) == 6, lines
+    # First the preflight, alone; then steps started in the background log in any order.
+    assert lines[0].endswith("ppo --config r.yaml steps=5 worker_group=ray --dry-run")
+    assert "--nodes=1 --ntasks=1 --nodelist=n1" in lines[0]
     head, worker, wait1, wait2, controller = (
-        next(line for line in lines if key in line)
+        next(line for line in lines[1:] if key in line)
         for key in ("--head", "--address=", "ray_wait.py 1 ", "ray_wait.py 2 ", " ppo "))
     assert "--nodelist=n1" in head and "--head --port=40077" in head
     assert "--exclude=n1" in worker and "--address=n1:40077" in worker

@@ -121,6 +121,31 @@ def is_tokenizer(path: str) -> bool:
         os.path.isfile(os.path.join(path, name)) for name in HF_TOKENIZER_FILES + (SP_MODEL_FILE,))
 
 
+def tokenizer_fingerprint(hf_dir: str) -> str | None:
+    """A hash of what maps text to ids in `hf_dir` (an HF directory or a checkpoint's `hf/`
+    sidecar): tokenizer.json's model and added tokens (not its chat template or padding
+    settings, which may differ between models that tokenize alike), or the vocabulary files
+    of the other formats. None when the directory holds no tokenizer."""
+    import hashlib
+    import json
+
+    digest = hashlib.sha256()
+    fast = os.path.join(hf_dir, "tokenizer.json")
+    if os.path.isfile(fast):
+        with open(fast, encoding="utf-8") as f:
+            data = json.load(f)
+        digest.update(json.dumps([data.get("model"), [(t.get("id"), t.get("content"))
+                                  for t in data.get("added_tokens") or []]],
+                                 sort_keys=True).encode())
+        return digest.hexdigest()
+    files = [n for n in (SP_MODEL_FILE, "vocab.json", "merges.txt", "vocab.txt")
+             if os.path.isfile(os.path.join(hf_dir, n))]
+    for name in files:
+        with open(os.path.join(hf_dir, name), "rb") as f:
+            digest.update(name.encode() + b"\0" + f.read())
+    return digest.hexdigest() if files else None
+
+
 def load_tokenizer(path: str) -> Tokenizer:
     if not os.path.exists(path):
         raise ValueError(f"tokenizer {path} does not exist")

@@ -12,6 +12,7 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import signal
 import time
 import traceback
 from typing import Any, Callable
@@ -24,6 +25,9 @@ class RankError(RuntimeError):
 
 
 def _entry(fn, rank, world_size, port, env, args, kwargs, results):
+    # A terminal's Ctrl-C reaches every rank too: the parent alone handles it (it stops the
+    # ranks), so no rank prints a traceback of its own.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ.update(env)
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),

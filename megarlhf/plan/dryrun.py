@@ -7,9 +7,9 @@ module; builds no model and starts no process.
 from __future__ import annotations
 
 from megarlhf.plan.job import resolve_models
-from megarlhf.ppo import checkpoints
+from megarlhf.ppo import run_dir
 from megarlhf.ppo.config import PPOConfig
-from megarlhf.ppo.data import read_prompts
+from megarlhf.ppo.data import read_prompt_lines
 from megarlhf.ppo.placement import group_specs
 from megarlhf.ppo.preflight import preflight
 from megarlhf.ppo.rewards import load_reward_fn
@@ -18,17 +18,22 @@ from megarlhf.ppo.rewards import load_reward_fn
 def ppo(config: PPOConfig) -> str:
     """What `megarlhf ppo` would run for `config` (loaded with its paths checked); ValueError
     naming every problem found."""
-    prompts = read_prompts(config.prompts)
-    checked = preflight(config, prompts)  # what the run checks before it starts a rank
-    models = resolve_models(config)
-    longest = max(len(p) for p in prompts)
+    # What the run checks before it starts a rank, in the same order.
+    run_dir.check_out_dir(config.out_dir)
     if config.reward_fn:
         load_reward_fn(config.reward_fn)  # importable, and a callable
-    latest = checkpoints.latest(config.out_dir)
+    numbers, prompts = zip(*read_prompt_lines(config.prompts))
+    checked = preflight(config, list(prompts), list(numbers))
+    prompts = [p for i, p in enumerate(prompts) if i not in checked.overlong]
+    latest, _ = run_dir.resume_point(config, run_dir.run_inputs(config))
+    models = resolve_models(config)
+    longest = max(len(p) for p in prompts)
+    dropped = f" ({len(checked.overlong)} overlong dropped)" if checked.overlong else ""
     lines = [f"dry run: would run {config.algorithm} for {config.steps} steps "
              f"({'resuming from ' + latest if latest else 'from step 0'}), "
-             f"{len(prompts)} prompts (longest {longest} tokens) x {config.samples_per_prompt} "
-             f"samples, {config.prompts_per_step} prompts per step; outputs in {config.out_dir}",
+             f"{len(prompts)} prompts{dropped} (longest {longest} tokens) x "
+             f"{config.samples_per_prompt} samples, {config.prompts_per_step} prompts per step; "
+             f"outputs in {config.out_dir}",
              f"  samples stop on token ids {list(checked.stop_token_ids)}"]
     if checked.engine_size is not None:
         size = checked.engine_size

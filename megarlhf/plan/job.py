@@ -52,8 +52,9 @@ class Cluster:
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive integer, got "
                                  f"{getattr(self, name)!r}")
-        if self.gpu_mem_gb <= 0:
-            raise ValueError(f"gpu_mem_gb must be > 0, got {self.gpu_mem_gb}")
+        if not 0 < self.gpu_mem_gb < math.inf:
+            raise ValueError(f"--gpu-mem-gb must be a finite number > 0 (GiB per GPU), got "
+                             f"{self.gpu_mem_gb}")
         if not 0 <= self.reserve_fraction < 1:
             raise ValueError(f"reserve_fraction must be in [0, 1), got {self.reserve_fraction}")
 
@@ -154,6 +155,8 @@ def check_models(config: PPOConfig, models: dict[str, ModelSource], seq: int) ->
     problems = []
     training = group_specs(config)[0].parallel  # every model group's TP x PP
     for role, source in models.items():
+        if role == "ref" and "actor" in models:  # the actor's checkpoint and layout
+            continue
         try:
             source.model.check_parallel(training)
         except ValueError as e:

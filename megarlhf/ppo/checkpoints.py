@@ -3,7 +3,9 @@ schedulers and RNG states, and the controller's state (step, data position, KL c
 
 Every rank of every worker group writes its part (ppo/worker.py: save). A step directory is
 written as step_<N>.tmp and renamed only when complete, so a crash during a save leaves the
-previous checkpoint the latest; only the last `keep_last` are kept.
+previous checkpoint the latest; only the last `keep_last` are kept, each pruned by renaming
+it step_<N>.deleting first, so a kill during the deletion never leaves a step_<N> that looks
+complete (run_dir.remove_leftovers deletes such leftovers at the next start).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import shutil
 
 STATE = "controller.json"
 _STEP = re.compile(r"^step_(\d+)$")
+_LEFTOVER = re.compile(r"^step_\d+\.(tmp|old|deleting)$")
 
 
 def root(out_dir: str) -> str:
@@ -54,5 +57,12 @@ def save(config, workers, step: int, state: dict) -> str:
     shutil.rmtree(final, ignore_errors=True)
     os.rename(tmp, final)
     for _, old in completed(config.out_dir)[:-config.keep_last]:
-        shutil.rmtree(old)
+        os.rename(old, old + ".deleting")
+        shutil.rmtree(old + ".deleting")
     return final
+
+
+def is_leftover(name: str, path: str) -> bool:
+    """A directory an interrupted save or prune left behind in the checkpoints root."""
+    return bool(_LEFTOVER.match(name)) or bool(
+        _STEP.match(name) and not os.path.isfile(os.path.join(path, STATE)))

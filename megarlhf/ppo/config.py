@@ -28,6 +28,28 @@ ROLLOUT_BACKENDS = ("megatron", "vllm")
 NAN_POLICIES = ("stop", "skip")
 WORKER_GROUPS = ("local", "ray")
 PLACEMENTS = ("colocated", "disaggregated")
+RESUME_INPUTS = ("actor", "critic", "reward_model", "prompts", "seed", "algorithm")
+"""What a resumed run must share with its checkpoint, unless named in resume_allow_changes."""
+
+
+_RANGES = (  # (field, low, high, low included?); high is included, values must be finite
+    ("temperature", 0.0, math.inf, True),  # 0: greedy
+    ("top_p", 0.0, 1.0, False),
+    ("top_k", 0, math.inf, True),
+    ("clip_eps", 0.0, math.inf, False),
+    ("value_clip_eps", 0.0, math.inf, False),
+    ("entropy_coef", 0.0, math.inf, True),
+    ("kl_coef", 0.0, math.inf, True),
+    ("kl_target", 0.0, math.inf, False),
+    ("kl_horizon", 1, math.inf, True),
+    ("clip_reward", 0.0, math.inf, False),
+    ("gamma", 0.0, 1.0, True),
+    ("lam", 0.0, 1.0, True),
+    ("actor_lr", 0.0, math.inf, False),
+    ("critic_lr", 0.0, math.inf, False),
+    ("seed", 0, 2**31 - 1, True),
+    ("save_every", 0, math.inf, True),
+)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -126,6 +148,13 @@ class PPOConfig:
     save_every: int = 0
     """Checkpoint every N steps (0: only at the end)."""
     keep_last: int = 2
+    resume_allow_changes: tuple[str, ...] = ()
+    """Inputs a resumed run may change on purpose (of RESUME_INPUTS: actor, critic,
+    reward_model, prompts, seed, algorithm); any other difference from what the checkpoint in
+    out_dir was trained with stops the run before it starts."""
+    skip_overlong: bool = False
+    """Drop prompts that do not fit the model's positions (or rollout_max_model_len) next to
+    max_new_tokens, with a count, instead of refusing the prompts file."""
     logprob_gap_limit: float | None = None
     """Largest mean |engine - trainer| logprob gap per response token a step accepts. None:
     the dtype's default (rollout/gap.py: fp32 1e-3, bf16 and fp16 5e-2)."""
@@ -154,6 +183,10 @@ class PPOConfig:
         if self.logprob_gap_limit is not None and self.logprob_gap_limit <= 0:
             problems.append(f"logprob_gap_limit must be > 0, got {self.logprob_gap_limit}")
         choice("worker_group", WORKER_GROUPS)
+        for name in self.resume_allow_changes:
+            if name not in RESUME_INPUTS:
+                problems.append(f"resume_allow_changes: {name!r} is not one of "
+                                f"{list(RESUME_INPUTS)}")
         choice("placement", PLACEMENTS)
         choice("kl_estimator", KL_ESTIMATORS)
         choice("aggregation", AGGREGATION_MODES)
@@ -163,6 +196,7 @@ class PPOConfig:
                      "mini_batches", "micro_batches", "keep_last", "rollout_nproc"):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be >= 1, got {getattr(self, name)}")
+        problems += self._range_problems()
         if self.nproc % (self.tensor_parallel * self.pipeline_parallel):
             problems.append(f"nproc={self.nproc} is not a multiple of tensor_parallel x "
                             f"pipeline_parallel = {self.tensor_parallel * self.pipeline_parallel}")
@@ -214,6 +248,20 @@ class PPOConfig:
                                 f"pip install {module}")
         if problems:
             raise ValueError("invalid PPO config:\n  " + "\n  ".join(problems))
+
+    def _range_problems(self) -> list[str]:
+        """Numeric fields outside the values that mean something (NaN and inf fail too)."""
+        problems = []
+        for name, low, high, closed in _RANGES:
+            value = getattr(self, name)
+            if value is None:
+                continue
+            above = low <= value if closed else low < value
+            if not (above and value <= high and math.isfinite(value)):
+                left, right = "[" if closed else "(", "]" if high < math.inf else ")"
+                problems.append(f"{name}={value} is out of range: it must be in "
+                                f"{left}{low}, {high}{right}")
+        return problems
 
     def _rollout_tp_problems(self) -> list[str]:
         tp = self.rollout_tp
@@ -307,7 +355,12 @@ def load_config(recipe: str, overrides: list[str] = (), *, check_paths: bool = T
             raise ValueError(f"{recipe} must hold a mapping of PPOConfig fields")
     elif ":" in recipe:
         module, name = recipe.split(":", 1)
-        built = getattr(importlib.import_module(module), name)()
+        try:
+            make = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError) as e:
+            raise ValueError(f"recipe {recipe!r}: cannot load {name} from module {module} "
+                             f"({e})") from None
+        built = make()
         if not isinstance(built, PPOConfig):
             raise ValueError(f"{recipe} returned {type(built).__name__}, not a PPOConfig")
         fields = dataclasses.asdict(built)

@@ -20,13 +20,13 @@ import time
 
 import torch
 
-from megarlhf.ppo import checkpoints
+from megarlhf.ppo import checkpoints, run_dir
 from megarlhf.ppo.config import PPOConfig
-from megarlhf.ppo.data import PromptSampler
+from megarlhf.ppo.data import PromptSampler, read_prompt_lines
 from megarlhf.ppo.metrics import MetricsLog, Progress, step_metrics
 from megarlhf.ppo.placement import Placement
 from megarlhf.ppo.preflight import Preflight, preflight
-from megarlhf.ppo.rewards import load_reward_fn
+from megarlhf.ppo.rewards import RewardFunction
 from megarlhf.rl import (
     AdaptiveKLController, FixedKLController, critic_free_advantages, gae, kl_shaped_rewards,
     masked_whiten,
@@ -44,11 +44,29 @@ class NonFiniteError(RuntimeError):
 
 
 def run(config: PPOConfig) -> list[dict]:
-    """Run (or resume) the job; returns the metrics of the steps this call ran."""
+    """Run (or resume) the job; returns the metrics of the steps this call ran. Everything
+    that can be checked without the models' weights is checked before any rank starts."""
     config.check_paths()
-    reward_fn = load_reward_fn(config.reward_fn) if config.reward_fn else None
-    sampler = PromptSampler(config.prompts, seed=config.seed)
-    checked = preflight(config, sampler.prompts)
+    claim = run_dir.Claim(config.out_dir)
+    try:
+        return _run_claimed(config)
+    finally:
+        claim.release()
+
+
+def _run_claimed(config: PPOConfig) -> list[dict]:
+    run_dir.remove_leftovers(config.out_dir)
+    reward_fn = (RewardFunction(config.reward_fn, allow_non_finite=config.nan_policy == "skip")
+                 if config.reward_fn else None)
+    lines, prompts = zip(*read_prompt_lines(config.prompts))
+    checked = preflight(config, list(prompts), list(lines))
+    dropped = set(checked.overlong)
+    sampler = PromptSampler([p for i, p in enumerate(prompts) if i not in dropped],
+                            seed=config.seed)
+    inputs = run_dir.run_inputs(config)
+    latest, state = run_dir.resume_point(config, inputs)
+    if state is not None:
+        run_dir.cut_metrics(config.out_dir, state["step"])
     kl_ctl = (AdaptiveKLController(config.kl_coef, config.kl_target, config.kl_horizon)
               if config.kl_target is not None else FixedKLController(config.kl_coef))
     log = MetricsLog(config.out_dir, tensorboard=config.tensorboard,
@@ -57,9 +75,7 @@ def run(config: PPOConfig) -> list[dict]:
     history, progress = [], None
     try:
         start = 0
-        latest = checkpoints.latest(config.out_dir)
-        if latest is not None:
-            state = checkpoints.read_state(latest)
+        if state is not None:
             workers.load(latest)
             start = state["step"]
             sampler.load_state_dict(state["sampler"])
@@ -75,7 +91,7 @@ def run(config: PPOConfig) -> list[dict]:
             if step == config.steps or (config.save_every and step % config.save_every == 0):
                 checkpoints.save(config, workers, step, {
                     "step": step, "sampler": sampler.state_dict(),
-                    "kl": kl_ctl.state_dict()})
+                    "kl": kl_ctl.state_dict(), "inputs": inputs})
     finally:
         if progress is not None:
             progress.close()
@@ -107,7 +123,7 @@ def ppo_step(config: PPOConfig, checked: Preflight, workers: Placement, sampler:
                         step=step)  # before training on samples from another policy
     if warning:
         _log.warning(warning)
-    score = score_responses(exp, prompts, completions, reward_fn)
+    score = score_responses(exp, prompts, completions, reward_fn, step)
     timer["experience"], t = time.perf_counter() - t, time.perf_counter()
 
     values = exp.get("values")
@@ -183,12 +199,12 @@ def overhead_metrics(wall: float, busy: dict[str, float]) -> dict[str, float]:
     return out
 
 
-def score_responses(exp: dict, prompts, completions, reward_fn) -> torch.Tensor:
+def score_responses(exp: dict, prompts, completions, reward_fn: RewardFunction | None,
+                    step: int) -> torch.Tensor:
     """[B] rewards: the reward model's score plus the reward function's."""
     score = exp.get("rm_scores", torch.zeros(len(completions))).float().clone()
     if reward_fn is not None:
-        score += torch.tensor([float(reward_fn(prompts[c.prompt_index], c.token_ids))
-                               for c in completions])
+        score += reward_fn.score(step, prompts, completions)
     return score
 
 

@@ -8,6 +8,11 @@ import torch
 
 
 def read_prompts(path: str) -> list[list[int]]:
+    return [ids for _, ids in read_prompt_lines(path)]
+
+
+def read_prompt_lines(path: str) -> list[tuple[int, list[int]]]:
+    """(line number, token ids) of every prompt in the file, so checks can name the line."""
     prompts = []
     with open(path, encoding="utf-8") as f:
         for number, line in enumerate(f, start=1):
@@ -21,7 +26,7 @@ def read_prompts(path: str) -> list[list[int]]:
             if not ids or not all(isinstance(i, int) and i >= 0 for i in ids):
                 raise ValueError(f"{path}:{number}: prompt_ids must be a non-empty list of "
                                  f"token ids")
-            prompts.append(ids)
+            prompts.append((number, ids))
     if not prompts:
         raise ValueError(f"{path} holds no prompts")
     return prompts
@@ -31,8 +36,8 @@ class PromptSampler:
     """Epochs over the prompts, each in a fresh order from (seed, epoch); the position is its
     whole state, so a resumed run draws exactly what the uninterrupted one would."""
 
-    def __init__(self, path: str, *, seed: int):
-        self.prompts, self.seed, self.consumed = read_prompts(path), seed, 0
+    def __init__(self, prompts: list[list[int]], *, seed: int):
+        self.prompts, self.seed, self.consumed = prompts, seed, 0
 
     def _order(self, epoch: int) -> list[int]:
         g = torch.Generator().manual_seed(self.seed * 7919 + epoch)

@@ -16,9 +16,12 @@ import io
 import multiprocessing as mp
 import os
 import pickle
+import signal
+import sys
 import time
 import traceback
 
+import psutil
 import torch
 
 from megarlhf.parallel.mesh import free_port
@@ -26,6 +29,20 @@ from megarlhf.parallel.mesh import free_port
 
 class WorkerError(RuntimeError):
     """A rank of the PPO job raised or died."""
+
+
+class WorkerInputError(WorkerError, ValueError):
+    """A rank met bad input (a corrupt or missing file, a read-only disk...): the CLI prints
+    its one-line message; the rank's traceback is kept as a note (MEGARLHF_DEBUG=1 shows it)."""
+
+
+def _failure() -> tuple[str, str | None]:
+    """The current exception as (traceback, one-line message if it is an expected one)."""
+    from megarlhf.errors import describe
+
+    e = sys.exc_info()[1]
+    expected = isinstance(e, (ValueError, OSError)) and not isinstance(e, WorkerError)
+    return traceback.format_exc(), describe(e) if expected else None
 
 
 _NUMPY_DTYPES = {torch.float64, torch.float32, torch.float16, torch.int64, torch.int32,
@@ -66,6 +83,9 @@ def _serve(rank: int, world_size: int, port: int, threads: int, worker_args: tup
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port), VLLM_ENABLE_V1_MULTIPROCESSING="0",
                       OMP_NUM_THREADS=str(threads))
+    # A terminal's Ctrl-C reaches every process of the job: the controller alone handles it
+    # (it stops the ranks), so a rank neither dies mid-collective nor prints a traceback.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         from megarlhf.ppo.worker import PPOWorker
 
@@ -76,7 +96,7 @@ def _serve(rank: int, world_size: int, port: int, threads: int, worker_args: tup
         worker = PPOWorker(*worker_args)
         _send(conn, (True, (None, time.perf_counter() - start)))
     except BaseException:  # noqa: BLE001 - the controller must see every failure
-        _send(conn, (False, traceback.format_exc()))
+        _send(conn, (False, _failure()))
         return
     while True:
         method, args = _recv(conn)
@@ -88,7 +108,7 @@ def _serve(rank: int, world_size: int, port: int, threads: int, worker_args: tup
             # Every rank computes the same result: only rank 0's travels.
             _send(conn, (True, (value if rank == 0 else None, time.perf_counter() - start)))
         except BaseException:  # noqa: BLE001
-            _send(conn, (False, traceback.format_exc()))
+            _send(conn, (False, _failure()))
             return
     worker.shutdown()
 
@@ -115,9 +135,15 @@ class LocalCall:
                 except (EOFError, ConnectionError):  # its end of the pipe closed or reset
                     self.raise_closed(rank)
                 if not ok:
-                    self._raise_if_a_rank_died(f"; then rank {rank} failed:\n{value}")
+                    trace, message = value
+                    self._raise_if_a_rank_died(f"; then rank {rank} failed:\n{trace}")
+                    if message is not None:
+                        error = WorkerInputError(f"{self.what} on {self.group.name} rank "
+                                                 f"{rank}: {message}")
+                        error.add_note(trace)
+                        raise error
                     raise WorkerError(f"{self.what} failed on {self.group.name} rank "
-                                      f"{rank}:\n{value}")
+                                      f"{rank}:\n{trace}")
                 self.results[rank] = value
                 self.pending.discard(rank)
             elif proc.exitcode is not None:
@@ -192,8 +218,23 @@ class LocalWorkerGroup:
         for proc in self.procs:
             proc.join(timeout=max(0.0, deadline - time.monotonic()))
             if proc.is_alive():
-                proc.kill()
-                proc.join()
+                _kill_tree(proc)
+
+
+def _kill_tree(proc: mp.Process) -> None:
+    """Kill a rank and the processes it started (dist_checkpointing's file writers, for one),
+    which would otherwise outlive it."""
+    try:
+        children = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        children = []
+    proc.kill()
+    for child in children:
+        try:
+            child.kill()
+        except psutil.NoSuchProcess:
+            pass
+    proc.join()
 
 
 class LocalBackend:

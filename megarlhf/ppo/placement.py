@@ -154,6 +154,6 @@ class Placement:
     def _wait(self, calls: list) -> list[list[tuple]]:
         try:
             return self._backend.wait_all(calls)
-        except WorkerError:
+        except (WorkerError, KeyboardInterrupt):  # Ctrl-C: stop now, not after the phase
             self._failed = True
             raise

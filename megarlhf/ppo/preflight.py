@@ -13,7 +13,7 @@ import os
 
 import torch
 
-from megarlhf.data.tokenizer import eos_token_ids
+from megarlhf.data.tokenizer import eos_token_ids, tokenizer_fingerprint
 from megarlhf.engine.checkpoint import HF_SIDECAR
 from megarlhf.plan.job import MODEL_ROLES, check_models, resolve_models
 from megarlhf.ppo.config import PPOConfig
@@ -32,19 +32,41 @@ class Preflight:
     ids when it is None."""
     engine_size: EngineSize | None
     """The vLLM engines' length and KV cache (None with Megatron rollouts)."""
+    overlong: tuple[int, ...] = ()
+    """Indices of the prompts skip_overlong drops."""
 
 
-def preflight(config: PPOConfig, prompts: list[list[int]]) -> Preflight:
+def preflight(config: PPOConfig, prompts: list[list[int]],
+              lines: list[int] | None = None) -> Preflight:
     """Raise ValueError naming every problem and its fix, for what the ranks would fail on.
+    `lines`: each prompt's line in the prompts file (default: one prompt per line).
     `megarlhf ppo --dry-run` runs the same checks."""
+    lines = lines or list(range(1, len(prompts) + 1))
     models = resolve_models(config)
-    longest = max(map(len, prompts))
-    problems = check_models(config, models, longest + config.max_new_tokens)
+    problems = _vocabulary_problems(config, models)
+    overlong = _overlong(config, models, prompts)
+    if overlong and not config.skip_overlong:
+        first = overlong[0]
+        problems.append(f"prompts {config.prompts}:{lines[first]}: a prompt of "
+                        f"{len(prompts[first])} tokens + max_new_tokens={config.max_new_tokens} "
+                        f"does not fit {_fit_limit(config, models)[1]} ({len(overlong)} prompt(s) "
+                        f"in all); shorten them, lower max_new_tokens"
+                        f"{_fit_limit(config, models)[2]}, or set skip_overlong=true to drop "
+                        f"them")
+    elif overlong:
+        if len(overlong) == len(prompts):
+            raise ValueError(f"prompts {config.prompts}: skip_overlong drops every prompt; none "
+                             f"fits {_fit_limit(config, models)[1]}")
+        log.warning("skip_overlong: dropping %d of %d prompts longer than %s allows",
+                    len(overlong), len(prompts), _fit_limit(config, models)[1])
+    dropped = set(overlong)  # reported above; check_models checks what remains
+    longest = max((len(p) for i, p in enumerate(prompts) if i not in dropped), default=0)
+    problems += check_models(config, models, longest + config.max_new_tokens)
     problems += [f"{role}: {getattr(config, field)} is an HF model directory, not a megarlhf "
                  f"checkpoint; convert it first (python -m tools.convert_hf.hf_to_mcore --hf "
                  f"DIR --out CKPT [--role critic|reward])"
                  for role, (field, _, _) in MODEL_ROLES.items()
-                 if role in models and models[role].origin != "checkpoint"]
+                 if role in models and role != "ref" and models[role].origin != "checkpoint"]
     if config.rollout_backend == "vllm" and not os.path.isfile(
             os.path.join(config.vllm_model_dir, "config.json")):
         problems.append(f"vllm_model_dir {config.vllm_model_dir} has no config.json (an HF "
@@ -52,10 +74,13 @@ def preflight(config: PPOConfig, prompts: list[list[int]]) -> Preflight:
     if problems:  # what follows reads the actor's checkpoint
         raise ValueError("the run cannot start:\n  " + "\n  ".join(problems))
     model = models["actor"].model
-    too_big = max(max(p) for p in prompts)
-    if too_big >= model.vocab_size:
-        problems.append(f"prompts: token id {too_big} is outside the actor's vocabulary "
-                        f"({model.vocab_size}); were they tokenized with another tokenizer?")
+    outside = [i for i, p in enumerate(prompts) if max(p) >= model.vocab_size]
+    if outside:
+        first = outside[0]
+        problems.append(f"prompts {config.prompts}:{lines[first]}: token id "
+                        f"{max(prompts[first])} is outside the actor's vocabulary "
+                        f"({model.vocab_size}; {len(outside)} prompt(s) in all); were they "
+                        f"tokenized with another tokenizer?")
     stop_ids = config.stop_token_ids
     if stop_ids is None:
         stop_ids = _actor_eos_ids(config.actor)
@@ -78,7 +103,50 @@ def preflight(config: PPOConfig, prompts: list[list[int]]) -> Preflight:
             problems.append(str(e))
     if problems:
         raise ValueError("the run cannot start:\n  " + "\n  ".join(problems))
-    return Preflight(stop_token_ids=tuple(stop_ids), engine_size=size)
+    return Preflight(stop_token_ids=tuple(stop_ids), engine_size=size,
+                     overlong=tuple(overlong) if config.skip_overlong else ())
+
+
+def _fit_limit(config: PPOConfig, models: dict) -> tuple[int, str, str]:
+    """The most tokens a prompt + response may take, what sets it, and the fix it allows."""
+    role, source = min(models.items(), key=lambda kv: kv[1].model.max_position_embeddings)
+    positions = source.model.max_position_embeddings
+    if config.rollout_backend == "vllm" and config.rollout_max_model_len is not None \
+            and config.rollout_max_model_len < positions:
+        return (config.rollout_max_model_len,
+                f"rollout_max_model_len={config.rollout_max_model_len}",
+                ", raise rollout_max_model_len")
+    return positions, f"the {role} model's max_position_embeddings={positions}", ""
+
+
+def _overlong(config: PPOConfig, models: dict, prompts: list[list[int]]) -> list[int]:
+    limit = _fit_limit(config, models)[0]
+    if config.max_new_tokens >= limit:  # no prompt fits: check_models names max_new_tokens
+        return []
+    return [i for i, p in enumerate(prompts) if len(p) + config.max_new_tokens > limit]
+
+
+def _vocabulary_problems(config: PPOConfig, models: dict) -> list[str]:
+    """Every model reads the actor's token ids: the same vocabulary (unpadded: padded sizes
+    legitimately differ with TP) and, where their files say, the same tokenizer."""
+    actor = models["actor"].model.vocab_size
+    problems = [f"{config_field}: its vocabulary has {source.model.vocab_size} tokens, the "
+                f"actor's {actor}; it must share the actor's tokenizer (train it from the same "
+                f"base model)"
+                for role, source in models.items()
+                for config_field in [MODEL_ROLES[role][0]]
+                if role != "ref" and source.model.vocab_size != actor]
+    tokenizers = {MODEL_ROLES[role][0]: tokenizer_fingerprint(
+                      os.path.join(getattr(config, MODEL_ROLES[role][0]), HF_SIDECAR))
+                  for role in models if role != "ref"}
+    if config.rollout_backend == "vllm" and config.vllm_model_dir:
+        tokenizers["vllm_model_dir"] = tokenizer_fingerprint(config.vllm_model_dir)
+    mine = tokenizers.pop("actor")
+    problems += [f"{field}: its tokenizer files differ from the actor's (another vocabulary "
+                 f"or merges); every role must tokenize like the actor"
+                 for field, theirs in tokenizers.items()
+                 if mine is not None and theirs is not None and theirs != mine]
+    return problems
 
 
 def _actor_eos_ids(actor: str) -> tuple[int, ...]:

@@ -13,12 +13,9 @@ from typing import Callable
 
 
 def run(main: Callable[[list[str] | None], int], argv: list[str] | None = None) -> None:
-    """Run a CLI entry point: bad input (ValueError) prints one clear line and exits 2."""
+    """Run a CLI entry point: bad input prints one clear line and exits 2 (megarlhf.errors)."""
+    from megarlhf.errors import run_command
+
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("megatron").setLevel(logging.WARNING)
-    try:
-        code = main(argv)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        code = 2
-    sys.exit(code)
+    sys.exit(run_command(main, argv))

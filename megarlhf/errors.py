@@ -1,0 +1,56 @@
+"""How every command ends when something expected goes wrong: one or two lines on stderr that
+name the field or path and the fix, exit code 2 for bad input (config, files, disks), 130 for
+Ctrl-C, and no traceback unless MEGARLHF_DEBUG=1.
+
+Expected failures are `ValueError` (our checks raise it with the message the user reads),
+`OSError` (a path that is missing, read-only, on a full disk, ...) and YAML syntax errors.
+Anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Callable
+
+import yaml
+
+BAD_INPUT = 2
+INTERRUPTED = 130
+
+
+class CorruptFileError(ValueError):
+    """A file we wrote does not read back as written (checksum, size, missing)."""
+
+
+def debug() -> bool:
+    return os.environ.get("MEGARLHF_DEBUG", "") not in ("", "0")
+
+
+def describe(e: BaseException) -> str:
+    """The one-line (or two-line) message for an expected failure."""
+    if isinstance(e, OSError) and e.filename is not None:
+        path = e.filename if e.filename2 is None else f"{e.filename} -> {e.filename2}"
+        return f"{path}: {e.strerror or e}"
+    if isinstance(e, yaml.YAMLError):
+        mark = getattr(e, "problem_mark", None)
+        where = f"{mark.name}:{mark.line + 1}:{mark.column + 1}: " if mark else ""
+        return f"{where}YAML syntax error: {getattr(e, 'problem', None) or e}"
+    return str(e)
+
+
+def run_command(fn: Callable[..., int | None], *args, **kwargs) -> int:
+    """Call a command's body and turn expected failures into a message and an exit code."""
+    try:
+        return fn(*args, **kwargs) or 0
+    except KeyboardInterrupt:
+        if debug():
+            raise
+        print("interrupted (Ctrl-C): the ranks were stopped; the last completed checkpoint "
+              "is intact and a rerun resumes from it", file=sys.stderr)
+        return INTERRUPTED
+    except (ValueError, OSError, yaml.YAMLError) as e:
+        if debug():
+            raise
+        print(f"error: {describe(e)}", file=sys.stderr)
+        return BAD_INPUT

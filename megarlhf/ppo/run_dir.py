@@ -1,0 +1,190 @@
+"""The PPO run's out_dir as the controller finds and keeps it, before any rank starts:
+
+- claimed: creatable, writable, and held by one live run at a time (an flock on
+  out_dir/.megarlhf.lock, released by the kernel when the holder dies, so a requeued job never
+  writes beside the original still running, and a killed one never blocks its successor);
+- cleaned: what a killed run left half-done in checkpoints/ (a save's or a prune's leftovers)
+  is removed; complete checkpoints are never touched;
+- matched: a resumed run must have the inputs the checkpoint was trained with (actor, critic
+  and reward checkpoints, prompts, seed, algorithm), else it would continue the old policy
+  against a new reference; `resume_allow_changes` names the ones changed on purpose.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import shutil
+import socket
+
+from megarlhf.engine.checkpoint import COMPLETE_MARKER
+from megarlhf.ppo import checkpoints
+from megarlhf.ppo.config import RESUME_INPUTS
+
+log = logging.getLogger(__name__)
+
+LOCK = ".megarlhf.lock"
+
+
+class Claim:
+    """out_dir held for this process until `release` (or its death)."""
+
+    def __init__(self, out_dir: str):
+        check_out_dir(out_dir)
+        os.makedirs(out_dir, exist_ok=True)
+        self._file = _locked(out_dir, "a+")
+        self._file.seek(0)
+        self._file.truncate()
+        self._file.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+        self._file.flush()
+
+    def release(self) -> None:
+        self._file.close()  # closing drops the flock
+
+
+def check_out_dir(out_dir: str) -> None:
+    """ValueError unless out_dir is (or can be made) a writable directory no live run holds.
+    Changes nothing (the dry run calls it too)."""
+    existing = out_dir
+    while not os.path.exists(existing):
+        existing = os.path.dirname(os.path.abspath(existing))
+    if not os.path.isdir(existing):
+        raise ValueError(f"out_dir {out_dir}: {existing} is a file, not a directory; choose "
+                         f"another out_dir")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"out_dir {out_dir}: {existing} is not writable; choose another "
+                         f"out_dir or fix its permissions")
+    if os.path.isfile(os.path.join(out_dir, LOCK)):
+        _locked(out_dir, "r").close()
+
+
+def _locked(out_dir: str, mode: str):
+    """out_dir's lock file opened in `mode` and flock'ed; ValueError if a live run holds it."""
+    file = open(os.path.join(out_dir, LOCK), mode)
+    try:
+        fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        file.seek(0)
+        holder = file.read().strip() or "another process"
+        file.close()
+        raise ValueError(f"out_dir {out_dir} is in use by a live run ({holder}); wait for it "
+                         f"to end or choose another out_dir") from None
+    return file
+
+
+def resume_point(config, inputs: dict) -> tuple[str | None, dict | None]:
+    """(latest checkpoint, its controller state) of out_dir, or (None, None) for a new run;
+    ValueError if the checkpoint was trained with other inputs (check_resume)."""
+    latest = checkpoints.latest(config.out_dir)
+    if latest is None:
+        return None, None
+    state = checkpoints.read_state(latest)
+    check_resume(latest, state.get("inputs"), inputs, config.resume_allow_changes)
+    return latest, state
+
+
+def remove_leftovers(out_dir: str) -> list[str]:
+    """Delete what an interrupted save or prune left in checkpoints/: step_N.tmp, step_N.old,
+    step_N.deleting, and step_N directories without the controller state every complete one
+    has. Only names our writer makes are touched."""
+    base = checkpoints.root(out_dir)
+    if not os.path.isdir(base):
+        return []
+    removed = []
+    for name in sorted(os.listdir(base)):
+        path = os.path.join(base, name)
+        if os.path.isdir(path) and checkpoints.is_leftover(name, path):
+            shutil.rmtree(path)
+            removed.append(name)
+    if removed:
+        log.info("removed what an interrupted run left in %s: %s", base, ", ".join(removed))
+    return removed
+
+
+def run_inputs(config) -> dict:
+    """What a checkpoint records about the inputs it was trained with."""
+    inputs = {"seed": config.seed, "algorithm": config.algorithm,
+              "prompts": _file_fingerprint(config.prompts)}
+    for field in ("actor", "critic", "reward_model"):
+        path = getattr(config, field)
+        inputs[field] = None if path is None else _checkpoint_fingerprint(path)
+    return inputs
+
+
+def check_resume(checkpoint: str, recorded: dict | None, now: dict,
+                 allowed: tuple[str, ...]) -> None:
+    """ValueError listing every input that differs from the checkpoint's (unless allowed)."""
+    if recorded is None:  # written before inputs were recorded
+        log.warning("%s does not record its run's inputs; resuming unchecked", checkpoint)
+        return
+    diffs = [f"{key}: checkpoint {_show(recorded.get(key))} vs now {_show(now[key])}"
+             for key in RESUME_INPUTS
+             if key not in allowed and _identity(recorded.get(key)) != _identity(now[key])]
+    if diffs:
+        raise ValueError(
+            f"out_dir holds a run trained with other inputs, so resuming from {checkpoint} "
+            f"would mix them:\n  " + "\n  ".join(diffs) + "\n  to continue anyway, set "
+            f"resume_allow_changes=[{','.join(d.split(':')[0] for d in diffs)}]; for a new "
+            f"run choose another out_dir")
+
+
+def _identity(entry):
+    """What must match: contents, not where they are (a moved checkpoint is the same one)."""
+    return entry.get("sha256") if isinstance(entry, dict) else entry
+
+
+def _show(entry) -> str:
+    if isinstance(entry, dict):
+        return f"{entry['path']} ({entry['sha256'][:12]})"
+    return repr(entry)
+
+
+def _file_fingerprint(path: str) -> dict:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return {"path": os.path.abspath(path), "size": os.path.getsize(path),
+            "sha256": digest.hexdigest()}
+
+
+def _checkpoint_fingerprint(path: str) -> dict:
+    """A checkpoint's metadata (its completion marker and DCP's .metadata), not its weights:
+    every save writes new metadata, so two checkpoints never share one."""
+    digest = hashlib.sha256()
+    for name in (COMPLETE_MARKER, ".metadata"):
+        file = os.path.join(path, name)
+        if os.path.isfile(file):
+            with open(file, "rb") as f:
+                digest.update(name.encode() + b"\0" + f.read())
+    return {"path": os.path.abspath(path), "sha256": digest.hexdigest()}
+
+
+def cut_metrics(out_dir: str, step: int) -> None:
+    """Cut out_dir/metrics.jsonl back to the steps up to `step` (the resumed checkpoint's):
+    a run killed after logging later steps would otherwise list them twice."""
+    path = os.path.join(out_dir, "metrics.jsonl")
+    if not os.path.isfile(path):
+        return
+    with open(path) as f:
+        lines = f.readlines()
+    kept = [line for line in lines if _logged_step(line) is not None
+            and _logged_step(line) <= step]
+    if len(kept) == len(lines):
+        return
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.writelines(kept)
+    os.replace(tmp, path)
+    log.info("metrics.jsonl: dropped %d line(s) after step %d (logged after the checkpoint "
+             "the run resumes from)", len(lines) - len(kept), step)
+
+
+def _logged_step(line: str) -> int | None:
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):  # a line cut short by a kill
+        return None

@@ -1,0 +1,357 @@
+"""The bad-input catalogue: mistakes users make, each refused before any rank starts (or, for
+corruption, when it is met) with exit code 2, one or two lines on stderr naming the field or
+path, no traceback, and every file that existed before unchanged.
+
+Cases run through the real commands (`megarlhf ppo`, with and without --dry-run, `megarlhf
+plan`, `megarlhf sft`/`rm`) in this process; starting a rank fails the test. The converters'
+cases are in tests/test_output_safety.py and tests/test_integrity.py.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import shutil
+
+import pytest
+import torch
+import yaml
+
+from megarlhf.cli import main as cli
+from megarlhf.parallel.mesh import ParallelConfig
+from megarlhf.ppo import checkpoints, run_dir
+from megarlhf.ppo.config import PPOConfig
+from megarlhf.ppo.rewards import RewardFnError, RewardFunction
+
+# ------------------------------------------------------------------------------ the world
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """Toy checkpoints (actor, critic, a second actor, a reward model of another vocabulary),
+    its HF directory, a prompts file and a recipe that passes every check."""
+    from megarlhf.convert.hf_to_mcore import hf_to_mcore
+    from tests import hf_models
+
+    root = tmp_path_factory.mktemp("world")
+    hf = hf_models.save_model(str(root / "hf"), "llama")
+    hf_to_mcore(hf, str(root / "actor"), parallel=ParallelConfig())
+    hf_to_mcore(hf, str(root / "critic"), parallel=ParallelConfig(), role="critic",
+                init_value_head=True)
+    other = hf_models.save_model(str(root / "hf_other"), "llama", seed=1)
+    hf_to_mcore(other, str(root / "actor_other"), parallel=ParallelConfig())
+    small = hf_models.save_model(str(root / "hf_small"), "llama", vocab_size=280)
+    hf_to_mcore(small, str(root / "rm_small"), parallel=ParallelConfig(), role="reward",
+                init_value_head=True)
+    prompts = root / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt_ids": [5 + i, 6, 7]}) + "\n"
+                               for i in range(8)))
+    recipe = {"actor": str(root / "actor"), "prompts": str(prompts),
+              "out_dir": str(root / "out"), "algorithm": "grpo", "samples_per_prompt": 2,
+              "reward_fn": "tests.ppo_tasks:low_token_fraction", "steps": 2}
+    (root / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    return root
+
+
+@pytest.fixture(autouse=True)
+def no_rank_starts(monkeypatch):
+    from megarlhf.parallel import launcher
+    from megarlhf.ppo import placement
+
+    def spawned(*args, **kwargs):
+        raise AssertionError("a rank was started: the mistake was not caught before spawning")
+
+    monkeypatch.setattr(placement.Placement, "__init__", spawned)
+    monkeypatch.setattr(launcher, "launch_local", spawned)
+
+
+def tree(root) -> dict[str, str]:
+    out = {}
+    for base, _, files in os.walk(root):
+        for name in files:
+            path = os.path.join(base, name)
+            with open(path, "rb") as f:
+                out[path] = hashlib.sha256(f.read()).hexdigest()
+    return out
+
+
+def refused(argv: list[str], capsys, root, *, names: str, code: int = 2) -> str:
+    """Run the command; assert it exits `code` with a short stderr naming `names`, without a
+    traceback, and that no file that existed before changed. Returns stderr."""
+    before = tree(root)
+    with pytest.raises(SystemExit) as exit_:
+        cli(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == code, err
+    assert "Traceback" not in err and names in err, err
+    message = [line for line in err.splitlines() if not line.startswith(("INFO", "WARNING"))]
+    assert message and message[0].startswith("error: "), err
+    after = tree(root)
+    assert {p: h for p, h in after.items() if p in before} == before
+    return err
+
+
+def ppo(world, *overrides, dry_run: bool):
+    return ["ppo", "--config", str(world / "recipe.yaml"), *(["--dry-run"] if dry_run else []),
+            *overrides]
+
+
+def test_the_base_recipe_passes_the_dry_run(world, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli(ppo(world, dry_run=True))
+    assert exit_.value.code == 0, capsys.readouterr().err
+    assert "dry run: would run grpo for 2 steps (from step 0), 8 prompts" in \
+        capsys.readouterr().out
+
+
+# ------------------------------------------------------------ config values, both commands
+
+CONFIG_CASES = [  # (overrides, what the message must name)
+    (["actr=x"], "actr"),
+    (["steps=abc"], "steps"),
+    (["algorithm=ppo2"], "algorithm='ppo2'"),
+    (["top_p=0"], "top_p=0.0 is out of range"),
+    (["top_p=1.5"], "top_p=1.5 is out of range"),
+    (["temperature=-1"], "temperature=-1.0 is out of range"),
+    (["temperature=.nan"], "temperature=nan is out of range"),
+    (["gamma=1.5"], "gamma=1.5 is out of range"),
+    (["lam=-0.1"], "lam=-0.1 is out of range"),
+    (["clip_eps=0"], "clip_eps=0.0 is out of range"),
+    (["actor_lr=-1e-5"], "actor_lr=-1e-05 is out of range"),
+    (["actor_lr=.inf"], "actor_lr=inf is out of range"),
+    (["critic_lr=0"], "critic_lr=0.0 is out of range"),
+    (["save_every=-1"], "save_every=-1 is out of range"),
+    (["kl_coef=-0.1"], "kl_coef=-0.1 is out of range"),
+    (["seed=-1"], "seed=-1 is out of range"),
+    (["top_k=-1"], "top_k=-1 is out of range"),
+    (["entropy_coef=-1"], "entropy_coef=-1.0 is out of range"),
+    (["keep_last=0"], "keep_last must be >= 1"),
+    (["steps=0"], "steps must be >= 1"),
+    (["nproc=3", "tensor_parallel=2"], "nproc=3 is not a multiple"),
+    (["nproc=3", "tensor_parallel=3"], "tensor_parallel=3"),
+    (["algorithm=ppo"], "needs a critic checkpoint"),
+    (["samples_per_prompt=1"], "samples_per_prompt >= 2"),
+    (["resume_allow_changes=[bogus]"], "resume_allow_changes: 'bogus'"),
+    (["logprob_gap_limit=-1"], "logprob_gap_limit must be > 0"),
+    (["rollout_backend=vllm"], "needs vllm_model_dir"),
+    (["rollout_gpu_memory_utilization=1.5"], "rollout_gpu_memory_utilization must be in"),
+]
+
+
+@pytest.mark.parametrize("dry_run", [True, False], ids=["dry-run", "run"])
+@pytest.mark.parametrize("overrides,names", CONFIG_CASES, ids=[c[0][0] for c in CONFIG_CASES])
+def test_a_bad_config_value_is_refused(world, capsys, overrides, names, dry_run):
+    refused(ppo(world, *overrides, dry_run=dry_run), capsys, world, names=names)
+
+
+# ----------------------------------------------------------------------- paths and files
+
+def path_cases(world) -> dict[str, tuple[list[str], str]]:
+    """name -> (overrides, what the message must name); files made on demand."""
+    bad_json = world / "bad.jsonl"
+    bad_json.write_text('{"prompt_ids": [5, 6]}\n{"prompt_ids": [5,\n')
+    empty = world / "empty.jsonl"
+    empty.write_text("")
+    out_of_vocab = world / "vocab.jsonl"
+    out_of_vocab.write_text('{"prompt_ids": [5]}\n{"prompt_ids": [5]}\n{"prompt_ids": [7, 300]}\n')
+    overlong = world / "long.jsonl"
+    overlong.write_text('{"prompt_ids": [5]}\n' + json.dumps({"prompt_ids": [5] * 250}) + "\n")
+    a_file = world / "a_file"
+    a_file.write_text("mine")
+    no_config = world / "not_hf"
+    no_config.mkdir(exist_ok=True)
+    return {
+        "actor missing": ([f"actor={world}/nothing"], f"{world}/nothing does not exist"),
+        "actor is an HF dir": ([f"actor={world}/hf"], "is an HF model directory"),
+        "actor is a value checkpoint": ([f"actor={world}/critic"], "has a value head"),
+        "critic is an LM checkpoint": (["algorithm=ppo", f"critic={world}/actor"],
+                                       "critic: checkpoint"),
+        "prompts missing": ([f"prompts={world}/none.jsonl"], "none.jsonl does not exist"),
+        "prompts bad JSON": ([f"prompts={bad_json}"], "bad.jsonl:2"),
+        "prompts empty": ([f"prompts={empty}"], "empty.jsonl holds no prompts"),
+        "prompt ids outside the vocabulary": ([f"prompts={out_of_vocab}"], "vocab.jsonl:3"),
+        "prompt longer than the positions": ([f"prompts={overlong}"], "long.jsonl:2"),
+        "reward_fn module missing": (["reward_fn=nomodule:f"], "reward_fn 'nomodule:f'"),
+        "reward_fn not module:function": (["reward_fn=justaname"], "reward_fn 'justaname'"),
+        "reward_fn not callable": (["reward_fn=tests.ppo_tasks:__doc__"], "is not callable"),
+        "reward model of another vocabulary": ([f"reward_model={world}/rm_small"],
+                                               "reward_model: its vocabulary has 280"),
+        "out_dir is a file": ([f"out_dir={a_file}"], f"out_dir {a_file}"),
+        "out_dir under a file": ([f"out_dir={a_file}/run"], f"{a_file} is a file"),
+        "vllm_model_dir without config.json": (["rollout_backend=vllm",
+                                                f"vllm_model_dir={no_config}"],
+                                               "has no config.json"),
+        "stop ids outside the vocabulary": (["stop_token_ids=[2,999]"], "stop_token_ids [999]"),
+        "rollout_max_model_len too short": (["rollout_backend=vllm", f"vllm_model_dir={world}/hf",
+                                             "rollout_max_model_len=17"],
+                                            "rollout_max_model_len=17"),
+    }
+
+
+PATH_CASES = ["actor missing", "actor is an HF dir", "actor is a value checkpoint",
+              "critic is an LM checkpoint", "prompts missing", "prompts bad JSON",
+              "prompts empty", "prompt ids outside the vocabulary",
+              "prompt longer than the positions", "reward_fn module missing",
+              "reward_fn not module:function", "reward_fn not callable",
+              "reward model of another vocabulary", "out_dir is a file",
+              "out_dir under a file", "vllm_model_dir without config.json",
+              "stop ids outside the vocabulary", "rollout_max_model_len too short"]
+
+
+@pytest.mark.parametrize("dry_run", [True, False], ids=["dry-run", "run"])
+@pytest.mark.parametrize("case", PATH_CASES)
+def test_a_bad_path_or_file_is_refused(world, capsys, case, dry_run):
+    overrides, names = path_cases(world)[case]
+    refused(ppo(world, *overrides, dry_run=dry_run), capsys, world, names=names)
+
+
+def test_skip_overlong_drops_what_does_not_fit_and_says_so(world, capsys):
+    path_cases(world)
+    with pytest.raises(SystemExit) as exit_:
+        cli(ppo(world, f"prompts={world}/long.jsonl", "skip_overlong=true", dry_run=True))
+    assert exit_.value.code == 0
+    assert "1 prompts (1 overlong dropped)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("recipe,names", [
+    ("nomodule:recipe", "nomodule"),
+    ("missing.yaml", "missing.yaml"),
+    ("syntax.yaml", "syntax.yaml:2"),
+    ("list.yaml", "must hold a mapping"),
+])
+def test_a_bad_recipe_is_refused(world, capsys, recipe, names):
+    (world / "syntax.yaml").write_text("actor: a\n  prompts: [unclosed\n")
+    (world / "list.yaml").write_text("- actor\n")
+    path = str(world / recipe) if recipe.endswith(".yaml") else recipe
+    refused(["ppo", "--config", path], capsys, world, names=names)
+
+
+def test_an_out_dir_held_by_a_live_run_is_refused(world, capsys):
+    claim = run_dir.Claim(str(world / "busy"))
+    try:
+        for dry_run in (True, False):
+            err = refused(ppo(world, f"out_dir={world}/busy", dry_run=dry_run), capsys, world,
+                          names="is in use by a live run")
+            assert f"pid {os.getpid()}" in err
+    finally:
+        claim.release()
+    run_dir.check_out_dir(str(world / "busy"))  # released: free again
+
+
+# ----------------------------------------------------------------------------- resume
+
+def _fake_checkpoint(world, out: str, **changed) -> None:
+    """out/checkpoints/step_2 recording the base recipe's inputs with `changed` fields."""
+    with open(world / "recipe.yaml") as f:
+        fields = {**yaml.safe_load(f), "out_dir": out, **changed}
+    step = os.path.join(checkpoints.root(out), "step_2")
+    os.makedirs(step)
+    inputs = run_dir.run_inputs(PPOConfig(**fields))
+    with open(os.path.join(step, checkpoints.STATE), "w") as f:
+        json.dump({"step": 2, "sampler": {"consumed": 16}, "kl": {}, "inputs": inputs}, f)
+
+
+@pytest.mark.parametrize("field,value", [
+    ("seed", 7), ("algorithm", "rloo"), ("actor", "actor_other"), ("prompts", "other.jsonl")])
+def test_resume_with_other_inputs_is_refused_and_can_be_allowed(world, capsys, tmp_path,
+                                                                field, value):
+    other = world / "other.jsonl"
+    other.write_text('{"prompt_ids": [9, 9]}\n')
+    if field in ("actor", "prompts"):
+        value = str(world / value)
+    out = str(tmp_path / "out")
+    _fake_checkpoint(world, out, **{field: value})
+    for dry_run in (True, False):
+        err = refused(ppo(world, f"out_dir={out}", dry_run=dry_run), capsys, tmp_path,
+                      names=f"{field}: checkpoint")
+        assert f"resume_allow_changes=[{field}]" in err
+    with pytest.raises(SystemExit) as exit_:
+        cli(ppo(world, f"out_dir={out}", f"resume_allow_changes=[{field}]", dry_run=True))
+    assert exit_.value.code == 0 and "resuming from" in capsys.readouterr().out
+
+
+def test_a_moved_but_identical_actor_resumes(world, capsys, tmp_path):
+    out = str(tmp_path / "out")
+    _fake_checkpoint(world, out)
+    shutil.copytree(world / "actor", tmp_path / "actor_moved")
+    with pytest.raises(SystemExit) as exit_:
+        cli(ppo(world, f"out_dir={out}", f"actor={tmp_path}/actor_moved", dry_run=True))
+    assert exit_.value.code == 0, capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------- plan, sft and rm
+
+@pytest.mark.parametrize("args,names", [
+    (["--gpu-mem-gb", "inf"], "--gpu-mem-gb must be a finite number"),
+    (["--gpu-mem-gb", "nan"], "--gpu-mem-gb must be a finite number"),
+    (["--gpu-mem-gb", "-8"], "--gpu-mem-gb must be a finite number"),
+    (["--nodes", "0"], "nodes must be a positive integer"),
+])
+def test_a_bad_plan_argument_is_refused(world, capsys, args, names):
+    argv = ["plan", "--config", str(world / "recipe.yaml"), "--nodes", "1", *args]
+    refused(argv, capsys, world, names=names)
+
+
+@pytest.mark.parametrize("stage", ["sft", "rm"])
+@pytest.mark.parametrize("text,names", [
+    ("model: {preset: tiny\n", "YAML syntax error"),
+    ("modle: {preset: tiny}\n", "modle"),
+    ("- a list\n", "must hold a mapping"),
+])
+def test_a_bad_stage_config_is_refused(world, capsys, stage, text, names):
+    path = world / f"{stage}_bad.yaml"
+    path.write_text(text)
+    refused([stage, "--config", str(path)], capsys, world, names=names)
+    refused([stage, "--config", str(world / "absent.yaml")], capsys, world, names="absent.yaml")
+
+
+# -------------------------------------------------------------------- user reward code
+
+class _Completion:
+    def __init__(self, prompt_index, token_ids):
+        self.prompt_index, self.token_ids = prompt_index, token_ids
+
+
+@pytest.mark.parametrize("fn,names", [
+    ("none_reward", "returned None (NoneType); it must return a real number"),
+    ("string_reward", "returned '1.0' (str)"),
+    ("nan_reward", "returned nan; return a finite number, or set nan_policy=skip"),
+    ("raising_reward", "raised ZeroDivisionError"),
+])
+def test_a_reward_fn_that_returns_no_reward_is_named_with_the_step_and_sample(fn, names):
+    reward = RewardFunction(f"tests.ppo_tasks:{fn}", allow_non_finite=False)
+    with pytest.raises(RewardFnError) as failure:
+        reward.score(3, [[5, 6]], [_Completion(0, [7]), _Completion(0, [8, 9])])
+    message = str(failure.value)
+    assert f"reward_fn tests.ppo_tasks:{fn} at step 3, sample" in message and names in message
+    assert "\n" not in message
+
+
+def test_reward_fn_values_of_any_real_type_are_taken():
+    reward = RewardFunction("tests.ppo_tasks:typed_reward", allow_non_finite=True)
+    scores = reward.score(1, [[5]], [_Completion(0, [1] * n) for n in range(4)])
+    assert scores.tolist() == [0.0, 1.0, 2.0, math.inf]  # int, float, 0-d tensor, inf (skip)
+    assert scores.dtype == torch.float32
+
+
+# -------------------------------------------------------------- what a killed run leaves
+
+def test_leftovers_of_a_killed_save_or_prune_are_removed_and_nothing_else(tmp_path):
+    base = checkpoints.root(str(tmp_path))
+    for name in ("step_3", "step_6.tmp", "step_2.deleting", "step_1", "step_4.old", "mine"):
+        os.makedirs(os.path.join(base, name))
+    with open(os.path.join(base, "step_3", checkpoints.STATE), "w") as f:
+        f.write("{}")
+    (tmp_path / "checkpoints" / "notes.txt").write_text("mine")
+    removed = run_dir.remove_leftovers(str(tmp_path))
+    assert removed == ["step_1", "step_2.deleting", "step_4.old", "step_6.tmp"]
+    assert sorted(os.listdir(base)) == ["mine", "notes.txt", "step_3"]
+
+
+def test_metrics_are_cut_back_to_the_resumed_step(tmp_path):
+    lines = [json.dumps({"step": s, "reward/mean": s / 10}) for s in (1, 2, 3, 4)]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + '\n{"step": 5, "rew')
+    run_dir.cut_metrics(str(tmp_path), 3)
+    assert (tmp_path / "metrics.jsonl").read_text() == "\n".join(lines[:3]) + "\n"
