@@ -59,12 +59,14 @@ def world(tmp_path_factory):
 def no_rank_starts(monkeypatch):
     from megarlhf.parallel import launcher
     from megarlhf.ppo import placement
+    from megarlhf.sft import command
 
     def spawned(*args, **kwargs):
         raise AssertionError("a rank was started: the mistake was not caught before spawning")
 
     monkeypatch.setattr(placement.Placement, "__init__", spawned)
     monkeypatch.setattr(launcher, "launch_local", spawned)
+    monkeypatch.setattr(command, "launch_local", spawned)
 
 
 def tree(root) -> dict[str, str]:
@@ -355,3 +357,46 @@ def test_metrics_are_cut_back_to_the_resumed_step(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + '\n{"step": 5, "rew')
     run_dir.cut_metrics(str(tmp_path), 3)
     assert (tmp_path / "metrics.jsonl").read_text() == "\n".join(lines[:3]) + "\n"
+
+
+# ----------------------------------------------------------------------- sft: values, data
+
+@pytest.fixture(scope="module")
+def sft_world(world):
+    from megarlhf.data import synthetic
+    from megarlhf.data.tokenizer import train_sentencepiece
+
+    root = world / "sft"
+    root.mkdir()
+    sp = train_sentencepiece(synthetic.tokenizer_corpus(), str(root / "sp.model"),
+                             vocab_size=256)
+    data = synthetic.write_jsonl(synthetic.sft_records(20), str(root / "sft.jsonl"))
+    (root / "sft.yaml").write_text(yaml.safe_dump({
+        "model": {"preset": "tiny", "overrides": {"vocab_size": 256}},
+        "data": {"train": {"path": data}, "tokenizer": sp, "max_length": 48},
+        "train": {"output_dir": str(root / "out"), "steps": 2, "global_batch_size": 4,
+                  "micro_batch_size": 2}}))
+    return root
+
+
+SFT_CASES = [
+    (["optim.lr=-1"], "lr > 0"),
+    (["optim.lr=.nan"], "lr must be a finite number"),
+    (["optim.lr=.inf"], "lr must be a finite number"),
+    (["optim.adam_beta2=1.5"], "adam_beta2 must be in [0, 1)"),
+    (["optim.adam_eps=0"], "adam_eps > 0"),
+    (["optim.clip_grad=-1"], "clip_grad must be >= 0"),
+    (["train.steps=0"], "steps"),
+    (["train.global_batch_size=3"], "global_batch_size"),
+    (["parallel.tensor_parallel=3"], "tensor_parallel"),
+    (["data.train.path=/nonexistent/sft.jsonl"], "/nonexistent/sft.jsonl"),
+    (["data.tokenizer=/nonexistent/sp.model"], "/nonexistent/sp.model"),
+    (["trian.steps=3"], "trian"),
+]
+
+
+@pytest.mark.parametrize("overrides,names", SFT_CASES, ids=[c[0][0] for c in SFT_CASES])
+def test_a_bad_sft_value_or_path_is_refused_before_spawning(sft_world, capsys, overrides,
+                                                            names):
+    refused(["sft", "--config", str(sft_world / "sft.yaml"), "--nproc", "2", *overrides],
+            capsys, sft_world, names=names)

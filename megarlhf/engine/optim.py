@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -31,6 +32,16 @@ class OptimConfig:
     """Shard optimizer states (and the fp32 master weights) across data-parallel ranks."""
 
     def __post_init__(self):
+        for name in ("lr", "min_lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps",
+                     "clip_grad"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
+        if self.adam_eps <= 0 or self.weight_decay < 0:
+            raise ValueError(f"need adam_eps > 0 and weight_decay >= 0, got adam_eps="
+                             f"{self.adam_eps}, weight_decay={self.weight_decay}")
         if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
             raise ValueError(f"need 0 <= min_lr <= lr and lr > 0, got lr={self.lr}, "
                              f"min_lr={self.min_lr}")

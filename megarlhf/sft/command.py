@@ -29,9 +29,9 @@ def main(stage: str, config_path: str, overrides: list[str], nproc: int | None, 
         return run(cfg)
     if started_by_launcher():
         raise ValueError("--nproc spawns its own ranks; leave it out under torchrun or srun")
-    # Data, tokenizer and resume problems surface here as one plain error, not as a traceback
-    # from each spawned rank.
-    plan(cfg, functools.partial(make_stage, cfg))
+    # Data, tokenizer, layout and resume problems surface here as one plain error, not as a
+    # traceback from each spawned rank.
+    check_layout(cfg, plan(cfg, functools.partial(make_stage, cfg)), nproc)
     # A training run has no natural time limit; the launcher's default is meant for tests.
     return launch_local(run, nproc, cfg, timeout_s=math.inf)[0]
 
@@ -40,9 +40,7 @@ def describe(stage: str, cfg: SFTConfig | RMConfig, checked: Plan, nproc: int | 
     """`--dry-run`: the layout checked against the model and the world size (the ranks --nproc
     would spawn, or torchrun's / srun's), and what the run would do."""
     world = nproc if nproc is not None else DistEnv.detect().world_size
-    checked.model.check_parallel(cfg.parallel)
-    dp = cfg.parallel.data_parallel_size(world)
-    micro = cfg.train.num_microbatches(dp)
+    dp, micro = check_layout(cfg, checked, world)
     start = f"resuming from {checked.resume_from}" if checked.resume_from else "from step 0"
     return (f"dry run: would train {stage} for {cfg.train.steps} steps ({start}) on {world} "
             f"rank(s) at TP{cfg.parallel.tensor_parallel} x PP{cfg.parallel.pipeline_parallel}"
@@ -50,3 +48,11 @@ def describe(stage: str, cfg: SFTConfig | RMConfig, checked: Plan, nproc: int | 
             f"{len(checked.examples.train)} training examples; model "
             f"{checked.model.num_layers} layers, hidden {checked.model.hidden_size}; outputs in "
             f"{cfg.train.output_dir}")
+
+
+def check_layout(cfg: SFTConfig | RMConfig, checked: Plan, world: int) -> tuple[int, int]:
+    """(DP size, micro-batches per step) of the layout on `world` ranks; ValueError if the
+    model's heads, layers or vocabulary, the world size or the batch do not divide."""
+    checked.model.check_parallel(cfg.parallel)
+    dp = cfg.parallel.data_parallel_size(world)
+    return dp, cfg.train.num_microbatches(dp)
