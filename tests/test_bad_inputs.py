@@ -400,3 +400,21 @@ def test_a_bad_sft_value_or_path_is_refused_before_spawning(sft_world, capsys, o
                                                             names):
     refused(["sft", "--config", str(sft_world / "sft.yaml"), "--nproc", "2", *overrides],
             capsys, sft_world, names=names)
+
+
+def test_sft_export_hf_may_not_replace_checkpoints_or_a_users_directory(sft_world, capsys):
+    out = sft_world / "out"
+    mine = sft_world / "mine"
+    mine.mkdir(exist_ok=True)
+    (mine / "notes.md").write_text("mine")
+    config = ["sft", "--config", str(sft_world / "sft.yaml"), "--nproc", "2"]
+    for export, names in ((out, "contains the input"),
+                          (sft_world, "contains the input"),
+                          (out / "checkpoints" / "hf", "is inside the input"),
+                          (mine, "exists and was not written by megarlhf")):
+        for dry_run in ([], ["--dry-run"]):
+            refused(config + dry_run + [f"train.export_hf={export}"], capsys, sft_world,
+                    names=f"train.export_hf {export} {names}")
+    with pytest.raises(SystemExit) as exit_:  # beside the checkpoints is fine
+        cli(config + ["--dry-run", f"train.export_hf={out}/hf"])
+    assert exit_.value.code == 0, capsys.readouterr().err

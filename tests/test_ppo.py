@@ -203,7 +203,9 @@ def test_grpo_reward_rises(base, tmp_path):
 
 
 @pytest.mark.slow
-def test_a_rank_that_meets_a_corrupt_file_stops_the_run_naming_it(base, tmp_path):
+@pytest.mark.parametrize("worker_group", ["local", "ray"])
+def test_a_rank_that_meets_a_corrupt_file_stops_the_run_naming_it(base, tmp_path,
+                                                                  worker_group):
     # An actor whose weights are cut short: its metadata passes the controller's checks,
     # every rank fails loading it.
     import glob
@@ -213,9 +215,9 @@ def test_a_rank_that_meets_a_corrupt_file_stops_the_run_naming_it(base, tmp_path
     for path in glob.glob(f"{actor}/*.distcp"):
         os.truncate(path, os.path.getsize(path) // 2)
     config = dataclasses.replace(base, actor=actor, nproc=1, tensor_parallel=1,
-                                 out_dir=str(tmp_path / "out"))
+                                 out_dir=str(tmp_path / "out"), worker_group=worker_group)
     # A corrupt file is bad input: one line naming the file, the rank's traceback as a note.
-    with pytest.raises(WorkerInputError, match=r"start-up on colocated rank 0: .*\.distcp") \
+    with pytest.raises(WorkerInputError, match=r"^start-up on colocated rank 0: .*\.distcp") \
             as failure:
         run(config)
     assert "\n" not in str(failure.value) and "Traceback" in failure.value.__notes__[0]

@@ -11,7 +11,7 @@ byte for byte except for the random serialization id torch gives every save.
 
 The bytes can come as row blocks (`RowBlocks`), e.g. views of an HF file's pages in Megatron's
 row order, and are written block after block: a chunk is never assembled in memory. Readers
-find a chunk's bytes in its archive with `ArchiveWindow` and `data_record_offset`.
+find a chunk's bytes (and their CRC32) in its archive with `ArchiveWindow` and `data_record`.
 """
 
 from __future__ import annotations
@@ -204,9 +204,9 @@ def _crc_positions(head: bytes, hole: int, tail: bytearray) -> list[int]:
     return [descriptor + 4, entry + 16]
 
 
-def data_record_offset(archive: io.RawIOBase, nbytes: int, key: str) -> int:
-    """Where the bytes of a torch.save archive's only storage (data/0, stored uncompressed)
-    begin within the archive."""
+def data_record(archive: io.RawIOBase, nbytes: int, key: str) -> tuple[int, int]:
+    """(where the bytes of a torch.save archive's only storage (data/0, stored uncompressed)
+    begin within the archive, the CRC32 its directory records for them)."""
     with zipfile.ZipFile(archive) as zf:
         records = [i for i in zf.infolist() if "/data/" in i.filename]
     if len(records) != 1 or records[0].compress_type != zipfile.ZIP_STORED \
@@ -216,7 +216,7 @@ def data_record_offset(archive: io.RawIOBase, nbytes: int, key: str) -> int:
                          f"checkpoint saved in Megatron's torch_dist format?")
     archive.seek(records[0].header_offset)
     name_length, extra_length = struct.unpack("<HH", archive.read(30)[26:30])
-    return records[0].header_offset + 30 + name_length + extra_length
+    return records[0].header_offset + 30 + name_length + extra_length, records[0].CRC
 
 
 class _Range(io.RawIOBase):

@@ -13,7 +13,8 @@ import torch
 import transformers
 
 from megarlhf.convert.mcore_io import checkpoint_template, write_checkpoint
-from megarlhf.convert.outputs import copy_sidecar, prepare_output, removed_on_error
+from megarlhf.convert.outputs import (copy_sidecar, finish_output, prepare_output,
+                                      removed_on_error)
 from megarlhf.convert.safetensors_io import SafetensorsReader
 from megarlhf.engine.checkpoint import HF_SIDECAR, checkpoint_meta, publish
 from megarlhf.models.arch import TensorRule, architecture_for_hf_config
@@ -106,7 +107,7 @@ def hf_to_mcore(hf_dir: str, out: str, *, parallel: ParallelConfig, role: str = 
     src = inspect_hf(hf_dir, role=role, init_value_head=init_value_head,
                      make_vocab_size_divisible_by=make_vocab_size_divisible_by)
     src.model.check_parallel(parallel)
-    tmp = prepare_output(out, force)
+    tmp = prepare_output(out, force, inputs=[hf_dir])
     reader = src.reader
     by_key = {rule.mcore: rule for rule in src.rules}
 
@@ -132,6 +133,7 @@ def hf_to_mcore(hf_dir: str, out: str, *, parallel: ParallelConfig, role: str = 
         template = checkpoint_template(src.model, value_head=src.value_head, dtype=src.dtype)
         write_checkpoint(tmp, template, source)
         copy_sidecar(hf_dir, os.path.join(tmp, HF_SIDECAR))
+        finish_output(tmp)
     meta = checkpoint_meta(
         src.model, value_head=src.value_head, dtype=src.dtype,
         layout={"tp": parallel.tensor_parallel, "pp": parallel.pipeline_parallel, "dp": None,

@@ -18,6 +18,7 @@ import io
 import math
 import os
 import warnings
+import zipfile
 from typing import Callable
 
 import torch
@@ -40,9 +41,10 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from megarlhf.convert.chunk_file import (ArchiveWindow, ChunkFileWriter, RowBlocks,
-                                         data_record_offset)
+from megarlhf.convert.chunk_file import ArchiveWindow, ChunkFileWriter, RowBlocks, data_record
+from megarlhf.convert.integrity import check_crc, check_extent, read_metadata
 from megarlhf.convert.pages import map_tensor
+from megarlhf.errors import CorruptFileError
 from megarlhf.models.config import ModelConfig
 from megarlhf.models.gpt import build_model, model_spec
 from megarlhf.parallel.mesh import DistEnv, ParallelConfig, destroy_mesh, free_port, init_mesh
@@ -205,7 +207,8 @@ class CheckpointReader:
 
     def __init__(self, path: str):
         self.path = path
-        self.metadata = dcp.FileSystemReader(path).read_metadata()
+        self.metadata = read_metadata(path)
+        self._verified: set[MetadataIndex] = set()  # chunks whose CRC32 was checked
 
     def shape(self, key: str) -> tuple[int, ...] | None:
         md = self.metadata.state_dict_metadata.get(key)
@@ -250,11 +253,22 @@ class CheckpointReader:
         if getattr(info, "transform_descriptors", None):
             raise ValueError(f"{self.path}: {index.fqn} is stored with transforms "
                              f"{info.transform_descriptors}, which this reader does not undo")
-        with open(os.path.join(self.path, info.relative_path), "rb") as f:
+        file = os.path.join(self.path, info.relative_path)
+        check_extent(file, info.offset + info.length)
+        with open(file, "rb") as f:
             archive = ArchiveWindow(f, info.offset, info.length)
-            with torch.serialization.skip_data():
-                layout = torch.load(archive, map_location="cpu", weights_only=True)
+            try:
+                with torch.serialization.skip_data():
+                    layout = torch.load(archive, map_location="cpu", weights_only=True)
+            except (RuntimeError, ValueError, zipfile.BadZipFile, EOFError) as e:
+                raise CorruptFileError(f"{file}: the archive of tensor {index.fqn!r} cannot be "
+                                       f"read ({e}): the file is corrupt; restore it or use "
+                                       f"another checkpoint") from None
             storage_bytes = layout.untyped_storage().nbytes()
-            start = info.offset + data_record_offset(archive, storage_bytes, index.fqn)
-            flat = map_tensor(f, start, storage_bytes // layout.element_size(), layout.dtype)
+            start, crc = data_record(archive, storage_bytes, index.fqn)
+            flat = map_tensor(f, info.offset + start, storage_bytes // layout.element_size(),
+                              layout.dtype)
+        if index not in self._verified:  # a chunk read per layer is checked once
+            check_crc(file, index.fqn, flat, crc)
+            self._verified.add(index)
         return flat.as_strided(layout.shape, layout.stride(), layout.storage_offset())

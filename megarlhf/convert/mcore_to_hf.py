@@ -7,7 +7,8 @@ import os
 
 import torch
 
-from megarlhf.convert.outputs import copy_sidecar, prepare_output, removed_on_error
+from megarlhf.convert.outputs import (copy_sidecar, finish_output, prepare_output,
+                                      removed_on_error)
 from megarlhf.convert.mcore_io import CheckpointReader
 from megarlhf.convert.safetensors_io import ShardWriter
 from megarlhf.engine.checkpoint import HF_SIDECAR, read_meta, replace_dir
@@ -44,13 +45,14 @@ def mcore_to_hf(ckpt: str, out: str, *, dtype: str | None = None, force: bool = 
             raise ValueError(f"{ckpt} has no tensor {rule.mcore!r}, which a {arch.name} "
                              f"{'value model' if value_head else 'LM'} needs; if the checkpoint "
                              f"is of another architecture, name it with --arch")
-    tmp = prepare_output(out, force)
+    tmp = prepare_output(out, force, inputs=[ckpt])
     with removed_on_error(tmp):
         _export_weights(ckpt, reader, rules, model, tmp, max_shard_bytes, out_dtype)
         sidecar = os.path.join(ckpt, HF_SIDECAR)
         if os.path.isdir(sidecar):
             copy_sidecar(sidecar, tmp)
         _write_config(tmp, arch, model, value_head, out_dtype)
+        finish_output(tmp, {"tool": "mcore_to_hf", "source": os.path.abspath(ckpt)})
     final = os.path.abspath(out)
     replace_dir(tmp, final)
     return final

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 
+from megarlhf.convert.integrity import verify_checkpoint_collectively
 from megarlhf.models.config import ModelConfig
 from megarlhf.engine.optim import OptimConfig
 from megarlhf.engine.train import TrainEngine
@@ -163,9 +164,11 @@ def publish(tmp: str, path: str, meta: dict) -> None:
 
 
 def replace_dir(tmp: str, path: str) -> None:
-    """Move `tmp` to `path`, replacing what is there; the old one is deleted only after the new
-    one is in place, so a crash at any point leaves at least one complete directory."""
-    old = f"{path}.old"
+    """Move `tmp` to `path`, replacing what is there (callers check it is ours); the old one is
+    deleted only after the new one is in place, so a crash at any point leaves at least one
+    complete directory. The old one waits under a hidden name no user directory has."""
+    parent, name = os.path.split(path)
+    old = os.path.join(parent, f".{name}.megarlhf-old")
     if os.path.exists(path):
         shutil.rmtree(old, ignore_errors=True)
         os.replace(path, old)
@@ -253,6 +256,7 @@ def load_checkpoint(path: str, engine, *, with_optimizer: bool = True) -> dict:
     if with_optimizer:
         _materialise_optimizer_state(engine.optimizer)
     template = _sharded_state(engine, is_loading=True, with_optimizer=with_optimizer)
+    verify_checkpoint_collectively(path)  # megatron-core's load checks no CRC32
     loaded = dist_checkpointing.load(template, path)
     for chunk, sd in zip(engine.unwrapped(), loaded["model"].values()):
         chunk.load_state_dict(sd)

@@ -12,7 +12,8 @@ import os
 import pickle
 import time
 
-from megarlhf.ppo.groups import WorkerError, dumps
+from megarlhf.errors import describe
+from megarlhf.ppo.groups import WorkerError, WorkerInputError, dumps
 
 _INLINE_BYTES = 64 * 1024
 """Smaller call arguments travel inside each rank's task (a put costs more than a copy)."""
@@ -47,6 +48,18 @@ class _Rank:
 
     def stop(self) -> None:
         self.worker.shutdown()
+
+
+def _rank_failure(call: "RayCall", rank: int, e: Exception) -> WorkerError:
+    """A RayTaskError carries the rank's exception as `cause`: bad input (a corrupt file, a
+    full disk) becomes a one-line WorkerInputError, anything else keeps Ray's traceback."""
+    cause = getattr(e, "cause", None)
+    if isinstance(cause, (ValueError, OSError)) and not isinstance(cause, WorkerError):
+        error = WorkerInputError(f"{call.what} on {call.group.name} rank {rank}: "
+                                 f"{describe(cause)}")
+        error.add_note(str(e))
+        return error
+    return WorkerError(f"{call.what} failed on {call.group.name} rank {rank}:\n{e}")
 
 
 class RayCall:
@@ -146,8 +159,7 @@ class RayBackend:
                     answers[ref] = pickle.loads(ray.get(ref))
                 except Exception as e:  # noqa: BLE001 - RayTaskError / RayActorError carry it
                     call, rank = owner[ref]
-                    raise WorkerError(f"{call.what} failed on {call.group.name} rank {rank}:\n"
-                                      f"{e}") from None
+                    raise _rank_failure(call, rank, e) from None
         return [[answers[ref] for ref in call.refs] for call in calls]
 
     def shutdown(self) -> None:

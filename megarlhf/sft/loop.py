@@ -17,6 +17,7 @@ from typing import Callable
 import torch.distributed as dist
 import yaml
 
+from megarlhf.convert.outputs import check_output
 from megarlhf.data.dataset import Examples, load_examples
 from megarlhf.data.encode import Example
 from megarlhf.data.order import EpochStream
@@ -80,6 +81,9 @@ def plan(cfg: SFTConfig | RMConfig, make_stage: Callable[[int], Stage]) -> Plan:
                              default_margin=stage.default_margin)
     fingerprint = {"stage": stage.name, "train_examples": len(examples.train),
                    "data_seed": cfg.data.seed}
+    if cfg.train.export_hf:  # found now, not after the training it would follow
+        check_output(cfg.train.export_hf, replace=True, what="train.export_hf",
+                     inputs=[os.path.join(cfg.train.output_dir, CHECKPOINTS)])
     latest = latest_checkpoint(os.path.join(cfg.train.output_dir, CHECKPOINTS))
     if latest and not cfg.train.resume:
         raise ValueError(f"{cfg.train.output_dir} already holds checkpoints ({latest}); set "
@@ -236,6 +240,8 @@ def _data_line(examples: Examples) -> str:
 
 
 def _export(ckpt: str, out: str, mesh: Mesh, log: MetricsLog) -> str:
+    """The final checkpoint as an HF directory at `out`, replacing an earlier export of ours
+    (`plan` checked that it is not around the checkpoints and not someone else's)."""
     from megarlhf.convert.mcore_to_hf import mcore_to_hf
 
     if mesh.rank == 0:
