@@ -20,6 +20,8 @@ Diagnostics, to attribute the converters' time and memory (outputs discarded):
   malloc threshold    MALLOC_MMAP_THRESHOLD_=1 MiB: glibc maps every large block and unmaps it
                       on free, instead of raising the threshold and keeping freed blocks in
                       its heap; what the per-layer blocks glibc keeps add to the peak
+  CRC32 unchecked     mcore_to_hf without checking the CRC32 of what it reads (the check runs
+                      in a thread beside the writes): what the check costs
 
 Before every step the page cache is dropped (`echo 3 > /proc/sys/vm/drop_caches`, when the
 process may), so every step reads its input cold; each step's time is its call plus an
@@ -60,6 +62,7 @@ STEPS = {
     "mcore_to_hf, small shards": ("mcore_to_hf small", "hf2_small", True, {}),
     "diag: hf_to_mcore setup only": ("setup", None, False, {}),
     "diag: hf_to_mcore, malloc threshold": ("hf_to_mcore", "diag", False, FIXED_MMAP),
+    "diag: mcore_to_hf, CRC32 unchecked": ("mcore_to_hf unchecked", "diag", True, {}),
 }
 PLAIN = ("safetensors round", "stream copy")
 VERIFIED = ("mcore_to_hf", "mcore_to_hf, small shards", "safetensors round", "stream copy",
@@ -192,6 +195,7 @@ def _child(spec: dict) -> dict:
         "mcore_to_hf": lambda: mcore_to_hf(src, dst),
         "mcore_to_hf small": lambda: mcore_to_hf(src, dst,
                                                  max_shard_bytes=spec["shard_mb"] * 10**6),
+        "mcore_to_hf unchecked": lambda: _unchecked(mcore_to_hf, src, dst),
     }
     before = _vm("VmRSS")
     r0 = resource.getrusage(resource.RUSAGE_SELF)
@@ -205,6 +209,13 @@ def _child(spec: dict) -> dict:
            "before": before, "user": r1.ru_utime - r0.ru_utime,
            "sys": r1.ru_stime - r0.ru_stime}
     return out
+
+
+def _unchecked(convert, src: str, dst: str) -> None:
+    from megarlhf.convert import mcore_io
+
+    mcore_io.check_crc = lambda *args: None  # this child process only
+    convert(src, dst)
 
 
 def _verify(spec: dict) -> dict:

@@ -19,6 +19,7 @@ import math
 import os
 import warnings
 import zipfile
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
 import torch
@@ -209,6 +210,22 @@ class CheckpointReader:
         self.path = path
         self.metadata = read_metadata(path)
         self._verified: set[MetadataIndex] = set()  # chunks whose CRC32 was checked
+        self._checker: ThreadPoolExecutor | None = None
+        self._pending: list[Future] = []
+
+    @contextlib.contextmanager
+    def background_checks(self):
+        """Inside, the CRC32 checks run in a thread beside the caller's work (zlib releases
+        the GIL), instead of before each read returns; leaving waits for them and raises the
+        first failure. For callers that publish nothing of what they read before leaving."""
+        self._checker = ThreadPoolExecutor(1)
+        try:
+            yield self
+            for check in self._pending:
+                check.result()
+        finally:
+            self._checker.shutdown(wait=True, cancel_futures=True)
+            self._checker, self._pending = None, []
 
     def shape(self, key: str) -> tuple[int, ...] | None:
         md = self.metadata.state_dict_metadata.get(key)
@@ -269,6 +286,9 @@ class CheckpointReader:
             flat = map_tensor(f, info.offset + start, storage_bytes // layout.element_size(),
                               layout.dtype)
         if index not in self._verified:  # a chunk read per layer is checked once
-            check_crc(file, index.fqn, flat, crc)
             self._verified.add(index)
+            if self._checker is None:
+                check_crc(file, index.fqn, flat, crc)
+            else:
+                self._pending.append(self._checker.submit(check_crc, file, index.fqn, flat, crc))
         return flat.as_strided(layout.shape, layout.stride(), layout.storage_offset())

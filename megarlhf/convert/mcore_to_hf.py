@@ -47,7 +47,8 @@ def mcore_to_hf(ckpt: str, out: str, *, dtype: str | None = None, force: bool = 
                              f"is of another architecture, name it with --arch")
     tmp = prepare_output(out, force, inputs=[ckpt])
     with removed_on_error(tmp):
-        _export_weights(ckpt, reader, rules, model, tmp, max_shard_bytes, out_dtype)
+        with reader.background_checks():  # every CRC32 checked before the output is renamed in
+            _export_weights(ckpt, reader, rules, model, tmp, max_shard_bytes, out_dtype)
         sidecar = os.path.join(ckpt, HF_SIDECAR)
         if os.path.isdir(sidecar):
             copy_sidecar(sidecar, tmp)
