@@ -44,21 +44,20 @@ def preflight(config: PPOConfig, prompts: list[list[int]],
     lines = lines or list(range(1, len(prompts) + 1))
     models = resolve_models(config)
     problems = _vocabulary_problems(config, models)
-    overlong = _overlong(config, models, prompts)
+    limit, what, fix = _fit_limit(config, models)
+    overlong = _overlong(config, limit, prompts)
     if overlong and not config.skip_overlong:
         first = overlong[0]
         problems.append(f"prompts {config.prompts}:{lines[first]}: a prompt of "
                         f"{len(prompts[first])} tokens + max_new_tokens={config.max_new_tokens} "
-                        f"does not fit {_fit_limit(config, models)[1]} ({len(overlong)} prompt(s) "
-                        f"in all); shorten them, lower max_new_tokens"
-                        f"{_fit_limit(config, models)[2]}, or set skip_overlong=true to drop "
-                        f"them")
+                        f"does not fit {what} ({len(overlong)} prompt(s) in all); shorten them, "
+                        f"lower max_new_tokens{fix}, or set skip_overlong=true to drop them")
     elif overlong:
         if len(overlong) == len(prompts):
             raise ValueError(f"prompts {config.prompts}: skip_overlong drops every prompt; none "
-                             f"fits {_fit_limit(config, models)[1]}")
+                             f"fits {what}")
         log.warning("skip_overlong: dropping %d of %d prompts longer than %s allows",
-                    len(overlong), len(prompts), _fit_limit(config, models)[1])
+                    len(overlong), len(prompts), what)
     dropped = set(overlong)  # reported above; check_models checks what remains
     longest = max((len(p) for i, p in enumerate(prompts) if i not in dropped), default=0)
     problems += check_models(config, models, longest + config.max_new_tokens)
@@ -119,8 +118,7 @@ def _fit_limit(config: PPOConfig, models: dict) -> tuple[int, str, str]:
     return positions, f"the {role} model's max_position_embeddings={positions}", ""
 
 
-def _overlong(config: PPOConfig, models: dict, prompts: list[list[int]]) -> list[int]:
-    limit = _fit_limit(config, models)[0]
+def _overlong(config: PPOConfig, limit: int, prompts: list[list[int]]) -> list[int]:
     if config.max_new_tokens >= limit:  # no prompt fits: check_models names max_new_tokens
         return []
     return [i for i, p in enumerate(prompts) if len(p) + config.max_new_tokens > limit]
