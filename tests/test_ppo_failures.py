@@ -98,7 +98,9 @@ def test_ctrl_c_stops_every_rank_and_leaves_the_last_checkpoint(base, tmp_path):
     resumes from it."""
     config = dataclasses.replace(base, steps=200, save_every=1, nproc=2, tensor_parallel=2,
                                  out_dir=str(tmp_path / "run"))
-    proc = _ppo_process(config)
+    # As from a terminal: a test run started in the background (`make test &`) ignores SIGINT,
+    # and its children would inherit that.
+    proc = _ppo_process(config, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     controller = psutil.Process(proc.pid)
     err = config.out_dir + ".yaml.err"
     deadline = time.monotonic() + 300
