@@ -13,7 +13,7 @@ import zipfile
 import pytest
 import torch
 
-from megarlhf.convert.chunk_file import ArchiveWindow, data_record
+from megarlhf.convert.chunk_file import ArchiveWindow, data_record, record_start
 from megarlhf.convert.integrity import read_metadata, verify_checkpoint
 from megarlhf.convert.mcore_io import single_rank_mesh
 from megarlhf.errors import CorruptFileError
@@ -61,6 +61,34 @@ def _damaged(intact: str, tmp_path, how: str) -> tuple[str, str]:
             f.seek(offset + 100)
             f.write(bytes([byte[0] ^ 0x01]))
         return ckpt, file
+    if how == "flipped byte in a tensor's data.pkl":  # the record torch.load unpickles
+        info = next(s for i, s in read_metadata(ckpt).storage_data.items() if i.fqn == KEY)
+        file = os.path.join(ckpt, info.relative_path)
+        with open(file, "r+b") as f:
+            window = ArchiveWindow(f, info.offset, info.length)
+            with zipfile.ZipFile(window) as zf:
+                pickle = next(i for i in zf.infolist() if i.filename.endswith("data.pkl"))
+            offset = info.offset + record_start(window, pickle) + pickle.compress_size - 2
+            f.seek(offset)
+            byte = f.read(1)
+            f.seek(offset)
+            f.write(bytes([byte[0] ^ 0x01]))
+        return ckpt, file
+    if how == "flipped byte in common.pt":  # megatron-core's own state, read by every rank
+        file = f"{ckpt}/common.pt"
+        with zipfile.ZipFile(file) as zf:
+            record = next(i for i in zf.infolist() if i.filename.endswith("data.pkl"))
+        with open(file, "r+b") as f:
+            offset = record_start(f, record) + record.compress_size - 2
+            f.seek(offset)
+            byte = f.read(1)
+            f.seek(offset)
+            f.write(bytes([byte[0] ^ 0x01]))
+        return ckpt, file
+    if how == "unreadable metadata.json":
+        with open(f"{ckpt}/metadata.json", "w") as f:
+            f.write('{"sharded_backend": ')
+        return ckpt, f"{ckpt}/metadata.json"
     if how == "damaged archive header":
         file, offset = _tensor_bytes_at(ckpt, KEY)
         with open(file, "r+b") as f:  # the archive's first local header signature
@@ -82,8 +110,10 @@ def _damaged(intact: str, tmp_path, how: str) -> tuple[str, str]:
     raise AssertionError(how)
 
 
-DAMAGE = ["flipped byte in a tensor", "damaged archive header", "truncated", "missing",
-          "unreadable metadata"]
+DAMAGE = ["flipped byte in a tensor", "flipped byte in a tensor's data.pkl",
+          "damaged archive header", "truncated", "missing", "unreadable metadata"]
+# Files only a training load reads (the converter reads the tensors' archives alone).
+LOAD_ONLY_DAMAGE = ["flipped byte in common.pt", "unreadable metadata.json"]
 
 
 @pytest.mark.parametrize("how", DAMAGE)
@@ -100,7 +130,7 @@ def test_the_converter_names_a_damaged_file_and_writes_nothing(intact, tmp_path,
     assert not out.exists() and not [p for p in os.listdir(tmp_path) if "hf_out" in p]
 
 
-@pytest.mark.parametrize("how", DAMAGE)
+@pytest.mark.parametrize("how", DAMAGE + LOAD_ONLY_DAMAGE)
 def test_a_training_load_names_a_damaged_file(intact, tmp_path, how):
     from megarlhf.engine.checkpoint import engine_from_checkpoint
 

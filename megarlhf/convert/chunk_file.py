@@ -35,6 +35,7 @@ from torch.futures import Future
 from megarlhf.convert.safetensors_io import tensor_bytes
 
 _DESCRIPTOR = b"PK\x07\x08"
+_LOCAL_HEADER = struct.Struct("<4s22xHH")  # signature, ..., name length, extra field length
 _DATA_RECORD = "/data/0"  # torch.save names a tensor's only storage data/0
 _MAX_WRITE = 1 << 30  # one pwrite at most; Linux writes at most ~2 GiB per call
 
@@ -208,15 +209,36 @@ def data_record(archive: io.RawIOBase, nbytes: int, key: str) -> tuple[int, int]
     """(where the bytes of a torch.save archive's only storage (data/0, stored uncompressed)
     begin within the archive, the CRC32 its directory records for them)."""
     with zipfile.ZipFile(archive) as zf:
-        records = [i for i in zf.infolist() if "/data/" in i.filename]
+        records = [i for i in zf.infolist() if is_storage(i)]
     if len(records) != 1 or records[0].compress_type != zipfile.ZIP_STORED \
             or records[0].file_size != nbytes:
         raise ValueError(f"chunk {key!r} is not one uncompressed tensor storage of {nbytes} "
                          f"bytes: {[(i.filename, i.file_size) for i in records]}; was the "
                          f"checkpoint saved in Megatron's torch_dist format?")
-    archive.seek(records[0].header_offset)
-    name_length, extra_length = struct.unpack("<HH", archive.read(30)[26:30])
-    return records[0].header_offset + 30 + name_length + extra_length, records[0].CRC
+    return record_start(archive, records[0]), records[0].CRC
+
+
+def is_storage(record: zipfile.ZipInfo) -> bool:
+    """Whether a torch.save archive's record holds a storage's bytes (data/<n>), not a small
+    record that describes them (data.pkl, byteorder, version, ...)."""
+    return "/data/" in record.filename
+
+
+def record_start(archive: io.RawIOBase, record: zipfile.ZipInfo) -> int:
+    """Where the bytes of `record` begin within the archive: after its local header (which
+    zipfile's directory listing does not read). BadZipFile unless a header is there naming
+    the record as the directory does (torch looks records up by the directory's names)."""
+    archive.seek(record.header_offset)
+    header = archive.read(_LOCAL_HEADER.size)
+    if len(header) < _LOCAL_HEADER.size or not header.startswith(b"PK\x03\x04"):
+        raise zipfile.BadZipFile(f"record {record.filename!r} has no local header at byte "
+                                 f"{record.header_offset}")
+    _, name_length, extra_length = _LOCAL_HEADER.unpack(header)
+    name = archive.read(name_length)
+    if name != record.orig_filename.encode("utf-8" if record.flag_bits & 0x800 else "cp437"):
+        raise zipfile.BadZipFile(f"the directory's record {record.filename!r} is named "
+                                 f"{name.decode('cp437')!r} in its local header")
+    return record.header_offset + _LOCAL_HEADER.size + name_length + extra_length
 
 
 class _Range(io.RawIOBase):

@@ -43,7 +43,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from megarlhf.convert.chunk_file import ArchiveWindow, ChunkFileWriter, RowBlocks, data_record
-from megarlhf.convert.integrity import check_crc, check_extent, read_metadata
+from megarlhf.convert.integrity import check_archive, check_crc, check_extent, read_metadata
 from megarlhf.convert.pages import map_tensor
 from megarlhf.errors import CorruptFileError
 from megarlhf.models.config import ModelConfig
@@ -216,8 +216,9 @@ class CheckpointReader:
     @contextlib.contextmanager
     def background_checks(self):
         """Inside, the CRC32 checks run in a thread beside the caller's work (zlib releases
-        the GIL), instead of before each read returns; leaving waits for them and raises the
-        first failure. For callers that publish nothing of what they read before leaving."""
+        the GIL), instead of before each read returns; a read raises the failure of any check
+        done by then, and leaving waits for the rest. For callers that publish nothing of what
+        they read before leaving."""
         self._checker = ThreadPoolExecutor(1)
         try:
             yield self
@@ -270,25 +271,40 @@ class CheckpointReader:
         if getattr(info, "transform_descriptors", None):
             raise ValueError(f"{self.path}: {index.fqn} is stored with transforms "
                              f"{info.transform_descriptors}, which this reader does not undo")
-        file = os.path.join(self.path, info.relative_path)
+        file, what = os.path.join(self.path, info.relative_path), f"tensor {index.fqn!r}"
         check_extent(file, info.offset + info.length)
+        first_read = index not in self._verified  # a chunk read per layer is checked once
+        self._verified.add(index)
         with open(file, "rb") as f:
             archive = ArchiveWindow(f, info.offset, info.length)
+            # The small records before torch.load trusts them; the tensor's bytes below.
+            crc_recorded = first_read and check_archive(archive, file, what, storages=False)
+            archive.seek(0)  # torch.load reads from where the check left off
             try:
                 with torch.serialization.skip_data():
                     layout = torch.load(archive, map_location="cpu", weights_only=True)
             except (RuntimeError, ValueError, zipfile.BadZipFile, EOFError) as e:
-                raise CorruptFileError(f"{file}: the archive of tensor {index.fqn!r} cannot be "
-                                       f"read ({e}): the file is corrupt; restore it or use "
-                                       f"another checkpoint") from None
+                raise CorruptFileError(f"{file}: the archive of {what} cannot be read ({e}): "
+                                       f"the file is corrupt; restore it or use another "
+                                       f"checkpoint") from None
             storage_bytes = layout.untyped_storage().nbytes()
             start, crc = data_record(archive, storage_bytes, index.fqn)
             flat = map_tensor(f, info.offset + start, storage_bytes // layout.element_size(),
                               layout.dtype)
-        if index not in self._verified:  # a chunk read per layer is checked once
-            self._verified.add(index)
-            if self._checker is None:
-                check_crc(file, index.fqn, flat, crc)
-            else:
-                self._pending.append(self._checker.submit(check_crc, file, index.fqn, flat, crc))
+        if crc_recorded:
+            self._check(file, what, flat, crc)
         return flat.as_strided(layout.shape, layout.stride(), layout.storage_offset())
+
+    def _check(self, file: str, what: str, data: torch.Tensor, crc: int) -> None:
+        """`check_crc` now, or in the background thread; there, a failure already found is
+        raised now rather than after the rest of the export."""
+        if self._checker is None:
+            check_crc(file, what, data, crc)
+            return
+        pending = []
+        for check in self._pending:
+            if check.done():
+                check.result()
+            else:
+                pending.append(check)
+        self._pending = pending + [self._checker.submit(check_crc, file, what, data, crc)]

@@ -16,8 +16,10 @@ import shutil
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.dict_utils import nested_values
+from megatron.core.dist_checkpointing.mapping import ShardedBase, ShardedTensorFactory
 
-from megarlhf.convert.integrity import verify_checkpoint_collectively
+from megarlhf.convert.integrity import read_json, verify_checkpoint_collectively
 from megarlhf.models.config import ModelConfig
 from megarlhf.engine.optim import OptimConfig
 from megarlhf.engine.train import TrainEngine
@@ -49,6 +51,19 @@ def _merged(model_sd: dict) -> dict:
     for i, sd in enumerate(model_sd.values()):
         merged.update({f"{i}.{k}": v for k, v in sd.items()})
     return merged
+
+
+def _keys(sharded) -> set[str]:
+    """The checkpoint keys a load of the sharded state dict `sharded` reads: those of its
+    tensors and objects, and of what its factories build (e.g. the halves of a fused MLP)."""
+    keys = set()
+    for value in nested_values(sharded):
+        if isinstance(value, ShardedTensorFactory):
+            built = value.build()
+            keys |= _keys(built if isinstance(built, (dict, list)) else [built])
+        elif isinstance(value, ShardedBase):
+            keys.add(value.key)
+    return keys
 
 
 def _has_state(optimizer) -> bool:
@@ -177,14 +192,14 @@ def replace_dir(tmp: str, path: str) -> None:
 
 
 def read_meta(path: str) -> dict:
-    """The completion marker of a checkpoint; ValueError if there is none."""
+    """The completion marker of a checkpoint; ValueError if there is none, CorruptFileError
+    if it does not read as JSON."""
     if not is_complete(path):
         raise ValueError(
             f"{path} is not a complete megarlhf checkpoint (no {COMPLETE_MARKER}); it may be "
             f"missing or an interrupted save"
         )
-    with open(os.path.join(path, COMPLETE_MARKER)) as f:
-        return json.load(f)
+    return read_json(os.path.join(path, COMPLETE_MARKER))
 
 
 def save_checkpoint(path: str, engine, mesh: Mesh, *, extra: dict | None = None,
@@ -256,7 +271,7 @@ def load_checkpoint(path: str, engine, *, with_optimizer: bool = True) -> dict:
     if with_optimizer:
         _materialise_optimizer_state(engine.optimizer)
     template = _sharded_state(engine, is_loading=True, with_optimizer=with_optimizer)
-    verify_checkpoint_collectively(path)  # megatron-core's load checks no CRC32
+    verify_checkpoint_collectively(path, _keys(template))  # megatron-core's load checks none
     loaded = dist_checkpointing.load(template, path)
     for chunk, sd in zip(engine.unwrapped(), loaded["model"].values()):
         chunk.load_state_dict(sd)
