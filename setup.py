@@ -8,7 +8,9 @@ setup(
     packages=find_packages(include=["megarlhf", "megarlhf.*", "tools", "tools.*"]),
     install_requires=[
         "torch>=2.6",  # torch.serialization.skip_data on save and load (the converters)
-        "megatron-core==0.16.1",
+        # 0.16.1 through 0.19.x (megarlhf.compat.megatron names the range it was written for);
+        # pip picks the newest the interpreter allows: 0.17 and later declare Python >= 3.12.
+        "megatron-core>=0.16.1,<0.20",
         "ray[default]>=2.40",
         "transformers>=4.51",
         "safetensors",

@@ -62,11 +62,12 @@ def _run(args: argparse.Namespace) -> int:
                      dry_run=args.dry_run)
     elif args.command == "ppo":
         from megarlhf.plan import dryrun
-        from megarlhf.ppo.config import load_config
+        from megarlhf.configio import load_config
+        from megarlhf.ppo.config import PPOConfig
         from megarlhf.ppo.controller import main as ppo_main
 
         if args.dry_run:
-            print(dryrun.ppo(load_config(args.config, args.overrides)))
+            print(dryrun.ppo(load_config(PPOConfig, args.config, args.overrides)))
         else:
             ppo_main(args.config, args.overrides)
     elif args.command == "plan":

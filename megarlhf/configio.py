@@ -1,13 +1,20 @@
-"""YAML files and `key=value` overrides -> frozen config dataclasses, strictly.
+"""Recipes and `key=value` overrides -> frozen config dataclasses, strictly: the one loader
+of every command (SFT, RM, PPO, plan).
 
-Every key must name a field (an unknown or misspelt key is an error that lists the valid ones),
-every value must have the field's type, and each dataclass validates itself on construction,
-so a config is checked once, before any process group or model exists.
+A recipe is a YAML file or a 'module:function' that returns the config (or a mapping of its
+fields). Overrides are applied on top with dotted keys for nested fields (`train.steps=100`)
+and values parsed as YAML. Every key must name a field (an unknown or misspelt key is an error
+that lists the valid ones), every value must have the field's type, and each dataclass
+validates itself on construction, so a config is checked once, before any process group or
+model exists.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import importlib
+import os
 import types
 import typing
 from typing import Any, TypeVar
@@ -89,7 +96,7 @@ def to_dict(config) -> dict:
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
     """`a.b.c=value` pairs applied to nested `data` (a copy); values are parsed as YAML."""
-    out = yaml.safe_load(yaml.safe_dump(data))  # deep copy of plain data
+    out = copy.deepcopy(data)
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or not key:
@@ -106,12 +113,35 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
     return out
 
 
-def load_config(cls: type[C], path: str, overrides: list[str] = ()) -> C:
-    with open(path) as f:
-        data = yaml.safe_load(f)
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise ValueError(f"{path} must hold a mapping at the top level")
-    return from_dict(cls, apply_overrides(data, list(overrides)), where=path)
+def load_config(cls: type[C], recipe: str, overrides: list[str] = ()) -> C:
+    """The `cls` config of `recipe` (a YAML file or 'module:function') with `overrides`."""
+    return from_dict(cls, apply_overrides(recipe_fields(cls, recipe), list(overrides)),
+                     where=recipe)
 
+
+def recipe_fields(cls: type, recipe: str) -> dict:
+    """The mapping of `cls` fields a recipe holds, before overrides and checks."""
+    if os.path.isfile(recipe):
+        with open(recipe) as f:
+            data = yaml.safe_load(f)
+        data = {} if data is None else data
+        if not isinstance(data, dict):
+            raise ValueError(f"{recipe} must hold a mapping of {cls.__name__} fields at the "
+                             f"top level")
+        return data
+    module, sep, name = recipe.partition(":")
+    if not sep or os.sep in module or module.endswith((".yaml", ".yml")):
+        raise ValueError(f"recipe {recipe!r} is neither an existing YAML file nor "
+                         f"module:function")
+    try:
+        make = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"recipe {recipe!r}: cannot load {name} from module {module} "
+                         f"({e})") from None
+    built = make()
+    if isinstance(built, cls):
+        return to_dict(built)
+    if isinstance(built, dict):
+        return built
+    raise ValueError(f"{recipe} returned {type(built).__name__}, not a {cls.__name__} or a "
+                     f"mapping of its fields")

@@ -18,12 +18,11 @@ import os
 import shutil
 import time
 
-from megarlhf.convert.mcore_to_hf import checkpoint_architecture
 from megarlhf.data import synthetic
 from megarlhf.data.config import DataConfig, DatasetSource
 from megarlhf.data.prompts import write_prompt_ids
 from megarlhf.data.tokenizer import load_tokenizer, train_sentencepiece
-from megarlhf.engine.checkpoint import engine_from_checkpoint, read_meta
+from megarlhf.engine.checkpoint import checkpoint_architecture, engine_from_checkpoint, read_meta
 from megarlhf.engine.optim import OptimConfig
 from megarlhf.parallel import launch_local
 from megarlhf.parallel.mesh import ParallelConfig, init_mesh

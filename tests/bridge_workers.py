@@ -6,8 +6,7 @@ import dataclasses
 
 import torch
 
-from megarlhf.convert.mcore_to_hf import checkpoint_architecture
-from megarlhf.engine.checkpoint import engine_from_checkpoint, read_meta
+from megarlhf.engine.checkpoint import checkpoint_architecture, engine_from_checkpoint, read_meta
 from megarlhf.engine.train import TrainEngine
 from megarlhf.models.arch import architecture
 from megarlhf.models.config import ModelConfig

@@ -3,12 +3,23 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 
+from megarlhf.compat.warnings import KNOWN
 from megarlhf.models.presets import preset
 from megarlhf.parallel import launch_local
 from tests import workers
+
+
+def pytest_configure(config):
+    # pytest resets the warning filters around collection and every test, dropping the ones
+    # megarlhf installs when imported; hand it the same list as its own filters.
+    for category, start in KNOWN:
+        assert ":" not in start  # the ini form separates fields with colons
+        config.addinivalue_line("filterwarnings",
+                                f"ignore:{re.escape(start)}:{category.__name__}")
 
 
 @pytest.fixture(scope="session")

@@ -3,10 +3,19 @@
 from __future__ import annotations
 
 import os
+import pathlib
 
 import pytest
 
 from megarlhf import demo
+
+# The figures the README quotes for `make demo`, as ranges: warm answers out of 64 after SFT
+# and after PPO. Measured on fresh clones here: 12 and 42 (twice); 12 and 52 on an earlier
+# machine (the CPU's float kernels change the sampled answers). The README must quote these
+# same ranges, so neither can drift from what a user sees without this test failing.
+WARM_SFT = (6, 18)
+WARM_PPO = (34, 58)
+README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 
 
 @pytest.mark.slow
@@ -17,7 +26,16 @@ def test_demo_aligns_the_sft_model_with_the_learned_preference(tmp_path):
     # (about +-1 here), and more held-out answers use the preferred words than after SFT.
     assert out["reward_last"] > out["reward_first"] + 1.0, out
     assert out["warm_ppo"] >= out["warm_sft"] + out["answers"] // 4, out
+    assert out["answers"] == 64
+    assert WARM_SFT[0] <= out["warm_sft"] <= WARM_SFT[1], out
+    assert WARM_PPO[0] <= out["warm_ppo"] <= WARM_PPO[1], out
     assert os.path.getsize(out["plot"]) > 10_000
+
+
+def test_the_readme_quotes_the_demo_ranges_this_test_pins():
+    text = " ".join(README.read_text().split())
+    assert f"{WARM_SFT[0]}-{WARM_SFT[1]}/64 warm answers after SFT" in text
+    assert f"{WARM_PPO[0]}-{WARM_PPO[1]}/64 after 12 PPO steps" in text
 
 
 def test_demo_refuses_to_replace_a_directory_it_did_not_make(tmp_path):

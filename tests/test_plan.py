@@ -49,7 +49,7 @@ def fake_rank(parallel: ParallelConfig, rank: int):
     from megatron.core import parallel_state as ps
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from megarlhf.parallel.device import apply_cpu_compat
+    from megarlhf.compat.megatron import apply_cpu_compat
 
     apply_cpu_compat()
     world = parallel.model_parallel_size
@@ -330,13 +330,13 @@ def test_a_job_that_does_not_fit_names_the_largest_term_and_fixes_that_fit(capsy
 
 def test_disaggregated_placement_gives_each_group_its_own_gpus():
     from megarlhf.plan.job import Cluster, plan
-    from megarlhf.ppo.config import load_config
+    from megarlhf.configio import load_config
+    from megarlhf.ppo.config import PPOConfig
 
     args = recipe_plan_command("llama3-8b-ppo.yaml")
     overrides = [a for a in args if "=" in a and not a.startswith("--")]
-    config = load_config(os.path.join(RECIPES, "llama3-8b-ppo.yaml"),
-                         overrides + ["placement=disaggregated", "rollout_nproc=8"],
-                         check_paths=False)
+    config = load_config(PPOConfig, os.path.join(RECIPES, "llama3-8b-ppo.yaml"),
+                         overrides + ["placement=disaggregated", "rollout_nproc=8"])
     result = plan(config, Cluster(nodes=4), 512)
     roles = {g.spec.name: {t.role for t in g.terms} for g in result.groups}
     assert roles == {"actor": {"actor"}, "critic": {"critic"}, "ref+reward": {"ref", "reward"},

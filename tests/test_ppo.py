@@ -22,12 +22,13 @@ import torch
 from megarlhf.convert.hf_to_mcore import hf_to_mcore
 from megarlhf.parallel.mesh import ParallelConfig
 from megarlhf.ppo import checkpoints
-from megarlhf.ppo.config import PPOConfig, load_config
+from megarlhf.configio import load_config
+from megarlhf.ppo.config import PPOConfig
 from megarlhf.ppo.controller import run
 from megarlhf.ppo.data import PromptSampler, read_prompts
 from megarlhf.ppo.groups import WorkerInputError
 from megarlhf.ppo.metrics import read_metrics
-from megarlhf.ppo.placement import group_specs
+from megarlhf.ppo.layout import group_specs
 from tests import role_workers
 
 VLLM_TOL = 2e-5
@@ -89,11 +90,11 @@ def test_config_errors_name_the_problem(prompts_file, tmp_path):
     recipe.write_text(f"actor: {base.actor}\nprompts: {base.prompts}\nout_dir: {tmp_path}\n"
                       f"reward_fn: tests.ppo_tasks:low_token_fraction\nalgorithm: grpo\n"
                       f"samples_per_prompt: 2\n")
-    assert load_config(str(recipe), ["steps=3", "actor_lr=1e-4"]).steps == 3
-    with pytest.raises(ValueError, match=r"unknown PPO config keys \['stpes'\]"):
-        load_config(str(recipe), ["stpes=3"])
-    with pytest.raises(ValueError, match="steps='x' should be"):
-        load_config(str(recipe), ["steps=x"])
+    assert load_config(PPOConfig, str(recipe), ["steps=3", "actor_lr=1e-4"]).steps == 3
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['stpes'\] in .*r.yaml; valid keys"):
+        load_config(PPOConfig, str(recipe), ["stpes=3"])
+    with pytest.raises(ValueError, match=r"r.yaml.steps must be int, got 'x'"):
+        load_config(PPOConfig, str(recipe), ["steps=x"])
 
 
 def test_dtype_and_rollout_engine_size_are_checked(prompts_file, tmp_path):

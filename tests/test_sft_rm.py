@@ -101,6 +101,35 @@ def test_yaml_config_maps_onto_the_dataclasses(tmp_path):
     assert from_dict(SFTConfig, to_dict(cfg)) == cfg
 
 
+def minimal_recipe() -> dict:
+    """A 'module:function' recipe: the same loader reads it as it reads YAML."""
+    return MINIMAL
+
+
+def test_every_recipe_form_reads_through_one_loader(tmp_path):
+    from megarlhf.ppo.config import PPOConfig
+
+    cfg = load_config(SFTConfig, "tests.test_sft_rm:minimal_recipe", ["train.steps=5"])
+    assert cfg.train.steps == 5 and cfg.data.train.path == "x.jsonl"
+    assert load_config(SFTConfig, "tests.test_sft_rm:minimal_recipe") == \
+        from_dict(SFTConfig, MINIMAL)
+    with pytest.raises(ValueError, match=r"returned list, not a SFTConfig or a mapping"):
+        load_config(SFTConfig, "tests.test_sft_rm:_listed")
+    with pytest.raises(ValueError, match="neither an existing YAML file nor module:function"):
+        load_config(SFTConfig, str(tmp_path / "missing.yaml"))
+    # The same messages for every command's config.
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("{}\n")
+    for cls in (SFTConfig, PPOConfig):
+        with pytest.raises(ValueError, match=rf"unknown key\(s\) \['stpes'\] in {empty}; "
+                                             rf"valid keys"):
+            load_config(cls, str(empty), ["stpes=3"])
+
+
+def _listed():
+    return [MINIMAL]
+
+
 @pytest.mark.parametrize("overrides,match", [
     (["trian.steps=3"], r"unknown key\(s\) \['trian'\] in config; valid keys"),
     (["data.train.pathh=y"], r"unknown key\(s\) \['pathh'\] in config.data.train"),

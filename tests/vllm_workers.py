@@ -12,8 +12,9 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from megarlhf.convert.mcore_to_hf import checkpoint_architecture, mcore_to_hf
-from megarlhf.engine.checkpoint import engine_from_checkpoint, read_meta, save_checkpoint
+from megarlhf.convert.mcore_to_hf import mcore_to_hf
+from megarlhf.engine.checkpoint import (checkpoint_architecture, engine_from_checkpoint, read_meta,
+                                       save_checkpoint)
 from megarlhf.engine.optim import OptimConfig
 from megarlhf.models.gpt import model_spec
 from megarlhf.parallel.mesh import ParallelConfig, init_mesh

@@ -80,7 +80,7 @@ def traced_sites_of_a_step(model: ModelConfig) -> list[str]:
     """One train step + checkpoint save at TP1 with the compat trace on; the redirected sites."""
     import tempfile
 
-    from megarlhf.parallel.device import apply_cpu_compat, traced_sites
+    from megarlhf.compat.megatron import apply_cpu_compat, traced_sites
 
     apply_cpu_compat(trace=True)
     parallel = ParallelConfig()

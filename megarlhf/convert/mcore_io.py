@@ -17,7 +17,6 @@ import contextlib
 import io
 import math
 import os
-import warnings
 import zipfile
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
@@ -83,14 +82,6 @@ def checkpoint_template(model: ModelConfig, *, value_head: bool, dtype: torch.dt
         sharded = build_model(spec, mesh, meta=True)[0].sharded_state_dict()
         apply_factories(sharded)
     return list(nested_values(sharded))
-
-
-@contextlib.contextmanager
-def _single_process():
-    # DCP warns that it "assumes the intent" of a single process; here that is the design.
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
-        yield
 
 
 def _narrow(tensor: torch.Tensor, offsets, lengths) -> torch.Tensor:
@@ -191,10 +182,9 @@ def write_checkpoint(path: str, template, source: TensorSource) -> None:
 
     writer = ChunkFileWriter(path)
     planner = _StreamingSavePlanner(items, _Chunks(by_index, source), objects)
-    with _single_process():
-        dcp.save({}, storage_writer=writer, planner=planner, no_dist=True)
+    dcp.save({}, storage_writer=writer, planner=planner, no_dist=True)
     # The files Megatron's loader expects next to the torch_dist data.
-    save_config(CheckpointingConfig("torch_dist", 1, "torch", 1), path)
+    save_config(CheckpointingConfig("torch_dist", 1), path)  # 0.19 dropped the rest
     torch.save({}, os.path.join(path, "common.pt"))
 
 

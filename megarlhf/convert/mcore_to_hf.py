@@ -11,23 +11,12 @@ from megarlhf.convert.outputs import (copy_sidecar, finish_output, prepare_outpu
                                       removed_on_error)
 from megarlhf.convert.mcore_io import CheckpointReader
 from megarlhf.convert.safetensors_io import ShardWriter
-from megarlhf.engine.checkpoint import HF_SIDECAR, read_meta, replace_dir
+from megarlhf.engine.checkpoint import HF_SIDECAR, checkpoint_architecture, read_meta, replace_dir
 from megarlhf.models.arch import Architecture, architecture
 from megarlhf.models.config import ModelConfig
 from megarlhf.models.transformer_config import parse_dtype
 
 DEFAULT_SHARD_BYTES = 2 * 1024**3
-
-
-def infer_architecture(model: ModelConfig) -> str:
-    """For checkpoints not converted from HF: the family member whose features `model` has."""
-    return "qwen3" if model.qk_norm else "qwen2" if model.qkv_bias else "llama"
-
-
-def checkpoint_architecture(meta: dict) -> Architecture:
-    """The architecture a checkpoint was converted from, else the one its model implies."""
-    return architecture(meta.get("architecture")
-                        or infer_architecture(ModelConfig.from_dict(meta["model"])))
 
 
 def mcore_to_hf(ckpt: str, out: str, *, dtype: str | None = None, force: bool = False,

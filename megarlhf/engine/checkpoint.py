@@ -8,7 +8,6 @@ every rank finished, so an interrupted save never leaves a directory that looks 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
@@ -19,7 +18,9 @@ from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedBase, ShardedTensorFactory
 
+from megarlhf.compat.megatron import torch_adam_load_fixes
 from megarlhf.convert.integrity import read_json, verify_checkpoint_collectively
+from megarlhf.models.arch import Architecture, architecture_for_model
 from megarlhf.models.config import ModelConfig
 from megarlhf.engine.optim import OptimConfig
 from megarlhf.engine.train import TrainEngine
@@ -95,45 +96,6 @@ def _materialise_optimizer_state(optimizer) -> None:
             group["lr"] = lr
 
 
-@contextlib.contextmanager
-def _torch_adam_load_fixes(optimizer):
-    """Work around two faults of megatron-core 0.16.1 loading a distributed optimizer over
-    torch's Adam (no Apex/TE).
-
-    1. The load restores Adam's 'step' from the param groups, then copies every key of the
-       live per-parameter state from the saved one, which keeps 'step' elsewhere: KeyError.
-       Handing the already restored 'step' back in lets the copy go through unchanged.
-    2. The restored 'step' is ONE tensor shared by every parameter's state, so each optimizer
-       step increments it once per parameter and Adam's bias correction goes wrong from the
-       first step after a resume (measured: loss differs at the second resumed step).
-    """
-    patched = []
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        if not hasattr(opt, "_set_main_param_and_optimizer_states"):
-            continue
-        original = opt._set_main_param_and_optimizer_states
-
-        def set_states(model_param, tensors, opt=opt, original=original):
-            group_index, group_order = opt.model_param_group_index_map[model_param]
-            main_param = opt.optimizer.param_groups[group_index]["params"][group_order]
-            state = opt.optimizer.state[main_param]
-            if "step" in state and "step" not in tensors:
-                tensors = {**tensors, "step": state["step"]}
-            original(model_param, tensors)
-
-        opt._set_main_param_and_optimizer_states = set_states
-        patched.append(opt)
-    try:
-        yield
-    finally:
-        for opt in patched:
-            del opt._set_main_param_and_optimizer_states
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        for state in opt.optimizer.state.values() if opt.optimizer is not None else ():
-            if "step" in state:
-                state["step"] = state["step"].clone()
-
-
 def _read_hf_files(directory: str) -> dict[str, bytes]:
     if not os.path.isdir(directory):
         return {}
@@ -189,6 +151,12 @@ def replace_dir(tmp: str, path: str) -> None:
         os.replace(path, old)
     os.replace(tmp, path)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def checkpoint_architecture(meta: dict) -> Architecture:
+    """The architecture a checkpoint (its completion marker `meta`) was converted from, else
+    the one its model fits."""
+    return architecture_for_model(ModelConfig.from_dict(meta["model"]), meta.get("architecture"))
 
 
 def read_meta(path: str) -> dict:
@@ -278,7 +246,7 @@ def load_checkpoint(path: str, engine, *, with_optimizer: bool = True) -> dict:
     engine.provenance = {"architecture": meta.get("architecture"),
                          "hf_files": _read_hf_files(os.path.join(path, HF_SIDECAR))}
     if with_optimizer:
-        with _torch_adam_load_fixes(engine.optimizer):
+        with torch_adam_load_fixes(engine.optimizer):
             engine.optimizer.load_state_dict(loaded["optimizer"])
         engine.scheduler.load_state_dict(loaded["scheduler"])
     return meta["extra"]

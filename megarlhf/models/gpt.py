@@ -16,6 +16,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
 
+from megarlhf.compat.megatron import PostprocessHook
 from megarlhf.models.config import ModelConfig
 from megarlhf.models.layers import ValueHead
 from megarlhf.models.specs import block_spec, resolve_layer_spec
@@ -23,7 +24,7 @@ from megarlhf.models.transformer_config import to_transformer_config
 from megarlhf.parallel.mesh import Mesh, ParallelConfig
 
 
-class GPTValueModel(GPTModel):
+class GPTValueModel(PostprocessHook, GPTModel):
     """GPT trunk with a scalar head instead of the LM head: values [b, s] on the last stage.
 
     The LM output layer is never tied here (there is none), so a critic or reward model made
@@ -42,7 +43,7 @@ class GPTValueModel(GPTModel):
         metadata = ensure_metadata_has_dp_cp_group(metadata)
         return MegatronModule.sharded_state_dict(self, prefix, sharded_offsets, metadata)
 
-    def _postprocess(self, hidden_states, **_):
+    def postprocess(self, hidden_states):
         if not self.post_process:
             return hidden_states
         return self.value_head(hidden_states)

@@ -19,6 +19,7 @@ import socket
 import torch
 import torch.distributed as dist
 
+from megarlhf.compat.megatron import apply_cpu_compat
 from megarlhf.parallel import device as device_lib
 
 
@@ -200,7 +201,7 @@ class Mesh:
 def init_distributed(env: DistEnv | None = None, *, timeout_s: float = 600.0) -> DistEnv:
     """Start torch.distributed (NCCL on GPU, gloo on CPU) unless it is already running."""
     env = env or DistEnv.detect()
-    device_lib.apply_cpu_compat()
+    apply_cpu_compat()
     if device_lib.accelerator_available():
         torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
     if not dist.is_initialized():

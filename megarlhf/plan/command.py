@@ -12,7 +12,8 @@ import sys
 from megarlhf.plan.fixes import suggest
 from megarlhf.plan.job import Cluster, check, plan, resolve_models
 from megarlhf.plan.report import render, refusal
-from megarlhf.ppo.config import PPOConfig, load_config
+from megarlhf.configio import load_config
+from megarlhf.ppo.config import PPOConfig
 from megarlhf.ppo.data import read_prompts
 
 
@@ -31,7 +32,7 @@ def prompt_length(config: PPOConfig, given: int | None) -> int:
 
 def main(recipe: str, overrides: list[str], cluster: Cluster, *, prompt_len: int | None = None,
          dry_run: bool = False) -> int:
-    config = load_config(recipe, overrides, check_paths=False)
+    config = load_config(PPOConfig, recipe, overrides)  # its checkpoints may not exist yet
     models = resolve_models(config)
     length = prompt_length(config, prompt_len)
     if dry_run:

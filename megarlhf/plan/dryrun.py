@@ -19,6 +19,7 @@ def ppo(config: PPOConfig) -> str:
     """What `megarlhf ppo` would run for `config` (loaded with its paths checked); ValueError
     naming every problem found."""
     # What the run checks before it starts a rank, in the same order.
+    config.check_paths()
     run_dir.check_out_dir(config.out_dir)
     if config.reward_fn:
         load_reward_fn(config.reward_fn)  # importable, and a callable

@@ -28,7 +28,7 @@ from megarlhf.plan import memory
 from megarlhf.plan.params import rank_params
 from megarlhf.plan.sources import ModelSource, resolve
 from megarlhf.ppo.config import PPOConfig
-from megarlhf.ppo.placement import GroupSpec, group_specs
+from megarlhf.ppo.layout import GroupSpec, group_specs
 from megarlhf.rollout.megatron_engine import MegatronEngineConfig
 
 GIB = 1024**3

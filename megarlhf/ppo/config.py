@@ -1,7 +1,7 @@
 """The PPO run's configuration: one frozen dataclass, validated before any process starts.
 
-A recipe is a YAML file of these fields or a Python function (`module:function`) returning a
-`PPOConfig`; `key=value` overrides are applied on top and parsed as YAML scalars.
+Recipes (a YAML file of these fields, or a `module:function` returning a `PPOConfig`) and
+`key=value` overrides are read by `megarlhf.configio.load_config`, as every command's are.
 """
 
 from __future__ import annotations
@@ -11,11 +11,7 @@ import importlib
 import math
 import importlib.util
 import os
-import typing
 
-import yaml
-
-from megarlhf.configio import convert
 from megarlhf.models.config import ModelConfig
 from megarlhf.rollout import sizing
 from megarlhf.rollout.gap import DEFAULT_GAP_LIMITS, GAP_POLICIES
@@ -342,47 +338,3 @@ class PPOConfig:
     @property
     def rows_per_step(self) -> int:
         return self.prompts_per_step * self.samples_per_prompt
-
-
-def load_config(recipe: str, overrides: list[str] = (), *, check_paths: bool = True
-                ) -> PPOConfig:
-    """A YAML path or 'module:function' recipe, with 'key=value' overrides; `check_paths`
-    also requires its checkpoints and prompts to exist."""
-    if os.path.isfile(recipe):
-        with open(recipe) as f:
-            fields = yaml.safe_load(f) or {}
-        if not isinstance(fields, dict):
-            raise ValueError(f"{recipe} must hold a mapping of PPOConfig fields")
-    elif ":" in recipe:
-        module, name = recipe.split(":", 1)
-        try:
-            make = getattr(importlib.import_module(module), name)
-        except (ImportError, AttributeError) as e:
-            raise ValueError(f"recipe {recipe!r}: cannot load {name} from module {module} "
-                             f"({e})") from None
-        built = make()
-        if not isinstance(built, PPOConfig):
-            raise ValueError(f"{recipe} returned {type(built).__name__}, not a PPOConfig")
-        fields = dataclasses.asdict(built)
-    else:
-        raise ValueError(f"recipe {recipe!r} is neither a YAML file nor module:function")
-    for item in overrides:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise ValueError(f"override {item!r} is not key=value")
-        fields[key] = yaml.safe_load(value)
-    known = {f.name for f in dataclasses.fields(PPOConfig)}
-    unknown = sorted(set(fields) - known)
-    if unknown:
-        raise ValueError(f"unknown PPO config keys {unknown}; known keys: {sorted(known)}")
-    hints = typing.get_type_hints(PPOConfig)
-    typed = {}
-    for key, value in fields.items():
-        try:
-            typed[key] = convert(hints[key], value, key)
-        except ValueError:
-            raise ValueError(f"{key}={value!r} should be of type {hints[key]}") from None
-    config = PPOConfig(**typed)
-    if check_paths:
-        config.check_paths()
-    return config

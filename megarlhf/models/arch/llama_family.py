@@ -215,4 +215,5 @@ def llama_family_architecture(*, name: str, hf_prefix: str, config_class: str, q
         model_config=functools.partial(model_config_from_hf, qkv_bias=qkv_bias, qk_norm=qk_norm),
         hf_config=hf_config,
         rules=llama_family_rules,
+        fits=lambda model: model.qkv_bias == qkv_bias and model.qk_norm == qk_norm,
     )

@@ -61,6 +61,9 @@ class Architecture:
     """ModelConfig -> HF config fields, for checkpoints that did not come from HF."""
     rules: Callable[..., list[TensorRule]]
     """(ModelConfig, lm_head=..., value_head=...) -> the tensors of a model."""
+    fits: Callable[[ModelConfig], bool]
+    """Whether a model built without an HF origin (our presets, SFT from scratch) has this
+    architecture's features, so that exporting it as this architecture is exact."""
 
     def hf_class(self, value_head: bool) -> str:
         return self.sequence_classification if value_head else self.causal_lm
@@ -111,3 +114,16 @@ def architecture(name: str) -> Architecture:
     if name not in _BY_NAME:
         raise ValueError(f"unknown architecture {name!r}; known: {sorted(_BY_NAME)}")
     return _BY_NAME[name]
+
+
+def architecture_for_model(model: ModelConfig, name: str | None = None) -> Architecture:
+    """The architecture `name` (a checkpoint's record of where it came from), else the first
+    registered that `fits` the model: for models that never were HF ones. Look-alikes are
+    registered after the family's base (Llama before Mistral), so the base is chosen."""
+    if name:
+        return architecture(name)
+    for arch in _BY_NAME.values():
+        if arch.fits(model):
+            return arch
+    raise ValueError(f"no registered architecture has this model's features; known: "
+                     f"{sorted(_BY_NAME)}")

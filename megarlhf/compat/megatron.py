@@ -1,0 +1,305 @@
+"""megatron-core, as megarlhf uses it: which versions, and what it needs from us.
+
+1. CPU stand-ins. megatron-core assumes CUDA in many places: `torch.cuda.current_device()`
+   used as a device, literal `device="cuda"` / `.cuda()`, CUDA events, streams and
+   synchronisation, the CUDA RNG tracker, and `Tensor.type()` compared with
+   `"torch.cuda.FloatTensor"`. On a machine without a GPU (CI, laptops) `apply_cpu_compat()`
+   redirects exactly those to the CPU. It is applied only when CUDA is unavailable, is
+   idempotent, and touches nothing on a GPU machine. Rewrites of device arguments and
+   `Tensor.type()` answers are confined to calls made from megatron-core's own modules, so our
+   code and PyTorch's keep their ordinary behaviour. With `MEGARLHF_TRACE_COMPAT=1` (or
+   `apply_cpu_compat(trace=True)`) every redirected megatron-core call site is recorded;
+   `traced_sites()` lists them as "file:line what".
+2. `torch_adam_load_fixes`: its distributed optimizer's load over torch's Adam.
+3. `PostprocessHook`: a GPTModel subclass replaces the LM head through the private method
+   GPTModel.forward ends with.
+
+Written for and tested on megatron-core 0.16.1 through 0.19.2; importing this module with any
+other version installed fails with one line saying so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import os
+import sys
+import threading
+
+import torch
+from megatron.core import package_info
+
+from megarlhf.compat import require
+
+SUPPORTED = ">=0.16.1,<0.20"
+VERSION = require("megatron-core", package_info.__version__, SUPPORTED,
+                  install='pip install "megatron-core>=0.16.1,<0.20"')
+
+# The directory holding the `megatron` package: sites are recorded relative to it.
+_INSTALLED_AT = os.path.dirname(os.path.dirname(os.path.dirname(package_info.__file__)))
+_APPLIED = False
+_TRACE = False
+_SITES: set[str] = set()
+_LOCK = threading.Lock()
+
+# Factory functions that take a `device=` keyword and are called with "cuda" by megatron-core.
+_FACTORIES = (
+    "empty", "zeros", "ones", "full", "tensor", "arange", "randn", "rand", "randint",
+    "empty_like", "zeros_like", "ones_like", "full_like", "as_tensor", "empty_strided",
+)
+
+
+def traced_sites() -> list[str]:
+    """Every megatron-core call site redirected so far (empty unless tracing is on)."""
+    with _LOCK:
+        return sorted(_SITES)
+
+
+def _megatron_caller(depth: int = 2):
+    """The calling frame if it belongs to megatron-core, else None."""
+    frame = sys._getframe(depth)
+    if frame.f_globals.get("__name__", "").startswith("megatron."):
+        return frame
+    return None
+
+
+def _record(frame, what: str) -> None:
+    if _TRACE and frame is not None:
+        site = f"{os.path.relpath(frame.f_code.co_filename, _INSTALLED_AT)}:{frame.f_lineno} {what}"
+        with _LOCK:
+            _SITES.add(site)
+
+
+def _is_cuda(device) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    # An int device index means a CUDA ordinal to megatron-core.
+    return isinstance(device, int) and not isinstance(device, bool)
+
+
+def _wrap_factory(fn, name):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        frame = _megatron_caller()
+        if frame is not None:
+            if _is_cuda(kwargs.get("device")):
+                kwargs["device"] = "cpu"
+                _record(frame, f"torch.{name}(device=cuda)")
+            if kwargs.get("pin_memory"):
+                kwargs["pin_memory"] = False
+                _record(frame, f"torch.{name}(pin_memory=True)")
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def _tensor_cuda(self, *args, **kwargs):
+    _record(_megatron_caller(), "Tensor.cuda()")
+    return self
+
+
+def _module_cuda(self, *args, **kwargs):
+    _record(_megatron_caller(), "Module.cuda()")
+    return self
+
+
+def _wrap_tensor_to(orig):
+    @functools.wraps(orig)
+    def to(self, *args, **kwargs):
+        frame = _megatron_caller()
+        if frame is not None:
+            if args and _is_cuda(args[0]):
+                args = ("cpu",) + args[1:]
+                _record(frame, "Tensor.to(cuda)")
+            if _is_cuda(kwargs.get("device")):
+                kwargs["device"] = "cpu"
+                _record(frame, "Tensor.to(device=cuda)")
+        return orig(self, *args, **kwargs)
+
+    return to
+
+
+def _wrap_tensor_type(orig):
+    # megatron-core checks `param.type() == 'torch.cuda.FloatTensor'` to choose optimizer
+    # paths; answer with the CUDA spelling for its callers only.
+    @functools.wraps(orig)
+    def type_(self, *args, **kwargs):
+        result = orig(self, *args, **kwargs)
+        if not args and not kwargs and isinstance(result, str):
+            frame = _megatron_caller()
+            if frame is not None and result.startswith("torch.") and ".cuda." not in result:
+                _record(frame, "Tensor.type()")
+                return "torch.cuda." + result[len("torch."):]
+        return result
+
+    return type_
+
+
+class _Event:
+    """Stand-in for torch.cuda.Event: records wall time so elapsed_time still works."""
+
+    def __init__(self, *args, **kwargs):
+        self._t = None
+
+    def record(self, *args, **kwargs):
+        import time
+
+        self._t = time.perf_counter()
+
+    def synchronize(self):
+        pass
+
+    def wait(self, *args, **kwargs):
+        pass
+
+    def query(self):
+        return True
+
+    def elapsed_time(self, end) -> float:
+        return (end._t - self._t) * 1000.0
+
+
+class _Stream:
+    """Stand-in for torch.cuda.Stream: CPU work is already ordered."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, *args, **kwargs):
+        pass
+
+    def wait_event(self, *args, **kwargs):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def record_event(self, event=None):
+        return event or _Event()
+
+
+def _current_device():
+    _record(_megatron_caller(), "torch.cuda.current_device()")
+    return "cpu"
+
+
+def _patch_rng_tracker() -> None:
+    # The tracker keeps named CUDA generator states (dropout inside TP regions). On CPU the
+    # same bookkeeping over the CPU generator gives the same semantics: fork() swaps a named
+    # state in and restores the default one afterwards.
+    from megatron.core.tensor_parallel import random as mrandom
+
+    def set_state(new_state, device=-1, graph_safe=False):
+        torch.set_rng_state(new_state)
+
+    mrandom._set_cuda_rng_state = set_state
+    mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
+
+    # fork() warns when the CPU generator moved inside a CUDA-RNG region; here the two are one
+    # generator, so the warning would fire on every dropout and means nothing.
+    class _DropForkWarning(logging.Filter):
+        def filter(self, record):
+            return "CPU RNG state changed within GPU RNG context" not in record.getMessage()
+
+    logging.getLogger(mrandom.__name__).addFilter(_DropForkWarning())
+
+
+def apply_cpu_compat(trace: bool | None = None) -> bool:
+    """Redirect megatron-core's CUDA assumptions to the CPU. Returns True if applied.
+
+    Does nothing when CUDA is available. Safe to call more than once; `trace` may be switched
+    on by a later call.
+    """
+    global _APPLIED, _TRACE
+    if trace is None:
+        trace = os.environ.get("MEGARLHF_TRACE_COMPAT", "") not in ("", "0")
+    _TRACE = _TRACE or trace
+    if torch.cuda.is_available():
+        return False
+    if _APPLIED:
+        return True
+    # `with torch.device(...)` recognises factory functions by identity through a cached set;
+    # build that set from the originals first, or the wrappers below would make every
+    # `torch.device("meta")` context (ours, and transformers' model loading) silently create
+    # real, uninitialised CPU tensors.
+    import torch.utils._device as device_context
+
+    device_context._device_constructors()
+    for name in _FACTORIES:
+        setattr(torch, name, _wrap_factory(getattr(torch, name), name))
+    torch.Tensor.cuda = _tensor_cuda
+    torch.nn.Module.cuda = _module_cuda
+    torch.Tensor.to = _wrap_tensor_to(torch.Tensor.to)
+    torch.Tensor.type = _wrap_tensor_type(torch.Tensor.type)
+    torch.cuda.current_device = _current_device
+    torch.cuda.synchronize = lambda *a, **k: None
+    torch.cuda.Event = _Event
+    torch.cuda.Stream = _Stream
+    torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
+    torch.cuda.current_stream = lambda *a, **k: _Stream()
+    torch.cuda.default_stream = lambda *a, **k: _Stream()
+    torch.cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
+    torch.cuda.set_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+    # The "CUDA" generator is the CPU one here, so seeding it seeds the CPU generator.
+    torch.cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
+    torch.cuda.memory_allocated = lambda *a, **k: 0
+    torch.cuda.max_memory_allocated = lambda *a, **k: 0
+    torch.cuda.empty_cache = lambda: None
+    _patch_rng_tracker()
+    _APPLIED = True
+    return True
+
+
+@contextlib.contextmanager
+def torch_adam_load_fixes(optimizer):
+    """Work around two faults of megatron-core (0.16.1 through 0.19.2) loading a distributed
+    optimizer over torch's Adam (no Apex/TE).
+
+    1. The load restores Adam's 'step' from the param groups, then copies every key of the
+       live per-parameter state from the saved one, which keeps 'step' elsewhere: KeyError.
+       Handing the already restored 'step' back in lets the copy go through unchanged.
+    2. The restored 'step' is ONE tensor shared by every parameter's state, so each optimizer
+       step increments it once per parameter and Adam's bias correction goes wrong from the
+       first step after a resume (measured: loss differs at the second resumed step).
+    """
+    patched = []
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if not hasattr(opt, "_set_main_param_and_optimizer_states"):
+            continue
+        original = opt._set_main_param_and_optimizer_states
+
+        def set_states(model_param, tensors, opt=opt, original=original):
+            group_index, group_order = opt.model_param_group_index_map[model_param]
+            main_param = opt.optimizer.param_groups[group_index]["params"][group_order]
+            state = opt.optimizer.state[main_param]
+            if "step" in state and "step" not in tensors:
+                tensors = {**tensors, "step": state["step"]}
+            original(model_param, tensors)
+
+        opt._set_main_param_and_optimizer_states = set_states
+        patched.append(opt)
+    try:
+        yield
+    finally:
+        for opt in patched:
+            del opt._set_main_param_and_optimizer_states
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for state in opt.optimizer.state.values() if opt.optimizer is not None else ():
+            if "step" in state:
+                state["step"] = state["step"].clone()
+
+
+class PostprocessHook:
+    """Mixed into a GPTModel subclass ahead of GPTModel: the decoder's output goes to
+    `postprocess(hidden_states)` instead of the LM head and loss. GPTModel.forward ends with
+    `self._postprocess(hidden_states=..., <LM-head arguments>)`, a private method; this is the
+    only place that relies on it."""
+
+    def _postprocess(self, hidden_states, **_):
+        return self.postprocess(hidden_states)
+
+    def postprocess(self, hidden_states):
+        raise NotImplementedError

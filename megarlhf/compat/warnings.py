@@ -1,0 +1,39 @@
+"""Third-party warnings that every run prints, that no user can act on, filtered by their exact
+text (a new warning from the same place still shows). Applied when megarlhf is imported, so
+every command, rank and worker process gets it."""
+
+from __future__ import annotations
+
+import re
+import warnings
+
+# (category, the message's start, verbatim; why it is noise).
+KNOWN = (
+    # megatron-core, at import and on every rank: expected on CPU and without the GPU extras.
+    (UserWarning, "Transformer Engine and Apex are not installed."),
+    (UserWarning, "Apex is not installed."),
+    # megatron-core's TransformerConfig, for the default it sets itself.
+    (UserWarning, "full scope is deprecated."),
+    (UserWarning, "CUDA_DEVICE_MAX_CONNECTIONS"),
+    # megatron-core 0.19, at import.
+    (UserWarning, "MimoModelConfig is experimental and still under active development."),
+    # torch.distributed.checkpoint, when megatron-core 0.19 calls its load positionally.
+    (UserWarning, "The argument order of load has been changed."),
+    # torch, for what megatron-core's dist_checkpointing uses internally.
+    (FutureWarning, "Please use DTensor instead and we are deprecating ShardedTensor."),
+    (FutureWarning, "`torch.distributed._reduce_scatter_base` is a private function"),
+    (UserWarning, "torch.distributed.reduce_scatter_tensor"),
+    # torch, when megatron-core's optimizer reads `.grad` of its non-leaf main parameters.
+    (UserWarning, "The .grad attribute of a Tensor that is not a leaf Tensor is being accessed."),
+    # torch.distributed.checkpoint, when a converter reads or writes without a process group:
+    # one process is what the converters are designed to be.
+    (UserWarning, "torch.distributed is disabled, unavailable or uninitialized, assuming the "
+                  "intent is to"),
+    (UserWarning, "torch.distributed is unavailable or uninitialized, assuming the intent is "
+                  "to"),
+)
+
+
+def quiet_known_warnings() -> None:
+    for category, start in KNOWN:
+        warnings.filterwarnings("ignore", message=re.escape(start), category=category)

@@ -1,0 +1,37 @@
+"""Which worker groups a PPO run has: the roles each holds, its rank count and its mesh.
+Read by the placement (to start them), the workers (to know their roles) and the planner
+(to size them); it imports none of them."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from megarlhf.parallel.mesh import ParallelConfig
+from megarlhf.ppo.config import PPOConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupSpec:
+    name: str
+    roles: frozenset[str]
+    nproc: int
+    parallel: ParallelConfig
+    """This group's mesh (TP x PP; DP = nproc / (TP x PP))."""
+
+
+def group_specs(config: PPOConfig) -> tuple[GroupSpec, ...]:
+    parallel = ParallelConfig(tensor_parallel=config.tensor_parallel,
+                              pipeline_parallel=config.pipeline_parallel)
+    critic = {"critic"} if config.algorithm == "ppo" else set()
+    reward = {"reward"} if config.reward_model else set()
+    if config.placement == "colocated":
+        roles = frozenset({"actor", "ref", "rollout"} | critic | reward)
+        return (GroupSpec("colocated", roles, config.nproc, parallel),)
+    groups = [GroupSpec("actor", frozenset({"actor"}), config.nproc, parallel)]
+    if critic:
+        groups.append(GroupSpec("critic", frozenset(critic), config.nproc, parallel))
+    inference = frozenset({"ref"} | reward)
+    groups.append(GroupSpec("+".join(sorted(inference)), inference, config.nproc, parallel))
+    groups.append(GroupSpec("rollout", frozenset({"rollout"}), config.rollout_nproc,
+                            ParallelConfig(tensor_parallel=config.rollout_tp)))
+    return tuple(groups)

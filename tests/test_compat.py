@@ -1,0 +1,186 @@
+"""megarlhf.compat: each shim still needed by the library versions installed, each version
+gate clear. A test here fails when the upstream behaviour a shim works around changes, so an
+upgrade shows which shim to revisit (or delete)."""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+
+from megarlhf import compat
+from megarlhf.compat import megatron as mcore_shims
+from megarlhf.parallel import launch_local
+from megarlhf.models.presets import preset
+from tests import workers
+
+cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU stand-ins are for CPU")
+needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                                reason="vLLM is not installed")
+
+
+def test_a_version_outside_the_range_is_refused_in_one_line():
+    with pytest.raises(compat.UnsupportedVersion) as refused:
+        compat.require("megatron-core", "0.15.0", mcore_shims.SUPPORTED, install="pip install x")
+    assert str(refused.value) == ("megatron-core 0.15.0 is installed; megarlhf supports "
+                                  "megatron-core>=0.16.1,<0.20: pip install x")
+    assert compat.require("megatron-core", "0.19.2", mcore_shims.SUPPORTED, install="")
+    with pytest.raises(compat.UnsupportedVersion):
+        compat.require("megatron-core", "0.20.0rc1", mcore_shims.SUPPORTED, install="")
+
+
+def test_the_megatron_core_under_test_is_the_one_expected():
+    """`make test-mcore-newest` runs the suite against a second megatron-core put first on
+    PYTHONPATH; this fails if the path did not take and the suite silently re-tested the
+    venv's."""
+    import os
+
+    from packaging.version import Version
+
+    expected = os.environ.get("MEGARLHF_EXPECT_MCORE")
+    assert mcore_shims.VERSION == Version(expected or str(mcore_shims.VERSION))
+    assert mcore_shims.VERSION >= Version("0.16.1")
+
+
+@cpu_only
+def test_rewrites_are_confined_to_megatron_callers():
+    assert mcore_shims.apply_cpu_compat() is True
+    # Our own code asking for CUDA on a CPU machine still fails loudly...
+    with pytest.raises((RuntimeError, AssertionError)):
+        torch.zeros(1, device="cuda")
+    assert torch.ones(2).type() == "torch.FloatTensor"
+    # ...while megatron-core's factory calls and type checks are redirected.
+    from megatron.core.tensor_parallel import utils as mutils  # any megatron module namespace
+
+    code = compile("torch.zeros(1, device='cuda').type()", mutils.__file__, "eval")
+    assert eval(code, {"__name__": mutils.__name__, "torch": torch}) == "torch.cuda.FloatTensor"
+
+
+@cpu_only
+def test_trace_lists_every_redirected_megatron_site():
+    sites = launch_local(workers.traced_sites_of_a_step, 1, preset("tiny"))[0]
+    assert sites, "a CPU train step must go through redirected sites"
+    assert all(s.startswith("megatron/core/") for s in sites), sites
+    kinds = {s.split(" ", 1)[1] for s in sites}
+    # The CUDA assumptions megatron-core makes on the training path (the stand-ins' reason).
+    assert "torch.cuda.current_device()" in kinds
+    assert "Tensor.type()" in kinds  # grad clipping / distributed optimizer type checks
+    assert any("schedules.py" in s for s in sites)
+
+
+@cpu_only
+def test_device_context_still_works_after_compat():
+    # The compat layer wraps torch factories; `with torch.device("meta")` must keep creating
+    # meta tensors (meta-model building and transformers' from_pretrained rely on it). A fresh
+    # interpreter, so no earlier use of device contexts can mask the fault.
+    code = (
+        "import torch\n"
+        "from megarlhf.compat.megatron import apply_cpu_compat\n"
+        "apply_cpu_compat()\n"
+        "with torch.device('meta'):\n"
+        "    made = [torch.arange(3), torch.empty(2), torch.zeros(2), torch.ones(2),\n"
+        "            torch.full((2,), 1.0), torch.randn(2), torch.tensor([1.0])]\n"
+        "print(sorted({t.device.type for t in made}))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "['meta']"
+
+
+def test_the_distributed_optimizer_still_fails_to_load_torch_adam_state_unaided():
+    """megatron-core's `_set_main_param_and_optimizer_states` copies every key of the live
+    Adam state from the loaded one, which keeps torch Adam's 'step' elsewhere: KeyError, which
+    `torch_adam_load_fixes` prevents. Driven on a stand-in optimizer with one parameter."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    main = torch.zeros(3)
+    adam = torch.optim.Adam([main])
+    adam.state[main] = {"step": torch.tensor(4.0), "exp_avg": torch.zeros(3),
+                        "exp_avg_sq": torch.zeros(3)}
+    model_param = torch.zeros(3)
+    stand_in = types.SimpleNamespace(
+        optimizer=adam, model_param_group_index_map={model_param: (0, 0)},
+        config=types.SimpleNamespace(use_precision_aware_optimizer_no_fp8_or_ds_fp8=False))
+    loaded = {"param": torch.ones(3), "exp_avg": torch.full((3,), 2.0),
+              "exp_avg_sq": torch.full((3,), 3.0)}
+    upstream = DistributedOptimizer._set_main_param_and_optimizer_states
+    with pytest.raises(KeyError, match="step"):
+        upstream(stand_in, model_param, loaded)
+    stand_in._set_main_param_and_optimizer_states = types.MethodType(upstream, stand_in)
+    with mcore_shims.torch_adam_load_fixes(stand_in):
+        stand_in._set_main_param_and_optimizer_states(model_param, loaded)
+    assert torch.equal(main, torch.ones(3))
+    assert torch.equal(adam.state[main]["exp_avg_sq"], torch.full((3,), 3.0))
+    assert adam.state[main]["step"].item() == 4.0
+
+
+def test_gpt_forward_still_ends_in_the_private_postprocess_hook():
+    """`PostprocessHook` (the value head) relies on GPTModel.forward handing the decoder's
+    output to `self._postprocess(hidden_states=...)`."""
+    from megatron.core.models.gpt import GPTModel
+
+    forward = inspect.getsource(GPTModel.forward)
+    assert "self._postprocess(" in forward and "hidden_states=hidden_states" in forward
+    assert "hidden_states" in inspect.signature(GPTModel._postprocess).parameters
+
+
+@needs_vllm
+def test_vllm_teardown_still_destroys_the_default_process_group():
+    """`keep_trainer_process_group` replaces `destroy_distributed_environment` with its body
+    minus the destruction of the default group; it must still be that body."""
+    from vllm.distributed import parallel_state
+
+    source = inspect.getsource(parallel_state)
+    body = source[source.index("def destroy_distributed_environment"):]
+    body = body[:body.index("\ndef ")]
+    for statement in ("_WORLD.destroy()", "_WORLD = None", "_NODE_COUNT = None",
+                      "torch.distributed.destroy_process_group()"):
+        assert statement in body, body
+    assert body.count("\n    ") <= 8, body  # nothing else added that the shim would drop
+
+
+@needs_vllm
+def test_vllm_cpu_worker_still_names_shared_memory_from_the_init_method():
+    """`unique_shm_ident` sets VLLM_DIST_IDENT inside the CPU worker's call of
+    `init_worker_distributed_environment`, right after the worker set it from the init method
+    (the same for every external-launcher engine on a machine)."""
+    cpu_worker = pytest.importorskip("vllm.v1.worker.cpu_worker")
+    source = inspect.getsource(cpu_worker)
+    assert source.index('os.environ["VLLM_DIST_IDENT"]') < \
+        source.index("init_worker_distributed_environment(\n")
+    assert callable(cpu_worker.init_worker_distributed_environment)
+
+
+@needs_vllm
+def test_vllm_internals_the_shims_read_are_still_there():
+    from vllm.v1.engine.output_processor import OutputProcessor
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from megarlhf.compat import vllm as vllm_shims
+
+    assert "self.request_states" in inspect.getsource(OutputProcessor.__init__)  # drop_unfinished
+    assert "self.kv_caches" in inspect.getsource(GPUModelRunner)  # kv_storages
+    assert vllm_shims.VERSION.release[:2] == (0, 32)
+
+
+def test_every_private_use_lives_in_compat():
+    """Outside megarlhf/compat no module assigns to, or reads, another library's private
+    module attributes (the patterns the shims use)."""
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).resolve().parents[1] / "megarlhf"
+    private = re.compile(r"\b(ps|parallel_state|mrandom|cpu_worker|device_context)\._[A-Za-z]|"
+                         r"\._set_main_param_and_optimizer_states|\bdef _postprocess\b|"
+                         r"\btorch\.cuda\.[a-z_]+ = ")
+    offenders = [f"{path.relative_to(root)}:{n}" for path in root.rglob("*.py")
+                 if "compat" not in path.parts
+                 for n, line in enumerate(path.read_text().splitlines(), 1)
+                 if private.search(line)]
+    assert offenders == []
