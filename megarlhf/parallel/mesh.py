@@ -60,6 +60,11 @@ class ParallelConfig:
         """Model chunks held by each pipeline rank."""
         return self.virtual_pipeline_parallel or 1
 
+    def with_overrides(self, override: "LayoutOverride") -> "ParallelConfig":
+        """This layout with the fields `override` sets replaced."""
+        return dataclasses.replace(self, **{k: v for k, v in dataclasses.asdict(override).items()
+                                            if v is not None})
+
     def data_parallel_size(self, world_size: int) -> int:
         if world_size % self.model_parallel_size:
             raise ValueError(
@@ -68,6 +73,20 @@ class ParallelConfig:
                 f" use a world size that is a multiple of {self.model_parallel_size}"
             )
         return world_size // self.model_parallel_size
+
+
+@dataclasses.dataclass(frozen=True)
+class LayoutOverride:
+    """The layout fields one part of a job sets for itself (a PPO role, in the config's
+    `layout` section); a field left None keeps the job's default."""
+
+    tensor_parallel: int | None = None
+    pipeline_parallel: int | None = None
+
+    @property
+    def is_set(self) -> bool:
+        return any(v is not None for v in dataclasses.asdict(self).values())
+
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -153,10 +153,10 @@ def resolve_models(config: PPOConfig) -> dict[str, ModelSource]:
 def check_models(config: PPOConfig, models: dict[str, ModelSource], seq: int) -> list[str]:
     """What makes the models unrunnable at the recipe's layout, each with a fix."""
     problems = []
-    training = group_specs(config)[0].parallel  # every model group's TP x PP
     for role, source in models.items():
-        if role == "ref" and "actor" in models:  # the actor's checkpoint and layout
-            continue
+        training = config.parallel_of(role)
+        if role == "ref" and "actor" in models and training == config.parallel_of("actor"):
+            continue  # the actor's checkpoint at the actor's layout, checked as the actor
         try:
             source.model.check_parallel(training)
         except ValueError as e:
@@ -168,7 +168,8 @@ def check_models(config: PPOConfig, models: dict[str, ModelSource], seq: int) ->
     try:
         models["actor"].model.check_parallel(ParallelConfig(tensor_parallel=config.rollout_tp))
     except ValueError as e:
-        problems.append(f"rollout engines (rollout_tensor_parallel={config.rollout_tp}): {e}")
+        problems.append(f"rollout engines (layout.rollout.tensor_parallel={config.rollout_tp}): "
+                        f"{e}")
     return problems
 
 
@@ -198,8 +199,9 @@ def check_cluster(config: PPOConfig, cluster: Cluster) -> list[str]:
         first += spec.nproc
     # Disaggregated, the rollout group's own TP is its engines' (checked above).
     if config.placement == "colocated" and cluster.gpus_per_node % config.rollout_tp:
-        problems.append(f"rollout_tensor_parallel={config.rollout_tp}: engines would span nodes "
-                        f"of {cluster.gpus_per_node} GPUs; keep it a divisor of gpus_per_node")
+        problems.append(f"layout.rollout.tensor_parallel={config.rollout_tp}: engines would span "
+                        f"nodes of {cluster.gpus_per_node} GPUs; keep it a divisor of "
+                        f"gpus_per_node")
     return problems
 
 

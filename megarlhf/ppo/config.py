@@ -13,6 +13,7 @@ import importlib.util
 import os
 
 from megarlhf.models.config import ModelConfig
+from megarlhf.parallel.mesh import LayoutOverride, ParallelConfig
 from megarlhf.rollout import sizing
 from megarlhf.rollout.gap import DEFAULT_GAP_LIMITS, GAP_POLICIES
 from megarlhf.rollout.sizing import EngineSize
@@ -48,6 +49,31 @@ _RANGES = (  # (field, low, high, low included?); high is included, values must 
 )
 
 
+@dataclasses.dataclass(frozen=True)
+class RolloutLayout:
+    tensor_parallel: int | None = None
+    """Ranks per rollout engine (consecutive ranks form one). None: the actor's
+    tensor_parallel for the colocated Megatron backend (it runs in the actor's layout),
+    else 1. See `PPOConfig.rollout_tp`."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """The per-role layout section. A model role's fields left unset take the run's
+    top-level tensor_parallel / pipeline_parallel. Roles that share ranks (every role when
+    colocated; reference and reward when disaggregated) must resolve to one layout."""
+
+    actor: LayoutOverride = dataclasses.field(default_factory=LayoutOverride)
+    critic: LayoutOverride = dataclasses.field(default_factory=LayoutOverride)
+    reference: LayoutOverride = dataclasses.field(default_factory=LayoutOverride)
+    reward: LayoutOverride = dataclasses.field(default_factory=LayoutOverride)
+    rollout: RolloutLayout = dataclasses.field(default_factory=RolloutLayout)
+
+
+LAYOUT_KEYS = {"actor": "actor", "ref": "reference", "critic": "critic", "reward": "reward"}
+"""Model role -> its key in the `layout` section."""
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PPOConfig:
     # -- models (Megatron checkpoints; tools/convert_hf makes them from HF) --
@@ -69,6 +95,10 @@ class PPOConfig:
     disaggregated, actor, critic and ref+reward get nproc ranks each."""
     tensor_parallel: int = 1
     pipeline_parallel: int = 1
+    """The layout of every model role (TP x PP x DP = nproc), unless `layout` sets a role's."""
+    layout: Layout = dataclasses.field(default_factory=Layout)
+    """Per-role layouts over the two above: `layout.critic.tensor_parallel=4`, ...;
+    `layout.rollout.tensor_parallel` sizes the rollout engines."""
     worker_group: str = "local"
     """'local' (spawned processes) or 'ray' (one Ray actor per rank)."""
     placement: str = "colocated"
@@ -83,10 +113,6 @@ class PPOConfig:
     train with fp32 main grads and fp32 master weights (the distributed optimizer's). A
     checkpoint saved in another dtype is cast on load, so fp32 or bf16 conversions of an HF
     model train in any of them."""
-    rollout_tensor_parallel: int | None = None
-    """Ranks per rollout engine (consecutive ranks form one). None: the actor's
-    tensor_parallel for the colocated Megatron backend (it runs in the actor's layout),
-    else 1. See `rollout_tp`."""
     # -- rollout --
     rollout_backend: str = "megatron"
     vllm_model_dir: str | None = None
@@ -196,6 +222,7 @@ class PPOConfig:
         if self.nproc % (self.tensor_parallel * self.pipeline_parallel):
             problems.append(f"nproc={self.nproc} is not a multiple of tensor_parallel x "
                             f"pipeline_parallel = {self.tensor_parallel * self.pipeline_parallel}")
+        problems += self._layout_problems()
         if self.algorithm == "ppo" and self.critic is None:
             problems.append("algorithm 'ppo' needs a critic checkpoint (critic=...), or choose "
                             f"a critic-free algorithm: {list(CRITIC_FREE_ESTIMATORS)}")
@@ -209,7 +236,7 @@ class PPOConfig:
                             f"placement=disaggregated; colocated rollouts run on the nproc "
                             f"training ranks")
         if (self.placement == "colocated" and self.rollout_backend == "megatron"
-                and self.pipeline_parallel > 1):
+                and self._actor_layout().pipeline_parallel > 1):
             problems.append("the colocated Megatron rollout backend runs at PP=1 (the "
                             "actor's layout); use rollout_backend=vllm, or "
                             "placement=disaggregated, with pipeline_parallel > 1")
@@ -232,11 +259,12 @@ class PPOConfig:
                             "rollout_gpu_memory_utilization, not both")
         rows = self.prompts_per_step * self.samples_per_prompt
         # At least 1: a model-parallel size above nproc is reported above, not divided by.
-        dp = max(1, self.nproc // (self.tensor_parallel * self.pipeline_parallel))
-        if rows % (self.mini_batches * dp * self.micro_batches):
-            problems.append(f"prompts_per_step x samples_per_prompt = {rows} rows do not split "
-                            f"into mini_batches ({self.mini_batches}) x DP ({dp}) x "
-                            f"micro_batches ({self.micro_batches})")
+        for dp in sorted({max(1, self.nproc // p.model_parallel_size)
+                          for p in self._valid_layouts().values()}):
+            if rows % (self.mini_batches * dp * self.micro_batches):
+                problems.append(f"prompts_per_step x samples_per_prompt = {rows} rows do not "
+                                f"split into mini_batches ({self.mini_batches}) x DP ({dp}) x "
+                                f"micro_batches ({self.micro_batches})")
         for flag, module in ((self.tensorboard, "tensorboard"),
                              (self.wandb_project, "wandb")):
             if flag and importlib.util.find_spec(module) is None:
@@ -259,33 +287,97 @@ class PPOConfig:
                                 f"{left}{low}, {high}{right}")
         return problems
 
+    @property
+    def roles(self) -> tuple[str, ...]:
+        """The model roles this run has."""
+        return ("actor", "ref") + (("critic",) if self.algorithm == "ppo" else ()) + \
+            (("reward",) if self.reward_model else ())
+
+    def parallel_of(self, role: str) -> ParallelConfig:
+        """The layout of model role `role` (actor, ref, critic, reward)."""
+        default = ParallelConfig(tensor_parallel=self.tensor_parallel,
+                                 pipeline_parallel=self.pipeline_parallel)
+        return default.with_overrides(getattr(self.layout, LAYOUT_KEYS[role]))
+
+    def _actor_layout(self) -> ParallelConfig:
+        return self._valid_layouts().get("actor", ParallelConfig())
+
+    def _valid_layouts(self) -> dict[str, ParallelConfig]:
+        """role -> its layout, for the roles whose layout is valid (the others are reported
+        by _layout_problems)."""
+        layouts = {}
+        for role in self.roles:
+            try:
+                layouts[role] = self.parallel_of(role)
+            except ValueError:
+                pass
+        return layouts
+
+    def _layout_problems(self) -> list[str]:
+        problems = []
+        for role, key in LAYOUT_KEYS.items():
+            override = getattr(self.layout, key)
+            if not override.is_set:
+                continue
+            if role not in self.roles:
+                why = f"algorithm={self.algorithm}" if role == "critic" else "no reward_model"
+                problems.append(f"layout.{key} is set, but this run has no {key} model ({why})")
+                continue
+            try:
+                parallel = self.parallel_of(role)
+            except ValueError as e:
+                problems.append(f"layout.{key}: {e}")
+                continue
+            if self.nproc % parallel.model_parallel_size:
+                problems.append(f"layout.{key}: nproc={self.nproc} is not a multiple of "
+                                f"tensor_parallel x pipeline_parallel = "
+                                f"{parallel.model_parallel_size}")
+        layouts = self._valid_layouts()
+        # Roles that share ranks share one mesh: megatron-core's parallel state is one per
+        # process.
+        colocated = self.placement == "colocated"
+        sharing = [r for r in (layouts if colocated else ("ref", "reward")) if r in layouts]
+        fix = ", or use placement=disaggregated" if colocated else ""
+        for role in sharing[1:]:
+            first, other = layouts[sharing[0]], layouts[role]
+            if (first.tensor_parallel, first.pipeline_parallel) != \
+                    (other.tensor_parallel, other.pipeline_parallel):
+                problems.append(f"layout.{LAYOUT_KEYS[role]} (TP{other.tensor_parallel} x "
+                                f"PP{other.pipeline_parallel}) differs from layout."
+                                f"{LAYOUT_KEYS[sharing[0]]} (TP{first.tensor_parallel} x "
+                                f"PP{first.pipeline_parallel}), but they run on the same ranks "
+                                f"(placement={self.placement}): give them one layout{fix}")
+        return problems
+
     def _rollout_tp_problems(self) -> list[str]:
         tp = self.rollout_tp
         if tp < 1:
-            return [f"rollout_tensor_parallel must be >= 1, got {tp}"]
+            return [f"layout.rollout.tensor_parallel must be >= 1, got {tp}"]
         problems = []
         if self.placement == "colocated":
             ranks, where = self.nproc, "nproc"
         else:
             ranks, where = self.rollout_nproc, "rollout_nproc"
         if ranks >= 1 and ranks % tp:
-            problems.append(f"rollout_tensor_parallel={tp} does not divide {where}={ranks} "
-                            f"(the ranks that run rollout engines, {tp} per engine)")
+            problems.append(f"layout.rollout.tensor_parallel={tp} does not divide "
+                            f"{where}={ranks} (the ranks that run rollout engines, {tp} per "
+                            f"engine)")
+        actor_tp = self._actor_layout().tensor_parallel
         if (self.placement == "colocated" and self.rollout_backend == "megatron"
-                and tp != self.tensor_parallel):
-            problems.append(f"rollout_tensor_parallel={tp}: the colocated Megatron rollout "
-                            f"backend runs in the actor's layout, at tensor_parallel="
-                            f"{self.tensor_parallel}; leave rollout_tensor_parallel unset, or "
-                            f"use rollout_backend=vllm for engines of another size")
+                and tp != actor_tp):
+            problems.append(f"layout.rollout.tensor_parallel={tp}: the colocated Megatron "
+                            f"rollout backend runs in the actor's layout, at tensor_parallel="
+                            f"{actor_tp}; leave layout.rollout.tensor_parallel unset, or use "
+                            f"rollout_backend=vllm for engines of another size")
         return problems
 
     @property
     def rollout_tp(self) -> int:
-        """Ranks per rollout engine, with rollout_tensor_parallel's default resolved."""
-        if self.rollout_tensor_parallel is not None:
-            return self.rollout_tensor_parallel
+        """Ranks per rollout engine, with layout.rollout.tensor_parallel's default resolved."""
+        if self.layout.rollout.tensor_parallel is not None:
+            return self.layout.rollout.tensor_parallel
         if self.placement == "colocated" and self.rollout_backend == "megatron":
-            return self.tensor_parallel
+            return self._actor_layout().tensor_parallel
         return 1
 
     def check_paths(self) -> None:

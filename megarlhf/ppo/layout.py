@@ -20,18 +20,21 @@ class GroupSpec:
 
 
 def group_specs(config: PPOConfig) -> tuple[GroupSpec, ...]:
-    parallel = ParallelConfig(tensor_parallel=config.tensor_parallel,
-                              pipeline_parallel=config.pipeline_parallel)
+    """The groups, each at its roles' layout (the config checked that roles sharing a group
+    have one)."""
     critic = {"critic"} if config.algorithm == "ppo" else set()
     reward = {"reward"} if config.reward_model else set()
+    actor = config.parallel_of("actor")
     if config.placement == "colocated":
         roles = frozenset({"actor", "ref", "rollout"} | critic | reward)
-        return (GroupSpec("colocated", roles, config.nproc, parallel),)
-    groups = [GroupSpec("actor", frozenset({"actor"}), config.nproc, parallel)]
+        return (GroupSpec("colocated", roles, config.nproc, actor),)
+    groups = [GroupSpec("actor", frozenset({"actor"}), config.nproc, actor)]
     if critic:
-        groups.append(GroupSpec("critic", frozenset(critic), config.nproc, parallel))
+        groups.append(GroupSpec("critic", frozenset(critic), config.nproc,
+                                config.parallel_of("critic")))
     inference = frozenset({"ref"} | reward)
-    groups.append(GroupSpec("+".join(sorted(inference)), inference, config.nproc, parallel))
+    groups.append(GroupSpec("+".join(sorted(inference)), inference, config.nproc,
+                            config.parallel_of("ref")))
     groups.append(GroupSpec("rollout", frozenset({"rollout"}), config.rollout_nproc,
                             ParallelConfig(tensor_parallel=config.rollout_tp)))
     return tuple(groups)

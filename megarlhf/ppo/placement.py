@@ -17,10 +17,12 @@ so are the actor and critic updates.
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 from megarlhf.ppo.config import PPOConfig
 from megarlhf.ppo.groups import WorkerError
 from megarlhf.ppo.layout import group_specs
+from megarlhf.ppo.worker_api import WorkerAPI
 from megarlhf.rollout.engine import Completion, SamplingParams
 from megarlhf.rollout.sizing import EngineSize
 from megarlhf.roles.sequences import SequenceBatch
@@ -61,7 +63,7 @@ class Placement:
             self._wait([g.starting for g in self._groups])
             if config.placement == "disaggregated":
                 host, port = self._groups[0].address()  # the actor's rank 0 hosts the channel
-                self._run("open_channel", SYNC, host, port)
+                self._run(WorkerAPI.open_channel, SYNC, host, port)
             self.sync()
         except BaseException:
             self._failed = True
@@ -71,22 +73,23 @@ class Placement:
     # -- the loop's phases -------------------------------------------------------------------
 
     def rollout(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
-        (completions,), self.busy["rollout"] = self._run("generate", ROLLOUT, prompts, params)
+        (completions,), self.busy["rollout"] = self._run(WorkerAPI.generate, ROLLOUT, prompts,
+                                                         params)
         return completions
 
     def experience(self, batch: SequenceBatch) -> dict:
-        parts, self.busy["experience"] = self._run("experience", EXPERIENCE, batch)
+        parts, self.busy["experience"] = self._run(WorkerAPI.experience, EXPERIENCE, batch)
         return {key: value for part in parts for key, value in part.items()}
 
     def train(self, batch: SequenceBatch, old_logp, advantages, old_values, returns
               ) -> list[dict]:
         """Metrics of every optimizer step (actor and critic steps of one mini-batch merged)."""
-        parts, self.busy["train"] = self._run("train", TRAIN, batch, old_logp, advantages,
-                                              old_values, returns)
+        parts, self.busy["train"] = self._run(WorkerAPI.train, TRAIN, batch, old_logp,
+                                              advantages, old_values, returns)
         return [{k: v for step in steps for k, v in step.items()} for steps in zip(*parts)]
 
     def sync(self) -> None:
-        _, self.busy["sync"] = self._run("sync_weights", SYNC)
+        _, self.busy["sync"] = self._run(WorkerAPI.sync_weights, SYNC)
 
     def take_busy(self) -> dict[str, float]:
         busy, self.busy = self.busy, {}
@@ -95,10 +98,10 @@ class Placement:
     # -- checkpoints -------------------------------------------------------------------------
 
     def save(self, directory: str) -> None:
-        self._run("save", self._all_roles, directory)
+        self._run(WorkerAPI.save, self._all_roles, directory)
 
     def load(self, directory: str) -> None:
-        self._run("load", self._all_roles, directory)
+        self._run(WorkerAPI.load, self._all_roles, directory)
         self.sync()
 
     def shutdown(self) -> None:
@@ -114,10 +117,10 @@ class Placement:
 
     # -- plumbing ----------------------------------------------------------------------------
 
-    def _run(self, method: str, roles: set[str], *args) -> tuple[list, float]:
-        """`method(*args)` on every rank of the groups holding any of `roles`, concurrently:
-        (rank 0's result per group, the slowest rank's seconds in the method)."""
-        calls = [g.async_call(method, *args)
+    def _run(self, method: Callable, roles: set[str], *args) -> tuple[list, float]:
+        """`method(*args)` (a WorkerAPI method) on every rank of the groups holding any of
+        `roles`, concurrently: (rank 0's result per group, the slowest rank's seconds in it)."""
+        calls = [g.async_call(method.__name__, *args)
                  for g, spec in zip(self._groups, self.specs) if spec.roles & roles]
         per_call = self._wait(calls)
         return ([ranks[0][0] for ranks in per_call],

@@ -29,7 +29,7 @@ from megarlhf.parallel.mesh import init_mesh
 from megarlhf.ppo.config import PPOConfig
 from megarlhf.ppo.layout import GroupSpec
 from megarlhf.rollout.bridge import WeightBridge, open_channel, receive
-from megarlhf.rollout.engine import EngineError, SamplingParams
+from megarlhf.rollout.engine import Completion, EngineError, SamplingParams
 from megarlhf.rollout import sizing
 from megarlhf.rollout.sizing import EngineSize
 from megarlhf.roles.policy import PolicyLossConfig, PolicyRole
@@ -115,7 +115,7 @@ class PPOWorker:
         """Disaggregated: join the weight channel. Its members are the actor's senders (TP
         rank 0 of DP replica 0 of each pipeline stage: channel ranks 0..PP-1) and every
         rollout rank (PP..); the actor's other ranks only help assemble tensors."""
-        pp = self.config.pipeline_parallel
+        pp = self.config.parallel_of("actor").pipeline_parallel
         size = pp + self.config.rollout_nproc
         if self.engine is not None:
             self.channel = open_channel(host, port, pp + self.rank, size)
@@ -124,7 +124,7 @@ class PPOWorker:
 
     # -- the loop's phases -----------------------------------------------------------------
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams):
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
         """Completions of all prompts, on every rank. Prompts are dealt round-robin over the
         engines, every rank of an engine generating the same share, and each engine's results
         gathered once: vLLM engines of rollout_tp consecutive ranks, or one Megatron engine
