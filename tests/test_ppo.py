@@ -289,7 +289,7 @@ def test_a_value_checkpoint_as_actor_is_refused_before_any_rank_starts(base, tmp
 
 
 def _ppo_process(config: PPOConfig, **popen) -> subprocess.Popen:
-    overrides = [f"{k}={json.dumps(v) if isinstance(v, (list, tuple)) else v}"
+    overrides = [f"{k}={json.dumps(v) if isinstance(v, (list, tuple, dict)) else v}"
                  for k, v in dataclasses.asdict(config).items() if v is not None]
     recipe = os.path.join(config.out_dir + ".yaml")
     with open(recipe, "w") as f:

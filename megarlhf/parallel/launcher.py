@@ -1,9 +1,12 @@
-"""Spawn N ranks on this machine and collect what each returns (tests, the demo, tools).
+"""Ranks on this machine: the one way megarlhf starts them (`spawn_ranks`), and
+`launch_local`, which runs a function on N ranks and collects what each returns (SFT/RM with
+--nproc, the demo, tests). PPO's local worker groups start their ranks with `spawn_ranks` too.
 
 Each rank is a fresh `spawn` process with torchrun-style variables (RANK, WORLD_SIZE,
-LOCAL_RANK, MASTER_ADDR, MASTER_PORT), so code under test meets the same rendezvous path as
-under torchrun. If any rank raises, the others are terminated and a `RankError` carries the
-failing rank's traceback; a run that exceeds `timeout_s` is killed rather than left hanging.
+LOCAL_RANK, MASTER_ADDR, MASTER_PORT), so code meets the same rendezvous path as under
+torchrun, and an equal share of the cores. In `launch_local`, if any rank raises, the others
+are terminated and a `RankError` carries the failing rank's traceback; a run that exceeds
+`timeout_s` is killed rather than left hanging.
 """
 
 from __future__ import annotations
@@ -24,15 +27,43 @@ class RankError(RuntimeError):
     """A spawned rank raised, died or timed out."""
 
 
-def _entry(fn, rank, world_size, port, env, args, kwargs, results):
-    # A terminal's Ctrl-C reaches every rank too: the parent alone handles it (it stops the
-    # ranks), so no rank prints a traceback of its own.
+def spawn_ranks(target: Callable, rank_args: list[tuple], *, name: str,
+                env: dict[str, str] | None = None, threads: int | None = None
+                ) -> list[mp.process.BaseProcess]:
+    """Start `target(*rank_args[r])` on local ranks r = 0..len(rank_args)-1, one spawned
+    process each, meeting at a fresh port; `env` is added to each rank's environment and
+    `threads` (default: an equal share of the cores) is its torch thread count."""
+    nprocs = len(rank_args)
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    # More threads than cores thrash.
+    threads = threads or max(1, (os.cpu_count() or 1) // nprocs)
+    procs = []
+    for rank, args in enumerate(rank_args):
+        rank_env = {"OMP_NUM_THREADS": str(threads), **(env or {}),
+                    "RANK": str(rank), "WORLD_SIZE": str(nprocs), "LOCAL_RANK": str(rank),
+                    "LOCAL_WORLD_SIZE": str(nprocs), "MASTER_ADDR": "127.0.0.1",
+                    "MASTER_PORT": str(port)}
+        proc = ctx.Process(target=_rank_main, args=(target, rank_env, args),
+                           name=f"{name}-rank{rank}")
+        proc.start()
+        procs.append(proc)
+    return procs
+
+
+def _rank_main(target: Callable, env: dict[str, str], args: tuple) -> None:
+    # A terminal's Ctrl-C reaches every rank too: the launching process alone handles it (it
+    # stops the ranks), so a rank neither dies mid-collective nor prints a traceback.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ.update(env)
-    os.environ.update(
-        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-    )
+    import torch
+
+    # torch read OMP_NUM_THREADS when `target`'s module was imported, before the update.
+    torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+    target(*args)
+
+
+def _entry(fn, rank, args, kwargs, results):
     try:
         # Plain pickle copies tensors into the message; the queue's default would share their
         # memory by file descriptor, which dies with this process before the parent reads it.
@@ -61,22 +92,9 @@ def launch_local(
     """
     if nprocs < 1:
         raise ValueError(f"nprocs must be >= 1, got {nprocs}")
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    # Each rank gets an equal share of the cores; more threads than cores thrash.
-    threads = str(max(1, (os.cpu_count() or 1) // nprocs))
-    rank_env = {"OMP_NUM_THREADS": threads, **(env or {})}
-    procs = [
-        ctx.Process(
-            target=_entry,
-            args=(fn, r, nprocs, port, rank_env, args, kwargs, results),
-            name=f"megarlhf-rank{r}",
-        )
-        for r in range(nprocs)
-    ]
-    for p in procs:
-        p.start()
+    results = mp.get_context("spawn").Queue()
+    procs = spawn_ranks(_entry, [(fn, r, args, kwargs, results) for r in range(nprocs)],
+                        name="megarlhf", env=env)
     outputs: dict[int, Any] = {}
     deadline = time.monotonic() + timeout_s
     try:

@@ -16,7 +16,6 @@ import io
 import multiprocessing as mp
 import os
 import pickle
-import signal
 import sys
 import time
 import traceback
@@ -24,6 +23,7 @@ import traceback
 import psutil
 import torch
 
+from megarlhf.parallel.launcher import spawn_ranks
 from megarlhf.parallel.mesh import free_port
 
 
@@ -77,20 +77,9 @@ def _recv(conn):
     return pickle.loads(conn.recv_bytes())
 
 
-def _serve(rank: int, world_size: int, port: int, threads: int, worker_args: tuple,
-           conn) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), VLLM_ENABLE_V1_MULTIPROCESSING="0",
-                      OMP_NUM_THREADS=str(threads))
-    # A terminal's Ctrl-C reaches every process of the job: the controller alone handles it
-    # (it stops the ranks), so a rank neither dies mid-collective nor prints a traceback.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+def _serve(rank: int, worker_args: tuple, conn) -> None:
     try:
         from megarlhf.ppo.worker import PPOWorker
-
-        # torch read OMP_NUM_THREADS when this module was imported, before the update above.
-        torch.set_num_threads(threads)
 
         start = time.perf_counter()
         worker = PPOWorker(*worker_args)
@@ -177,17 +166,12 @@ class LocalWorkerGroup:
 
     def __init__(self, name: str, nproc: int, worker_args: tuple, *, threads: int = 1):
         self.name, self.nproc = name, nproc
-        ctx = mp.get_context("spawn")
-        port = free_port()
-        self.conns, self.procs = [], []
-        for rank in range(nproc):
-            parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_serve,
-                               args=(rank, nproc, port, threads, worker_args, child),
-                               name=f"megarlhf-ppo-{name}-rank{rank}")
-            proc.start()
-            self.conns.append(parent)
-            self.procs.append(proc)
+        pipes = [mp.get_context("spawn").Pipe() for _ in range(nproc)]
+        self.conns = [parent for parent, _ in pipes]
+        self.procs = spawn_ranks(_serve, [(rank, worker_args, child)
+                                          for rank, (_, child) in enumerate(pipes)],
+                                 name=f"megarlhf-ppo-{name}", threads=threads,
+                                 env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
         self.starting = LocalCall(self, "start-up")
 
     def async_call(self, method: str, *args) -> LocalCall:
