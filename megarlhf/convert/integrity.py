@@ -28,6 +28,7 @@ from megarlhf.convert.chunk_file import ArchiveWindow, is_storage, record_start
 from megarlhf.errors import CorruptFileError, describe
 
 COMMON_STATE = "common.pt"  # megatron-core's non-sharded state, loaded by every rank
+COMMON_OBJECT = "common_state"  # where megatron-core 0.17 and later store it instead
 MCORE_CONFIG = "metadata.json"  # megatron-core's description of the checkpoint's format
 # Read and checked in pieces that stay in the CPU cache: ~2.7x faster than zipfile's reads.
 _BLOCK = 1 << 20
@@ -113,10 +114,14 @@ def verify_checkpoint(path: str, keys: set[str] | None = None, *, part: int = 0,
     """Check the checkpoint's stored archives of `keys` (every one if None): the data files
     holding them there and long enough, then every record of every `parts`-th archive from
     `part` on; with part 0 also megatron-core's own files (`metadata.json`, `common.pt`).
+    The common state is read by every load: `common.pt` (megatron-core 0.16, our
+    converters) or the object COMMON_OBJECT among the archives (0.17 and later).
     CorruptFileError naming the first damaged file."""
     metadata = read_metadata(path)
+    in_archives = any(_key(index.fqn, metadata) == COMMON_OBJECT
+                      for index in metadata.storage_data)
     items = sorted(((index, info) for index, info in metadata.storage_data.items()
-                    if keys is None or _key(index.fqn, metadata) in keys),
+                    if keys is None or _key(index.fqn, metadata) in keys | {COMMON_OBJECT}),
                    key=lambda item: (item[1].relative_path, item[1].offset))
     ends: dict[str, int] = {}
     for _, info in items:
@@ -127,8 +132,9 @@ def verify_checkpoint(path: str, keys: set[str] | None = None, *, part: int = 0,
     if part == 0:
         read_json(os.path.join(path, MCORE_CONFIG))
         common = os.path.join(path, COMMON_STATE)
-        check_extent(common, 0)
-        _check_file(common, "the common state", 0, os.path.getsize(common))
+        if os.path.exists(common) or not in_archives:  # megatron-core prefers the file
+            check_extent(common, 0)
+            _check_file(common, "the common state", 0, os.path.getsize(common))
     for index, info in items[part::parts]:
         stored = metadata.state_dict_metadata.get(index.fqn)
         kind = "object" if isinstance(stored, BytesStorageMetadata) else "tensor"
