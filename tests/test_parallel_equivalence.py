@@ -57,7 +57,8 @@ def test_sdpa_spec_equals_local_spec(lm_ref, tiny, batch, ref_logits):
 
 TRAIN_LAYOUTS = {
     "tp2pp2dp2": (P(tensor_parallel=2, pipeline_parallel=2), 8),
-    # Interleaved 1F1B: on gloo, batched p2p silently swaps micro-batches (shared/DESIGN.md).
+    # Interleaved 1F1B: on gloo, batched p2p silently swaps micro-batches (measured; the
+    # transformer config turns batching off on CPU, see models/transformer_config.py).
     "pp2vpp2dp2": (P(pipeline_parallel=2, virtual_pipeline_parallel=2), 4),
     "tp2sp_dp2": (P(tensor_parallel=2, sequence_parallel=True), 4),
 }

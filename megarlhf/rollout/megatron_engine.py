@@ -1,6 +1,6 @@
 """Rollouts on our own Megatron GPT model: batched generation with megatron-core's KV cache.
 
-For machines without vLLM (and the GPU machine lent here). One `MegatronEngine` per rank of an
+For machines without vLLM (a GPU with only torch, CPUs). One `MegatronEngine` per rank of an
 inference mesh at tensor parallel TP_i, PP=1; every TP rank calls every method.
 
 Legend: B rows of the batch (prompts, then prompts x n samples), P prompt columns (prompts are
