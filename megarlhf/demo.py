@@ -187,7 +187,7 @@ def main(out_dir: str = "demo_out") -> dict:
     prompts = read_prompts(files["eval_prompts"])
     params = SamplingParams(max_new_tokens=config.max_new_tokens, temperature=1.0, seed=7,
                             stop_token_ids=(eos_id,))
-    ppo_actor = os.path.join(checkpoints.latest(config.out_dir), "actor")
+    ppo_actor = os.path.join(checkpoints.of_run(config.out_dir).latest(), "actor")
     before, after = launch_local(sample_rank, 1, [sft["checkpoint"], ppo_actor], prompts,
                                  params)[0]
     warm = {name: sum(synthetic.is_warm(tokenizer.decode(r)) for r in responses)

@@ -20,6 +20,7 @@ import torch
 import yaml
 
 from megarlhf.cli import main as cli
+from megarlhf.metrics import MetricsLog
 from megarlhf.parallel.mesh import ParallelConfig
 from megarlhf.ppo import checkpoints, run_dir
 from megarlhf.ppo.config import PPOConfig
@@ -248,7 +249,7 @@ def _fake_checkpoint(world, out: str, **changed) -> None:
     """out/checkpoints/step_2 recording the base recipe's inputs with `changed` fields."""
     with open(world / "recipe.yaml") as f:
         fields = {**yaml.safe_load(f), "out_dir": out, **changed}
-    step = os.path.join(checkpoints.root(out), "step_2")
+    step = checkpoints.of_run(out).path(2)
     os.makedirs(step)
     inputs = run_dir.run_inputs(PPOConfig(**fields))
     with open(os.path.join(step, checkpoints.STATE), "w") as f:
@@ -341,22 +342,24 @@ def test_reward_fn_values_of_any_real_type_are_taken():
 # -------------------------------------------------------------- what a killed run leaves
 
 def test_leftovers_of_a_killed_save_or_prune_are_removed_and_nothing_else(tmp_path):
-    base = checkpoints.root(str(tmp_path))
+    saved = checkpoints.of_run(str(tmp_path))
+    base = saved.root
     for name in ("step_3", "step_6.tmp", "step_2.deleting", "step_1", "step_4.old", "mine"):
         os.makedirs(os.path.join(base, name))
     with open(os.path.join(base, "step_3", checkpoints.STATE), "w") as f:
         f.write("{}")
     (tmp_path / "checkpoints" / "notes.txt").write_text("mine")
-    removed = run_dir.remove_leftovers(str(tmp_path))
+    removed = saved.remove_leftovers()
     assert removed == ["step_1", "step_2.deleting", "step_4.old", "step_6.tmp"]
     assert sorted(os.listdir(base)) == ["mine", "notes.txt", "step_3"]
 
 
 def test_metrics_are_cut_back_to_the_resumed_step(tmp_path):
-    lines = [json.dumps({"step": s, "reward/mean": s / 10}) for s in (1, 2, 3, 4)]
+    lines = [json.dumps({"event": "data", "train": 9})]  # not a step's: kept
+    lines += [json.dumps({"step": s, "reward/mean": s / 10}) for s in (1, 2, 3, 4)]
     (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + '\n{"step": 5, "rew')
-    run_dir.cut_metrics(str(tmp_path), 3)
-    assert (tmp_path / "metrics.jsonl").read_text() == "\n".join(lines[:3]) + "\n"
+    MetricsLog(str(tmp_path), name="ppo", steps=6, resumed_step=3).close()
+    assert (tmp_path / "metrics.jsonl").read_text() == "\n".join(lines[:4]) + "\n"
 
 
 # ----------------------------------------------------------------------- sft: values, data

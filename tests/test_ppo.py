@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from megarlhf.convert.hf_to_mcore import hf_to_mcore
+from megarlhf.metrics import read_metrics
 from megarlhf.parallel.mesh import LayoutOverride, ParallelConfig
 from megarlhf.ppo import checkpoints
 from megarlhf.configio import load_config
@@ -27,7 +28,6 @@ from megarlhf.ppo.config import Layout, PPOConfig, RolloutLayout
 from megarlhf.ppo.controller import run
 from megarlhf.ppo.data import PromptSampler, read_prompts
 from megarlhf.ppo.groups import WorkerInputError
-from megarlhf.ppo.metrics import read_metrics
 from megarlhf.ppo.layout import group_specs
 from tests import role_workers
 
@@ -248,7 +248,7 @@ def test_ppo_reward_rises_at_tp2_dp2_under_ray(base):
     for key in ("kl", "critic/value_loss", "critic/explained_variance", "actor/clip_fraction",
                 "entropy", "time/rollout", "time/train", "tokens_per_s"):
         assert key in last
-    assert checkpoints.latest(base.out_dir).endswith("step_15")
+    assert checkpoints.of_run(base.out_dir).latest().endswith("step_15")
 
 
 @pytest.mark.slow
@@ -313,37 +313,38 @@ def test_resume_after_kill_is_exact(base, tmp_path):
 
     killed = dataclasses.replace(base, out_dir=str(tmp_path / "killed"), **short)
     proc = _ppo_process(killed)
+    saved = checkpoints.of_run(killed.out_dir)
     deadline = time.monotonic() + 300
     # Killed once step 4 is logged: its line is after the step-3 checkpoint the run resumes from.
-    while checkpoints.latest(killed.out_dir) is None or len(read_metrics(killed.out_dir)) < 4:
+    while saved.latest() is None or len(read_metrics(killed.out_dir)) < 4:
         assert proc.poll() is None and time.monotonic() < deadline, \
             "no checkpoint appeared:\n" + open(killed.out_dir + ".yaml.err").read()[-3000:]
         time.sleep(0.2)
     os.killpg(proc.pid, signal.SIGKILL)  # the controller and every rank
     proc.wait()
-    assert checkpoints.latest(killed.out_dir).endswith("step_3")
+    assert saved.latest().endswith("step_3")
     # What a kill during a save or a prune leaves: removed at the next start.
-    leftovers = ["step_6.tmp", "step_1.deleting", "step_2"]  # step_2: no controller state
+    leftovers = ["step_6.tmp", "step_1.deleting", ".step_3.megarlhf-old",
+                 "step_2"]  # step_2: no controller state
     for name in leftovers:
-        os.makedirs(os.path.join(checkpoints.root(killed.out_dir), name, "actor"))
+        os.makedirs(os.path.join(saved.root, name, "actor"))
     run(killed)
-    assert sorted(os.listdir(checkpoints.root(killed.out_dir))) == ["step_3", "step_6"]
+    assert sorted(os.listdir(saved.root)) == ["step_3", "step_6"]
 
     ours, theirs = read_metrics(killed.out_dir), read_metrics(straight.out_dir)
     assert [m["step"] for m in ours] == list(range(1, 7))  # step 4 once
     steps = {m["step"]: m for m in ours}
     for reference in theirs[3:]:
         assert _without_timings(steps[reference["step"]]) == _without_timings(reference)
-    final_ours = role_workers.checkpoint_tensors(f"{checkpoints.latest(killed.out_dir)}/actor")
-    final_theirs = role_workers.checkpoint_tensors(
-        f"{checkpoints.latest(straight.out_dir)}/actor")
+    final_ours = _final_weights(killed.out_dir, "actor")
+    final_theirs = _final_weights(straight.out_dir, "actor")
     assert final_ours.keys() == final_theirs.keys()
     for key in final_ours:
         assert torch.equal(final_ours[key], final_theirs[key]), key
 
 
 def _final_weights(out_dir: str, role: str) -> dict[str, torch.Tensor]:
-    return role_workers.checkpoint_tensors(f"{checkpoints.latest(out_dir)}/{role}")
+    return role_workers.checkpoint_tensors(f"{checkpoints.of_run(out_dir).latest()}/{role}")
 
 
 @pytest.mark.slow
@@ -362,8 +363,8 @@ def test_disaggregated_equals_colocated_and_resumes_exactly(base, tmp_path, monk
     assert straight[-1]["time/worker/experience"] > 0
 
     resumed = dataclasses.replace(apart, out_dir=str(tmp_path / "resumed"))
-    shutil.copytree(f"{checkpoints.root(apart.out_dir)}/step_2",
-                    f"{checkpoints.root(resumed.out_dir)}/step_2")
+    shutil.copytree(f"{checkpoints.of_run(apart.out_dir).root}/step_2",
+                    f"{checkpoints.of_run(resumed.out_dir).root}/step_2")
     history = run(resumed)
     assert [_without_timings(m) for m in history] == [_without_timings(m) for m in straight[2:]]
     for role in ("actor", "critic"):
@@ -551,7 +552,7 @@ def test_gap_over_the_limit_stops_before_training(base, tmp_path):
                                  steps=2, logprob_gap_limit=1e-12)
     with pytest.raises(LogprobGapError, match=r"step 1: the rollout engine's logprobs"):
         run(config)
-    assert checkpoints.latest(config.out_dir) is None
+    assert checkpoints.of_run(config.out_dir).latest() is None
 
 
 # ----------------------------------------------------------------- preflight, before any rank

@@ -12,9 +12,9 @@ import psutil
 import pytest
 import torch
 
+from megarlhf.metrics import read_metrics
 from megarlhf.ppo import checkpoints
 from megarlhf.ppo.controller import run
-from megarlhf.ppo.metrics import read_metrics
 from megarlhf.ppo.rewards import RewardFnError
 from tests import role_workers
 from tests.test_ppo import _ppo_process, base, prompts_file  # noqa: F401 (fixtures)
@@ -28,7 +28,7 @@ def test_nan_reward_stops_the_run_with_the_step_and_the_remedy(base, tmp_path): 
     with pytest.raises(RewardFnError, match=r"reward_fn tests.ppo_tasks:nan_reward at step 1, "
                                             r"sample 0 returned nan; .*nan_policy=skip"):
         run(config)
-    assert checkpoints.latest(config.out_dir) is None  # nothing half-trained was saved
+    assert checkpoints.of_run(config.out_dir).latest() is None  # nothing half-trained was saved
 
 
 def test_nan_reward_skips_the_update_and_keeps_going(base, tmp_path):  # noqa: F811
@@ -38,7 +38,7 @@ def test_nan_reward_skips_the_update_and_keeps_going(base, tmp_path):  # noqa: F
     history = run(config)
     assert [m["skipped"] for m in history] == [1.0, 1.0]
     assert [m["step"] for m in read_metrics(config.out_dir)] == [1, 2]
-    final = role_workers.checkpoint_tensors(f"{checkpoints.latest(config.out_dir)}/actor")
+    final = role_workers.checkpoint_tensors(f"{checkpoints.of_run(config.out_dir).latest()}/actor")
     initial = role_workers.checkpoint_tensors(base.actor)
     shared = final.keys() & initial.keys()
     assert shared  # the same model's weights, compared tensor by tensor
@@ -104,7 +104,7 @@ def test_ctrl_c_stops_every_rank_and_leaves_the_last_checkpoint(base, tmp_path):
     controller = psutil.Process(proc.pid)
     err = config.out_dir + ".yaml.err"
     deadline = time.monotonic() + 300
-    while checkpoints.latest(config.out_dir) is None:
+    while checkpoints.of_run(config.out_dir).latest() is None:
         assert proc.poll() is None and time.monotonic() < deadline, open(err).read()[-3000:]
         time.sleep(0.2)
     descendants = controller.children(recursive=True)
@@ -121,7 +121,7 @@ def test_ctrl_c_stops_every_rank_and_leaves_the_last_checkpoint(base, tmp_path):
     # multiprocessing's resource tracker exits on its own once its last client is gone.
     _, survivors = psutil.wait_procs(descendants, timeout=10)
     assert not survivors, [(p.cmdline(), p.ppid()) for p in survivors]
-    latest = checkpoints.latest(config.out_dir)
+    latest = checkpoints.of_run(config.out_dir).latest()
     assert role_workers.checkpoint_tensors(f"{latest}/actor")  # complete and loadable
     resumed = run(dataclasses.replace(config, steps=checkpoints.read_state(latest)["step"] + 1))
     assert len(resumed) == 1

@@ -27,9 +27,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from megarlhf.metrics import read_metrics
 from megarlhf.parallel import launch_local
 from megarlhf.ppo import checkpoints
-from megarlhf.ppo.metrics import read_metrics
 from tests import real_model, real_tasks
 
 pytestmark = [pytest.mark.slow,
@@ -132,7 +132,7 @@ def test_grpo_with_vllm_rollouts_on_the_real_model(grpo_run):
         assert m["rollout/stopped_fraction"] >= 0.5, m  # the chat model ends its answers
         assert m["reward/mean"] > 0, m  # the checker found right answers
         assert m["actor/skipped"] == 0.0, m
-    assert checkpoints.latest(grpo_run).endswith("step_2")
+    assert checkpoints.of_run(grpo_run).latest().endswith("step_2")
 
 
 def test_exported_model_greedy_through_vllm_equals_hf(hf_dir, grpo_run, work):
@@ -142,7 +142,7 @@ def test_exported_model_greedy_through_vllm_equals_hf(hf_dir, grpo_run, work):
 
     exported = str(work / "trained_hf")
     _run(sys.executable, "-m", "tools.convert_hf.mcore_to_hf",
-         "--ckpt", f"{checkpoints.latest(grpo_run)}/actor", "--out", exported)
+         "--ckpt", f"{checkpoints.of_run(grpo_run).latest()}/actor", "--out", exported)
     questions = ["What is the capital of France?", "Name three colors.",
                  "Write a haiku about the sea.", "What is 2 + 3?", "Say hello in Spanish."]
     prompts = _chat_prompts(exported, questions)

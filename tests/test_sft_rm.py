@@ -31,10 +31,12 @@ from megarlhf.parallel import launch_local
 from megarlhf.parallel.mesh import ParallelConfig as P
 from megarlhf.sft.config import LoopConfig, ModelSource, RMConfig, SFTConfig
 from megarlhf.configio import apply_overrides, from_dict, load_config, to_dict
-from megarlhf.sft.loop import latest_checkpoint, plan
+from megarlhf.metrics import read_metrics
+from megarlhf.sft.loop import plan, run_checkpoints
 from megarlhf.sft.rm import pairwise_loss, rm_metrics, rm_stage, run_rm
 from megarlhf.sft.sft import run_sft, sft_stage
 from tests import sft_workers
+from tests.test_ppo_metrics import tensorboard_scalars
 
 REL = 1e-5
 OPTIM = OptimConfig(lr=1e-3, weight_decay=0.01, clip_grad=1.0, adam_eps=1e-6)
@@ -136,6 +138,7 @@ def _listed():
     (["train.steps=ten"], "config.train.steps must be int, got 'ten'"),
     (["train.steps=0"], "train.steps must be >= 1"),
     (["train.micro_batch_size=3"], "must be a multiple of train.micro_batch_size"),
+    (["train.keep_last=0"], "train.keep_last must be >= 1"),
     (["model.checkpoint=ck"], "exactly one of preset or checkpoint"),
     (["model.preset=huge"], "unknown model preset 'huge'"),
     (["model.overrides.vocab=3"], r"unknown ModelConfig fields \['vocab'\]"),
@@ -241,16 +244,23 @@ def test_pairwise_loss_and_metrics_match_the_formula():
     assert m["chosen_score"] == pytest.approx(float(s[0] + s[2]) / 2, rel=1e-6)
 
 
-def test_latest_checkpoint_ignores_interrupted_saves(tmp_path):
+def test_checkpoints_are_found_by_step_in_either_name_format_and_only_complete_ones_pruned(
+        tmp_path):
+    """step_N, and step_000000N as earlier versions wrote; interrupted saves lack the marker."""
     from megarlhf.engine.checkpoint import COMPLETE_MARKER
 
-    for name, complete in (("step_0000002", True), ("step_0000004", True),
-                           ("step_0000006", False), ("step_0000006.tmp", True)):
-        os.makedirs(tmp_path / name)
+    saved = run_checkpoints(str(tmp_path))
+    assert saved.latest() is None
+    for name, complete in (("step_0000002", True), ("step_9", True), ("step_0000010", True),
+                           ("step_12", False), ("step_12.tmp", True), ("mine", True)):
+        os.makedirs(tmp_path / "checkpoints" / name)
         if complete:
-            (tmp_path / name / COMPLETE_MARKER).write_text("{}")
-    assert latest_checkpoint(str(tmp_path)) == str(tmp_path / "step_0000004")
-    assert latest_checkpoint(str(tmp_path / "none")) is None
+            (tmp_path / "checkpoints" / name / COMPLETE_MARKER).write_text("{}")
+    assert saved.latest() == str(tmp_path / "checkpoints" / "step_0000010")  # 10 > 9
+    assert saved.path(11) == str(tmp_path / "checkpoints" / "step_11")
+    saved.prune(keep_last=2)
+    assert sorted(os.listdir(saved.root)) == [
+        "mine", "step_0000010", "step_12", "step_12.tmp", "step_9"]
 
 
 # -- whole runs (slow) --
@@ -338,6 +348,49 @@ def test_resume_continues_the_same_run_at_another_layout(corpus, lm_ref, tmp_pat
     _assert_same_run(resumed, {"history": straight["history"][2:]})
 
 
+@pytest.mark.slow
+def test_sft_keeps_the_last_checkpoints_and_resumes_from_the_latest(corpus, lm_ref, tmp_path):
+    """keep_last=2 of the saves at steps 2, 4 and 5. Then, as if the run had been killed during
+    step 5's save (step_5 left as an unmarked .tmp), a rerun resumes from step 4: step 5 is
+    trained as before, logged once, and the dashboards show the rerun's curve."""
+    from megarlhf.engine.checkpoint import COMPLETE_MARKER
+
+    out = tmp_path / "run"
+    first = launch_local(run_sft, 1, sft_config(corpus, out, lm_ref, steps=5, save_interval=2,
+                                                keep_last=2, tensorboard=True))[0]
+    saved = run_checkpoints(str(out))
+    assert sorted(os.listdir(saved.root)) == ["step_4", "step_5"]
+    assert first["checkpoint"] == saved.latest() == saved.path(5)
+    os.rename(saved.path(5), saved.path(5) + ".tmp")
+    os.remove(os.path.join(saved.path(5) + ".tmp", COMPLETE_MARKER))
+
+    rerun = launch_local(run_sft, 1, sft_config(corpus, out, lm_ref, steps=6, save_interval=2,
+                                                keep_last=2, tensorboard=True))[0]
+    assert [r["step"] for r in _train(rerun["history"])] == [5, 6]
+    _assert_same_run({"history": rerun["history"][:1]}, {"history": _train(first["history"])[4:]})
+    assert sorted(os.listdir(saved.root)) == ["step_4", "step_6"]  # the .tmp removed
+    logged = [(r["step"], r["split"]) for r in read_metrics(str(out)) if "step" in r]
+    assert logged == [(step, "train") for step in range(1, 7)] + [(6, "eval")]
+    scalars = tensorboard_scalars(out / "tensorboard")
+    assert [step for step, _ in scalars["train/loss"]] == [1, 2, 3, 4, 5, 6]
+    assert scalars["train/loss"][4][1] == pytest.approx(rerun["history"][0]["loss"])
+    assert scalars["eval/loss"] == [(6, pytest.approx(rerun["history"][-1]["loss"]))]
+
+
+@pytest.mark.slow
+def test_rm_writes_its_curves_to_tensorboard(corpus, value_refs, tmp_path):
+    model = ModelSource(checkpoint=value_refs[False][1], layer_spec="local")
+    out = launch_local(run_rm, 1, rm_config(corpus, tmp_path / "rm", model, steps=2,
+                                            tensorboard=True))[0]
+    scalars = tensorboard_scalars(tmp_path / "rm" / "tensorboard")
+    for record in out["history"]:
+        for key in ("loss", "accuracy", "chosen_score"):
+            assert (record["step"], pytest.approx(record[key])) in \
+                scalars[f"{record['split']}/{key}"]
+    assert [step for step, _ in scalars["train/accuracy"]] == [1, 2]
+    assert [step for step, _ in scalars["eval/accuracy"]] == [2]
+
+
 def _cli(*args, cwd):
     return subprocess.run([sys.executable, "-m", "megarlhf.cli", *args], cwd=cwd,
                           capture_output=True, text=True, timeout=600)
@@ -367,7 +420,7 @@ def test_cli_sft_then_rm_from_it_exports_a_working_hf_reward_model(corpus, tmp_p
         "empty prompt": 1, "invalid UTF-8": 1, "missing field 'response'": 1}
     assert "skipped 3 bad records" in run.stdout
     assert [e["step"] for e in events[1:]] == list(range(1, 5))
-    sft_ckpt = latest_checkpoint(str(tmp_path / "sft" / "checkpoints"))
+    sft_ckpt = run_checkpoints(str(tmp_path / "sft")).latest()
 
     (tmp_path / "rm.yaml").write_text(yaml.safe_dump({
         "model": {"checkpoint": sft_ckpt, "layer_spec": "local"},

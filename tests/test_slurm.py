@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from megarlhf.metrics import read_metrics
 from megarlhf.ppo import checkpoints
-from megarlhf.ppo.metrics import read_metrics
-from megarlhf.sft.loop import latest_checkpoint
+from megarlhf.sft.loop import run_checkpoints
 from tests.slurm_cluster import SlurmCluster, SlurmUnavailable, job_processes
 from tests.test_ppo import prompts_file  # noqa: F401 (a fixture: the PPO tests' prompts)
 from tests.test_sft_rm import corpus  # noqa: F401 (a fixture: tokenizer and SFT data)
@@ -105,7 +105,7 @@ def test_sft_runs_one_rank_on_each_node(slurm, job_env, tmp_path, corpus):  # no
     assert info["JobState"] == "COMPLETED", log[-3000:]
     assert info["NodeList"] == "n[1-2]"
     assert "rendezvous n1:" in log and "2 ranks" in log
-    final = latest_checkpoint(str(tmp_path / "sft" / "checkpoints"))
+    final = run_checkpoints(str(tmp_path / "sft")).latest()
     assert int(Path(final).name.split("_")[1]) == 2, final
     logs = tmp_path / "logs" / f"megarlhf-train-{job}"
     assert sorted(p.name for p in logs.iterdir()) == [
@@ -153,7 +153,7 @@ def test_ppo_on_ray_across_nodes_resumes_after_requeue(slurm, job_env, ppo_recip
     job = _submit(slurm, "ppo.sbatch", ppo_recipe, "steps=12", "save_every=2", cwd=tmp_path,
                   env={**job_env, **ONE_RANK_PER_NODE})
     log = lambda: _job_log(tmp_path, "megarlhf-ppo", job)  # noqa: E731
-    _wait_for(lambda: checkpoints.latest(str(out)) is not None, "a first checkpoint",
+    _wait_for(lambda: checkpoints.of_run(str(out)).latest() is not None, "a first checkpoint",
               JOB_TIMEOUT, log)
     slurm.run("scontrol", "requeue", str(job))
     # Slurm holds a requeued job back ~2 minutes (BeginTime); release it now.
@@ -172,7 +172,7 @@ def test_ppo_on_ray_across_nodes_resumes_after_requeue(slurm, job_env, ppo_recip
     first_run, second_run = steps[:-(12 - resumed)], steps[-(12 - resumed):]
     assert resumed >= 2 and first_run == list(range(1, len(first_run) + 1)), steps
     assert len(first_run) >= resumed and second_run == list(range(resumed + 1, 13)), steps
-    assert checkpoints.latest(str(out)).endswith("step_12")
+    assert checkpoints.of_run(str(out)).latest().endswith("step_12")
     assert job_processes(job, (f"{ray_root}/ray-{job}-",)) == []
 
 

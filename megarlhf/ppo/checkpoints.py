@@ -1,44 +1,24 @@
-"""PPO run checkpoints: out_dir/checkpoints/step_<N>/ with the workers' models, optimizers,
-schedulers and RNG states, and the controller's state (step, data position, KL controller).
-
-Every rank of every worker group writes its part (ppo/worker.py: save). A step directory is
-written as step_<N>.tmp and renamed only when complete, so a crash during a save leaves the
-previous checkpoint the latest; only the last `keep_last` are kept, each pruned by renaming
-it step_<N>.deleting first, so a kill during the deletion never leaves a step_<N> that looks
-complete (run_dir.remove_leftovers deletes such leftovers at the next start).
+"""What a PPO step checkpoint holds: every rank's part of the workers' models, optimizers,
+schedulers and RNG states (ppo/worker.py: save), and the controller's state (step, data
+position, KL controller, the run's inputs) in controller.json, written last, so a step
+directory is complete once it holds it. Naming, finding the latest, pruning to `keep_last` and
+removing leftovers: engine/run_checkpoints.py, as for SFT and RM.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 
+from megarlhf.engine.checkpoint import replace_dir
+from megarlhf.engine.run_checkpoints import RunCheckpoints
+
 STATE = "controller.json"
-_STEP = re.compile(r"^step_(\d+)$")
-_LEFTOVER = re.compile(r"^step_\d+\.(tmp|old|deleting)$")
 
 
-def root(out_dir: str) -> str:
-    return os.path.join(out_dir, "checkpoints")
-
-
-def completed(out_dir: str) -> list[tuple[int, str]]:
-    base = root(out_dir)
-    if not os.path.isdir(base):
-        return []
-    found = []
-    for name in os.listdir(base):
-        match = _STEP.match(name)
-        if match and os.path.isfile(os.path.join(base, name, STATE)):
-            found.append((int(match.group(1)), os.path.join(base, name)))
-    return sorted(found)
-
-
-def latest(out_dir: str) -> str | None:
-    done = completed(out_dir)
-    return done[-1][1] if done else None
+def of_run(out_dir: str) -> RunCheckpoints:
+    return RunCheckpoints(out_dir, marker=STATE)
 
 
 def read_state(path: str) -> dict:
@@ -47,22 +27,14 @@ def read_state(path: str) -> dict:
 
 
 def save(config, workers, step: int, state: dict) -> str:
-    final = os.path.join(root(config.out_dir), f"step_{step}")
+    steps = of_run(config.out_dir)
+    final = steps.path(step)
     tmp = final + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     workers.save(tmp)
     with open(os.path.join(tmp, STATE), "w") as f:
         json.dump(state, f)
-    shutil.rmtree(final, ignore_errors=True)
-    os.rename(tmp, final)
-    for _, old in completed(config.out_dir)[:-config.keep_last]:
-        os.rename(old, old + ".deleting")
-        shutil.rmtree(old + ".deleting")
+    replace_dir(tmp, final)
+    steps.prune(config.keep_last)
     return final
-
-
-def is_leftover(name: str, path: str) -> bool:
-    """A directory an interrupted save or prune left behind in the checkpoints root."""
-    return bool(_LEFTOVER.match(name)) or bool(
-        _STEP.match(name) and not os.path.isfile(os.path.join(path, STATE)))

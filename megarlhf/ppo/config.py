@@ -7,11 +7,10 @@ Recipes (a YAML file of these fields, or a `module:function` returning a `PPOCon
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import math
-import importlib.util
 import os
 
+from megarlhf.metrics import missing_dashboards
 from megarlhf.models.config import ModelConfig
 from megarlhf.parallel.mesh import LayoutOverride, ParallelConfig
 from megarlhf.rollout import sizing
@@ -265,11 +264,7 @@ class PPOConfig:
                 problems.append(f"prompts_per_step x samples_per_prompt = {rows} rows do not "
                                 f"split into mini_batches ({self.mini_batches}) x DP ({dp}) x "
                                 f"micro_batches ({self.micro_batches})")
-        for flag, module in ((self.tensorboard, "tensorboard"),
-                             (self.wandb_project, "wandb")):
-            if flag and importlib.util.find_spec(module) is None:
-                problems.append(f"{module} logging is on but {module} is not installed: "
-                                f"pip install {module}")
+        problems += missing_dashboards(self.tensorboard, self.wandb_project)
         if problems:
             raise ValueError("invalid PPO config:\n  " + "\n  ".join(problems))
 

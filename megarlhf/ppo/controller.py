@@ -20,10 +20,11 @@ import time
 
 import torch
 
+from megarlhf.metrics import MetricsLog
 from megarlhf.ppo import checkpoints, run_dir
 from megarlhf.ppo.config import PPOConfig
 from megarlhf.ppo.data import PromptSampler, read_prompt_lines
-from megarlhf.ppo.metrics import MetricsLog, Progress, step_metrics
+from megarlhf.ppo.metrics import CONSOLE_KEYS, step_metrics
 from megarlhf.ppo.placement import Placement
 from megarlhf.ppo.preflight import Preflight, preflight
 from megarlhf.ppo.rewards import RewardFunction
@@ -55,7 +56,7 @@ def run(config: PPOConfig) -> list[dict]:
 
 
 def _run_claimed(config: PPOConfig) -> list[dict]:
-    run_dir.remove_leftovers(config.out_dir)
+    checkpoints.of_run(config.out_dir).remove_leftovers()
     reward_fn = (RewardFunction(config.reward_fn, allow_non_finite=config.nan_policy == "skip")
                  if config.reward_fn else None)
     lines, prompts = zip(*read_prompt_lines(config.prompts))
@@ -65,43 +66,36 @@ def _run_claimed(config: PPOConfig) -> list[dict]:
                             seed=config.seed)
     inputs = run_dir.run_inputs(config)
     latest, state = run_dir.resume_point(config, inputs)
-    if state is not None:
-        run_dir.cut_metrics(config.out_dir, state["step"])
+    start = state["step"] if state is not None else 0
     kl_ctl = (AdaptiveKLController(config.kl_coef, config.kl_target, config.kl_horizon)
               if config.kl_target is not None else FixedKLController(config.kl_coef))
-    log = MetricsLog(config.out_dir, tensorboard=config.tensorboard,
+    log = MetricsLog(config.out_dir, name="ppo", steps=config.steps, resumed_step=start,
+                     console_keys=CONSOLE_KEYS, tensorboard=config.tensorboard,
                      wandb_project=config.wandb_project, run_config=dataclasses.asdict(config))
     workers = Placement(config, checked.engine_size)
-    history, progress = [], None
+    history = []
     try:
-        start = 0
         if state is not None:
             workers.load(latest)
-            start = state["step"]
             sampler.load_state_dict(state["sampler"])
             kl_ctl.load_state_dict(state["kl"])
-            log.info(f"resumed from {latest} (step {start})")
-        progress = Progress(config.steps, start)
+            log.note(f"resumed from {latest} (step {start})")
         for step in range(start + 1, config.steps + 1):
-            metrics = ppo_step(config, checked, workers, sampler, kl_ctl, reward_fn, step,
-                               progress)
+            metrics = ppo_step(config, checked, workers, sampler, kl_ctl, reward_fn, step, log)
             history.append(metrics)
-            log.write(step, metrics)
-            progress.step_done(metrics)
+            log.write(metrics)
             if step == config.steps or (config.save_every and step % config.save_every == 0):
                 checkpoints.save(config, workers, step, {
                     "step": step, "sampler": sampler.state_dict(),
                     "kl": kl_ctl.state_dict(), "inputs": inputs})
     finally:
-        if progress is not None:
-            progress.close()
         workers.shutdown()
         log.close()
     return history
 
 
 def ppo_step(config: PPOConfig, checked: Preflight, workers: Placement, sampler: PromptSampler,
-             kl_ctl, reward_fn, step: int, progress: Progress) -> dict:
+             kl_ctl, reward_fn, step: int, log: MetricsLog) -> dict:
     timer = {}
     t = start = time.perf_counter()
     prompts = sampler.next(config.prompts_per_step)
@@ -109,14 +103,14 @@ def ppo_step(config: PPOConfig, checked: Preflight, workers: Placement, sampler:
                             temperature=config.temperature, top_p=config.top_p,
                             top_k=config.top_k, stop_token_ids=checked.stop_token_ids,
                             seed=config.seed * 1_000_003 + step)  # resume-stable sampling
-    progress.phase("rollout")
+    log.phase("rollout")
     completions = workers.rollout(prompts, params)
     rollout = rollout_batch(prompts, completions)
     batch = rollout.sequences
     mask = batch.response_mask.float()
     timer["rollout"], t = time.perf_counter() - t, time.perf_counter()
 
-    progress.phase("experience")
+    log.phase("experience")
     exp = workers.experience(batch)
     gap = logprob_gap(rollout.engine_logp, exp["logp"], batch.response_mask)
     warning = check_gap(gap, limit=config.gap_limit, policy=config.logprob_gap_policy,
@@ -134,14 +128,14 @@ def ppo_step(config: PPOConfig, checked: Preflight, workers: Placement, sampler:
         raise NonFiniteError(f"step {step}: non-finite reward or advantage; set "
                              f"nan_policy=skip to skip such batches")
     if _finite(score, advantages):
-        progress.phase("train")
+        log.phase("train")
         train_metrics = workers.train(batch, exp["logp"], advantages, values, returns)
         losses = [v for m in train_metrics for k, v in m.items() if k.endswith("_loss")]
         if not all(math.isfinite(v) for v in losses) and config.nan_policy == "stop":
             raise NonFiniteError(f"step {step}: non-finite loss {losses}")
     timer["train"], t = time.perf_counter() - t, time.perf_counter()
 
-    progress.phase("sync")
+    log.phase("sync")
     workers.sync()
     timer["sync"] = time.perf_counter() - t
 

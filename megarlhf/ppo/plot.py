@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import os
 
-from megarlhf.ppo.metrics import read_metrics
+from megarlhf.metrics import read_metrics
 
 DEFAULT_KEYS = ("reward/mean", "kl", "entropy", "actor/policy_loss", "critic/value_loss",
                 "actor/clip_fraction", "response_length", "rollout/logprob_gap_max")

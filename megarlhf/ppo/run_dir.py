@@ -3,8 +3,6 @@
 - claimed: creatable, writable, and held by one live run at a time (an flock on
   out_dir/.megarlhf.lock, released by the kernel when the holder dies, so a requeued job never
   writes beside the original still running, and a killed one never blocks its successor);
-- cleaned: what a killed run left half-done in checkpoints/ (a save's or a prune's leftovers)
-  is removed; complete checkpoints are never touched;
 - matched: a resumed run must have the inputs the checkpoint was trained with (actor, critic
   and reward checkpoints, prompts, seed, algorithm), else it would continue the old policy
   against a new reference; `resume_allow_changes` names the ones changed on purpose.
@@ -14,10 +12,8 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
-import json
 import logging
 import os
-import shutil
 import socket
 
 from megarlhf.engine.checkpoint import COMPLETE_MARKER
@@ -78,30 +74,12 @@ def _locked(out_dir: str, mode: str):
 def resume_point(config, inputs: dict) -> tuple[str | None, dict | None]:
     """(latest checkpoint, its controller state) of out_dir, or (None, None) for a new run;
     ValueError if the checkpoint was trained with other inputs (check_resume)."""
-    latest = checkpoints.latest(config.out_dir)
+    latest = checkpoints.of_run(config.out_dir).latest()
     if latest is None:
         return None, None
     state = checkpoints.read_state(latest)
     check_resume(latest, state.get("inputs"), inputs, config.resume_allow_changes)
     return latest, state
-
-
-def remove_leftovers(out_dir: str) -> list[str]:
-    """Delete what an interrupted save or prune left in checkpoints/: step_N.tmp, step_N.old,
-    step_N.deleting, and step_N directories without the controller state every complete one
-    has. Only names our writer makes are touched."""
-    base = checkpoints.root(out_dir)
-    if not os.path.isdir(base):
-        return []
-    removed = []
-    for name in sorted(os.listdir(base)):
-        path = os.path.join(base, name)
-        if os.path.isdir(path) and checkpoints.is_leftover(name, path):
-            shutil.rmtree(path)
-            removed.append(name)
-    if removed:
-        log.info("removed what an interrupted run left in %s: %s", base, ", ".join(removed))
-    return removed
 
 
 def run_inputs(config) -> dict:
@@ -161,30 +139,3 @@ def _checkpoint_fingerprint(path: str) -> dict:
             with open(file, "rb") as f:
                 digest.update(name.encode() + b"\0" + f.read())
     return {"path": os.path.abspath(path), "sha256": digest.hexdigest()}
-
-
-def cut_metrics(out_dir: str, step: int) -> None:
-    """Cut out_dir/metrics.jsonl back to the steps up to `step` (the resumed checkpoint's):
-    a run killed after logging later steps would otherwise list them twice."""
-    path = os.path.join(out_dir, "metrics.jsonl")
-    if not os.path.isfile(path):
-        return
-    with open(path) as f:
-        lines = f.readlines()
-    kept = [line for line in lines if _logged_step(line) is not None
-            and _logged_step(line) <= step]
-    if len(kept) == len(lines):
-        return
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.writelines(kept)
-    os.replace(tmp, path)
-    log.info("metrics.jsonl: dropped %d line(s) after step %d (logged after the checkpoint "
-             "the run resumes from)", len(lines) - len(kept), step)
-
-
-def _logged_step(line: str) -> int | None:
-    try:
-        return int(json.loads(line)["step"])
-    except (ValueError, KeyError, TypeError):  # a line cut short by a kill
-        return None

@@ -9,6 +9,7 @@ from typing import Any, ClassVar
 from megarlhf.data.config import DataConfig
 from megarlhf.data.records import field_columns
 from megarlhf.engine.optim import OptimConfig
+from megarlhf.metrics import missing_dashboards
 from megarlhf.models.config import ModelConfig
 from megarlhf.models.presets import preset
 from megarlhf.models.transformer_config import parse_dtype
@@ -52,7 +53,8 @@ class ModelSource:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LoopConfig:
     output_dir: str
-    """Checkpoints (checkpoints/step_N), metrics.jsonl and the resolved config.yaml."""
+    """Checkpoints (checkpoints/step_N), metrics.jsonl, the dashboards' files and the resolved
+    config.yaml."""
     steps: int
     """Optimizer steps in total (a resumed run continues up to this number)."""
     global_batch_size: int
@@ -64,6 +66,8 @@ class LoopConfig:
     """Evaluate every this many steps (0: only after the last step); needs eval data."""
     save_interval: int = 0
     """Checkpoint every this many steps (0: only after the last step)."""
+    keep_last: int = 2
+    """Keep the last this many checkpoints; older ones are deleted after each save."""
     resume: bool = True
     """Continue from the latest complete checkpoint in output_dir. False refuses an output_dir
     that already has checkpoints rather than mixing two runs."""
@@ -74,9 +78,16 @@ class LoopConfig:
     """Print every this many steps (metrics.jsonl gets every step)."""
     seed: int = 0
     """Seeds fresh (preset) weights and the reward model's new value head."""
+    # -- dashboards (metrics.jsonl and the console always) --
+    tensorboard: bool = False
+    """Also write TensorBoard event files to output_dir/tensorboard (needs `tensorboard`)."""
+    wandb_project: str | None = None
+    """Also log to this W&B project (needs `wandb` and a login); a resumed run continues the
+    same W&B run."""
 
     def __post_init__(self):
-        for name in ("steps", "global_batch_size", "micro_batch_size", "log_interval"):
+        for name in ("steps", "global_batch_size", "micro_batch_size", "log_interval",
+                     "keep_last"):
             if getattr(self, name) < 1:
                 raise ValueError(f"train.{name} must be >= 1, got {getattr(self, name)}")
         for name in ("eval_interval", "save_interval"):
@@ -85,6 +96,9 @@ class LoopConfig:
         if self.global_batch_size % self.micro_batch_size:
             raise ValueError(f"train.global_batch_size ({self.global_batch_size}) must be a "
                              f"multiple of train.micro_batch_size ({self.micro_batch_size})")
+        missing = missing_dashboards(self.tensorboard, self.wandb_project)
+        if missing:
+            raise ValueError("train: " + "; ".join(missing))
 
     def num_microbatches(self, dp_size: int) -> int:
         per_step = dp_size * self.micro_batch_size

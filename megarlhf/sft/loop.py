@@ -22,18 +22,17 @@ from megarlhf.data.dataset import Examples, load_examples
 from megarlhf.data.encode import Example
 from megarlhf.data.order import EpochStream
 from megarlhf.data.tokenizer import Tokenizer, is_tokenizer, load_tokenizer
-from megarlhf.engine.checkpoint import (HF_SIDECAR, is_complete, load_checkpoint, read_meta,
+from megarlhf.engine.checkpoint import (COMPLETE_MARKER, HF_SIDECAR, load_checkpoint, read_meta,
                                         save_checkpoint)
+from megarlhf.engine.run_checkpoints import RunCheckpoints
 from megarlhf.engine.schedule import Batch, LossFn, rank_microbatches
 from megarlhf.engine.train import TrainEngine
+from megarlhf.metrics import MetricsLog
 from megarlhf.models.config import ModelConfig
 from megarlhf.parallel.mesh import Mesh, init_mesh
 from megarlhf.sft.config import RMConfig, SFTConfig
 from megarlhf.configio import to_dict
-from megarlhf.sft.metrics import MetricsLog, metrics_path
 from megarlhf.sft.model import init_weights, model_config, new_engine
-
-CHECKPOINTS = "checkpoints"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +66,8 @@ class Plan:
     model: ModelConfig
     examples: Examples
     resume_from: str | None
+    resume_step: int
+    """The step of `resume_from` (0 for a new run)."""
     fingerprint: dict
     """Recorded in checkpoints; a resume must match it (same stage, same data order)."""
 
@@ -83,28 +84,48 @@ def plan(cfg: SFTConfig | RMConfig, make_stage: Callable[[int], Stage]) -> Plan:
                    "data_seed": cfg.data.seed}
     if cfg.train.export_hf:  # found now, not after the training it would follow
         check_output(cfg.train.export_hf, replace=True, what="train.export_hf",
-                     inputs=[os.path.join(cfg.train.output_dir, CHECKPOINTS)])
-    latest = latest_checkpoint(os.path.join(cfg.train.output_dir, CHECKPOINTS))
+                     inputs=[run_checkpoints(cfg.train.output_dir).root])
+    latest = run_checkpoints(cfg.train.output_dir).latest()
     if latest and not cfg.train.resume:
         raise ValueError(f"{cfg.train.output_dir} already holds checkpoints ({latest}); set "
                          f"train.resume=true to continue that run or use another output_dir")
+    resume_step = 0
     if latest:
-        _check_resume(latest, read_meta(latest)["extra"], fingerprint)
+        extra = read_meta(latest)["extra"]
+        _check_resume(latest, extra, fingerprint)
+        resume_step = extra["step"]
     return Plan(tokenizer=tokenizer, stage=stage, model=model, examples=examples,
-                resume_from=latest, fingerprint=fingerprint)
+                resume_from=latest, resume_step=resume_step, fingerprint=fingerprint)
+
+
+def run_checkpoints(output_dir: str) -> RunCheckpoints:
+    """The run's step checkpoints: each one model checkpoint, complete with its marker."""
+    return RunCheckpoints(output_dir, marker=COMPLETE_MARKER)
 
 
 def run(cfg: SFTConfig | RMConfig, make_stage: Callable[[int], Stage]) -> dict:
     """Train on every rank of the job; returns (on every rank) the final checkpoint path, the
     HF export path, the metric history and the data report."""
     p = plan(cfg, make_stage)
-    stage, train = p.stage, cfg.train
+    train = cfg.train
     mesh = init_mesh(cfg.parallel, seed=train.seed)
+    log = MetricsLog(train.output_dir if mesh.rank == 0 else None, name=p.stage.name,
+                     steps=train.steps, resumed_step=p.resume_step,
+                     tensorboard=train.tensorboard, wandb_project=train.wandb_project,
+                     run_config=to_dict(cfg))
+    try:
+        return _train(cfg, p, mesh, log)
+    finally:
+        log.close()
+
+
+def _train(cfg: SFTConfig | RMConfig, p: Plan, mesh: Mesh, log: MetricsLog) -> dict:
+    stage, train = p.stage, cfg.train
     num_microbatches = train.num_microbatches(mesh.dp_size)
-    ckpt_root = os.path.join(train.output_dir, CHECKPOINTS)
-    log = MetricsLog(metrics_path(train.output_dir) if mesh.rank == 0 else None, stage.name)
+    checkpoints = run_checkpoints(train.output_dir)
     if mesh.rank == 0:
-        os.makedirs(ckpt_root, exist_ok=True)
+        checkpoints.remove_leftovers()
+        os.makedirs(checkpoints.root, exist_ok=True)
         with open(os.path.join(train.output_dir, "config.yaml"), "w") as f:
             yaml.safe_dump(to_dict(cfg), f, sort_keys=False)
     dist.barrier()
@@ -149,9 +170,11 @@ def run(cfg: SFTConfig | RMConfig, make_stage: Callable[[int], Stage]) -> dict:
             log.write(record)
             history.append(record)
         if last or train.save_interval and step % train.save_interval == 0:
-            final = os.path.join(ckpt_root, f"step_{step:07d}")
+            final = checkpoints.path(step)
             save_checkpoint(final, engine, mesh,
                             extra={**p.fingerprint, "step": step, "items_consumed": consumed})
+            if mesh.rank == 0:
+                checkpoints.prune(train.keep_last)
     log.note(f"final checkpoint {final}")
     export = _export(final, train.export_hf, mesh, log) if train.export_hf else None
     return {"checkpoint": final, "export": export, "history": history,
@@ -183,17 +206,6 @@ def _eval_batches(examples: list[Example], stage: Stage, batch_items: int) -> li
         batch[stage.filler_key][real * stage.rows_per_item:] = 0
         batches.append(batch)
     return batches
-
-
-def latest_checkpoint(root: str) -> str | None:
-    """The complete checkpoint with the highest step under `root` (interrupted saves, which
-    lack the completion marker, are ignored)."""
-    if not os.path.isdir(root):
-        return None
-    steps = sorted(name for name in os.listdir(root)
-                   if name.startswith("step_") and name[5:].isdigit()
-                   and is_complete(os.path.join(root, name)))
-    return os.path.join(root, steps[-1]) if steps else None
 
 
 def _check_resume(path: str, extra: dict, fingerprint: dict) -> None:
