@@ -65,14 +65,19 @@ def base(lm_ref, value_refs, prompts_file, tmp_path_factory):
                      critic_lr=1e-3, kl_coef=0.01)
 
 
-def test_config_errors_name_the_problem(prompts_file, tmp_path):
+def _checked_config(prompts_file, tmp_path, **fields) -> PPOConfig:
+    """A PPO config at nproc=4, TP2 whose checkpoint paths exist (empty directories): for
+    the checks made when a config is built."""
     for name in ("actor", "critic"):
         (tmp_path / name).mkdir()
-    base = PPOConfig(actor=str(tmp_path / "actor"), critic=str(tmp_path / "critic"),
+    return PPOConfig(actor=str(tmp_path / "actor"), critic=str(tmp_path / "critic"),
                      prompts=prompts_file, out_dir=str(tmp_path / "out"),
                      reward_fn="tests.ppo_tasks:low_token_fraction", nproc=4,
-                     tensor_parallel=2, prompts_per_step=8, samples_per_prompt=2,
-                     mini_batches=2)
+                     tensor_parallel=2, prompts_per_step=8, samples_per_prompt=2, **fields)
+
+
+def test_config_errors_name_the_problem(prompts_file, tmp_path):
+    base = _checked_config(prompts_file, tmp_path, mini_batches=2)
     with pytest.raises(ValueError, match="nproc=3 is not a multiple"):
         dataclasses.replace(base, nproc=3)
     with pytest.raises(ValueError, match="needs a critic"):
@@ -119,12 +124,7 @@ def test_the_worker_implements_every_call_the_controller_makes_as_declared():
 
 
 def test_per_role_layouts_resolve_and_roles_sharing_ranks_share_one(prompts_file, tmp_path):
-    for name in ("actor", "critic"):
-        (tmp_path / name).mkdir()
-    colocated = PPOConfig(actor=str(tmp_path / "actor"), critic=str(tmp_path / "critic"),
-                          prompts=prompts_file, out_dir=str(tmp_path / "out"),
-                          reward_fn="tests.ppo_tasks:low_token_fraction", nproc=4,
-                          tensor_parallel=2, prompts_per_step=8, samples_per_prompt=2)
+    colocated = _checked_config(prompts_file, tmp_path)
     apart = dataclasses.replace(colocated, placement="disaggregated", layout=Layout(
         critic=LayoutOverride(tensor_parallel=1), reference=LayoutOverride(pipeline_parallel=2)))
     assert apart.parallel_of("actor") == ParallelConfig(tensor_parallel=2)

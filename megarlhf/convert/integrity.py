@@ -120,8 +120,9 @@ def verify_checkpoint(path: str, keys: set[str] | None = None, *, part: int = 0,
     metadata = read_metadata(path)
     in_archives = any(_key(index.fqn, metadata) == COMMON_OBJECT
                       for index in metadata.storage_data)
+    wanted = None if keys is None else keys | {COMMON_OBJECT}
     items = sorted(((index, info) for index, info in metadata.storage_data.items()
-                    if keys is None or _key(index.fqn, metadata) in keys | {COMMON_OBJECT}),
+                    if wanted is None or _key(index.fqn, metadata) in wanted),
                    key=lambda item: (item[1].relative_path, item[1].offset))
     ends: dict[str, int] = {}
     for _, info in items:
