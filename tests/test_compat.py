@@ -34,6 +34,20 @@ def test_a_version_outside_the_range_is_refused_in_one_line():
         compat.require("megatron-core", "0.20.0rc1", mcore_shims.SUPPORTED, install="")
 
 
+def test_a_command_reports_an_unsupported_version_in_one_line(capsys):
+    from megarlhf.errors import run_command
+
+    def command():
+        compat.require("megatron-core", "0.15.0", mcore_shims.SUPPORTED,
+                       install='pip install "megatron-core>=0.16.1,<0.20"')
+
+    assert run_command(command) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines() == [
+        'error: megatron-core 0.15.0 is installed; megarlhf supports megatron-core>=0.16.1,'
+        '<0.20: pip install "megatron-core>=0.16.1,<0.20"']
+
+
 def test_the_megatron_core_under_test_is_the_one_expected():
     """`make test-mcore-newest` runs the suite against a second megatron-core put first on
     PYTHONPATH; this fails if the path did not take and the suite silently re-tested the

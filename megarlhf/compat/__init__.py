@@ -19,8 +19,10 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 
-class UnsupportedVersion(ImportError):
-    """An installed library outside the versions a shim was written for."""
+class UnsupportedVersion(ImportError, ValueError):
+    """An installed library outside the versions a shim was written for. A ValueError too,
+    so every command reports it as the one line it is (megarlhf.errors.run_command), before
+    any rank starts: the launching process imports the shims with the mesh code."""
 
 
 def require(library: str, installed: str, supported: str, *, install: str) -> Version:
