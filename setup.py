@@ -22,7 +22,11 @@ setup(
     extras_require={
         # tensorboard: the test of PPO's TensorBoard logging (optional for users). gguf and
         # accelerate: the real-model tier dequantizes a GGUF checkpoint from the package index.
-        "test": ["pytest>=8", "pytest-timeout", "tensorboard", "gguf", "accelerate"],
+        # pyarrow and datasets: the Parquet and HF-directory dataset forms.
+        "test": ["pytest>=8", "pytest-timeout", "tensorboard", "gguf", "accelerate",
+                 "pyarrow", "datasets"],
+        # Parquet files and HF `datasets` directories as datasets (JSONL needs neither).
+        "data": ["pyarrow", "datasets"],
         # Dashboards, used when installed: `tensorboard=true`, `wandb_project=...`.
         "dashboards": ["tensorboard", "wandb"],
         # CPU machines and CI: the CPU build of torch and vLLM's CPU build for rollouts.

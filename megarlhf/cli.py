@@ -19,6 +19,14 @@ def main(argv: list[str] | None = None) -> None:
     ppo.add_argument("--config", required=True,
                      help="recipe: a YAML file of PPOConfig fields, or module:function")
     ppo.add_argument("overrides", nargs="*", help="key=value settings on top of the recipe")
+    data = sub.add_parser("data", help="preview a PPO recipe's prompt datasets as the run "
+                                       "will see them; optionally write a tokenized cache")
+    data.add_argument("--config", required=True, help="PPO recipe (as for `megarlhf ppo`)")
+    data.add_argument("--show", type=int, default=3, help="prompts shown per dataset")
+    data.add_argument("--write-cache", metavar="FILE",
+                      help="write the tokenized prompts of --dataset to FILE")
+    data.add_argument("--dataset", choices=("prompts", "val_prompts"), default="prompts")
+    data.add_argument("overrides", nargs="*", help="key=value settings on top of the recipe")
     plan = sub.add_parser("plan", help="check a PPO recipe against a cluster and estimate "
                                        "memory per GPU; exit 1 if it does not fit")
     plan.add_argument("--config", required=True, help="PPO recipe (as for `megarlhf ppo`); "
@@ -70,6 +78,11 @@ def _run(args: argparse.Namespace) -> int:
             print(dryrun.ppo(load_config(PPOConfig, args.config, args.overrides)))
         else:
             ppo_main(args.config, args.overrides)
+    elif args.command == "data":
+        from megarlhf.ppo import data_command
+
+        return data_command.main(args.config, args.overrides, show=args.show,
+                                 write_cache=args.write_cache, dataset=args.dataset)
     elif args.command == "plan":
         from megarlhf.plan import command as plan_command
         from megarlhf.plan.job import Cluster

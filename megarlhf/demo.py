@@ -20,7 +20,7 @@ import time
 
 from megarlhf.data import synthetic
 from megarlhf.data.config import DataConfig, DatasetSource
-from megarlhf.data.prompts import write_prompt_ids
+from megarlhf.data.prompts import load_prompts, write_prompt_cache
 from megarlhf.data.tokenizer import load_tokenizer, train_sentencepiece
 from megarlhf.engine.checkpoint import checkpoint_architecture, engine_from_checkpoint, read_meta
 from megarlhf.engine.optim import OptimConfig
@@ -29,7 +29,6 @@ from megarlhf.parallel.mesh import ParallelConfig, init_mesh
 from megarlhf.ppo import checkpoints
 from megarlhf.ppo.config import PPOConfig
 from megarlhf.ppo.controller import run as run_ppo
-from megarlhf.ppo.data import read_prompts
 from megarlhf.ppo.plot import plot_run
 from megarlhf.rollout.bridge import WeightBridge
 from megarlhf.rollout.engine import SamplingParams
@@ -101,8 +100,11 @@ def write_data(root: str) -> dict:
         text = synthetic.write_jsonl(synthetic.prompt_records(64, seed=seed),
                                      os.path.join(data, f"{name}_text.jsonl"))
         files[name] = os.path.join(data, f"{name}.jsonl")
-        write_prompt_ids(DatasetSource(path=text), load_tokenizer(files["tokenizer"]),
-                         files[name], max_length=MAX_LENGTH, template="plain")
+        prompts, _ = load_prompts(DatasetSource(path=text),
+                                  lambda: load_tokenizer(files["tokenizer"]),
+                                  template="plain")
+        write_prompt_cache(prompts, files[name], tokenizer_path=files["tokenizer"],
+                           source=text)
     return files
 
 
@@ -184,7 +186,8 @@ def main(out_dir: str = "demo_out") -> dict:
 
     t = _stage("before and after PPO, on held-out prompts")
     tokenizer = load_tokenizer(files["tokenizer"])
-    prompts = read_prompts(files["eval_prompts"])
+    prompts = [list(p.ids) for p in load_prompts(DatasetSource(path=files["eval_prompts"]),
+                                                 None)[0]]
     params = SamplingParams(max_new_tokens=config.max_new_tokens, temperature=1.0, seed=7,
                             stop_token_ids=(eos_id,))
     ppo_actor = os.path.join(checkpoints.of_run(config.out_dir).latest(), "actor")

@@ -19,6 +19,8 @@ import sys
 log = logging.getLogger(__name__)
 
 FILE = "metrics.jsonl"
+SAMPLES_FILE = "samples.jsonl"
+"""A few of each step's prompts, responses and rewards, one JSON object per line."""
 _LABELS = ("step", "split", "event")
 """Record fields that say what a record is rather than measure anything."""
 
@@ -37,8 +39,10 @@ class MetricsLog:
         if out_dir is None:
             return
         os.makedirs(out_dir, exist_ok=True)
-        _cut_after(out_dir, resumed_step)
+        for name in (FILE, SAMPLES_FILE):
+            _cut_after(os.path.join(out_dir, name), resumed_step)
         self._file = open(os.path.join(out_dir, FILE), "a")
+        self._samples_path = os.path.join(out_dir, SAMPLES_FILE)
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -63,6 +67,27 @@ class MetricsLog:
             self._advance(record)
         if echo:
             self._print(self._line(record))
+
+    def samples(self, step: int, rows: list[dict]) -> None:
+        """Append `rows` (each a sample's prompt, response, reward, ...) to samples.jsonl
+        under `step`; the dashboards get them as a text table / W&B table."""
+        if self._file is None or not rows:
+            return
+        rows = [{"step": step, **row} for row in rows]
+        with open(self._samples_path, "a") as f:
+            f.writelines(json.dumps(row, default=str) + "\n" for row in rows)
+        columns = list(dict.fromkeys(k for row in rows for k in row))
+        if self._tensorboard is not None:
+            table = "| " + " | ".join(columns) + " |\n|" + "---|" * len(columns) + "\n"
+            table += "".join("| " + " | ".join(_cell(row.get(c)) for c in columns) + " |\n"
+                             for row in rows)
+            self._tensorboard.add_text("samples", table, step)
+        if self._wandb is not None:
+            import wandb
+
+            self._wandb.log({"samples": wandb.Table(
+                columns=columns, data=[[str(row.get(c)) for c in columns] for row in rows])},
+                step=step)
 
     def phase(self, name: str) -> None:
         """Name the phase in progress on the progress bar."""
@@ -125,6 +150,11 @@ class MetricsLog:
         sys.stdout.flush()
 
 
+def _cell(value) -> str:
+    """A markdown table cell: one line, pipes escaped."""
+    return str(value).replace("|", "\\|").replace("\n", "\\n")
+
+
 def _fmt(value) -> str:
     if isinstance(value, float):
         return f"{value:.3e}" if value and (abs(value) < 1e-3 or abs(value) >= 1e4) \
@@ -161,10 +191,9 @@ def read_metrics(out_dir: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def _cut_after(out_dir: str, step: int) -> None:
-    """Cut out_dir/metrics.jsonl back to what was logged up to `step`: step records after it
-    go, and so does a line a kill cut short; records without a step stay."""
-    path = os.path.join(out_dir, FILE)
+def _cut_after(path: str, step: int) -> None:
+    """Cut a JSONL log back to what was logged up to `step`: records of later steps go, and
+    so does a line a kill cut short; records without a step stay."""
     if not os.path.isfile(path):
         return
     with open(path) as f:
@@ -177,7 +206,7 @@ def _cut_after(out_dir: str, step: int) -> None:
         f.writelines(kept)
     os.replace(tmp, path)
     log.info("%s: dropped %d line(s) logged after step %d (after the checkpoint the run "
-             "continues from)", FILE, len(lines) - len(kept), step)
+             "continues from)", os.path.basename(path), len(lines) - len(kept), step)
 
 
 def _logged_up_to(line: str, step: int) -> bool:

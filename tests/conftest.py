@@ -58,3 +58,25 @@ def value_refs(tmp_path_factory, tiny):
         launch_local(workers.write_reference, 1, path, model, 0, True)
         refs[tied] = (model, path)
     return refs
+
+
+@pytest.fixture(scope="session")
+def hf_chat_dir(tmp_path_factory):
+    """An HF tokenizer directory with a chat template, built offline."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = "hi there how are you the sea is calm fine".split()
+    vocab = {"<pad>": 0, "</s>": 1, "<unk>": 2, "<|user|>": 3, "<|assistant|>": 4,
+             **{w: i + 5 for i, w in enumerate(words)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    template = ("{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} "
+                "{% if m['role'] == 'assistant' %}</s>{% endif %}{% endfor %}"
+                "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", pad_token="<pad>",
+                                   unk_token="<unk>", chat_template=template,
+                                   additional_special_tokens=["<|user|>", "<|assistant|>"])
+    path = tmp_path_factory.mktemp("hf_tok")
+    fast.save_pretrained(str(path))
+    return str(path)

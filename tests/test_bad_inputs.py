@@ -24,7 +24,9 @@ from megarlhf.metrics import MetricsLog
 from megarlhf.parallel.mesh import ParallelConfig
 from megarlhf.ppo import checkpoints, run_dir
 from megarlhf.ppo.config import PPOConfig
+from megarlhf.ppo.data import read_run_prompts
 from megarlhf.ppo.rewards import RewardFnError, RewardFunction
+from megarlhf.rewards.calls import Sample
 
 # ------------------------------------------------------------------------------ the world
 
@@ -173,7 +175,7 @@ def path_cases(world) -> dict[str, tuple[list[str], str]]:
                                        "critic: checkpoint"),
         "prompts missing": ([f"prompts={world}/none.jsonl"], "none.jsonl does not exist"),
         "prompts bad JSON": ([f"prompts={bad_json}"], "bad.jsonl:2"),
-        "prompts empty": ([f"prompts={empty}"], "empty.jsonl holds no prompts"),
+        "prompts empty": ([f"prompts={empty}"], "empty.jsonl has no usable prompts"),
         "prompt ids outside the vocabulary": ([f"prompts={out_of_vocab}"], "vocab.jsonl:3"),
         "prompt longer than the positions": ([f"prompts={overlong}"], "long.jsonl:2"),
         "reward_fn module missing": (["reward_fn=nomodule:f"], "reward_fn 'nomodule:f'"),
@@ -251,7 +253,8 @@ def _fake_checkpoint(world, out: str, **changed) -> None:
         fields = {**yaml.safe_load(f), "out_dir": out, **changed}
     step = checkpoints.of_run(out).path(2)
     os.makedirs(step)
-    inputs = run_dir.run_inputs(PPOConfig(**fields))
+    config = PPOConfig(**fields)
+    inputs = run_dir.run_inputs(config, read_run_prompts(config)[0])
     with open(os.path.join(step, checkpoints.STATE), "w") as f:
         json.dump({"step": 2, "sampler": {"consumed": 16}, "kl": {}, "inputs": inputs}, f)
 
@@ -312,9 +315,9 @@ def test_a_bad_stage_config_is_refused(world, capsys, stage, text, names):
 
 # -------------------------------------------------------------------- user reward code
 
-class _Completion:
-    def __init__(self, prompt_index, token_ids):
-        self.prompt_index, self.token_ids = prompt_index, token_ids
+def _samples(*responses: list[int]) -> list[Sample]:
+    return [Sample(prompt=None, response=None, prompt_ids=[5, 6], response_ids=list(r))
+            for r in responses]
 
 
 @pytest.mark.parametrize("fn,names", [
@@ -325,8 +328,11 @@ class _Completion:
 ])
 def test_a_reward_fn_that_returns_no_reward_is_named_with_the_step_and_sample(fn, names):
     reward = RewardFunction(f"tests.ppo_tasks:{fn}", allow_non_finite=False)
-    with pytest.raises(RewardFnError) as failure:
-        reward.score(3, [[5, 6]], [_Completion(0, [7]), _Completion(0, [8, 9])])
+    try:
+        with pytest.raises(RewardFnError) as failure:
+            reward.score(3, _samples([7], [8, 9]))
+    finally:
+        reward.close()
     message = str(failure.value)
     assert f"reward_fn tests.ppo_tasks:{fn} at step 3, sample" in message and names in message
     assert "\n" not in message
@@ -334,9 +340,12 @@ def test_a_reward_fn_that_returns_no_reward_is_named_with_the_step_and_sample(fn
 
 def test_reward_fn_values_of_any_real_type_are_taken():
     reward = RewardFunction("tests.ppo_tasks:typed_reward", allow_non_finite=True)
-    scores = reward.score(1, [[5]], [_Completion(0, [1] * n) for n in range(4)])
+    try:
+        scores, metrics = reward.score(1, _samples(*[[1] * n for n in range(4)]))
+    finally:
+        reward.close()
     assert scores.tolist() == [0.0, 1.0, 2.0, math.inf]  # int, float, 0-d tensor, inf (skip)
-    assert scores.dtype == torch.float32
+    assert scores.dtype == torch.float32 and metrics == {"reward/timeouts": 0.0}
 
 
 # -------------------------------------------------------------- what a killed run leaves

@@ -3,7 +3,9 @@ seeded order, packing and pair batches, and the demo data."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
 import sys
 
 import pytest
@@ -15,7 +17,7 @@ from megarlhf.data.encode import Example, encode_records, fit
 from megarlhf.data.order import EpochStream, shuffled, split_eval
 from megarlhf.data.packing import one_per_row, pack, sft_batch
 from megarlhf.data.pairs import pair_batch
-from megarlhf.data.prompts import write_prompt_ids
+from megarlhf.data.prompts import load_prompts, write_prompt_cache
 from megarlhf.data.records import read_records
 from megarlhf.data.report import BadRecordError, BadRecords
 from megarlhf.data.templates import PromptFormat
@@ -32,28 +34,6 @@ def sp_path(tmp_path_factory):
 @pytest.fixture(scope="module")
 def sp(sp_path):
     return load_tokenizer(sp_path)
-
-
-@pytest.fixture(scope="module")
-def hf_chat_dir(tmp_path_factory):
-    """An HF tokenizer directory with a chat template, built offline."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    words = "hi there how are you the sea is calm fine".split()
-    vocab = {"<pad>": 0, "</s>": 1, "<unk>": 2, "<|user|>": 3, "<|assistant|>": 4,
-             **{w: i + 5 for i, w in enumerate(words)}}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    template = ("{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} "
-                "{% if m['role'] == 'assistant' %}</s>{% endif %}{% endfor %}"
-                "{% if add_generation_prompt %}<|assistant|>{% endif %}")
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", pad_token="<pad>",
-                                   unk_token="<unk>", chat_template=template,
-                                   additional_special_tokens=["<|user|>", "<|assistant|>"])
-    path = tmp_path_factory.mktemp("hf_tok")
-    fast.save_pretrained(str(path))
-    return str(path)
 
 
 def _jsonl(path, lines) -> str:
@@ -348,9 +328,106 @@ def test_demo_data_is_deterministic_and_learnable(tmp_path, sp):
     warm = sum(synthetic.is_warm(r["response"]) for r in synthetic.sft_records(400)) / 400
     assert 0.4 < warm < 0.6
     path = synthetic.write_jsonl(synthetic.prompt_records(5), str(tmp_path / "p.jsonl"))
-    report = write_prompt_ids(DatasetSource(path=path), sp, str(tmp_path / "ids.jsonl"),
-                              max_length=64)
-    ids = [json.loads(line)["prompt_ids"] for line in open(tmp_path / "ids.jsonl")]
+    prompts, report = load_prompts(DatasetSource(path=path), lambda: sp)
+    ids = [list(p.ids) for p in prompts]
     assert report["kept"] == 5 and ids[0] == PromptFormat(sp, "auto").prompt(
         synthetic.prompt_records(5)[0]["prompt"])
     assert all(sp.sp.unk_id() not in i for i in ids)  # the corpus covers the demo data
+
+
+# -- prompt datasets for RL (text, chat, pre-tokenized; ground truth and metadata) --
+
+VERL_ROW = {"data_source": "openai/gsm8k", "ability": "math",
+            "prompt": [{"role": "user", "content": "how are you"}],
+            "reward_model": {"style": "rule", "ground_truth": "72"},
+            "extra_info": {"index": 4, "split": "train"}}
+
+
+def _prompt_source(path, **fields):
+    return DatasetSource(path=str(path), fields=fields)
+
+
+def test_prompt_rows_in_every_form_carry_truth_source_and_metadata(tmp_path, hf_chat_dir):
+    tok = load_tokenizer(hf_chat_dir)
+    path = _jsonl(tmp_path / "p.jsonl", [
+        {"prompt": "hi there", "ground_truth": "fine", "data_source": "chat", "level": 2},
+        {"messages": [{"role": "user", "content": "how are you"}], "ground_truth": 3},
+        {"prompt_ids": [3, 5, 4], "ground_truth": ["a", "b"]},
+    ])
+    prompts, report = load_prompts(_prompt_source(path), lambda: tok, template="chat")
+    chat = PromptFormat(tok, "chat")
+    assert [list(p.ids) for p in prompts] == [chat.prompt("hi there"),
+                                              chat.prompt((("user", "how are you"),)),
+                                              [3, 5, 4]]
+    assert [p.ground_truth for p in prompts] == ["fine", 3, ["a", "b"]]
+    assert prompts[0].data_source == "chat" and prompts[0].metadata == {"level": 2}
+    assert prompts[1].metadata == {} and report["template"] == "chat" and report["kept"] == 3
+
+
+@pytest.mark.parametrize("form", ["parquet", "hf"])
+def test_verl_rows_read_as_they_are_with_a_dotted_field_mapping(tmp_path, hf_chat_dir, form):
+    rows = [VERL_ROW, {**VERL_ROW, "reward_model": {"style": "rule", "ground_truth": "8"}}]
+    if form == "parquet":
+        pa = pytest.importorskip("pyarrow")
+        import pyarrow.parquet as pq
+
+        path = tmp_path / "train.parquet"
+        pq.write_table(pa.Table.from_pylist(rows), str(path))
+    else:
+        datasets = pytest.importorskip("datasets")
+        path = tmp_path / "hf"
+        datasets.Dataset.from_list(rows).save_to_disk(str(path))
+    tok = load_tokenizer(hf_chat_dir)
+    prompts, _ = load_prompts(_prompt_source(path, ground_truth="reward_model.ground_truth"),
+                              lambda: tok)
+    assert [p.ground_truth for p in prompts] == ["72", "8"]
+    assert prompts[0].data_source == "openai/gsm8k"
+    assert list(prompts[0].ids) == PromptFormat(tok, "chat").prompt((("user", "how are you"),))
+    assert prompts[0].metadata["extra_info"] == {"index": 4, "split": "train"}
+    assert prompts[0].metadata["ability"] == "math"  # every other column reaches the reward
+
+
+@pytest.mark.parametrize("row,reason", [
+    ({"prompt_ids": [1, "x"]}, "field 'prompt_ids' is not a non-empty list of token ids"),
+    ({"prompt_ids": []}, "field 'prompt_ids' is not a non-empty list of token ids"),
+    ({"prompt": "hi", "data_source": 3}, "field 'data_source' is not text"),
+    ({"question": "hi"}, "missing field 'prompt'"),
+])
+def test_bad_prompt_rows_are_named(tmp_path, row, reason):
+    path = _jsonl(tmp_path / "p.jsonl", [{"prompt_ids": [1]}, row])
+    with pytest.raises(BadRecordError, match=rf"p.jsonl:2: {re.escape(reason)}.*set "
+                                             rf"on_bad_record=skip"):
+        load_prompts(_prompt_source(path), None)
+    prompts, report = load_prompts(_prompt_source(path), None, on_bad_record="skip")
+    assert len(prompts) == 1 and report["reasons"] == {reason: 1}
+
+
+def test_text_prompts_without_a_tokenizer_are_refused(tmp_path):
+    path = _jsonl(tmp_path / "p.jsonl", [{"prompt": "hi"}])
+    with pytest.raises(ValueError, match="p.jsonl:1: the prompt is text, but no tokenizer"):
+        load_prompts(_prompt_source(path), None)
+
+
+def test_a_prompt_cache_reads_back_equal_and_refuses_edits_and_other_tokenizers(
+        tmp_path, hf_chat_dir, sp_path):
+    tok = load_tokenizer(hf_chat_dir)
+    path = _jsonl(tmp_path / "p.jsonl", [{"prompt": "hi there", "ground_truth": "x",
+                                          "data_source": "s", "level": 1},
+                                         {"prompt": "the sea", "ground_truth": None}])
+    prompts, _ = load_prompts(_prompt_source(path), lambda: tok)
+    cache = str(tmp_path / "cache.jsonl")
+    write_prompt_cache(prompts, cache, tokenizer_path=hf_chat_dir, source=path)
+    again, report = load_prompts(_prompt_source(cache), None, tokenizer_path=hf_chat_dir)
+    assert [dataclasses.replace(p, where="") for p in again] == \
+        [dataclasses.replace(p, where="") for p in prompts]
+    assert report["template"] == "pre-tokenized"
+    with pytest.raises(ValueError, match="another tokenizer than this run's"):
+        load_prompts(_prompt_source(cache), None, tokenizer_path=sp_path)
+    write_prompt_cache(prompts[:1], cache, tokenizer_path=hf_chat_dir, source=path)  # ours
+    with open(cache, "a") as f:
+        f.write('{"prompt_ids": [1]}\n')
+    with pytest.raises(ValueError, match="does not match the checksum it was written with"):
+        load_prompts(_prompt_source(cache), None)
+    with pytest.raises(ValueError, match="exists and is not a prompt cache megarlhf wrote"):
+        write_prompt_cache(prompts, path, tokenizer_path=None, source=path)
+    assert json.loads(open(path).readline())["prompt"] == "hi there"  # untouched

@@ -26,7 +26,7 @@ from megarlhf.ppo import checkpoints
 from megarlhf.configio import load_config
 from megarlhf.ppo.config import Layout, PPOConfig, RolloutLayout
 from megarlhf.ppo.controller import run
-from megarlhf.ppo.data import PromptSampler, read_prompts
+from megarlhf.ppo.data import PromptSampler
 from megarlhf.ppo.groups import WorkerInputError
 from megarlhf.ppo.layout import group_specs
 from tests import role_workers
@@ -221,7 +221,13 @@ def test_worker_messages_carry_tensors_exactly():
     assert torch.equal(back["ids"], tensors["ids"] + 1)
 
 
+def _prompt_ids(path) -> list[list[int]]:
+    with open(path) as f:
+        return [json.loads(line)["prompt_ids"] for line in f if line.strip()]
+
+
 def test_prompt_sampler_is_seeded_and_resumable(prompts_file):
+    read_prompts = _prompt_ids
     a, b = PromptSampler(read_prompts(prompts_file), seed=1), PromptSampler(read_prompts(prompts_file), seed=1)
     first = a.next(40)  # crosses an epoch boundary
     assert sorted(map(tuple, first[:32])) == sorted(map(tuple, a.prompts))
@@ -497,6 +503,13 @@ RUN_ELSEWHERE = {
     "logprob_gap_policy": {"stop": "test_gap_over_the_limit_stops_before_training"},
     "worker_group": {"local": "test_grpo_reward_rises",
                      "ray": "test_ppo_reward_rises_at_tp2_dp2_under_ray"},
+    # How text prompts are read ("auto": the real-model tier's GRPO, on a chat model).
+    "template": {"chat": "test_grpo_on_text_prompts_with_ground_truth_validation_and_samples",
+                 "plain": "test_grpo_on_text_prompts_with_ground_truth_validation_and_samples",
+                 "auto": "test_real_model.py::test_grpo_with_vllm_rollouts_on_the_real_model"},
+    "on_bad_record": {
+        "skip": "test_grpo_on_text_prompts_with_ground_truth_validation_and_samples",
+        "error": "test_grpo_on_text_prompts_with_ground_truth_validation_and_samples"},
     # placement x rollout_backend
     ("placement", "rollout_backend"): {
         ("colocated", "megatron"): "test_grpo_reward_rises",
@@ -506,8 +519,67 @@ RUN_ELSEWHERE = {
 }
 
 
+def _text_prompts(path, rows: int, *, bad: bool = False) -> str:
+    """Chat-tokenizer words as questions, with a ground truth, a data source (a or b) and a
+    metadata column; `bad` adds a row with no prompt."""
+    words = "hi there how are you the sea is calm fine".split()
+    with open(path, "w") as f:
+        for i in range(rows):
+            f.write(json.dumps({"question": f"{words[i % 10]} {words[(i * 3) % 10]}",
+                                "answer": words[i % 10], "data_source": "ab"[i % 2],
+                                "level": i}) + "\n")
+        if bad:
+            f.write(json.dumps({"answer": "x"}) + "\n")
+    return str(path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("template,on_bad_record", [("chat", "skip"), ("plain", "error")])
+def test_grpo_on_text_prompts_with_ground_truth_validation_and_samples(
+        base, hf_chat_dir, tmp_path, template, on_bad_record):
+    """Text rows mapped by prompt_fields, rendered and tokenized with the run's tokenizer; a
+    batched text reward gets ground truths and columns, rows of source b go to exact_match;
+    validation (greedy and sampled) before the first step and after each, per data source;
+    samples.jsonl holds decoded prompts and responses."""
+    skip = on_bad_record == "skip"
+    config = dataclasses.replace(
+        base, out_dir=str(tmp_path / "out"), algorithm="grpo", critic=None, nproc=1,
+        tensor_parallel=1, steps=2, ppo_epochs=1, mini_batches=1, prompts_per_step=4,
+        samples_per_prompt=2, prompts=_text_prompts(tmp_path / "train.jsonl", 12, bad=skip),
+        val_prompts=_text_prompts(tmp_path / "val.jsonl", 4),
+        prompt_fields={"prompt": "question", "ground_truth": "answer"},
+        tokenizer=hf_chat_dir, template=template, on_bad_record=on_bad_record,
+        reward_fn="tests.reward_fns:truth_reward", reward_fn_by_source={"b": "exact_match"},
+        val_every=1, val_samples=2, log_samples=2)
+    run(config)
+    records = read_metrics(config.out_dir)
+    (data,) = [r for r in records if r.get("event") == "data"]
+    assert data["prompts"]["skipped"] == int(skip) and data["prompts"]["kept"] == 12
+    assert data["prompts"]["template"] == template and data["val_prompts"]["kept"] == 4
+    steps = [r for r in records if "step" in r]
+    assert [r["step"] for r in steps] == [0, 1, 2]
+    for r in steps:
+        for key in ("val/reward_mean", "val/a/reward_mean", "val/b/reward_mean",
+                    "val/sampled_reward_mean", "val/pass@2", "val/a/pass@2"):
+            assert 0.0 <= r[key] <= 1.0, (key, r)
+        # source a: truth_reward scores 1 for a row with a ground truth
+        assert r["val/a/reward_mean"] == 1.0 and r["val/a/pass@2"] == 1.0
+    for r in steps[1:]:
+        assert r["reward/saw_level"] == 1.0 and r["reward/source_a"] == 1.0, r
+        assert r["reward/timeouts"] == 0.0 and r["actor/skipped"] == 0.0
+    with open(os.path.join(config.out_dir, "samples.jsonl")) as f:
+        samples = [json.loads(line) for line in f]
+    assert {(s["step"], s["phase"]) for s in samples} == {
+        (0, "val"), (1, "train"), (1, "val"), (2, "train"), (2, "val")}
+    assert len(samples) == 10
+    for s in samples:  # a question starts with its answer's word
+        assert s["ground_truth"] in s["prompt"] and isinstance(s["response"], str), s
+        assert ("<|user|>" in s["prompt"]) == (template == "chat"), s
+
+
 def test_every_enum_value_and_placement_backend_pair_has_a_run():
     """A new value of an enum-like field fails here until a test runs a step with it."""
+    from megarlhf.data.config import BAD_RECORD_POLICIES, TEMPLATES
     from megarlhf.models.transformer_config import DTYPES
     from megarlhf.ppo import config as ppo_config
     from megarlhf.rl import AGGREGATION_MODES, KL_ESTIMATORS
@@ -517,12 +589,19 @@ def test_every_enum_value_and_placement_backend_pair_has_a_run():
                 "kl_estimator": tuple(KL_ESTIMATORS), "dtype": tuple(DTYPES),
                 "nan_policy": ppo_config.NAN_POLICIES,
                 "logprob_gap_policy": GAP_POLICIES, "worker_group": ppo_config.WORKER_GROUPS,
+                "template": TEMPLATES, "on_bad_record": BAD_RECORD_POLICIES,
                 ("placement", "rollout_backend"): tuple(
                     (p, b) for p in ppo_config.PLACEMENTS for b in ppo_config.ROLLOUT_BACKENDS)}
-    names = set(globals())
+    def exists(name: str) -> bool:
+        if "::" not in name:
+            return name in globals()
+        module, test = name.split("::")
+        with open(os.path.join(os.path.dirname(__file__), module)) as f:
+            return f"def {test}(" in f.read()
+
     for field, values in accepted.items():
         covered = set(RUN_ELSEWHERE.get(field, {}))
-        assert all(name in names for name in RUN_ELSEWHERE.get(field, {}).values()), field
+        assert all(exists(name) for name in RUN_ELSEWHERE.get(field, {}).values()), field
         if isinstance(field, str):
             covered |= {run[field] for run in VALUE_RUNS.values() if field in run}
         assert covered == set(values), (field, set(values) - covered)
@@ -603,12 +682,12 @@ CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="checks made on 
 
 @pytest.mark.parametrize("prompts,fields,match", [
     ([[5], [1] * 250, [1] * 251], {},
-     r"prompts p.jsonl:2: a prompt of 250 tokens \+ max_new_tokens=16 does not fit the actor "
+     r"prompt p.jsonl:2: a prompt of 250 tokens \+ max_new_tokens=16 does not fit the actor "
      r"model's max_position_embeddings=256 \(2 prompt\(s\) in all\); .* set "
      r"skip_overlong=true"),
     ([[5]], {"max_new_tokens": 300}, r"actor: a prompt \+ response of 301 tokens exceeds"),
     ([[5]], {"tensor_parallel": 3, "nproc": 3}, r"actor: .*3"),
-    ([[5], [5, 300]], {}, r"prompts p.jsonl:2: token id 300 is outside the actor's vocabulary "
+    ([[5], [5, 300]], {}, r"prompt p.jsonl:2: token id 300 is outside the actor's vocabulary "
                           r"\(300; 1 prompt\(s\) in all\)"),
     ([[5]], {"stop_token_ids": (2, 999)}, r"stop_token_ids \[999\] are outside"),
     pytest.param([[5]], {"rollout_backend": "vllm", "vllm_model_dir": "hf"},
@@ -618,7 +697,7 @@ CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="checks made on 
                  r"rollout_cuda_graphs=true needs CUDA", marks=CPU_ONLY),
     ([[5] * 30], {"rollout_backend": "vllm", "vllm_model_dir": "hf",
                   "rollout_max_model_len": 40},
-     r"prompts p.jsonl:1: a prompt of 30 tokens \+ max_new_tokens=16 does not fit "
+     r"prompt p.jsonl:1: a prompt of 30 tokens \+ max_new_tokens=16 does not fit "
      r"rollout_max_model_len=40 .* raise rollout_max_model_len"),
     ([[5] * 30], {"rollout_backend": "vllm", "vllm_model_dir": "hf",
                   "rollout_kv_cache_bytes": 1000},

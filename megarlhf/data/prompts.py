@@ -1,30 +1,136 @@
-"""Rollout prompts as token ids: the JSONL file the PPO loop reads ({"prompt_ids": [...]} per
-line), made from a prompt dataset with the same prompt format SFT and RM trained on."""
+"""Rollout prompts: a prompt dataset (JSONL, Parquet or an HF `datasets` directory) read by the
+same pipeline SFT and RM use, tokenized once in the launching process with the actor's tokenizer
+and prompt format, each prompt keeping its ground truth, data source and metadata for the reward
+function.
+
+Rows already tokenized (`{"prompt_ids": [...]}`) are taken as they are. `write_prompt_cache`
+writes such a file (what `megarlhf data --write-cache` makes), with a sidecar recording its
+checksum and the tokenizer it was made with; reading a file that has the sidecar verifies both,
+so an edited cache or one made for another tokenizer is refused instead of trained on.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
+import os
+from typing import Any, Callable
 
 from megarlhf.data.config import DatasetSource
-from megarlhf.data.encode import encode_records
-from megarlhf.data.records import read_records
+from megarlhf.data.records import PROMPT_IDS, read_records
 from megarlhf.data.report import BadRecords
 from megarlhf.data.templates import PromptFormat
-from megarlhf.data.tokenizer import Tokenizer
+from megarlhf.data.tokenizer import Tokenizer, tokenizer_fingerprint
+
+CACHE_SIDECAR = ".megarlhf.json"
+"""Appended to a prompt cache's path: its checksum and the tokenizer it was made with."""
 
 
-def write_prompt_ids(source: DatasetSource, tokenizer: Tokenizer, out_path: str, *,
-                     max_length: int, template: str = "auto",
-                     on_bad_record: str = "error") -> dict:
-    """Write the prompts of `source` (prompts longer than `max_length` keep their last
-    tokens); returns the read report (kept, skipped by reason)."""
-    bad = BadRecords(on_bad_record)
-    examples = encode_records(read_records(source, "prompt", bad),
-                              PromptFormat(tokenizer, template), max_length=max_length,
-                              min_prompt_tokens=None, bad=bad)
-    if not examples:
-        raise ValueError(f"{source.path} has no usable prompts: {bad.summary()}")
-    with open(out_path, "w") as f:
-        for ex in examples:
-            f.write(json.dumps({"prompt_ids": list(ex.prompt)}) + "\n")
-    return {"path": source.path, "kept": len(examples), **bad.summary()}
+@dataclasses.dataclass(frozen=True)
+class Prompt:
+    ids: tuple[int, ...]
+    where: str
+    """'file:line' or 'file:row N', for messages about this prompt."""
+    ground_truth: Any = None
+    data_source: str | None = None
+    metadata: dict = dataclasses.field(default_factory=dict)
+
+
+def load_prompts(source: DatasetSource, tokenizer: Callable[[], Tokenizer] | None, *,
+                 tokenizer_path: str | None = None, template: str = "auto",
+                 on_bad_record: str = "error", bad_field: str = "on_bad_record"
+                 ) -> tuple[list[Prompt], dict]:
+    """The usable prompts of `source` and the read report (kept, skipped by reason, prompt
+    format). `tokenizer` builds the tokenizer (called only if some row holds text);
+    `tokenizer_path` is checked against a cache's sidecar; `bad_field` is the config field
+    named in a bad record's error."""
+    _verify_cache(source.path, tokenizer_path)
+    bad = BadRecords(on_bad_record, field=bad_field)
+    fmt, prompts = None, []
+    for rec in read_records(source, "prompt", bad):
+        ids = rec.prompt_ids
+        if ids is None:
+            if tokenizer is None:
+                raise ValueError(f"{rec.where}: the prompt is text, but no tokenizer is known "
+                                 f"to tokenize it; set tokenizer=HF_DIR")
+            fmt = fmt or PromptFormat(tokenizer(), template)
+            ids = tuple(fmt.prompt(rec.prompt))
+            if not ids:
+                bad.add(rec.where, "empty prompt", "no tokens")
+                continue
+        prompts.append(Prompt(ids=ids, where=rec.where, ground_truth=rec.ground_truth,
+                              data_source=rec.data_source, metadata=rec.metadata))
+    report = {"path": source.path, "kept": len(prompts),
+              "template": fmt.name if fmt else "pre-tokenized", **bad.summary()}
+    if not prompts:
+        raise ValueError(f"{source.path} has no usable prompts: {report}")
+    return prompts, report
+
+
+def prompt_row(prompt: Prompt) -> dict:
+    """`prompt` as a pre-tokenized row that reads back as the same Prompt."""
+    row = {PROMPT_IDS: list(prompt.ids)}
+    if prompt.ground_truth is not None:
+        row["ground_truth"] = prompt.ground_truth
+    if prompt.data_source is not None:
+        row["data_source"] = prompt.data_source
+    return {**prompt.metadata, **row}
+
+
+def write_prompt_cache(prompts: list[Prompt], path: str, *, tokenizer_path: str | None,
+                       source: str) -> str:
+    """Write `prompts` as pre-tokenized JSONL at `path` (through a temporary sibling), with
+    its sidecar; returns the file's sha256. An existing `path` is replaced only if it is a
+    cache this function wrote (it has the sidecar)."""
+    sidecar = path + CACHE_SIDECAR
+    if os.path.exists(path) and not os.path.isfile(sidecar):
+        raise ValueError(f"{path} exists and is not a prompt cache megarlhf wrote (no "
+                         f"{os.path.basename(sidecar)} beside it); choose another path")
+    digest = hashlib.sha256()
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        for prompt in prompts:
+            line = (json.dumps(prompt_row(prompt), ensure_ascii=False) + "\n")
+            digest.update(line.encode("utf-8"))
+            f.write(line)
+    meta = {"sha256": digest.hexdigest(), "rows": len(prompts), "source": source,
+            "tokenizer": _fingerprint(tokenizer_path)}
+    with open(sidecar + ".tmp", "w") as f:
+        json.dump(meta, f, indent=1)
+    os.replace(tmp, path)
+    os.replace(sidecar + ".tmp", sidecar)
+    return meta["sha256"]
+
+
+def _verify_cache(path: str, tokenizer_path: str | None) -> None:
+    sidecar = path + CACHE_SIDECAR
+    if not os.path.isfile(sidecar) or not os.path.isfile(path):
+        return
+    with open(sidecar) as f:
+        meta = json.load(f)
+    if _sha256(path) != meta.get("sha256"):
+        raise ValueError(f"prompt cache {path} does not match the checksum it was written with "
+                         f"({os.path.basename(sidecar)}): it was changed or cut short; write it "
+                         f"again with `megarlhf data --write-cache`")
+    mine = _fingerprint(tokenizer_path)
+    if mine is not None and meta.get("tokenizer") is not None and mine != meta["tokenizer"]:
+        raise ValueError(f"prompt cache {path} was tokenized with another tokenizer than this "
+                         f"run's ({tokenizer_path}); write it again with `megarlhf data "
+                         f"--write-cache`, or point prompts at the text dataset")
+
+
+def _fingerprint(tokenizer_path: str | None) -> str | None:
+    if tokenizer_path is None or not os.path.exists(tokenizer_path):
+        return None
+    if os.path.isdir(tokenizer_path):
+        return tokenizer_fingerprint(tokenizer_path)
+    return _sha256(tokenizer_path)
+
+
+def _sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()

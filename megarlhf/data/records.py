@@ -3,6 +3,13 @@
 Three kinds of record: 'prompt' (prompts alone, for rollouts), 'sft' (prompt + response) and
 'pairwise' (prompt + chosen + rejected, optionally a per-pair margin). A prompt is text or a
 list of {role, content} messages. Anything else is a bad record, handled by `BadRecords`.
+
+A field maps to a column, or with a dotted path to a value inside one (`reward_model.
+ground_truth` reads verl's rows as they are). Prompt records also carry what RL with verifiable
+rewards needs: an optional ground truth and data source, the row's other columns as metadata
+(handed to the reward function), and token ids when the row is already tokenized
+(`prompt_ids`, as `megarlhf data --write-cache` writes them). A prompt row without a `prompt`
+column may hold its conversation under `messages`.
 """
 
 from __future__ import annotations
@@ -10,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Iterator
+from typing import Any, Iterator
 
 from megarlhf.data.config import DatasetSource
 from megarlhf.data.report import BadRecords
@@ -20,7 +27,10 @@ KIND_FIELDS = {
     "sft": ("prompt", "response"),
     "pairwise": ("prompt", "chosen", "rejected"),
 }
-OPTIONAL_FIELDS = {"prompt": (), "sft": (), "pairwise": ("margin",)}
+OPTIONAL_FIELDS = {"prompt": ("ground_truth", "data_source"), "sft": (),
+                   "pairwise": ("margin",)}
+PROMPT_IDS = "prompt_ids"
+MESSAGES = "messages"
 ROLES = ("system", "user", "assistant")
 
 Message = tuple[str, str]
@@ -36,6 +46,16 @@ class Record:
     """() for prompts, (response,) for SFT, (chosen, rejected) for pairs."""
     margin: float | None = None
     """Pairwise only: how much more the chosen response should score, if the data says."""
+    ground_truth: Any = None
+    """Prompt records: what the reward function checks a response against, if the data says."""
+    data_source: str | None = None
+    """Prompt records: which dataset (or task) the row comes from; routes rewards, splits
+    validation metrics."""
+    metadata: dict = dataclasses.field(default_factory=dict)
+    """Prompt records: the row's columns that are not one of the fields above."""
+    prompt_ids: tuple[int, ...] | None = None
+    """Prompt records: the prompt's token ids when the row holds them (then `prompt` may be
+    empty)."""
 
 
 class _Bad(Exception):
@@ -71,11 +91,13 @@ def field_columns(source: DatasetSource, kind: str) -> dict[str, str]:
 
 def _record(where: str, row: dict, kind: str, columns: dict[str, str]) -> Record:
     def get(name: str):
-        value = row.get(columns[name])
+        value = lookup(row, columns[name])
         if value is None:
             raise _Bad(f"missing field '{columns[name]}'", f"the {name} of a {kind} record")
         return value
 
+    if kind == "prompt":
+        return _prompt_record(where, row, columns)
     prompt = _prompt(get("prompt"))
     responses = []
     for name in KIND_FIELDS[kind][1:]:
@@ -84,12 +106,51 @@ def _record(where: str, row: dict, kind: str, columns: dict[str, str]) -> Record
             raise _Bad(f"empty {name}")
         responses.append(text)
     margin = None
-    if "margin" in OPTIONAL_FIELDS[kind] and row.get(columns["margin"]) is not None:
-        margin = row[columns["margin"]]
+    if "margin" in OPTIONAL_FIELDS[kind] and lookup(row, columns["margin"]) is not None:
+        margin = lookup(row, columns["margin"])
         if isinstance(margin, bool) or not isinstance(margin, (int, float)):
             raise _Bad(f"field '{columns['margin']}' is not a number", repr(margin)[:60])
         margin = float(margin)
     return Record(where=where, prompt=prompt, responses=tuple(responses), margin=margin)
+
+
+def _prompt_record(where: str, row: dict, columns: dict[str, str]) -> Record:
+    ids = row.get(PROMPT_IDS)
+    if ids is not None:
+        if not (isinstance(ids, list) and ids and all(
+                isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids)):
+            raise _Bad(f"field '{PROMPT_IDS}' is not a non-empty list of token ids")
+        ids = tuple(ids)
+    column = columns["prompt"]
+    if lookup(row, column) is None and column == "prompt" and row.get(MESSAGES) is not None:
+        column = MESSAGES  # the chat-dataset layout: {"messages": [...]}
+    value = lookup(row, column)
+    if value is None and ids is None:
+        raise _Bad(f"missing field '{columns['prompt']}'",
+                   f"a prompt record needs it (or '{MESSAGES}', or '{PROMPT_IDS}')")
+    prompt = "" if value is None else _prompt(value)
+    source = lookup(row, columns["data_source"])
+    if source is not None and not isinstance(source, str):
+        raise _Bad(f"field '{columns['data_source']}' is not text", type(source).__name__)
+    used = {path.split(".")[0] for path in (column, columns["ground_truth"],
+                                            columns["data_source"])} | {PROMPT_IDS}
+    metadata = {k: v for k, v in row.items() if k not in used}
+    return Record(where=where, prompt=prompt, responses=(),
+                  ground_truth=lookup(row, columns["ground_truth"]), data_source=source,
+                  metadata=metadata, prompt_ids=ids)
+
+
+def lookup(row: dict, path: str):
+    """The value at `path` in `row`: a column, or with dots a value inside nested columns
+    (a column whose name holds the dots itself comes first); None where there is none."""
+    if path in row:
+        return row[path]
+    value = row
+    for part in path.split("."):
+        if not isinstance(value, dict) or part not in value:
+            return None
+        value = value[part]
+    return value
 
 
 def _text(value, column: str) -> str:

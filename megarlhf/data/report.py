@@ -15,11 +15,12 @@ class BadRecordError(ValueError):
 
 
 class BadRecords:
-    def __init__(self, policy: str):
+    def __init__(self, policy: str, *, field: str = "data.on_bad_record"):
+        """`field`: the config field that sets the policy, named in the error's fix."""
         if policy not in BAD_RECORD_POLICIES:
             raise ValueError(f"on_bad_record must be one of {BAD_RECORD_POLICIES}, got "
                              f"{policy!r}")
-        self.policy = policy
+        self.policy, self.field = policy, field
         self.counts: collections.Counter[str] = collections.Counter()
         self.examples: list[str] = []
         self.truncated: collections.Counter[str] = collections.Counter()
@@ -31,7 +32,7 @@ class BadRecords:
         message = f"{where}: {reason}" + (f" ({detail})" if detail else "")
         if self.policy == "error":
             raise BadRecordError(f"bad record {message}; fix the data or set "
-                                 f"data.on_bad_record=skip to drop such records")
+                                 f"{self.field}=skip to drop such records")
         self.counts[reason] += 1
         if len(self.examples) < EXAMPLES_KEPT:
             self.examples.append(message)

@@ -30,7 +30,8 @@ class Tokenizer(abc.ABC):
         """Token ids of `text`, with no special tokens except a BOS if asked and defined."""
 
     @abc.abstractmethod
-    def decode(self, ids: Sequence[int]) -> str: ...
+    def decode(self, ids: Sequence[int], *, skip_special: bool = False) -> str:
+        """`ids` as text; `skip_special` drops special tokens (a response's stop token)."""
 
     def render_chat(self, messages: Sequence[tuple[str, str]], *,
                     add_generation_prompt: bool) -> str:
@@ -58,8 +59,8 @@ class SentencePieceTokenizer(Tokenizer):
         bos = [self.bos_id] if add_bos and self.bos_id >= 0 else []
         return bos + self.sp.encode(text)
 
-    def decode(self, ids: Sequence[int]) -> str:
-        return self.sp.decode(list(ids))
+    def decode(self, ids: Sequence[int], *, skip_special: bool = False) -> str:
+        return self.sp.decode(list(ids))  # SentencePiece never renders control tokens
 
     def files(self) -> dict[str, bytes]:
         with open(self.path, "rb") as f:
@@ -88,8 +89,8 @@ class HFTokenizer(Tokenizer):
         return ([bos] if add_bos and bos is not None else []) + \
             self.tok.encode(text, add_special_tokens=False)
 
-    def decode(self, ids: Sequence[int]) -> str:
-        return self.tok.decode(list(ids))
+    def decode(self, ids: Sequence[int], *, skip_special: bool = False) -> str:
+        return self.tok.decode(list(ids), skip_special_tokens=skip_special)
 
     def render_chat(self, messages, *, add_generation_prompt: bool) -> str:
         if not self.has_chat_template:

@@ -14,7 +14,7 @@ from megarlhf.plan.job import Cluster, check, plan, resolve_models
 from megarlhf.plan.report import render, refusal
 from megarlhf.configio import load_config
 from megarlhf.ppo.config import PPOConfig
-from megarlhf.ppo.data import read_prompts
+from megarlhf.ppo.data import read_run_prompts
 
 
 def prompt_length(config: PPOConfig, given: int | None) -> int:
@@ -27,7 +27,7 @@ def prompt_length(config: PPOConfig, given: int | None) -> int:
         raise ValueError(f"prompts file {config.prompts} does not exist yet, so the prompt "
                          f"length is unknown: pass --prompt-len N (tokens of the longest "
                          f"prompt)")
-    return max(len(p) for p in read_prompts(config.prompts))
+    return max(len(p.ids) for p in read_run_prompts(config)[0])
 
 
 def main(recipe: str, overrides: list[str], cluster: Cluster, *, prompt_len: int | None = None,

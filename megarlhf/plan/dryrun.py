@@ -9,10 +9,8 @@ from __future__ import annotations
 from megarlhf.plan.job import resolve_models
 from megarlhf.ppo import run_dir
 from megarlhf.ppo.config import PPOConfig
-from megarlhf.ppo.data import read_prompt_lines
+from megarlhf.ppo.inputs import read_inputs
 from megarlhf.ppo.placement import group_specs
-from megarlhf.ppo.preflight import preflight
-from megarlhf.ppo.rewards import load_reward_fn
 
 
 def ppo(config: PPOConfig) -> str:
@@ -21,21 +19,21 @@ def ppo(config: PPOConfig) -> str:
     # What the run checks before it starts a rank, in the same order.
     config.check_paths()
     run_dir.check_out_dir(config.out_dir)
-    if config.reward_fn:
-        load_reward_fn(config.reward_fn)  # importable, and a callable
-    numbers, prompts = zip(*read_prompt_lines(config.prompts))
-    checked = preflight(config, list(prompts), list(numbers))
-    prompts = [p for i, p in enumerate(prompts) if i not in checked.overlong]
-    latest, _ = run_dir.resume_point(config, run_dir.run_inputs(config))
+    data = read_inputs(config)  # starts no reward worker: they start at the first call
+    checked, prompts = data.checked, data.train
+    latest, _ = run_dir.resume_point(config, run_dir.run_inputs(config, prompts))
     models = resolve_models(config)
-    longest = max(len(p) for p in prompts)
+    longest = max(len(p.ids) for p in prompts + data.val)
     dropped = f" ({len(checked.overlong)} overlong dropped)" if checked.overlong else ""
     lines = [f"dry run: would run {config.algorithm} for {config.steps} steps "
              f"({'resuming from ' + latest if latest else 'from step 0'}), "
              f"{len(prompts)} prompts{dropped} (longest {longest} tokens) x "
              f"{config.samples_per_prompt} samples, {config.prompts_per_step} prompts per step; "
              f"outputs in {config.out_dir}",
-             f"  samples stop on token ids {list(checked.stop_token_ids)}"]
+             f"  samples stop on token ids {list(checked.stop_token_ids)}",
+             f"  prompts: {data.report['prompts']['template']} format, "
+             f"{data.report['prompts']['skipped']} row(s) skipped"
+             + (f"; {len(data.val)} validation prompts" if data.val else "")]
     if checked.engine_size is not None:
         size = checked.engine_size
         lines.append(f"  vLLM engines: max_model_len {size.max_model_len}, KV cache "

@@ -10,6 +10,8 @@ import dataclasses
 import math
 import os
 
+from megarlhf.data.config import BAD_RECORD_POLICIES, TEMPLATES
+from megarlhf.data.records import KIND_FIELDS, OPTIONAL_FIELDS
 from megarlhf.metrics import missing_dashboards
 from megarlhf.models.config import ModelConfig
 from megarlhf.parallel.mesh import LayoutOverride, ParallelConfig
@@ -24,6 +26,7 @@ ROLLOUT_BACKENDS = ("megatron", "vllm")
 NAN_POLICIES = ("stop", "skip")
 WORKER_GROUPS = ("local", "ray")
 PLACEMENTS = ("colocated", "disaggregated")
+PROMPT_FIELDS = KIND_FIELDS["prompt"] + OPTIONAL_FIELDS["prompt"]
 RESUME_INPUTS = ("actor", "critic", "reward_model", "prompts", "seed", "algorithm")
 """What a resumed run must share with its checkpoint, unless named in resume_allow_changes."""
 
@@ -45,6 +48,8 @@ _RANGES = (  # (field, low, high, low included?); high is included, values must 
     ("critic_lr", 0.0, math.inf, False),
     ("seed", 0, 2**31 - 1, True),
     ("save_every", 0, math.inf, True),
+    ("reward_timeout", 0.0, math.inf, False),
+    ("reward_max_timeout_fraction", 0.0, 1.0, True),
 )
 
 
@@ -83,10 +88,56 @@ class PPOConfig:
     reward_model: str | None = None
     """Reward-model checkpoint (score at the last token)."""
     reward_fn: str | None = None
-    """'module:function' (prompt_ids, response_ids) -> float, added to the reward model's score."""
+    """A built-in by bare name (`math`: the final answer, \\boxed{} or last number, against the
+    row's ground_truth; `exact_match`) or 'module:function', added to the reward model's score.
+    A user function is called as its signature says (megarlhf/rewards/calls.py): batched on
+    text (a `responses` parameter; gets prompts, responses, ground_truths, data_sources and
+    every other dataset column), verl's compute_score(data_source, solution_str, ground_truth,
+    extra_info), or (prompt_ids, response_ids) -> float."""
+    reward_fn_by_source: dict[str, str] = dataclasses.field(default_factory=dict)
+    """data_source -> reward function (as reward_fn) for the rows of that source; other rows
+    get reward_fn."""
+    reward_workers: int = 2
+    """Worker processes that run reward-function calls (a batch is split among them)."""
+    reward_timeout: float = 60.0
+    """Seconds one reward-function call may take; a call past it scores its samples 0 and
+    is counted in reward/timeouts."""
+    reward_max_timeout_fraction: float = 0.5
+    """Stop the run when more than this share of a step's samples timed out."""
     # -- data and output --
     prompts: str
-    """JSONL file, one {"prompt_ids": [...]} per line."""
+    """Prompt dataset: a JSONL or Parquet file, or a directory written by HF datasets'
+    save_to_disk. A row holds `prompt` (text, or a list of {role, content} messages) or
+    `messages`, optionally `ground_truth`, `data_source` and any other fields (passed to the
+    reward function); or `prompt_ids` (already tokenized). Text is rendered with the
+    tokenizer's chat template (see template) and tokenized before any rank starts."""
+    prompts_split: str | None = None
+    """Split of an HF DatasetDict directory (None: its only split, or 'train')."""
+    prompt_fields: dict[str, str] = dataclasses.field(default_factory=dict)
+    """Where a row keeps each field, as a column or a dotted path into one: e.g.
+    {prompt: question, ground_truth: reward_model.ground_truth} (verl's layout). Fields:
+    prompt, ground_truth, data_source."""
+    val_prompts: str | None = None
+    """Held-out prompts (same forms and prompt_fields as prompts) for validation: greedy
+    answers scored before the first step, every val_every steps and after the last."""
+    val_prompts_split: str | None = None
+    val_every: int = 0
+    """Validate every N steps (0: only before the first and after the last step)."""
+    val_samples: int = 0
+    """Also sample this many answers per validation prompt (at temperature) for pass@k;
+    0: greedy only."""
+    log_samples: int = 4
+    """Prompt / response / reward samples per step written to samples.jsonl (and the
+    dashboards)."""
+    tokenizer: str | None = None
+    """HF tokenizer directory (or SentencePiece .model) for text prompts and text rewards.
+    None: the actor checkpoint's (its hf/ directory), else vllm_model_dir's."""
+    template: str = "auto"
+    """How text prompts are rendered: 'chat' (the tokenizer's chat template, with the
+    generation prompt), 'plain' (' Human: ... Assistant:', as SFT's plain format), 'auto'
+    (chat when the tokenizer has a template)."""
+    on_bad_record: str = "error"
+    """A prompt row that cannot be read: 'error' stops, 'skip' drops and counts it."""
     out_dir: str
     # -- layout --
     nproc: int = 1
@@ -212,9 +263,13 @@ class PPOConfig:
         choice("kl_estimator", KL_ESTIMATORS)
         choice("aggregation", AGGREGATION_MODES)
         choice("dtype", DTYPES)
+        choice("template", TEMPLATES)
+        choice("on_bad_record", BAD_RECORD_POLICIES)
+        problems += self._data_problems()
         for name in ("nproc", "tensor_parallel", "pipeline_parallel", "prompts_per_step",
                      "samples_per_prompt", "max_new_tokens", "steps", "ppo_epochs",
-                     "mini_batches", "micro_batches", "keep_last", "rollout_nproc"):
+                     "mini_batches", "micro_batches", "keep_last", "rollout_nproc",
+                     "reward_workers"):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be >= 1, got {getattr(self, name)}")
         problems += self._range_problems()
@@ -228,8 +283,9 @@ class PPOConfig:
         if self.algorithm != "ppo" and self.samples_per_prompt < 2:
             problems.append(f"algorithm {self.algorithm!r} compares samples of one prompt: "
                             f"set samples_per_prompt >= 2")
-        if self.reward_model is None and self.reward_fn is None:
-            problems.append("no reward: set reward_model=CKPT and/or reward_fn=module:function")
+        if self.reward_model is None and self.reward_fn is None and not self.reward_fn_by_source:
+            problems.append("no reward: set reward_model=CKPT and/or reward_fn=math|exact_match|"
+                            "module:function")
         if self.placement == "colocated" and self.rollout_nproc != 1:
             problems.append(f"rollout_nproc={self.rollout_nproc} needs "
                             f"placement=disaggregated; colocated rollouts run on the nproc "
@@ -267,6 +323,24 @@ class PPOConfig:
         problems += missing_dashboards(self.tensorboard, self.wandb_project)
         if problems:
             raise ValueError("invalid PPO config:\n  " + "\n  ".join(problems))
+
+    def _data_problems(self) -> list[str]:
+        problems = [f"prompt_fields.{name}: not a field of prompt rows; map some of "
+                    f"{list(PROMPT_FIELDS)}" for name in self.prompt_fields
+                    if name not in PROMPT_FIELDS]
+        problems += [f"prompt_fields.{name} must name a column (or a dotted path), got "
+                     f"{column!r}" for name, column in self.prompt_fields.items()
+                     if not isinstance(column, str) or not column]
+        for name in ("val_every", "val_samples", "log_samples"):
+            if getattr(self, name) < 0:
+                problems.append(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.val_prompts is None and (self.val_every or self.val_samples):
+            problems.append("val_every / val_samples need val_prompts=FILE (held-out prompts)")
+        for source, spec in self.reward_fn_by_source.items():
+            if not isinstance(spec, str) or not spec:
+                problems.append(f"reward_fn_by_source.{source} must name a reward function, "
+                                f"got {spec!r}")
+        return problems
 
     def _range_problems(self) -> list[str]:
         """Numeric fields outside the values that mean something (NaN and inf fail too)."""
@@ -379,7 +453,8 @@ class PPOConfig:
         """Raise ValueError naming every input path that does not exist. Kept apart from the
         field checks so a recipe can be planned (megarlhf plan) before its checkpoints exist."""
         missing = [f"{name}: {getattr(self, name)} does not exist"
-                   for name in ("actor", "critic", "reward_model", "prompts")
+                   for name in ("actor", "critic", "reward_model", "prompts", "val_prompts",
+                                "tokenizer")
                    if getattr(self, name) is not None and not os.path.exists(getattr(self, name))]
         if missing:
             raise ValueError("invalid PPO config:\n  " + "\n  ".join(missing))

@@ -2,9 +2,11 @@
 
     prompts -> rollout (n per prompt) -> experience (logprobs, ref logprobs, values, rewards)
     -> advantages -> PPO epochs (actor, critic) -> weight sync -> metrics -> checkpoint
+    (and, with val_prompts, validation before the first step, every val_every steps and after
+    the last)
 
 The controller holds no model: it samples prompts, scores responses with the reward
-function, computes advantages (cheap tensor math on the global batch) and logs; every model
+function (in its worker processes), computes advantages (cheap tensor math on the global batch) and logs; every model
 computation is a collective call on the workers. The `Placement` sends each phase to the
 groups that hold its roles (one group colocated, several at once disaggregated), so this
 loop is the same for both placements.
@@ -23,11 +25,12 @@ import torch
 from megarlhf.metrics import MetricsLog
 from megarlhf.ppo import checkpoints, run_dir
 from megarlhf.ppo.config import PPOConfig
-from megarlhf.ppo.data import PromptSampler, read_prompt_lines
+from megarlhf.ppo.data import PromptSampler
+from megarlhf.ppo.inputs import RunInputs, read_inputs
 from megarlhf.ppo.metrics import CONSOLE_KEYS, step_metrics
 from megarlhf.ppo.placement import Placement
-from megarlhf.ppo.preflight import Preflight, preflight
 from megarlhf.ppo.rewards import RewardFunction
+from megarlhf.rewards.calls import Sample
 from megarlhf.rl import (
     AdaptiveKLController, FixedKLController, critic_free_advantages, gae, kl_shaped_rewards,
     masked_whiten,
@@ -57,14 +60,17 @@ def run(config: PPOConfig) -> list[dict]:
 
 def _run_claimed(config: PPOConfig) -> list[dict]:
     checkpoints.of_run(config.out_dir).remove_leftovers()
-    reward_fn = (RewardFunction(config.reward_fn, allow_non_finite=config.nan_policy == "skip")
-                 if config.reward_fn else None)
-    lines, prompts = zip(*read_prompt_lines(config.prompts))
-    checked = preflight(config, list(prompts), list(lines))
-    dropped = set(checked.overlong)
-    sampler = PromptSampler([p for i, p in enumerate(prompts) if i not in dropped],
-                            seed=config.seed)
-    inputs = run_dir.run_inputs(config)
+    data = read_inputs(config)
+    try:
+        return _train(config, data)
+    finally:
+        if data.reward is not None:
+            data.reward.close()
+
+
+def _train(config: PPOConfig, data: RunInputs) -> list[dict]:
+    sampler = PromptSampler(data.train, seed=config.seed)
+    inputs = run_dir.run_inputs(config, data.train)
     latest, state = run_dir.resume_point(config, inputs)
     start = state["step"] if state is not None else 0
     kl_ctl = (AdaptiveKLController(config.kl_coef, config.kl_target, config.kl_horizon)
@@ -72,7 +78,8 @@ def _run_claimed(config: PPOConfig) -> list[dict]:
     log = MetricsLog(config.out_dir, name="ppo", steps=config.steps, resumed_step=start,
                      console_keys=CONSOLE_KEYS, tensorboard=config.tensorboard,
                      wandb_project=config.wandb_project, run_config=dataclasses.asdict(config))
-    workers = Placement(config, checked.engine_size)
+    log.write({"event": "data", **data.report}, echo=False)
+    workers = Placement(config, data.checked.engine_size)
     history = []
     try:
         if state is not None:
@@ -80,8 +87,13 @@ def _run_claimed(config: PPOConfig) -> list[dict]:
             sampler.load_state_dict(state["sampler"])
             kl_ctl.load_state_dict(state["kl"])
             log.note(f"resumed from {latest} (step {start})")
+        elif data.val:
+            log.write({"step": 0, **validate(config, data, workers, 0, log)})
         for step in range(start + 1, config.steps + 1):
-            metrics = ppo_step(config, checked, workers, sampler, kl_ctl, reward_fn, step, log)
+            metrics = ppo_step(config, data, workers, sampler, kl_ctl, step, log)
+            if data.val and (step == config.steps or
+                             (config.val_every and step % config.val_every == 0)):
+                metrics.update(validate(config, data, workers, step, log))
             history.append(metrics)
             log.write(metrics)
             if step == config.steps or (config.save_every and step % config.save_every == 0):
@@ -94,18 +106,19 @@ def _run_claimed(config: PPOConfig) -> list[dict]:
     return history
 
 
-def ppo_step(config: PPOConfig, checked: Preflight, workers: Placement, sampler: PromptSampler,
-             kl_ctl, reward_fn, step: int, log: MetricsLog) -> dict:
+def ppo_step(config: PPOConfig, data: RunInputs, workers: Placement, sampler: PromptSampler,
+             kl_ctl, step: int, log: MetricsLog) -> dict:
     timer = {}
     t = start = time.perf_counter()
     prompts = sampler.next(config.prompts_per_step)
+    ids = [list(p.ids) for p in prompts]
     params = SamplingParams(max_new_tokens=config.max_new_tokens, n=config.samples_per_prompt,
                             temperature=config.temperature, top_p=config.top_p,
-                            top_k=config.top_k, stop_token_ids=checked.stop_token_ids,
+                            top_k=config.top_k, stop_token_ids=data.checked.stop_token_ids,
                             seed=config.seed * 1_000_003 + step)  # resume-stable sampling
     log.phase("rollout")
-    completions = workers.rollout(prompts, params)
-    rollout = rollout_batch(prompts, completions)
+    completions = workers.rollout(ids, params)
+    rollout = rollout_batch(ids, completions)
     batch = rollout.sequences
     mask = batch.response_mask.float()
     timer["rollout"], t = time.perf_counter() - t, time.perf_counter()
@@ -117,7 +130,9 @@ def ppo_step(config: PPOConfig, checked: Preflight, workers: Placement, sampler:
                         step=step)  # before training on samples from another policy
     if warning:
         _log.warning(warning)
-    score = score_responses(exp, prompts, completions, reward_fn, step)
+    samples = data.samples(prompts, completions)
+    score, reward_metrics = score_responses(exp, samples, data.reward, step)
+    log.samples(step, sample_rows(samples, score, config.log_samples, "train"))
     timer["experience"], t = time.perf_counter() - t, time.perf_counter()
 
     values = exp.get("values")
@@ -147,7 +162,7 @@ def ppo_step(config: PPOConfig, checked: Preflight, workers: Placement, sampler:
     # Samples that ended on a stop id rather than at max_new_tokens (a chat model that never
     # stops has a wrong stop id or template).
     stopped = sum(c.finish_reason == "stop" for c in completions) / len(completions)
-    return {**metrics, "rollout/stopped_fraction": stopped,
+    return {**metrics, **reward_metrics, "rollout/stopped_fraction": stopped,
             **overhead_metrics(time.perf_counter() - start, workers.take_busy())}
 
 
@@ -193,13 +208,63 @@ def overhead_metrics(wall: float, busy: dict[str, float]) -> dict[str, float]:
     return out
 
 
-def score_responses(exp: dict, prompts, completions, reward_fn: RewardFunction | None,
-                    step: int) -> torch.Tensor:
-    """[B] rewards: the reward model's score plus the reward function's."""
-    score = exp.get("rm_scores", torch.zeros(len(completions))).float().clone()
-    if reward_fn is not None:
-        score += reward_fn.score(step, prompts, completions)
-    return score
+def score_responses(exp: dict, samples: list[Sample], reward_fn: RewardFunction | None,
+                    step: int) -> tuple[torch.Tensor, dict[str, float]]:
+    """[B] rewards (the reward model's score plus the reward function's) and the reward
+    function's metrics."""
+    score = exp.get("rm_scores", torch.zeros(len(samples))).float().clone()
+    if reward_fn is None:
+        return score, {}
+    fn_score, metrics = reward_fn.score(step, samples)
+    return score + fn_score, metrics
+
+
+def validate(config: PPOConfig, data: RunInputs, workers: Placement, step: int,
+             log: MetricsLog) -> dict[str, float]:
+    """The policy's answers to the validation prompts, scored by the reward function: greedy
+    (val/reward_mean), and with val_samples > 0 that many samples per prompt at the run's
+    temperature (val/sampled_reward_mean, val/pass@k: the mean over prompts of the best of k
+    rewards, pass@k for 0/1 rewards); each also per data source (val/<source>/...)."""
+    log.phase("validation")
+    t = time.perf_counter()
+    ids = [list(p.ids) for p in data.val]
+    runs = [("", 1, 0.0)] + ([("sampled_", config.val_samples, config.temperature)]
+                             if config.val_samples else [])
+    out = {}
+    for prefix, n, temperature in runs:
+        params = SamplingParams(max_new_tokens=config.max_new_tokens, n=n,
+                                temperature=temperature, top_p=config.top_p, top_k=config.top_k,
+                                stop_token_ids=data.checked.stop_token_ids,
+                                seed=config.seed * 1_000_003 + step + 500_009)
+        completions = workers.rollout(ids, params)
+        samples = data.samples(data.val, completions)
+        score, _ = data.reward.score(step, samples)
+        if not prefix:
+            log.samples(step, sample_rows(samples, score, config.log_samples, "val"))
+            out["val/response_length"] = sum(len(c.token_ids) for c in completions) / \
+                len(completions)
+        per_prompt = score.view(len(ids), n)
+        sources = [p.data_source for p in data.val]
+        for source in [None] + sorted({s for s in sources if s is not None}):
+            rows = [i for i, s in enumerate(sources) if source is None or s == source]
+            head = "val/" if source is None else f"val/{source}/"
+            out[f"{head}{prefix}reward_mean"] = float(per_prompt[rows].mean())
+            if prefix:
+                out[f"{head}pass@{n}"] = float(per_prompt[rows].max(dim=1).values.mean())
+    out["time/validation"] = time.perf_counter() - t
+    workers.take_busy()  # validation's rollouts are not the step's
+    return out
+
+
+def sample_rows(samples: list[Sample], score: torch.Tensor, count: int, phase: str
+                ) -> list[dict]:
+    """`count` of the samples, spread over the batch, as samples.jsonl rows."""
+    picked = sorted({i * len(samples) // count for i in range(count)}) if count else []
+    return [{"phase": phase, "prompt": s.prompt if s.prompt is not None else s.prompt_ids,
+             "response": s.response if s.response is not None else s.response_ids,
+             "reward": float(score[i]), "ground_truth": s.ground_truth,
+             "data_source": s.data_source}
+            for i in picked for s in [samples[i]]]
 
 
 def _finite(*tensors: torch.Tensor) -> bool:

@@ -1,49 +1,64 @@
-"""Prompts for the PPO loop: a JSONL file of token ids, drawn in a seeded order, resumable."""
+"""Prompts for the PPO loop: the run's prompt datasets read and tokenized (megarlhf/data), drawn
+in a seeded order, resumable."""
 
 from __future__ import annotations
 
-import json
+import functools
+import os
 
 import torch
 
+from megarlhf.data.config import DatasetSource
+from megarlhf.data.prompts import Prompt, load_prompts
+from megarlhf.data.tokenizer import Tokenizer, load_tokenizer
+from megarlhf.engine.checkpoint import HF_SIDECAR
 
-def read_prompts(path: str) -> list[list[int]]:
-    return [ids for _, ids in read_prompt_lines(path)]
+
+def tokenizer_path(config) -> str | None:
+    """The tokenizer that turns the run's text into the actor's token ids and back:
+    `tokenizer`, else the one saved with the actor checkpoint (its hf/ directory), else
+    vllm_model_dir's; None when none of them has one."""
+    candidates = [config.tokenizer, os.path.join(config.actor, HF_SIDECAR),
+                  config.vllm_model_dir]
+    for path in candidates:
+        if path and (os.path.isfile(path) or _has_tokenizer(path)):
+            return path
+    return None
 
 
-def read_prompt_lines(path: str) -> list[tuple[int, list[int]]]:
-    """(line number, token ids) of every prompt in the file, so checks can name the line."""
-    prompts = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                ids = json.loads(line)["prompt_ids"]
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise ValueError(f"{path}:{number}: expected {{\"prompt_ids\": [...]}} "
-                                 f"({e})") from None
-            if not ids or not all(isinstance(i, int) and i >= 0 for i in ids):
-                raise ValueError(f"{path}:{number}: prompt_ids must be a non-empty list of "
-                                 f"token ids")
-            prompts.append((number, ids))
-    if not prompts:
-        raise ValueError(f"{path} holds no prompts")
-    return prompts
+def _has_tokenizer(path: str) -> bool:
+    from megarlhf.data.tokenizer import is_tokenizer
+
+    return os.path.isdir(path) and is_tokenizer(path)
+
+
+@functools.lru_cache(maxsize=4)
+def run_tokenizer(path: str) -> Tokenizer:
+    return load_tokenizer(path)
+
+
+def read_run_prompts(config, which: str = "prompts") -> tuple[list[Prompt], dict]:
+    """The prompts of `config.<which>` ('prompts' or 'val_prompts') and their read report."""
+    path = tokenizer_path(config)
+    source = DatasetSource(path=getattr(config, which), split=getattr(config, f"{which}_split"),
+                           fields=dict(config.prompt_fields))
+    return load_prompts(source, (lambda: run_tokenizer(path)) if path else None,
+                        tokenizer_path=path, template=config.template,
+                        on_bad_record=config.on_bad_record)
 
 
 class PromptSampler:
     """Epochs over the prompts, each in a fresh order from (seed, epoch); the position is its
     whole state, so a resumed run draws exactly what the uninterrupted one would."""
 
-    def __init__(self, prompts: list[list[int]], *, seed: int):
+    def __init__(self, prompts: list, *, seed: int):
         self.prompts, self.seed, self.consumed = prompts, seed, 0
 
     def _order(self, epoch: int) -> list[int]:
         g = torch.Generator().manual_seed(self.seed * 7919 + epoch)
         return torch.randperm(len(self.prompts), generator=g).tolist()
 
-    def next(self, count: int) -> list[list[int]]:
+    def next(self, count: int) -> list:
         out = []
         for k in range(self.consumed, self.consumed + count):
             epoch, pos = divmod(k, len(self.prompts))

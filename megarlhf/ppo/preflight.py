@@ -37,25 +37,25 @@ class Preflight:
 
 
 def preflight(config: PPOConfig, prompts: list[list[int]],
-              lines: list[int] | None = None) -> Preflight:
+              where: list[str] | None = None) -> Preflight:
     """Raise ValueError naming every problem and its fix, for what the ranks would fail on.
-    `lines`: each prompt's line in the prompts file (default: one prompt per line).
-    `megarlhf ppo --dry-run` runs the same checks."""
-    lines = lines or list(range(1, len(prompts) + 1))
+    `where`: each prompt's place in its file ('file:line', 'file:row N'; default: the
+    prompts file and the prompt's number). `megarlhf ppo --dry-run` runs the same checks."""
+    where = where or [f"{config.prompts}:{i}" for i in range(1, len(prompts) + 1)]
     models = resolve_models(config)
     problems = _vocabulary_problems(config, models)
     limit, what, fix = _fit_limit(config, models)
     overlong = _overlong(config, limit, prompts)
     if overlong and not config.skip_overlong:
         first = overlong[0]
-        problems.append(f"prompts {config.prompts}:{lines[first]}: a prompt of "
+        problems.append(f"prompt {where[first]}: a prompt of "
                         f"{len(prompts[first])} tokens + max_new_tokens={config.max_new_tokens} "
                         f"does not fit {what} ({len(overlong)} prompt(s) in all); shorten them, "
                         f"lower max_new_tokens{fix}, or set skip_overlong=true to drop them")
     elif overlong:
         if len(overlong) == len(prompts):
-            raise ValueError(f"prompts {config.prompts}: skip_overlong drops every prompt; none "
-                             f"fits {what}")
+            raise ValueError(f"prompts {config.prompts}: skip_overlong drops every prompt; "
+                             f"none fits {what}")
         log.warning("skip_overlong: dropping %d of %d prompts longer than %s allows",
                     len(overlong), len(prompts), what)
     dropped = set(overlong)  # reported above; check_models checks what remains
@@ -76,7 +76,7 @@ def preflight(config: PPOConfig, prompts: list[list[int]],
     outside = [i for i, p in enumerate(prompts) if max(p) >= model.vocab_size]
     if outside:
         first = outside[0]
-        problems.append(f"prompts {config.prompts}:{lines[first]}: token id "
+        problems.append(f"prompt {where[first]}: token id "
                         f"{max(prompts[first])} is outside the actor's vocabulary "
                         f"({model.vocab_size}; {len(outside)} prompt(s) in all); were they "
                         f"tokenized with another tokenizer?")

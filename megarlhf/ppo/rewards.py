@@ -1,57 +1,148 @@
-"""User reward functions: `module:function` taking (prompt_ids, response_ids) -> float, always
-called through `RewardFunction`, the one fence around user code: an exception or a value that
-is not a real number names the function, the step and the sample, in one line."""
+"""The one fence around user reward code: `RewardFunction` scores a step's samples with the
+run's reward functions (`reward_fn`, and `reward_fn_by_source` for rows of named data sources),
+each call in a worker process with a timeout (megarlhf/rewards/pool.py).
+
+What it guarantees the loop: one finite score per sample (a non-finite one only under
+nan_policy=skip), in sample order; an exception or a value that is not a score stops the run
+with one line naming the function, the step and the sample; a call past `reward_timeout` scores
+its samples 0 and is counted (reward/timeouts), and a step where more than
+`reward_max_timeout_fraction` of the samples timed out stops the run, since its rewards would
+say more about the checker than about the policy.
+"""
 
 from __future__ import annotations
 
-import importlib
+import collections
 import math
 import numbers
-import traceback
-from typing import Callable
+from typing import Any
 
 import torch
 
-RewardFn = Callable[[list[int], list[int]], float]
+from megarlhf.rewards import calls
+from megarlhf.rewards.calls import Sample
+from megarlhf.rewards.pool import CallPool
 
 
 class RewardFnError(ValueError):
-    """The user's reward function raised or returned something that is not a reward."""
-
-
-def load_reward_fn(spec: str) -> RewardFn:
-    module, sep, name = spec.partition(":")
-    if not sep or not module or not name:
-        raise ValueError(f"reward_fn {spec!r} must be 'module:function'")
-    try:
-        fn = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"cannot load reward_fn {spec!r}: {e}") from None
-    if not callable(fn):
-        raise ValueError(f"reward_fn {spec!r} is not callable")
-    return fn
+    """The user's reward function raised, hung too often, or returned something that is not a
+    reward."""
 
 
 class RewardFunction:
-    """`spec`'s function applied to a step's samples. A non-finite reward is returned as it is
-    when `allow_non_finite` (the run's nan_policy=skip drops the step), else it is an error."""
+    def __init__(self, spec: str | None, by_source: dict[str, str] | None = None, *,
+                 allow_non_finite: bool, workers: int = 1, timeout: float = 60.0,
+                 max_timeout_fraction: float = 0.5):
+        """`spec` scores every sample whose data source `by_source` does not name (None:
+        those samples get no reward function, only the reward model's score)."""
+        self.specs = {None: spec, **(by_source or {})}
+        self.functions = {s: calls.load(s) for s in set(self.specs.values()) if s}
+        self.styles = {s: calls.style_of(s, fn) for s, fn in self.functions.items()}
+        self.allow_non_finite = allow_non_finite
+        self.max_timeout_fraction = max_timeout_fraction
+        self.pool = CallPool(workers, timeout)
+        self._chunks = workers
 
-    def __init__(self, spec: str, *, allow_non_finite: bool):
-        self.spec, self.fn, self.allow_non_finite = spec, load_reward_fn(spec), allow_non_finite
+    @property
+    def needs_text(self) -> bool:
+        return any(calls.needs_text(style) for style in self.styles.values())
 
-    def score(self, step: int, prompts: list[list[int]], completions) -> torch.Tensor:
-        """[B] rewards of `completions` (each has .prompt_index and .token_ids)."""
-        return torch.tensor([self._one(step, i, prompts[c.prompt_index], c.token_ids)
-                             for i, c in enumerate(completions)], dtype=torch.float32)
+    def close(self) -> None:
+        self.pool.close()
 
-    def _one(self, step: int, sample: int, prompt: list[int], response: list[int]) -> float:
-        where = f"reward_fn {self.spec} at step {step}, sample {sample}"
-        try:
-            value = self.fn(prompt, response)
-        except Exception as e:
-            frame = traceback.extract_tb(e.__traceback__)[-1]
-            raise RewardFnError(f"{where} raised {type(e).__name__}: {e} ({frame.filename}:"
-                                f"{frame.lineno}; MEGARLHF_DEBUG=1 shows the traceback)") from e
+    def spec_of(self, sample: Sample) -> str | None:
+        return self.specs.get(sample.data_source, self.specs[None])
+
+    def score(self, step: int, samples: list[Sample]) -> tuple[torch.Tensor, dict[str, float]]:
+        """[B] scores of `samples` (0 for samples no function scores) and the step's reward
+        metrics: timed-out samples, and the mean of every extra metric a function reports."""
+        jobs = []  # (spec, sample indices, args, kwargs): one call each
+        by_spec = collections.defaultdict(list)
+        for i, sample in enumerate(samples):
+            if self.spec_of(sample):
+                by_spec[self.spec_of(sample)].append(i)
+        for spec, indices in by_spec.items():
+            fn, style = self.functions[spec], self.styles[spec]
+            if style == calls.BATCH:
+                size = math.ceil(len(indices) / self._chunks)
+                for start in range(0, len(indices), size):
+                    chunk = indices[start:start + size]
+                    jobs.append((spec, chunk, (),
+                                 calls.batch_kwargs(fn, [samples[i] for i in chunk])))
+            else:
+                jobs += [(spec, [i], *calls.sample_args(style, samples[i])) for i in indices]
+        outcomes = self.pool.run([(spec, args, kwargs) for spec, _, args, kwargs in jobs])
+        scores = [0.0] * len(samples)
+        extras = collections.defaultdict(list)
+        timed_out = 0
+        for (spec, indices, _, _), outcome in zip(jobs, outcomes):
+            where = f"reward_fn {spec} at step {step}, sample {indices[0]}" + \
+                (f" (of samples {indices[0]}-{indices[-1]})" if len(indices) > 1 else "")
+            if outcome.kind == "timeout":
+                timed_out += len(indices)
+                continue
+            if outcome.kind == "error":
+                raise RewardFnError(f"{where} {outcome.value}")
+            values, metrics = self._read(spec, outcome.value, len(indices), where)
+            for i, value in zip(indices, values):
+                scores[i] = self._checked(value, f"reward_fn {spec} at step {step}, sample {i}")
+            for name, per_sample in metrics.items():
+                extras[name] += [v for v in per_sample if v is not None]
+        if timed_out > self.max_timeout_fraction * len(samples):
+            raise RewardFnError(
+                f"reward_fn timed out on {timed_out} of {len(samples)} samples at step {step} "
+                f"(more than reward_max_timeout_fraction={self.max_timeout_fraction}); fix the "
+                f"checker or raise reward_timeout={self.pool.timeout}")
+        metrics = {"reward/timeouts": float(timed_out)}
+        metrics.update({f"reward/{name}": sum(v) / len(v) for name, v in extras.items() if v})
+        return torch.tensor(scores, dtype=torch.float32), metrics
+
+    def _read(self, spec: str, value: Any, count: int, where: str
+              ) -> tuple[list, dict[str, list]]:
+        """(scores, {metric: per-sample values}) out of what one call returned."""
+        if self.styles[spec] != calls.BATCH:
+            if isinstance(value, dict):
+                if "score" not in value:
+                    raise RewardFnError(f"{where} returned a dict without 'score' "
+                                        f"({sorted(value)[:6]})")
+                extra = {k: [self._metric(v, k, where)] for k, v in value.items()
+                         if k != "score"}
+                return [value["score"]], extra
+            return [value], {}
+        extra = {}
+        if isinstance(value, dict):
+            if "scores" not in value:
+                raise RewardFnError(f"{where} returned a dict without 'scores' "
+                                    f"({sorted(value)[:6]}); a batched reward function returns "
+                                    f"a score per sample or {{'scores': [...], ...}}")
+            extra = {k: v for k, v in value.items() if k != "scores"}
+            value = value["scores"]
+        if isinstance(value, torch.Tensor):
+            value = value.tolist()
+        if not isinstance(value, (list, tuple)) or len(value) != count:
+            got = f"{len(value)} values" if isinstance(value, (list, tuple)) else \
+                f"{type(value).__name__}"
+            raise RewardFnError(f"{where} returned {got} for {count} samples; a batched "
+                                f"reward function returns one score per sample")
+        for name, per_sample in extra.items():
+            if not isinstance(per_sample, (list, tuple)) or len(per_sample) != count:
+                raise RewardFnError(f"{where} returned metric {name!r} that is not a list of "
+                                    f"{count} values")
+            extra[name] = [self._metric(v, name, where) for v in per_sample]
+        return list(value), extra
+
+    @staticmethod
+    def _metric(value, name: str, where: str) -> float | None:
+        if value is None:
+            return None
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            value = value.item()
+        if isinstance(value, bool) or isinstance(value, numbers.Real):
+            return float(value)
+        raise RewardFnError(f"{where} returned metric {name!r} = {value!r}; metrics must be "
+                            f"numbers (or None)")
+
+    def _checked(self, value, where: str) -> float:
         if isinstance(value, torch.Tensor) and value.numel() == 1:
             value = value.item()
         if not isinstance(value, numbers.Real):

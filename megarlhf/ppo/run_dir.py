@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import json
 import logging
 import os
 import socket
@@ -82,10 +83,12 @@ def resume_point(config, inputs: dict) -> tuple[str | None, dict | None]:
     return latest, state
 
 
-def run_inputs(config) -> dict:
-    """What a checkpoint records about the inputs it was trained with."""
+def run_inputs(config, prompts) -> dict:
+    """What a checkpoint records about the inputs it was trained with. `prompts`: the run's
+    training prompts as tokenized (so another tokenizer, template or field mapping of the same
+    file counts as other prompts)."""
     inputs = {"seed": config.seed, "algorithm": config.algorithm,
-              "prompts": _file_fingerprint(config.prompts)}
+              "prompts": _prompts_fingerprint(config.prompts, prompts)}
     for field in ("actor", "critic", "reward_model"):
         path = getattr(config, field)
         inputs[field] = None if path is None else _checkpoint_fingerprint(path)
@@ -120,13 +123,12 @@ def _show(entry) -> str:
     return repr(entry)
 
 
-def _file_fingerprint(path: str) -> dict:
+def _prompts_fingerprint(path: str, prompts) -> dict:
     digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return {"path": os.path.abspath(path), "size": os.path.getsize(path),
-            "sha256": digest.hexdigest()}
+    for p in prompts:
+        digest.update(json.dumps([list(p.ids), p.ground_truth, p.data_source],
+                                 default=str).encode() + b"\n")
+    return {"path": os.path.abspath(path), "sha256": digest.hexdigest()}
 
 
 def _checkpoint_fingerprint(path: str) -> dict:

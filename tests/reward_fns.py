@@ -1,0 +1,49 @@
+"""Reward functions for tests/test_rewards.py and the text-prompt PPO runs, importable by the
+reward worker processes (which import them by module:function)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+
+def truth_reward(responses, ground_truths, data_sources, **columns):
+    """1.0 when the row has a ground truth; reports which columns it was given, so a test can
+    see what reached a batched function."""
+    return {"scores": [float(t is not None) for t in ground_truths],
+            "saw_level": [float(v is not None) for v in columns.get("level", [None] * len(responses))],
+            "source_a": [float(s == "a") for s in data_sources]}
+
+
+def length_reward(responses, prompts):
+    """Characters of the response (named arguments only: no ground truth asked for)."""
+    return [float(len(r)) for r in responses]
+
+
+def first_id_reward(prompt_ids, response_ids):
+    return float(response_ids[0])
+
+
+def verl_score(data_source, solution_str, ground_truth, extra_info=None):
+    """verl's compute_score convention: a dict with 'score' and a metric."""
+    return {"score": 2.0 if solution_str == ground_truth else 0.0,
+            "had_extra": float(bool(extra_info))}
+
+
+def hanging_reward(responses, ground_truths, **_):
+    """Hangs on rows whose ground truth is 'hang', else scores 1."""
+    if "hang" in ground_truths:
+        time.sleep(600)
+    return [1.0] * len(responses)
+
+
+def dying_reward(responses, **_):
+    os._exit(3)
+
+
+def short_reward(responses, **_):
+    return [1.0]
+
+
+def no_responses_asked(x):
+    return 0.0
