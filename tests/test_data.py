@@ -431,3 +431,38 @@ def test_a_prompt_cache_reads_back_equal_and_refuses_edits_and_other_tokenizers(
     with pytest.raises(ValueError, match="exists and is not a prompt cache megarlhf wrote"):
         write_prompt_cache(prompts, path, tokenizer_path=None, source=path)
     assert json.loads(open(path).readline())["prompt"] == "hi there"  # untouched
+
+
+def test_the_data_command_previews_a_recipes_prompts_and_writes_a_cache(tmp_path, hf_chat_dir,
+                                                                       capsys):
+    from megarlhf.cli import main as cli
+    from megarlhf.ppo.config import PPOConfig
+    from megarlhf.ppo.data import read_run_prompts
+
+    (tmp_path / "actor").mkdir()  # not a checkpoint yet: overlong rows cannot be counted
+    prompts = _jsonl(tmp_path / "p.jsonl", [{"q": "hi there", "a": "fine", "data_source": "s"},
+                                            {"q": "the sea", "a": "calm"}, {"a": "x"}])
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"actor: {tmp_path}/actor\nprompts: {prompts}\nout_dir: {tmp_path}/out\n"
+                      f"reward_fn: exact_match\nalgorithm: grpo\nsamples_per_prompt: 2\n"
+                      f"tokenizer: {hf_chat_dir}\non_bad_record: skip\n"
+                      f"prompt_fields: {{prompt: q, ground_truth: a}}\n")
+    cache = tmp_path / "cache.jsonl"
+    with pytest.raises(SystemExit) as done:
+        cli(["data", "--config", str(recipe), "--write-cache", str(cache)])
+    out = capsys.readouterr().out
+    assert done.value.code == 0, out
+    assert "2 prompts kept, 1 skipped {\"missing field 'q'\": 1}; format chat" in out
+    assert "overlong: unknown" in out and "ground truth on 2 of 2; data sources: s" in out
+    assert "<|user|> hi there <|assistant|>" in out and "ground_truth: 'fine'" in out
+    config = PPOConfig(actor=str(tmp_path / "actor"), prompts=str(cache), out_dir=str(tmp_path),
+                       reward_fn="exact_match", algorithm="grpo", samples_per_prompt=2,
+                       tokenizer=hf_chat_dir)
+    cached, report = read_run_prompts(config)
+    original, _ = read_run_prompts(PPOConfig(**{**config.__dict__, "prompts": prompts,
+                                                "on_bad_record": "skip",
+                                                "prompt_fields": {"prompt": "q",
+                                                                  "ground_truth": "a"}}))
+    assert report["template"] == "pre-tokenized"
+    assert [(p.ids, p.ground_truth, p.data_source) for p in cached] == \
+        [(p.ids, p.ground_truth, p.data_source) for p in original]

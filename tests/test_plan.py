@@ -15,6 +15,8 @@ import contextlib
 import dataclasses
 import json
 import os
+import sys
+import subprocess
 import re
 import shlex
 import time
@@ -258,8 +260,31 @@ SMALL = ["llama3-8b-ppo.yaml", "llama3-8b-grpo.yaml"]
 LARGE = ["llama3-70b-grpo.yaml", "llama3-70b-ppo.yaml", "qwen2.5-72b-ppo.yaml"]
 
 
+CPU = ["smollm2-135m-grpo-arithmetic.yaml"]
+"""Recipes that run on this machine: bench/bench_rlvr.py runs it end to end (its result is in
+BENCHMARKS.md); here it must load, and its header's data command must make what it reads."""
+
+
 def test_every_recipe_is_tested():
-    assert sorted(os.listdir(RECIPES)) == sorted(SMALL + LARGE)
+    assert sorted(os.listdir(RECIPES)) == sorted(SMALL + LARGE + CPU)
+
+
+def test_the_cpu_recipe_loads_and_its_data_command_makes_its_prompts(tmp_path, monkeypatch):
+    from megarlhf.configio import load_config
+    from megarlhf.ppo.config import PPOConfig
+
+    name = CPU[0]
+    with open(os.path.join(RECIPES, name)) as f:
+        (command,) = re.findall(r'^#\s+(python -c ".*")$', f.read(), re.MULTILINE)
+    monkeypatch.chdir(tmp_path)
+    os.makedirs("data/arithmetic")
+    subprocess.run([sys.executable, "-c", shlex.split(command)[2]], check=True,
+                   env={**os.environ, "PYTHONPATH": os.path.dirname(RECIPES)})
+    config = load_config(PPOConfig, os.path.join(RECIPES, name), [])
+    with open(config.prompts) as f, open(config.val_prompts) as g:
+        train, val = [json.loads(x) for x in f], [json.loads(x) for x in g]
+    assert len(val) == 64 and not {r["prompt"] for r in val} & {r["prompt"] for r in train}
+    assert config.reward_fn == "math" and config.val_every and config.algorithm == "grpo"
 
 
 @pytest.mark.parametrize("name", SMALL + LARGE)

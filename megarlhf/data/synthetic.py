@@ -85,6 +85,35 @@ def tokenizer_corpus(*, seed: int = 3) -> list[str]:
     return lines
 
 
+ARITHMETIC = {
+    # data source: (question shape, left operands, right operands, answer)
+    "addition": ("What is {a} + {b}?", range(1, 10), range(1, 10), lambda a, b: a + b),
+    "subtraction": ("What is {a} - {b}?", range(11, 20), range(1, 10), lambda a, b: a - b),
+    "multiplication": ("What is {a} times {b}?", range(2, 10), range(2, 10),
+                       lambda a, b: a * b),
+}
+ANSWER_FORMAT = " Answer with only the number."
+
+
+def arithmetic_records(*, held_out: int, seed: int = 4) -> tuple[list[dict], list[dict]]:
+    """Every one-digit arithmetic question of ARITHMETIC as prompt rows with the answer as
+    ground truth and the operation as data source, shuffled and split into (train, held-out):
+    `held_out` questions, an equal share of each operation, none of them in train. The task
+    of the real-model GRPO recipe (recipes/smollm2-135m-grpo-arithmetic.yaml)."""
+    rng = random.Random(seed)
+    train, val = [], []
+    for source, (shape, left, right, answer) in ARITHMETIC.items():
+        rows = [{"prompt": shape.format(a=a, b=b) + ANSWER_FORMAT,
+                 "ground_truth": str(answer(a, b)), "data_source": source}
+                for a in left for b in right]
+        rng.shuffle(rows)
+        share = held_out // len(ARITHMETIC) + (source == "addition") * (held_out % len(ARITHMETIC))
+        val += rows[:share]
+        train += rows[share:]
+    rng.shuffle(train)
+    return train, val
+
+
 def write_jsonl(records: list[dict], path: str) -> str:
     with open(path, "w") as f:
         for rec in records:
