@@ -191,6 +191,11 @@ def read_metrics(out_dir: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def read_steps(out_dir: str) -> list[dict]:
+    """The step records of out_dir/metrics.jsonl (events such as the data report left out)."""
+    return [r for r in read_metrics(out_dir) if "step" in r]
+
+
 def _cut_after(path: str, step: int) -> None:
     """Cut a JSONL log back to what was logged up to `step`: records of later steps go, and
     so does a line a kill cut short; records without a step stay."""

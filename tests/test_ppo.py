@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from megarlhf.convert.hf_to_mcore import hf_to_mcore
-from megarlhf.metrics import read_metrics
+from megarlhf.metrics import read_metrics, read_steps
 from megarlhf.parallel.mesh import LayoutOverride, ParallelConfig
 from megarlhf.ppo import checkpoints
 from megarlhf.configio import load_config
@@ -322,7 +322,7 @@ def test_resume_after_kill_is_exact(base, tmp_path):
     saved = checkpoints.of_run(killed.out_dir)
     deadline = time.monotonic() + 300
     # Killed once step 4 is logged: its line is after the step-3 checkpoint the run resumes from.
-    while saved.latest() is None or len(read_metrics(killed.out_dir)) < 4:
+    while saved.latest() is None or len(read_steps(killed.out_dir)) < 4:
         assert proc.poll() is None and time.monotonic() < deadline, \
             "no checkpoint appeared:\n" + open(killed.out_dir + ".yaml.err").read()[-3000:]
         time.sleep(0.2)
@@ -337,7 +337,7 @@ def test_resume_after_kill_is_exact(base, tmp_path):
     run(killed)
     assert sorted(os.listdir(saved.root)) == ["step_3", "step_6"]
 
-    ours, theirs = read_metrics(killed.out_dir), read_metrics(straight.out_dir)
+    ours, theirs = read_steps(killed.out_dir), read_steps(straight.out_dir)
     assert [m["step"] for m in ours] == list(range(1, 7))  # step 4 once
     steps = {m["step"]: m for m in ours}
     for reference in theirs[3:]:

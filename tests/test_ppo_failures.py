@@ -12,7 +12,7 @@ import psutil
 import pytest
 import torch
 
-from megarlhf.metrics import read_metrics
+from megarlhf.metrics import read_steps
 from megarlhf.ppo import checkpoints
 from megarlhf.ppo.controller import run
 from megarlhf.ppo.rewards import RewardFnError
@@ -37,7 +37,7 @@ def test_nan_reward_skips_the_update_and_keeps_going(base, tmp_path):  # noqa: F
                                  out_dir=str(tmp_path))
     history = run(config)
     assert [m["skipped"] for m in history] == [1.0, 1.0]
-    assert [m["step"] for m in read_metrics(config.out_dir)] == [1, 2]
+    assert [m["step"] for m in read_steps(config.out_dir)] == [1, 2]
     final = role_workers.checkpoint_tensors(f"{checkpoints.of_run(config.out_dir).latest()}/actor")
     initial = role_workers.checkpoint_tensors(base.actor)
     shared = final.keys() & initial.keys()
@@ -47,10 +47,13 @@ def test_nan_reward_skips_the_update_and_keeps_going(base, tmp_path):  # noqa: F
 
 
 def _rank_processes(controller: psutil.Process, worker_group: str) -> list[psutil.Process]:
-    """The job's rank processes; local ranks in start order (rank 0 first)."""
+    """The job's rank processes; local ranks in start order (rank 0 first). The reward
+    worker processes are spawned too, but lead process groups of their own (local ranks do
+    not; Ray's workers lead theirs)."""
     marker = "spawn_main" if worker_group == "local" else "ray::_Rank"
     ranks = [p for p in controller.children(recursive=True)
-             if marker in " ".join(p.cmdline())]
+             if marker in " ".join(p.cmdline())
+             and (worker_group != "local" or os.getpgid(p.pid) != p.pid)]
     return sorted(ranks, key=lambda p: p.create_time())
 
 
@@ -68,7 +71,7 @@ def test_a_rank_killed_mid_run_ends_the_job_naming_it(base, tmp_path, worker_gro
     err = config.out_dir + ".yaml.err"
     deadline = time.monotonic() + 300
     while not (os.path.isfile(os.path.join(config.out_dir, "metrics.jsonl"))
-               and read_metrics(config.out_dir)):
+               and read_steps(config.out_dir)):
         assert proc.poll() is None and time.monotonic() < deadline, open(err).read()[-3000:]
         time.sleep(0.2)
     ranks = _rank_processes(controller, worker_group)

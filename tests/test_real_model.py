@@ -27,7 +27,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from megarlhf.metrics import read_metrics
+from megarlhf.metrics import read_steps
 from megarlhf.parallel import launch_local
 from megarlhf.ppo import checkpoints
 from tests import real_model, real_tasks
@@ -120,7 +120,7 @@ def grpo_run(hf_dir, actor, work):
 
 
 def test_grpo_with_vllm_rollouts_on_the_real_model(grpo_run):
-    history = read_metrics(grpo_run)
+    history = read_steps(grpo_run)
     assert [m["step"] for m in history] == [1, 2]
     for m in history:
         print(f"step {m['step']}: gap max {m['rollout/logprob_gap_max']:.3g} mean "

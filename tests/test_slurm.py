@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from megarlhf.metrics import read_metrics
+from megarlhf.metrics import read_metrics, read_steps
 from megarlhf.ppo import checkpoints
 from megarlhf.sft.loop import run_checkpoints
 from tests.slurm_cluster import SlurmCluster, SlurmUnavailable, job_processes
@@ -182,7 +182,7 @@ def test_scancel_leaves_no_process_of_the_job(slurm, job_env, ppo_recipe, ray_ro
     job = _submit(slurm, "ppo.sbatch", ppo_recipe, "steps=100000", cwd=tmp_path,
                   env={**job_env, **ONE_RANK_PER_NODE})
     log = lambda: _job_log(tmp_path, "megarlhf-ppo", job)  # noqa: E731
-    _wait_for(lambda: (out / "metrics.jsonl").exists() and read_metrics(str(out)),
+    _wait_for(lambda: (out / "metrics.jsonl").exists() and read_steps(str(out)),
               "a first PPO step", JOB_TIMEOUT, log)
     markers = (f"{ray_root}/ray-{job}-",)
     running = "\n".join(job_processes(job, markers))
