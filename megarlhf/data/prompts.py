@@ -21,7 +21,7 @@ from megarlhf.data.config import DatasetSource
 from megarlhf.data.records import PROMPT_IDS, read_records
 from megarlhf.data.report import BadRecords
 from megarlhf.data.templates import PromptFormat
-from megarlhf.data.tokenizer import SP_MODEL_FILE, Tokenizer, tokenizer_fingerprint
+from megarlhf.data.tokenizer import Tokenizer, tokenizer_fingerprint
 
 CACHE_SIDECAR = ".megarlhf.json"
 """Appended to a prompt cache's path: its checksum and the tokenizer it was made with."""
@@ -123,14 +123,7 @@ def _verify_cache(path: str, tokenizer_path: str | None) -> None:
 def _fingerprint(tokenizer_path: str | None) -> str | None:
     if tokenizer_path is None or not os.path.exists(tokenizer_path):
         return None
-    if os.path.isdir(tokenizer_path):
-        return tokenizer_fingerprint(tokenizer_path)
-    # A SentencePiece .model file: hashed as tokenizer_fingerprint hashes a directory that
-    # holds it, so the file and a checkpoint's copy of it compare equal.
-    digest = hashlib.sha256(SP_MODEL_FILE.encode() + b"\0")
-    with open(tokenizer_path, "rb") as f:
-        digest.update(f.read())
-    return digest.hexdigest()
+    return tokenizer_fingerprint(tokenizer_path)
 
 
 def _sha256(path: str) -> str:

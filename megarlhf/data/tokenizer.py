@@ -126,11 +126,16 @@ def tokenizer_fingerprint(hf_dir: str) -> str | None:
     """A hash of what maps text to ids in `hf_dir` (an HF directory or a checkpoint's `hf/`
     sidecar): tokenizer.json's model and added tokens (not its chat template or padding
     settings, which may differ between models that tokenize alike), or the vocabulary files
-    of the other formats. None when the directory holds no tokenizer."""
+    of the other formats. None when the directory holds no tokenizer. A SentencePiece .model
+    file hashes as a directory holding it does."""
     import hashlib
     import json
 
     digest = hashlib.sha256()
+    if os.path.isfile(hf_dir):
+        with open(hf_dir, "rb") as f:
+            digest.update(SP_MODEL_FILE.encode() + b"\0" + f.read())
+        return digest.hexdigest()
     fast = os.path.join(hf_dir, "tokenizer.json")
     if os.path.isfile(fast):
         with open(fast, encoding="utf-8") as f:

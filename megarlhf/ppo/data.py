@@ -10,7 +10,7 @@ import torch
 
 from megarlhf.data.config import DatasetSource
 from megarlhf.data.prompts import Prompt, load_prompts
-from megarlhf.data.tokenizer import Tokenizer, load_tokenizer
+from megarlhf.data.tokenizer import Tokenizer, is_tokenizer, load_tokenizer
 from megarlhf.engine.checkpoint import HF_SIDECAR
 
 
@@ -21,15 +21,9 @@ def tokenizer_path(config) -> str | None:
     candidates = [config.tokenizer, os.path.join(config.actor, HF_SIDECAR),
                   config.vllm_model_dir]
     for path in candidates:
-        if path and (os.path.isfile(path) or _has_tokenizer(path)):
+        if path and (os.path.isfile(path) or is_tokenizer(path)):
             return path
     return None
-
-
-def _has_tokenizer(path: str) -> bool:
-    from megarlhf.data.tokenizer import is_tokenizer
-
-    return os.path.isdir(path) and is_tokenizer(path)
 
 
 @functools.lru_cache(maxsize=4)

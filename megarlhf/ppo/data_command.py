@@ -43,16 +43,14 @@ def _length_limit(config: PPOConfig) -> tuple[int, str] | None:
     the models cannot be read (yet)."""
     from megarlhf.plan.job import resolve_models
 
+    from megarlhf.ppo.preflight import fit_limit
+
     try:
         models = resolve_models(config)
     except (ValueError, OSError):
         return None
-    role, source = min(models.items(), key=lambda kv: kv[1].model.max_position_embeddings)
-    positions = source.model.max_position_embeddings
-    if config.rollout_backend == "vllm" and config.rollout_max_model_len:
-        positions = min(positions, config.rollout_max_model_len)
-    return positions - config.max_new_tokens, f"{positions} positions - max_new_tokens " \
-        f"{config.max_new_tokens}"
+    limit, what, _ = fit_limit(config, models)  # what preflight holds the prompts to
+    return limit - config.max_new_tokens, f"{what} - max_new_tokens {config.max_new_tokens}"
 
 
 def _describe(which: str, prompts: list[Prompt], report: dict, limit, tokenizer: str | None

@@ -44,7 +44,7 @@ def preflight(config: PPOConfig, prompts: list[list[int]],
     where = where or [f"{config.prompts}:{i}" for i in range(1, len(prompts) + 1)]
     models = resolve_models(config)
     problems = _vocabulary_problems(config, models)
-    limit, what, fix = _fit_limit(config, models)
+    limit, what, fix = fit_limit(config, models)
     overlong = _overlong(config, limit, prompts)
     if overlong and not config.skip_overlong:
         first = overlong[0]
@@ -106,7 +106,7 @@ def preflight(config: PPOConfig, prompts: list[list[int]],
                      overlong=tuple(overlong) if config.skip_overlong else ())
 
 
-def _fit_limit(config: PPOConfig, models: dict) -> tuple[int, str, str]:
+def fit_limit(config: PPOConfig, models: dict) -> tuple[int, str, str]:
     """The most tokens a prompt + response may take, what sets it, and the fix it allows."""
     role, source = min(models.items(), key=lambda kv: kv[1].model.max_position_embeddings)
     positions = source.model.max_position_embeddings

@@ -59,8 +59,9 @@ class RewardFunction:
         jobs = []  # (spec, sample indices, args, kwargs): one call each
         by_spec = collections.defaultdict(list)
         for i, sample in enumerate(samples):
-            if self.spec_of(sample):
-                by_spec[self.spec_of(sample)].append(i)
+            spec = self.spec_of(sample)
+            if spec:
+                by_spec[spec].append(i)
         for spec, indices in by_spec.items():
             fn, style = self.functions[spec], self.styles[spec]
             if style == calls.BATCH:
