@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from megarlhf.metrics import read_metrics, read_steps
+from megarlhf.metrics import read_steps
 from megarlhf.ppo import checkpoints
 from megarlhf.sft.loop import run_checkpoints
 from tests.slurm_cluster import SlurmCluster, SlurmUnavailable, job_processes
@@ -166,7 +166,7 @@ def test_ppo_on_ray_across_nodes_resumes_after_requeue(slurm, job_env, ppo_recip
     assert text.count("ray: 2/2 nodes up") == 2  # both runs had a Ray node on each node
     assert "(restart 1)" in text
     resumed = int(text.split("resumed from ")[1].split("(step ")[1].split(")")[0])
-    steps = [m["step"] for m in read_metrics(str(out))]
+    steps = [m["step"] for m in read_steps(str(out))]
     # The first run logged steps 1.. up to where it was stopped (maybe past its last
     # checkpoint); the second continued after the checkpoint it resumed from, up to 12.
     first_run, second_run = steps[:-(12 - resumed)], steps[-(12 - resumed):]
