@@ -2,10 +2,10 @@
 embeddings; the real-model tier's, from tests/real_model.py), per phase, with vLLM and Megatron
 rollouts side by side in one run.
 
-Setup: the tier's capital-city task, chat-templated prompts, 4 prompts x 4 samples of up to
-24 new tokens per step (samples stop at <|im_end|>), fp32, 2 colocated local ranks (DP2; vLLM:
-one TP1 engine per rank). Each backend is one `run()` of `--steps` steps; the first step
-(start-up effects) is dropped and medians of the others reported.
+Setup: the tier's capital-city task (chat-message rows, templated by the run), 4 prompts x 4
+samples of up to 24 new tokens per step (samples stop at <|im_end|>), fp32, 2 colocated local
+ranks (DP2; vLLM: one TP1 engine per rank). Each backend is one `run()` of `--steps` steps;
+the first step (start-up effects) is dropped and medians of the others reported.
 
     python -m bench.bench_real_grpo [--steps 4] [--append BENCHMARKS.md]
 """
@@ -13,7 +13,6 @@ one TP1 engine per rank). Each backend is one `run()` of `--steps` steps; the fi
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import tempfile
@@ -29,30 +28,17 @@ PHASES = ("rollout", "experience", "train", "sync")
 BACKENDS = ("vllm", "megatron")
 
 
-def _prompts(hf_dir: str, path: str) -> None:
-    import transformers
-
-    tokenizer = transformers.AutoTokenizer.from_pretrained(hf_dir)
-    with open(path, "w") as f:
-        for country in real_tasks.CAPITALS:
-            ids = tokenizer.apply_chat_template(
-                [{"role": "user", "content": real_tasks.question(country)}],
-                add_generation_prompt=True, tokenize=True, return_dict=False)
-            f.write(json.dumps({"prompt_ids": ids}) + "\n")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--append", default=None, help="append the table to this file")
     args = parser.parse_args()
     hf_dir = real_model.smollm2_dir()
-    os.environ[real_tasks.TOKENIZER_ENV] = hf_dir
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
-        actor, prompts = os.path.join(tmp, "actor"), os.path.join(tmp, "prompts.jsonl")
+        actor = os.path.join(tmp, "actor")
         hf_to_mcore(hf_dir, actor, parallel=ParallelConfig())
-        _prompts(hf_dir, prompts)
+        prompts = real_tasks.write_prompts(os.path.join(tmp, "prompts.jsonl"), real_tasks.TRAIN)
         for backend in BACKENDS:
             config = PPOConfig(actor=actor, prompts=prompts, out_dir=os.path.join(tmp, backend),
                                reward_fn="tests.real_tasks:capital_reward", algorithm="grpo",

@@ -65,7 +65,7 @@ def main() -> None:
         rows.append((name, nprocs, step_s, peak))
     base_step, base_mem = rows[0][2], rows[0][3]
     lines = [
-        f"| layout | ranks | step (ms, median) | step / TP1xPP1 | peak RSS per rank (MiB) "
+        "| layout | ranks | step (ms, median) | step / TP1xPP1 | peak RSS per rank (MiB) "
         f"| RSS / TP1xPP1 |",
         "|---|---|---|---|---|---|",
     ]

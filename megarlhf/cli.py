@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from megarlhf.errors import run_command
@@ -55,6 +56,11 @@ def main(argv: list[str] | None = None) -> None:
     plot.add_argument("run_dir")
     plot.add_argument("--out", help="PNG path (default RUN_DIR/curves.png)")
     args = parser.parse_args(argv)
+    # module:function fields (reward_fn, a recipe) name modules beside the user's files, as
+    # `python -m megarlhf.cli` finds them; the installed `megarlhf` script's sys.path holds only
+    # its own bin/ directory. Spawned ranks and reward workers inherit sys.path.
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     sys.exit(run_command(_run, args))
 
 

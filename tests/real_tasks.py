@@ -1,31 +1,29 @@
-"""A verifiable reward for the real-model tier (importable by the controller): capital-city
-questions, rewarded 1.0 when the answer names the right city. The checker reads the country from
-the prompt's text, so the prompts file needs nothing but token ids."""
+"""The real-model tier's verifiable task: capital-city questions as chat-message prompt rows
+with the city as ground truth, and a batched text-level reward (1.0 when the answer names the
+city). The rows go through `prompts=` as a user's dataset would: the run applies the model's
+chat template itself."""
 
 from __future__ import annotations
 
-import functools
-import os
+import json
 
-CAPITALS = {"France": "Paris", "Italy": "Rome", "Japan": "Tokyo", "Spain": "Madrid",
-            "Germany": "Berlin", "Egypt": "Cairo", "Canada": "Ottawa", "Peru": "Lima"}
-TOKENIZER_ENV = "MEGARLHF_TEST_TOKENIZER"
-"""An HF tokenizer directory: the reward decodes prompts and answers with it."""
+TRAIN = {"France": "Paris", "Italy": "Rome", "Japan": "Tokyo", "Spain": "Madrid",
+         "Germany": "Berlin", "Egypt": "Cairo", "Canada": "Ottawa", "Peru": "Lima"}
+HELD_OUT = {"Greece": "Athens", "Norway": "Oslo", "Kenya": "Nairobi", "Chile": "Santiago"}
 
 
 def question(country: str) -> str:
     return f"What is the capital of {country}? Answer in a few words."
 
 
-@functools.lru_cache(maxsize=1)
-def _tokenizer():
-    from megarlhf.data.tokenizer import load_tokenizer
+def write_prompts(path: str, capitals: dict[str, str]) -> str:
+    """One chat-message row per country, with its capital as ground truth."""
+    with open(path, "w") as f:
+        for country, city in capitals.items():
+            f.write(json.dumps({"prompt": [{"role": "user", "content": question(country)}],
+                                "ground_truth": city, "data_source": "capitals"}) + "\n")
+    return path
 
-    return load_tokenizer(os.environ[TOKENIZER_ENV])
 
-
-def capital_reward(prompt_ids: list[int], response_ids: list[int]) -> float:
-    tokenizer = _tokenizer()
-    prompt = tokenizer.decode(prompt_ids)
-    (country,) = [c for c in CAPITALS if f"capital of {c}?" in prompt]
-    return float(CAPITALS[country].lower() in tokenizer.decode(response_ids).lower())
+def capital_reward(responses: list[str], ground_truths: list[str]) -> list[float]:
+    return [float(city.lower() in text.lower()) for text, city in zip(responses, ground_truths)]

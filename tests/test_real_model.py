@@ -4,11 +4,13 @@ path, with the commands the README's "Bring your own model" section gives.
 1. Convert at TP3 x PP2 (a non-power-of-two TP, with pipeline stages, tied embeddings), verify
    logits against HF transformers (tolerance 1e-4, the converter's default: fp32 over 30
    layers, measured ~6e-5), export back to HF bitwise equal to the source.
-2. GRPO, 2 steps, vLLM rollouts on 2 colocated ranks, a verifiable reward (capital cities, the
-   checker decodes prompt and answer): the trainer-vs-engine logprob gap below 1e-4 (max, fp32,
-   30 layers; the guard would stop the run at 1e-3 mean), the reward function called for every
-   sample, metrics written, samples ending at the model's EOS (<|im_end|>), found with no stop
-   id configured.
+2. GRPO, 2 steps, vLLM rollouts on 2 colocated ranks, on chat-message prompt rows with ground
+   truth (capital cities), templated by the run with the checkpoint's own tokenizer, scored by
+   a batched text reward, validated on held-out rows before step 1 and after the last: the
+   trainer-vs-engine logprob gap below 1e-4 (max, fp32, 30 layers; the guard would stop the
+   run at 1e-3 mean), prompts equal to HF's chat template, logged rewards equal to the
+   checker's verdict, samples ending at the model's EOS (<|im_end|>), found with no stop id
+   configured.
 3. The trained actor exported to HF: vLLM's greedy answers equal HF transformers' greedy answers
    on chat prompts, token for token, up to the first near-tie (top-2 logit margin < 1e-4, where
    kernel rounding may pick either).
@@ -27,7 +29,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from megarlhf.metrics import read_steps
+from megarlhf.metrics import read_metrics, read_steps
 from megarlhf.parallel import launch_local
 from megarlhf.ppo import checkpoints
 from tests import real_model, real_tasks
@@ -101,28 +103,37 @@ def _chat_prompts(hf_dir: str, questions: list[str]) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def grpo_run(hf_dir, actor, work):
-    prompts = work / "prompts.jsonl"
-    with open(prompts, "w") as f:
-        for ids in _chat_prompts(hf_dir, [real_tasks.question(c) for c in real_tasks.CAPITALS]):
-            f.write(json.dumps({"prompt_ids": ids}) + "\n")
+    prompts = real_tasks.write_prompts(str(work / "prompts.jsonl"), real_tasks.TRAIN)
+    val = real_tasks.write_prompts(str(work / "val.jsonl"), real_tasks.HELD_OUT)
     out_dir = work / "grpo"
     recipe = work / "grpo.yaml"
+    # No tokenizer= and no template=: the run takes the tokenizer and chat template from the
+    # converted checkpoint's hf/ copy, as a user's recipe would.
     recipe.write_text(
-        f"actor: {actor}\nprompts: {prompts}\nout_dir: {out_dir}\n"
+        f"actor: {actor}\nprompts: {prompts}\nval_prompts: {val}\nout_dir: {out_dir}\n"
         f"reward_fn: tests.real_tasks:capital_reward\n"
         "algorithm: grpo\nnproc: 2\nrollout_backend: vllm\n"
         f"vllm_model_dir: {hf_dir}\n"
         "prompts_per_step: 4\nsamples_per_prompt: 4\nmax_new_tokens: 24\nsteps: 2\n"
-        "actor_lr: 1.0e-6\n")
-    _run(sys.executable, "-m", "megarlhf.cli", "ppo", "--config", str(recipe),
-         env={real_tasks.TOKENIZER_ENV: hf_dir})
+        "val_every: 2\nlog_samples: 2\nactor_lr: 1.0e-6\n")
+    preview = _run(sys.executable, "-m", "megarlhf.cli", "data", "--config", str(recipe))
+    print(preview)
+    assert f"{len(real_tasks.TRAIN)} prompts kept, 0 skipped; format chat" in preview, preview
+    assert "overlong: 0 prompt(s)" in preview and "data sources: capitals" in preview, preview
+    _run(sys.executable, "-m", "megarlhf.cli", "ppo", "--config", str(recipe))
     return str(out_dir)
 
 
-def test_grpo_with_vllm_rollouts_on_the_real_model(grpo_run):
+def test_grpo_with_vllm_rollouts_on_the_real_model(hf_dir, grpo_run):
+    import transformers
+
+    records = read_metrics(grpo_run)
+    (data,) = [r for r in records if r.get("event") == "data"]
+    assert data["prompts"]["kept"] == len(real_tasks.TRAIN) and data["prompts"]["skipped"] == 0
+    assert data["val_prompts"]["kept"] == len(real_tasks.HELD_OUT)
     history = read_steps(grpo_run)
-    assert [m["step"] for m in history] == [1, 2]
-    for m in history:
+    assert [m["step"] for m in history] == [0, 1, 2]
+    for m in history[1:]:
         print(f"step {m['step']}: gap max {m['rollout/logprob_gap_max']:.3g} mean "
               f"{m['rollout/logprob_gap_mean']:.3g}, reward {m['reward/mean']:.3f}, stopped "
               f"{m['rollout/stopped_fraction']:.2f}, wall {m['time/wall']:.1f} s "
@@ -132,7 +143,25 @@ def test_grpo_with_vllm_rollouts_on_the_real_model(grpo_run):
         assert m["rollout/stopped_fraction"] >= 0.5, m  # the chat model ends its answers
         assert m["reward/mean"] > 0, m  # the checker found right answers
         assert m["actor/skipped"] == 0.0, m
+    for m in (history[0], history[2]):  # validation before step 1 and after the last
+        print(f"step {m['step']}: val/reward_mean {m['val/reward_mean']:.3f}")
+        assert m["val/reward_mean"] > 0 and m["val/capitals/reward_mean"] == m["val/reward_mean"]
+    assert "val/reward_mean" not in history[1]
     assert checkpoints.of_run(grpo_run).latest().endswith("step_2")
+
+    # The prompts the engine saw are the chat template HF transformers applies, and the rewards
+    # in samples.jsonl are the checker's verdict on the logged responses.
+    tokenizer = transformers.AutoTokenizer.from_pretrained(hf_dir)
+    templated = {tokenizer.apply_chat_template([{"role": "user", "content": question}],
+                                               add_generation_prompt=True, tokenize=False)
+                 for question in map(real_tasks.question, {**real_tasks.TRAIN,
+                                                           **real_tasks.HELD_OUT})}
+    with open(os.path.join(grpo_run, "samples.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    assert {r["phase"] for r in rows} == {"train", "val"} and len(rows) == 2 * 2 + 2 * 2
+    for r in rows:
+        assert r["prompt"] in templated, r["prompt"]
+        assert r["reward"] == real_tasks.capital_reward([r["response"]], [r["ground_truth"]])[0]
 
 
 def test_exported_model_greedy_through_vllm_equals_hf(hf_dir, grpo_run, work):

@@ -4,6 +4,9 @@ timeout (a hung checker scores 0 and is counted; a run of them stops the run).""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -145,3 +148,22 @@ def test_a_broken_batched_function_stops_the_run_naming_it(make_reward, spec, na
                                             r"0-1\)") as failure:
         reward.score(4, _samples(["a", "b"]))
     assert names in str(failure.value)
+
+
+def test_the_installed_command_finds_a_reward_module_in_the_working_directory(tmp_path):
+    # The `megarlhf` console script's sys.path holds its bin/ directory, not the user's; a
+    # reward_fn module beside the recipe must load as it does with `python -m megarlhf.cli`.
+    script = os.path.join(os.path.dirname(sys.executable), "megarlhf")
+    (tmp_path / "my_rewards.py").write_text(
+        "def score(responses, ground_truths):\n    return [1.0 for _ in responses]\n")
+    (tmp_path / "actor").mkdir()  # no checkpoint: the check after loading the reward_fn stops
+    (tmp_path / "p.jsonl").write_text('{"prompt": "hi"}\n')
+    (tmp_path / "r.yaml").write_text("actor: actor\nprompts: p.jsonl\nout_dir: out\n"
+                                     "reward_fn: my_rewards:score\nalgorithm: grpo\n"
+                                     "samples_per_prompt: 2\n")
+    done = subprocess.run([script, "ppo", "--dry-run", "--config", "r.yaml"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300,
+                          env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    assert done.returncode == 2, done.stderr
+    # Loaded and seen to read text: the next complaint is the missing tokenizer.
+    assert "the reward function reads text, but no tokenizer is known" in done.stderr, done.stderr
