@@ -47,3 +47,13 @@ def short_reward(responses, **_):
 
 def no_responses_asked(x):
     return 0.0
+
+
+FLAT_MARK = 7
+"""A prompt starting with this token id gets the same reward for every answer."""
+
+
+def flat_or_varied(prompt_ids, response_ids):
+    """5.0 for every answer to a marked prompt (a group that teaches nothing); otherwise the
+    answer's first token id mod 3, which differs between samples."""
+    return 5.0 if prompt_ids[0] == FLAT_MARK else float(response_ids[0] % 3)

@@ -104,3 +104,26 @@ def checkpoint_tensors(path: str) -> dict[str, torch.Tensor]:
     keys = [k for k in reader.metadata.state_dict_metadata if reader.shape(k) is not None]
     return dict(zip(keys, reader.read([(k, (0,) * len(reader.shape(k)), reader.shape(k))
                                        for k in keys])))
+
+
+def policy_terms(actor_ckpt: str, parallel: ParallelConfig, batch: SequenceBatch,
+                 num_microbatches: int, loss: PolicyLossConfig, seed: int = 11) -> dict:
+    """One actor update with every term of the loss on: the policy gradient on random old
+    logprobs and per-row advantages, weighted by random rollout-correction weights in [0, 2),
+    and a KL loss (coefficient 0.1) to a random reference. Returns the inputs, the metrics
+    and the logprobs after the step."""
+    mesh = init_mesh(parallel)
+    actor = PolicyRole(_engine(actor_ckpt, parallel, mesh, OPTIM),
+                       num_microbatches=num_microbatches, loss=loss)
+    g = torch.Generator().manual_seed(seed)
+    logp = actor.logprobs(batch)
+    shape = logp.shape
+    inputs = {"logp": logp, "old_logp": logp + (torch.rand(shape, generator=g) - 0.5) * 0.4,
+              "advantages": torch.randn(shape[0], 1, generator=g).expand(shape).contiguous(),
+              "ref_logp": logp + (torch.rand(shape, generator=g) - 0.5),
+              "is_weight": torch.rand(shape, generator=g) * 2}
+    step, metrics = actor.train_step(batch, inputs["old_logp"], inputs["advantages"],
+                                     ref_logp=inputs["ref_logp"], kl_coef=0.1,
+                                     is_weight=inputs["is_weight"])
+    return {**inputs, "metrics": {**metrics, "loss": step.loss, "grad_norm": step.grad_norm},
+            "logp_after": actor.logprobs(batch)}

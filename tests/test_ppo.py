@@ -261,8 +261,41 @@ def test_ppo_reward_rises_at_tp2_dp2_under_ray(base):
 def test_grpo_reward_rises(base, tmp_path):
     config = dataclasses.replace(base, algorithm="grpo", critic=None, samples_per_prompt=4,
                                  prompts_per_step=4, out_dir=str(tmp_path))
-    start, end = _reward_curve(run(config))
+    history = run(config)
+    start, end = _reward_curve(history)
     assert start < 0.15 and end > 2 * start, (start, end)
+    # GRPO's KL is a loss term (k3, kl_coef 0.01 from base): non-zero once the actor moved.
+    assert all(m["actor/kl_loss"] > 0 for m in history[1:]), [m["actor/kl_loss"] for m in history]
+
+
+@pytest.mark.slow
+def test_dynamic_sampling_replaces_groups_whose_rewards_are_all_equal(base, tmp_path):
+    """The step's first prompts (in the sampler's order) get one reward for every answer: DAPO
+    drops their groups and generates more prompts, so the update sees none of them."""
+    from megarlhf.ppo.data import PromptSampler
+    from tests.reward_fns import FLAT_MARK
+
+    with open(base.prompts) as f:
+        rows = [json.loads(line)["prompt_ids"] for line in f]
+    first = PromptSampler(list(range(len(rows))), seed=base.seed).next(4)
+    for i, ids in enumerate(rows):
+        ids[0] = FLAT_MARK if i in first else (FLAT_MARK + 1 if ids[0] == FLAT_MARK else ids[0])
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt_ids": ids}) + "\n" for ids in rows))
+    config = dataclasses.replace(
+        base, algorithm="dapo", critic=None, nproc=1, tensor_parallel=1, steps=1,
+        ppo_epochs=1, mini_batches=1, prompts_per_step=4, samples_per_prompt=4,
+        prompts=str(prompts), out_dir=str(tmp_path / "out"), log_samples=16,
+        reward_fn="tests.reward_fns:flat_or_varied", dynamic_sampling_rounds=3)
+    (metrics,) = run(config)
+    assert metrics["rollout/dynamic_sampling_rounds"] >= 1, metrics
+    assert metrics["rollout/dynamic_sampling_dropped"] >= 4, metrics
+    assert metrics["rollout/dynamic_sampling_short"] == 0, metrics
+    with open(os.path.join(config.out_dir, "samples.jsonl")) as f:
+        trained = [json.loads(line) for line in f]
+    assert len(trained) == 16 and all(isinstance(s["prompt"], list) for s in trained)
+    assert all(s["prompt"][0] != FLAT_MARK for s in trained)
+    assert metrics["actor/grad_norm"] > 0, metrics
 
 
 @pytest.mark.slow
@@ -484,13 +517,18 @@ def test_bf16_ppo_with_a_tp2_vllm_engine_over_two_ranks(base, vllm_checkpoints, 
 
 VALUE_RUNS = {
     # Values no other test runs, a few per run so the matrix stays small (one rank, one step).
+    # An algorithm's preset values count as run (the enum test resolves them).
     "rloo_fp16": dict(algorithm="rloo", aggregation="seq_mean_token_mean", kl_estimator="k2",
                       dtype="fp16"),
     # A limit below fp32 noise: every step is over it, and 'warn' goes on.
     "reinforce_pp": dict(algorithm="reinforce++", kl_estimator="k3", nan_policy="skip",
                          logprob_gap_policy="warn", logprob_gap_limit=1e-12),
-    "reinforce_pp_baseline": dict(algorithm="reinforce++_baseline", kl_estimator="k1",
-                                  whiten_advantages=False),
+    "reinforce_pp_baseline": dict(algorithm="reinforce++_baseline", kl_estimator="k1"),
+    "dapo_tis": dict(algorithm="dapo", rollout_correction="tis"),
+    "dr_grpo_mis": dict(algorithm="dr_grpo", rollout_correction="mis",
+                        rollout_correction_level="sequence"),
+    "gspo": dict(algorithm="gspo"),
+    "cispo_seq_sum": dict(algorithm="cispo", aggregation="seq_mean_token_sum", kl_in="reward"),
 }
 RUN_ELSEWHERE = {
     # field: {value: the test above that runs a step with it}
@@ -583,10 +621,15 @@ def test_every_enum_value_and_placement_backend_pair_has_a_run():
     from megarlhf.models.transformer_config import DTYPES
     from megarlhf.ppo import config as ppo_config
     from megarlhf.rl import AGGREGATION_MODES, KL_ESTIMATORS
+    from megarlhf.rl.correction import CORRECTION_LEVELS, CORRECTIONS
+    from megarlhf.rl.losses import POLICY_LOSSES, RATIO_LEVELS
     from megarlhf.rollout.gap import GAP_POLICIES
 
     accepted = {"algorithm": ppo_config.ALGORITHMS, "aggregation": AGGREGATION_MODES,
                 "kl_estimator": tuple(KL_ESTIMATORS), "dtype": tuple(DTYPES),
+                "ratio_level": RATIO_LEVELS, "policy_loss": POLICY_LOSSES,
+                "kl_in": ppo_config.KL_IN, "rollout_correction": CORRECTIONS,
+                "rollout_correction_level": CORRECTION_LEVELS,
                 "nan_policy": ppo_config.NAN_POLICIES,
                 "logprob_gap_policy": GAP_POLICIES, "worker_group": ppo_config.WORKER_GROUPS,
                 "template": TEMPLATES, "on_bad_record": BAD_RECORD_POLICIES,
@@ -599,11 +642,21 @@ def test_every_enum_value_and_placement_backend_pair_has_a_run():
         with open(os.path.join(os.path.dirname(__file__), module)) as f:
             return f"def {test}(" in f.read()
 
+    def resolved(run: dict) -> dict:
+        """What a VALUE_RUN runs with: its fields, and its algorithm's presets for the rest."""
+        config = PPOConfig(actor="a", critic="c", prompts="p", out_dir="o", reward_fn="m:f",
+                           prompts_per_step=4, samples_per_prompt=4, **run)
+        values = {**dataclasses.asdict(config), **dataclasses.asdict(config.options)}
+        if config.rollout_correction == "off":  # its level is not used
+            del values["rollout_correction_level"]
+        return values
+
+    runs = [resolved(run) for run in VALUE_RUNS.values()]
     for field, values in accepted.items():
         covered = set(RUN_ELSEWHERE.get(field, {}))
         assert all(exists(name) for name in RUN_ELSEWHERE.get(field, {}).values()), field
         if isinstance(field, str):
-            covered |= {run[field] for run in VALUE_RUNS.values() if field in run}
+            covered |= {run[field] for run in runs if field in run}
         assert covered == set(values), (field, set(values) - covered)
 
 
@@ -619,6 +672,11 @@ def test_each_config_value_runs_a_step(base, tmp_path, name):
     (metrics,) = run(config)
     assert metrics["actor/skipped"] == 0.0 and math.isfinite(metrics["actor/policy_loss"]), metrics
     assert metrics["actor/grad_norm"] > 0, metrics
+    if config.rollout_correction != "off":  # fp32 Megatron rollouts: weights of ~1
+        assert abs(metrics["rollout/is_ratio_mean"] - 1) < 1e-3, metrics
+        assert metrics["rollout/is_clipped_frac"] == 0.0, metrics
+    if config.options.dynamic_sampling:
+        assert metrics["rollout/dynamic_sampling_rounds"] >= 0, metrics
 
 
 @pytest.mark.slow

@@ -17,7 +17,7 @@ import torch
 
 from megarlhf.parallel import launch_local
 from megarlhf.rl import (
-    AdaptiveKLController, FixedKLController, aggregate, critic_free_advantages, ema_update,
+    AGGREGATION_MODES, AdaptiveKLController, FixedKLController, aggregate, critic_free_advantages, ema_update,
     entropy_bonus, gae, grpo_advantages, kl_penalty, kl_shaped_rewards, masked_whiten,
     policy_loss, reinforce_pp_advantages, reinforce_pp_baseline_advantages, rloo_advantages,
     value_loss,
@@ -331,7 +331,7 @@ def test_policy_loss_rejects_bad_inputs():
     x, mask = rand(2, 3, seed=0), torch.ones(2, 3)
     with pytest.raises(ValueError, match="dual_clip must be > 1"):
         policy_loss(x, x, x, mask, clip_eps=0.2, dual_clip=1.0)
-    with pytest.raises(ValueError, match=r"0 < clip_eps < 1"):
+    with pytest.raises(ValueError, match=r"0 < clip_eps <= 1"):
         policy_loss(x, x, x, mask, clip_eps=0.0)
     with pytest.raises(ValueError, match=r"advantages \(2, 3\), mask \(3, 2\)"):
         policy_loss(x, x, x, torch.ones(3, 2), clip_eps=0.2)
@@ -367,6 +367,15 @@ def test_aggregate_modes_match_loops():
     num, den = aggregate(loss, mask, "seq_mean_token_mean")
     assert den.item() == sum(1 for r in rows if r) == B - 1
     assert num.item() == pytest.approx(sum(statistics.fmean(r) for r in rows if r), abs=1e-12)
+    num, den = aggregate(loss, mask, "seq_mean_token_sum")
+    assert den.item() == B - 1 and num.item() == pytest.approx(sum(map(sum, rows)), abs=1e-12)
+    num, den = aggregate(loss, mask, "seq_mean_token_sum_norm", norm=16)
+    assert den.item() == B - 1
+    assert num.item() == pytest.approx(sum(map(sum, rows)) / 16, abs=1e-12)
+    with pytest.raises(ValueError, match="norm .* goes with seq_mean_token_sum_norm only"):
+        aggregate(loss, mask, "seq_mean_token_sum_norm")
+    with pytest.raises(ValueError, match="norm .* goes with seq_mean_token_sum_norm only"):
+        aggregate(loss, mask, "token_mean", norm=16)
     with pytest.raises(ValueError, match="unknown aggregation mode 'mean'"):
         aggregate(loss, mask, "mean")
     with pytest.raises(ValueError, match=r"loss \(6, 10\), mask \(6, 9\)"):
@@ -376,7 +385,7 @@ def test_aggregate_modes_match_loops():
     assert num.item() == pytest.approx(want_num.item(), abs=1e-15) and den == want_den
 
 
-@pytest.mark.parametrize("mode", ["token_mean", "seq_mean_token_mean"])
+@pytest.mark.parametrize("mode", AGGREGATION_MODES)
 def test_aggregate_is_independent_of_the_micro_batch_split(mode):
     old, adv, mask = rand(B, T, seed=23, scale=0.5) - 2.0, rand(B, T, seed=24), make_mask()
     logp = (old + rand(B, T, seed=22, scale=0.3)).requires_grad_()
@@ -387,7 +396,8 @@ def test_aggregate_is_independent_of_the_micro_batch_split(mode):
         nums, dens = [], []
         for rows in parts:
             loss_BT, _ = policy_loss(logp[rows], old[rows], adv[rows], mask[rows], clip_eps=0.2)
-            num, den = aggregate(loss_BT, mask[rows], mode)
+            num, den = aggregate(loss_BT, mask[rows], mode,
+                                 norm=T if mode == "seq_mean_token_sum_norm" else None)
             nums.append(num)
             dens.append(den)
         total = torch.stack(nums).sum() / torch.stack(dens).sum()
@@ -457,14 +467,13 @@ def _controller_config(algorithm: str, **fields):
 
 
 @pytest.mark.parametrize("algorithm", ["reinforce++", "reinforce++_baseline"])
-@pytest.mark.parametrize("whiten", [True, False])
-def test_controller_reinforce_pp_is_the_formula_whitened_once(algorithm, whiten):
+def test_controller_reinforce_pp_is_the_formula_whitened_once(algorithm):
     """Token-level KL (k3, coefficient 0.2) in the reward, returns discounted by 0.9, one
     whitening over the batch; the baseline variant first subtracts the group's mean score."""
     from megarlhf.ppo.controller import compute_advantages
 
     d = _reinforce_inputs(seed=40)
-    config = _controller_config(algorithm, whiten_advantages=whiten)
+    config = _controller_config(algorithm, kl_clamp=None)
     exp = {"logp": d["logp"], "ref_logp": d["ref"]}
     got, returns = compute_advantages(config, d["score"], exp, d["mask"], kl_coef=0.2)
     s = lists(d["score"])
@@ -477,15 +486,16 @@ def test_controller_reinforce_pp_is_the_formula_whitened_once(algorithm, whiten)
 
 
 @pytest.mark.parametrize("algorithm", ["grpo", "rloo"])
-def test_controller_group_estimators_whiten_when_asked(algorithm):
+def test_controller_group_estimators_whiten_only_when_asked(algorithm):
+    """Group advantages are not whitened again over the batch (verl and OpenRLHF do not
+    either), unless whiten_advantages=true."""
     from megarlhf.ppo.controller import compute_advantages
 
     score, mask = rand(B, seed=41), make_mask()
     exp = {"logp": torch.zeros(B, T), "ref_logp": torch.zeros(B, T)}
-    plain, _ = compute_advantages(_controller_config(algorithm, whiten_advantages=False),
-                                  score, exp, mask, kl_coef=0.2)
+    plain, _ = compute_advantages(_controller_config(algorithm), score, exp, mask, kl_coef=0.2)
     torch.testing.assert_close(plain, critic_free_advantages(algorithm, score, mask,
                                                              group_size=3), **TOL)
-    whitened, _ = compute_advantages(_controller_config(algorithm), score, exp, mask,
-                                     kl_coef=0.2)
+    whitened, _ = compute_advantages(_controller_config(algorithm, whiten_advantages=True),
+                                     score, exp, mask, kl_coef=0.2)
     torch.testing.assert_close(whitened, tensor(ref_whiten(lists(plain), SPANS)), **TOL)

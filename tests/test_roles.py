@@ -9,6 +9,9 @@ gradient (a micro-batch normalised twice, a DP rank missing) shows as >= 1e-4.
 
 from __future__ import annotations
 
+import math
+import statistics
+
 import pytest
 import torch
 
@@ -146,3 +149,74 @@ def test_reward_scores_under_pp2_with_padding_equal_unpadded_tp1(value_refs, ppo
         scores = launch_local(role_workers.reward_scores, nprocs, ckpt, parallel, ppo_batch,
                               2)[0]
         torch.testing.assert_close(scores, torch.tensor(alone), atol=TOL, rtol=0)
+
+
+# Loss options of the RL algorithms (megarlhf/ppo/algorithms.py), each with a KL loss and
+# rollout-correction weights: GSPO's sequence ratio with Dr. GRPO's constant normaliser, and
+# CISPO with per-row sums. Clip ranges chosen so that both clip branches are taken.
+POLICY_OPTIONS = {
+    "gspo_sum_norm": PolicyLossConfig(clip_eps=0.02, clip_eps_high=0.03, ratio_level="sequence",
+                                      aggregation="seq_mean_token_sum_norm",
+                                      aggregation_norm=10, kl_estimator="k3"),
+    "cispo_seq_sum": PolicyLossConfig(clip_eps=1.0, clip_eps_high=0.05, kind="cispo",
+                                      aggregation="seq_mean_token_sum", kl_estimator="k2"),
+}
+
+
+def _reference_terms(r: dict, cfg: PolicyLossConfig) -> dict[str, float]:
+    """Policy and KL loss of one update from its inputs, in Python floats (one row's
+    advantage per row, as the worker makes them)."""
+    rows_pg, rows_kl, clipped, tokens = [], [], 0, 0
+    for lp, old, adv, ref, w, m in zip(*(r[k].double().tolist() for k in (
+            "logp", "old_logp", "advantages", "ref_logp", "is_weight")),
+            r["response_mask"].tolist()):
+        ts = [t for t, keep in enumerate(m) if keep]
+        if cfg.ratio_level == "sequence":
+            ratios = [math.exp(statistics.fmean(lp[t] - old[t] for t in ts))] * len(ts)
+        else:
+            ratios = [math.exp(lp[t] - old[t]) for t in ts]
+        pg = []
+        for t, ratio in zip(ts, ratios):
+            bounded = min(max(ratio, 1 - cfg.clip_eps), 1 + cfg.clip_eps_high)
+            a = adv[t]
+            loss = (-a * bounded if cfg.kind == "cispo" else max(-a * ratio, -a * bounded))
+            clipped += (bounded != ratio) if cfg.kind == "cispo" else (-a * bounded > -a * ratio)
+            pg.append(loss * w[t])
+        x = [lp[t] - ref[t] for t in ts]
+        rows_kl.append([math.exp(-d) - 1 + d if cfg.kl_estimator == "k3" else 0.5 * d * d
+                        for d in x])
+        rows_pg.append(pg)
+        tokens += len(ts)
+    norm = cfg.aggregation_norm or 1.0
+    agg = lambda rows: sum(map(sum, rows)) / norm / len(rows)  # noqa: E731 (per-row sums)
+    return {"policy_loss": agg(rows_pg), "kl_loss": agg(rows_kl),
+            "clip_fraction": clipped / tokens}
+
+
+@pytest.fixture(scope="module", params=sorted(POLICY_OPTIONS))
+def policy_reference(request, refs, ppo_batch):
+    cfg = POLICY_OPTIONS[request.param]
+    result = launch_local(role_workers.policy_terms, 1, refs[0], P(), ppo_batch, 1, cfg)[0]
+    return cfg, {**result, "response_mask": ppo_batch.response_mask}
+
+
+@pytest.mark.slow
+def test_policy_loss_terms_are_their_formulas(policy_reference):
+    cfg, result = policy_reference
+    m, want = result["metrics"], _reference_terms(result, cfg)
+    # fp32 logprobs in the model, float64 here: ~1e-7 relative.
+    for key, value in want.items():
+        assert m[key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
+    assert 0 < m["clip_fraction"] < 1 and m["kl_loss"] > 0.01
+    assert m["loss"] == pytest.approx(m["policy_loss"] + 0.1 * m["kl_loss"], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_policy_loss_terms_at_tp2_dp2_with_micro_batches_equal_tp1(refs, ppo_batch,
+                                                                   policy_reference):
+    cfg, ref = policy_reference
+    for result in launch_local(role_workers.policy_terms, 4, refs[0], P(tensor_parallel=2),
+                               ppo_batch, 2, cfg):
+        for key, value in ref["metrics"].items():
+            assert result["metrics"][key] == pytest.approx(value, rel=TOL, abs=1e-9), key
+        torch.testing.assert_close(result["logp_after"], ref["logp_after"], atol=TOL, rtol=0)

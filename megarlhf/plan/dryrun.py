@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from megarlhf.plan.job import resolve_models
 from megarlhf.ppo import run_dir
+from megarlhf.ppo.algorithms import describe
 from megarlhf.ppo.config import PPOConfig
 from megarlhf.ppo.inputs import read_inputs
 from megarlhf.ppo.placement import group_specs
@@ -30,6 +31,7 @@ def ppo(config: PPOConfig) -> str:
              f"{len(prompts)} prompts{dropped} (longest {longest} tokens) x "
              f"{config.samples_per_prompt} samples, {config.prompts_per_step} prompts per step; "
              f"outputs in {config.out_dir}",
+             f"  {config.algorithm}: {describe(config)}",
              f"  samples stop on token ids {list(checked.stop_token_ids)}",
              f"  prompts: {data.report['prompts']['template']} format, "
              f"{data.report['prompts']['skipped']} row(s) skipped"

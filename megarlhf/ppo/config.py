@@ -19,9 +19,12 @@ from megarlhf.rollout import sizing
 from megarlhf.rollout.gap import DEFAULT_GAP_LIMITS, GAP_POLICIES
 from megarlhf.rollout.sizing import EngineSize
 from megarlhf.models.transformer_config import DTYPES
-from megarlhf.rl import AGGREGATION_MODES, CRITIC_FREE_ESTIMATORS, KL_ESTIMATORS
+from megarlhf.ppo.algorithms import ALGORITHMS, PRESETS, AlgorithmOptions, resolve
+from megarlhf.rl import AGGREGATION_MODES, KL_ESTIMATORS
+from megarlhf.rl.correction import CORRECTION_LEVELS, CORRECTIONS
+from megarlhf.rl.losses import POLICY_LOSSES, RATIO_LEVELS
 
-ALGORITHMS = ("ppo", *sorted(CRITIC_FREE_ESTIMATORS))
+KL_IN = ("reward", "loss")
 ROLLOUT_BACKENDS = ("megatron", "vllm")
 NAN_POLICIES = ("stop", "skip")
 WORKER_GROUPS = ("local", "ray")
@@ -35,7 +38,16 @@ _RANGES = (  # (field, low, high, low included?); high is included, values must 
     ("temperature", 0.0, math.inf, True),  # 0: greedy
     ("top_p", 0.0, 1.0, False),
     ("top_k", 0, math.inf, True),
-    ("clip_eps", 0.0, math.inf, False),
+    ("clip_eps", 0.0, 1.0, False),  # 1: no lower clip bound
+    ("clip_eps_high", 0.0, math.inf, False),
+    ("dual_clip", 1.0, math.inf, False),
+    ("kl_clamp", 0.0, math.inf, False),
+    ("log_ratio_clamp", 0.0, math.inf, False),
+    ("aggregation_norm", 0, math.inf, False),
+    ("overlong_buffer", 0, math.inf, True),
+    ("overlong_penalty", 0.0, math.inf, True),
+    ("dynamic_sampling_rounds", 0, math.inf, True),
+    ("rollout_correction_threshold", 1.0, math.inf, False),
     ("value_clip_eps", 0.0, math.inf, False),
     ("entropy_coef", 0.0, math.inf, True),
     ("kl_coef", 0.0, math.inf, True),
@@ -192,27 +204,78 @@ class PPOConfig:
     end-of-turn too); () never stops before max_new_tokens."""
     # -- algorithm --
     algorithm: str = "ppo"
+    """ppo, grpo, rloo, reinforce++, reinforce++_baseline, dapo, dr_grpo, gspo or cispo: an
+    advantage estimator, and the value of every option below that says "(algorithm's)" while
+    it is unset (megarlhf/ppo/algorithms.py; the README's algorithm table)."""
     steps: int = 10
     ppo_epochs: int = 1
     mini_batches: int = 1
     """Optimizer steps per epoch (the rollout batch is cut into this many parts)."""
     micro_batches: int = 1
     """Micro-batches per mini-batch and DP rank (pipeline schedule)."""
-    clip_eps: float = 0.2
+    clip_eps: float | None = None
+    """(algorithm's) Lower clip range of the importance ratio: 1 - clip_eps."""
+    clip_eps_high: float | None = None
+    """(algorithm's) Upper clip range: 1 + clip_eps_high (DAPO's clip-higher); the
+    algorithm's, else clip_eps."""
+    dual_clip: float | None = None
+    """Dual-clip constant (> 1) capping the loss of negative advantages; None: off."""
+    ratio_level: str | None = None
+    """(algorithm's) 'token' importance ratios, or 'sequence' (GSPO: the exp of a row's mean
+    token log-ratio)."""
+    policy_loss: str | None = None
+    """(algorithm's) 'clip' (PPO's clipped surrogate) or 'cispo' (clipped stop-gradient
+    weights on the REINFORCE term: every token keeps a gradient)."""
+    aggregation: str | None = None
+    """(algorithm's) token_mean, seq_mean_token_mean, seq_mean_token_sum or
+    seq_mean_token_sum_norm (megarlhf/rl/losses.py)."""
+    aggregation_norm: int | None = None
+    """seq_mean_token_sum_norm's constant in tokens (None: max_new_tokens)."""
+    advantage_std_norm: bool | None = None
+    """(algorithm's) GRPO-style estimators: divide by the group's reward std."""
+    whiten_advantages: bool | None = None
+    """(algorithm's) Whiten the advantages over the batch once more (ppo's GAE: yes; group
+    estimators: no). REINFORCE++ whitens inside its estimator and refuses this field."""
     value_clip_eps: float = 0.2
     entropy_coef: float = 0.0
-    aggregation: str = "token_mean"
-    kl_coef: float = 0.05
-    kl_estimator: str = "k1"
+    kl_coef: float | None = None
+    """(algorithm's) KL(actor || reference) coefficient: in the reward or the loss (kl_in);
+    the adaptive controller's start value with kl_target."""
+    kl_in: str | None = None
+    """(algorithm's) 'reward': a per-token penalty in the reward (PPO, RLOO, REINFORCE++);
+    'loss': a term of the actor's loss, logged as actor/kl_loss (GRPO)."""
+    kl_estimator: str | None = None
+    """(algorithm's) k1, k2 or k3 (megarlhf/rl/kl.py)."""
+    kl_clamp: float | None = 10.0
+    """Clamp on each token's KL estimate (None: none)."""
+    log_ratio_clamp: float | None = 20.0
+    """Clamp on the log importance ratio before exp (None: none)."""
     kl_target: float | None = None
     """Adaptive KL controller's target (None: fixed kl_coef)."""
     kl_horizon: int = 10000
     clip_reward: float | None = None
     gamma: float = 1.0
     lam: float = 0.95
-    whiten_advantages: bool = True
-    """Whiten ppo / grpo / rloo advantages over the batch. REINFORCE++ and its baseline
-    variant whiten as part of their estimator, once, whatever this says."""
+    dynamic_sampling: bool | None = None
+    """(algorithm's) Train only on prompts whose samples' rewards differ (DAPO): groups of
+    equal rewards are dropped and more prompts generated to replace them."""
+    dynamic_sampling_rounds: int = 4
+    """Extra generation rounds one step may take to replace dropped groups; when they run
+    out, the batch is completed with dropped groups (their advantages are 0) and
+    rollout/dynamic_sampling_short counts them."""
+    overlong_buffer: int | None = None
+    """(algorithm's) DAPO's soft overlong penalty: responses longer than max_new_tokens -
+    overlong_buffer lose up to overlong_penalty, linearly (0: off)."""
+    overlong_penalty: float = 1.0
+    rollout_correction: str = "off"
+    """Reweight the policy gradient for the rollout engine's sampling distribution:
+    'tis' truncates the weights pi_old / pi_engine at rollout_correction_threshold, 'mis'
+    zeroes those outside [threshold_low, threshold]; 'off'."""
+    rollout_correction_level: str = "token"
+    """'token' weights, or 'sequence' (the product over a row's tokens)."""
+    rollout_correction_threshold: float = 2.0
+    rollout_correction_threshold_low: float | None = None
+    """MIS's lower bound (None: 1 / rollout_correction_threshold)."""
     actor_lr: float = 1e-5
     critic_lr: float = 1e-5
     # -- run control --
@@ -260,8 +323,13 @@ class PPOConfig:
                 problems.append(f"resume_allow_changes: {name!r} is not one of "
                                 f"{list(RESUME_INPUTS)}")
         choice("placement", PLACEMENTS)
-        choice("kl_estimator", KL_ESTIMATORS)
-        choice("aggregation", AGGREGATION_MODES)
+        for name, options in (("ratio_level", RATIO_LEVELS), ("policy_loss", POLICY_LOSSES),
+                              ("aggregation", AGGREGATION_MODES), ("kl_in", KL_IN),
+                              ("kl_estimator", KL_ESTIMATORS)):
+            if getattr(self, name) is not None:  # None: the algorithm's
+                choice(name, options)
+        choice("rollout_correction", CORRECTIONS)
+        choice("rollout_correction_level", CORRECTION_LEVELS)
         choice("dtype", DTYPES)
         choice("template", TEMPLATES)
         choice("on_bad_record", BAD_RECORD_POLICIES)
@@ -277,12 +345,8 @@ class PPOConfig:
             problems.append(f"nproc={self.nproc} is not a multiple of tensor_parallel x "
                             f"pipeline_parallel = {self.tensor_parallel * self.pipeline_parallel}")
         problems += self._layout_problems()
-        if self.algorithm == "ppo" and self.critic is None:
-            problems.append("algorithm 'ppo' needs a critic checkpoint (critic=...), or choose "
-                            f"a critic-free algorithm: {list(CRITIC_FREE_ESTIMATORS)}")
-        if self.algorithm != "ppo" and self.samples_per_prompt < 2:
-            problems.append(f"algorithm {self.algorithm!r} compares samples of one prompt: "
-                            f"set samples_per_prompt >= 2")
+        if self.algorithm in ALGORITHMS:
+            problems += self._algorithm_problems()
         if self.reward_model is None and self.reward_fn is None and not self.reward_fn_by_source:
             problems.append("no reward: set reward_model=CKPT and/or reward_fn=math|exact_match|"
                             "module:function")
@@ -324,6 +388,46 @@ class PPOConfig:
         if problems:
             raise ValueError("invalid PPO config:\n  " + "\n  ".join(problems))
 
+    @property
+    def options(self) -> AlgorithmOptions:
+        """The algorithm's options with this config's settings applied."""
+        return resolve(self)
+
+    def _algorithm_problems(self) -> list[str]:
+        o, problems = self.options, []
+        if o.critic and self.critic is None:
+            problems.append(f"algorithm {self.algorithm!r} needs a critic checkpoint "
+                            f"(critic=...), or choose a critic-free algorithm")
+        if not o.critic and self.samples_per_prompt < 2:
+            problems.append(f"algorithm {self.algorithm!r} compares samples of one prompt: "
+                            f"set samples_per_prompt >= 2")
+        if o.estimator.startswith("reinforce++") and self.whiten_advantages is not None:
+            problems.append(f"whiten_advantages: {self.algorithm} whitens its returns inside "
+                            f"the estimator, once; leave the field unset")
+        if self.advantage_std_norm is not None and o.estimator != "grpo":
+            problems.append(f"advantage_std_norm applies to GRPO-style group advantages, not "
+                            f"to algorithm {self.algorithm!r}")
+        if o.policy_loss == "cispo" and self.dual_clip is not None:
+            problems.append("dual_clip caps the clipped surrogate; policy_loss=cispo has none")
+        if self.aggregation_norm is not None and o.aggregation != "seq_mean_token_sum_norm":
+            problems.append("aggregation_norm is the constant of "
+                            "aggregation=seq_mean_token_sum_norm only")
+        if o.overlong_buffer > self.max_new_tokens:
+            problems.append(f"overlong_buffer={o.overlong_buffer} is longer than "
+                            f"max_new_tokens={self.max_new_tokens}")
+        if o.dynamic_sampling and self.samples_per_prompt < 2:
+            problems.append("dynamic_sampling drops prompts whose samples all got the same "
+                            "reward: set samples_per_prompt >= 2")
+        if self.kl_target is not None and o.kl_coef <= 0:
+            problems.append(f"kl_target steers kl_coef, which is {o.kl_coef} for "
+                            f"{self.algorithm}: set kl_coef > 0")
+        low = self.rollout_correction_threshold_low
+        if low is not None and (self.rollout_correction != "mis" or
+                                not 0 <= low < 1):
+            problems.append(f"rollout_correction_threshold_low={low} is MIS's lower bound: "
+                            f"it needs rollout_correction=mis and 0 <= value < 1")
+        return problems
+
     def _data_problems(self) -> list[str]:
         problems = [f"prompt_fields.{name}: not a field of prompt rows; map some of "
                     f"{list(PROMPT_FIELDS)}" for name in self.prompt_fields
@@ -359,7 +463,8 @@ class PPOConfig:
     @property
     def roles(self) -> tuple[str, ...]:
         """The model roles this run has."""
-        return ("actor", "ref") + (("critic",) if self.algorithm == "ppo" else ()) + \
+        with_critic = PRESETS.get(self.algorithm, {}).get("estimator") == "gae"
+        return ("actor", "ref") + (("critic",) if with_critic else ()) + \
             (("reward",) if self.reward_model else ())
 
     def parallel_of(self, role: str) -> ParallelConfig:

@@ -1,15 +1,17 @@
 """The PPO loop: one controller drives the worker groups, top to bottom.
 
-    prompts -> rollout (n per prompt) -> experience (logprobs, ref logprobs, values, rewards)
-    -> advantages -> PPO epochs (actor, critic) -> weight sync -> metrics -> checkpoint
+    prompts -> rollout (n per prompt) and rewards (megarlhf/ppo/rollouts.py; with dynamic
+    sampling, more rounds) -> experience (logprobs, ref logprobs, values) -> advantages ->
+    policy inputs (KL loss, rollout correction) -> PPO epochs (actor, critic) -> weight sync
+    -> metrics -> checkpoint
     (and, with val_prompts, validation before the first step, every val_every steps and after
     the last)
 
 The controller holds no model: it samples prompts, scores responses with the reward
-function (in its worker processes), computes advantages (cheap tensor math on the global batch) and logs; every model
-computation is a collective call on the workers. The `Placement` sends each phase to the
-groups that hold its roles (one group colocated, several at once disaggregated), so this
-loop is the same for both placements.
+function (in its worker processes), computes advantages (cheap tensor math on the global
+batch) and logs; every model computation is a collective call on the workers. The
+`Placement` sends each phase to the groups that hold its roles (one group colocated, several
+at once disaggregated), so this loop is the same for both placements.
 """
 
 from __future__ import annotations
@@ -23,18 +25,19 @@ import time
 import torch
 
 from megarlhf.metrics import MetricsLog
-from megarlhf.ppo import checkpoints, run_dir
+from megarlhf.ppo import checkpoints, rollouts, run_dir
 from megarlhf.ppo.config import PPOConfig
 from megarlhf.ppo.data import PromptSampler
 from megarlhf.ppo.inputs import RunInputs, read_inputs
 from megarlhf.ppo.metrics import CONSOLE_KEYS, step_metrics
-from megarlhf.ppo.placement import Placement
-from megarlhf.ppo.rewards import RewardFunction
+from megarlhf.ppo.placement import EXPERIENCE, Placement
 from megarlhf.rewards.calls import Sample
 from megarlhf.rl import (
-    AdaptiveKLController, FixedKLController, critic_free_advantages, gae, kl_shaped_rewards,
-    masked_whiten,
+    AdaptiveKLController, FixedKLController, critic_free_advantages, gae, kl_penalty,
+    kl_shaped_rewards, masked_whiten,
 )
+from megarlhf.rl.correction import rollout_correction
+from megarlhf.roles.policy import PolicyInputs
 from megarlhf.rollout.engine import SamplingParams
 from megarlhf.rollout.experience import rollout_batch
 from megarlhf.rollout.gap import check_gap, logprob_gap
@@ -73,8 +76,9 @@ def _train(config: PPOConfig, data: RunInputs) -> list[dict]:
     inputs = run_dir.run_inputs(config, data.train)
     latest, state = run_dir.resume_point(config, inputs)
     start = state["step"] if state is not None else 0
-    kl_ctl = (AdaptiveKLController(config.kl_coef, config.kl_target, config.kl_horizon)
-              if config.kl_target is not None else FixedKLController(config.kl_coef))
+    kl_coef = config.options.kl_coef
+    kl_ctl = (AdaptiveKLController(kl_coef, config.kl_target, config.kl_horizon)
+              if config.kl_target is not None else FixedKLController(kl_coef))
     log = MetricsLog(config.out_dir, name="ppo", steps=config.steps, resumed_step=start,
                      console_keys=CONSOLE_KEYS, tensorboard=config.tensorboard,
                      wandb_project=config.wandb_project, run_config=dataclasses.asdict(config))
@@ -108,35 +112,37 @@ def _train(config: PPOConfig, data: RunInputs) -> list[dict]:
 
 def ppo_step(config: PPOConfig, data: RunInputs, workers: Placement, sampler: PromptSampler,
              kl_ctl, step: int, log: MetricsLog) -> dict:
-    timer = {}
-    t = start = time.perf_counter()
-    prompts = sampler.next(config.prompts_per_step)
-    ids = [list(p.ids) for p in prompts]
-    params = SamplingParams(max_new_tokens=config.max_new_tokens, n=config.samples_per_prompt,
-                            temperature=config.temperature, top_p=config.top_p,
-                            top_k=config.top_k, stop_token_ids=data.checked.stop_token_ids,
-                            seed=config.seed * 1_000_003 + step)  # resume-stable sampling
+    o = config.options
+    start = time.perf_counter()
     log.phase("rollout")
-    completions = workers.rollout(ids, params)
-    rollout = rollout_batch(ids, completions)
-    batch = rollout.sequences
+    drawn = rollouts.draw(config, data, workers, sampler, step)
+    rollout = rollout_batch([list(p.ids) for p in drawn.prompts], drawn.completions)
+    batch, score = rollout.sequences, drawn.score
     mask = batch.response_mask.float()
-    timer["rollout"], t = time.perf_counter() - t, time.perf_counter()
+    timer = dict(drawn.seconds)
+    log.samples(step, sample_rows(drawn.samples, score, config.log_samples, "train"))
 
     log.phase("experience")
-    exp = workers.experience(batch)
+    t = time.perf_counter()
+    exp = workers.experience(batch, EXPERIENCE - {"reward"})  # scored with the rollout
     gap = logprob_gap(rollout.engine_logp, exp["logp"], batch.response_mask)
     warning = check_gap(gap, limit=config.gap_limit, policy=config.logprob_gap_policy,
                         step=step)  # before training on samples from another policy
     if warning:
         _log.warning(warning)
-    samples = data.samples(prompts, completions)
-    score, reward_metrics = score_responses(exp, samples, data.reward, step)
-    log.samples(step, sample_rows(samples, score, config.log_samples, "train"))
     timer["experience"], t = time.perf_counter() - t, time.perf_counter()
 
     values = exp.get("values")
     advantages, returns = compute_advantages(config, score, exp, mask, kl_ctl.value)
+    policy, correction = PolicyInputs(), {}
+    if o.kl_in == "loss" and kl_ctl.value > 0:
+        policy = dataclasses.replace(policy, ref_logp=exp["ref_logp"], kl_coef=kl_ctl.value)
+    if config.rollout_correction != "off":
+        weights, correction = rollout_correction(
+            exp["logp"], rollout.engine_logp, mask, mode=config.rollout_correction,
+            level=config.rollout_correction_level, high=config.rollout_correction_threshold,
+            low=config.rollout_correction_threshold_low)
+        policy = dataclasses.replace(policy, is_weight=weights)
 
     train_metrics = []
     if not _finite(score, advantages) and config.nan_policy == "stop":
@@ -144,7 +150,7 @@ def ppo_step(config: PPOConfig, data: RunInputs, workers: Placement, sampler: Pr
                              f"nan_policy=skip to skip such batches")
     if _finite(score, advantages):
         log.phase("train")
-        train_metrics = workers.train(batch, exp["logp"], advantages, values, returns)
+        train_metrics = workers.train(batch, exp["logp"], advantages, values, returns, policy)
         losses = [v for m in train_metrics for k, v in m.items() if k.endswith("_loss")]
         if not all(math.isfinite(v) for v in losses) and config.nan_policy == "stop":
             raise NonFiniteError(f"step {step}: non-finite loss {losses}")
@@ -161,39 +167,49 @@ def ppo_step(config: PPOConfig, data: RunInputs, workers: Placement, sampler: Pr
                            kl_coef=kl_ctl.value, timer=timer, skipped=not train_metrics)
     # Samples that ended on a stop id rather than at max_new_tokens (a chat model that never
     # stops has a wrong stop id or template).
-    stopped = sum(c.finish_reason == "stop" for c in completions) / len(completions)
-    return {**metrics, **reward_metrics, "rollout/stopped_fraction": stopped,
+    stopped = sum(c.finish_reason == "stop" for c in drawn.completions) / len(drawn.completions)
+    return {**metrics, **drawn.metrics, **correction, "rollout/stopped_fraction": stopped,
             **overhead_metrics(time.perf_counter() - start, workers.take_busy())}
 
 
 def compute_advantages(config: PPOConfig, score: torch.Tensor, exp: dict, mask: torch.Tensor,
                        kl_coef: float) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(advantages_BT, returns_BT or None) of the global batch for `config.algorithm`.
+    """(advantages_BT, returns_BT or None) of the global batch for the run's algorithm
+    (`config.options`); with kl_in='reward', the KL penalty (kl_coef x the estimator's
+    per-token KL) is part of the reward:
 
-    - ppo: KL-shaped token rewards, GAE against the critic's values, then whitening when
-      `whiten_advantages`.
-    - grpo / rloo: the group estimator, then whitening when `whiten_advantages`.
+    - gae (ppo): KL-shaped token rewards, GAE against the critic's values.
     - reinforce++ / reinforce++_baseline: KL-shaped token rewards, discounted returns and a
-      whitening over the batch are the estimator itself, so they are whitened exactly once
-      whatever `whiten_advantages` says.
-    The controller holds the whole batch, so batch statistics need no process group."""
-    if config.algorithm == "ppo":
-        rewards = kl_shaped_rewards(score, exp["logp"], exp["ref_logp"], mask, kl_coef=kl_coef,
-                                    kind=config.kl_estimator, clip_reward=config.clip_reward)
+      whitening over the batch are the estimator itself (so whitened exactly once).
+    - group estimators (grpo, rloo): a sample's summed KL penalty comes off its score (verl's
+      in-reward KL), then the estimator (grpo with or without the group's std).
+    Then whitening over the batch when whiten_advantages. The controller holds the whole
+    batch, so batch statistics need no process group."""
+    o = config.options
+    in_reward = kl_coef if o.kl_in == "reward" else 0.0
+    kl = dict(kind=o.kl_estimator, clip_reward=config.clip_reward, kl_clamp=config.kl_clamp)
+    if o.estimator == "gae":
+        rewards = kl_shaped_rewards(score, exp["logp"], exp["ref_logp"], mask,
+                                    kl_coef=in_reward, **kl)
         advantages, returns = gae(rewards, exp["values"], mask, gamma=config.gamma,
                                   lam=config.lam)
-    elif config.algorithm in ("reinforce++", "reinforce++_baseline"):
-        options = dict(logp_BT=exp["logp"], ref_logp_BT=exp["ref_logp"], kl_coef=kl_coef,
-                       kl_kind=config.kl_estimator, gamma=config.gamma,
-                       clip_reward=config.clip_reward)
-        if config.algorithm == "reinforce++_baseline":
+    elif o.estimator.startswith("reinforce++"):
+        options = dict(logp_BT=exp["logp"], ref_logp_BT=exp["ref_logp"], kl_coef=in_reward,
+                       kl_kind=kl.pop("kind"), gamma=config.gamma, **kl)
+        if o.estimator == "reinforce++_baseline":
             options["group_size"] = config.samples_per_prompt
-        return critic_free_advantages(config.algorithm, score, mask, **options), None
+        return critic_free_advantages(o.estimator, score, mask, **options), None
     else:
-        advantages = critic_free_advantages(config.algorithm, score, mask,
-                                            group_size=config.samples_per_prompt)
+        if in_reward:
+            per_token = kl_penalty(exp["logp"], exp["ref_logp"], o.kl_estimator,
+                                   clamp=config.kl_clamp)
+            score = score - in_reward * (per_token * mask).sum(dim=-1)
+        options = {"group_size": config.samples_per_prompt}
+        if o.estimator == "grpo":
+            options["scale_by_std"] = o.advantage_std_norm
+        advantages = critic_free_advantages(o.estimator, score, mask, **options)
         returns = None
-    if config.whiten_advantages:
+    if o.whiten_advantages:
         advantages = masked_whiten(advantages, mask)
     return advantages, returns
 
@@ -206,17 +222,6 @@ def overhead_metrics(wall: float, busy: dict[str, float]) -> dict[str, float]:
     out["time/wall"] = wall
     out["time/controller_overhead"] = wall - sum(busy.values())
     return out
-
-
-def score_responses(exp: dict, samples: list[Sample], reward_fn: RewardFunction | None,
-                    step: int) -> tuple[torch.Tensor, dict[str, float]]:
-    """[B] rewards (the reward model's score plus the reward function's) and the reward
-    function's metrics."""
-    score = exp.get("rm_scores", torch.zeros(len(samples))).float().clone()
-    if reward_fn is None:
-        return score, {}
-    fn_score, metrics = reward_fn.score(step, samples)
-    return score + fn_score, metrics
 
 
 def validate(config: PPOConfig, data: RunInputs, workers: Placement, step: int,

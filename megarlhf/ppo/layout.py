@@ -22,7 +22,7 @@ class GroupSpec:
 def group_specs(config: PPOConfig) -> tuple[GroupSpec, ...]:
     """The groups, each at its roles' layout (the config checked that roles sharing a group
     have one)."""
-    critic = {"critic"} if config.algorithm == "ppo" else set()
+    critic = {"critic"} if "critic" in config.roles else set()
     reward = {"reward"} if config.reward_model else set()
     actor = config.parallel_of("actor")
     if config.placement == "colocated":

@@ -25,10 +25,13 @@ from megarlhf.ppo.layout import group_specs
 from megarlhf.ppo.worker_api import WorkerAPI
 from megarlhf.rollout.engine import Completion, SamplingParams
 from megarlhf.rollout.sizing import EngineSize
+from megarlhf.roles.policy import PolicyInputs
 from megarlhf.roles.sequences import SequenceBatch
 
-ROLLOUT, EXPERIENCE, TRAIN, SYNC = ({"rollout"}, {"actor", "ref", "critic", "reward"},
-                                    {"actor", "critic"}, {"actor", "rollout"})
+ROLLOUT, EXPERIENCE, TRAIN, SYNC = (frozenset({"rollout"}),
+                                    frozenset({"actor", "ref", "critic", "reward"}),
+                                    frozenset({"actor", "critic"}),
+                                    frozenset({"actor", "rollout"}))
 """The roles each phase needs: the groups holding any of them take part."""
 
 
@@ -77,15 +80,18 @@ class Placement:
                                                          params)
         return completions
 
-    def experience(self, batch: SequenceBatch) -> dict:
-        parts, self.busy["experience"] = self._run(WorkerAPI.experience, EXPERIENCE, batch)
+    def experience(self, batch: SequenceBatch, roles: frozenset[str] = EXPERIENCE) -> dict:
+        """What `roles` (of EXPERIENCE) add to the batch: logp and entropy (actor), ref_logp,
+        values (critic), rm_scores (reward)."""
+        parts, seconds = self._run(WorkerAPI.experience, roles, batch, roles)
+        self.busy["experience"] = self.busy.get("experience", 0.0) + seconds
         return {key: value for part in parts for key, value in part.items()}
 
-    def train(self, batch: SequenceBatch, old_logp, advantages, old_values, returns
-              ) -> list[dict]:
+    def train(self, batch: SequenceBatch, old_logp, advantages, old_values, returns,
+              policy: PolicyInputs) -> list[dict]:
         """Metrics of every optimizer step (actor and critic steps of one mini-batch merged)."""
         parts, self.busy["train"] = self._run(WorkerAPI.train, TRAIN, batch, old_logp,
-                                              advantages, old_values, returns)
+                                              advantages, old_values, returns, policy)
         return [{k: v for step in steps for k, v in step.items()} for steps in zip(*parts)]
 
     def sync(self) -> None:

@@ -32,7 +32,7 @@ from megarlhf.rollout.bridge import WeightBridge, open_channel, receive
 from megarlhf.rollout.engine import Completion, EngineError, SamplingParams
 from megarlhf.rollout import sizing
 from megarlhf.rollout.sizing import EngineSize
-from megarlhf.roles.policy import PolicyLossConfig, PolicyRole
+from megarlhf.roles.policy import PolicyInputs, PolicyLossConfig, PolicyRole
 from megarlhf.roles.sequences import SequenceBatch
 from megarlhf.roles.value import ValueLossConfig, ValueRole
 
@@ -51,9 +51,16 @@ class PPOWorker:
         self.rank = self.mesh.rank
         self.dtype = parse_dtype(c.dtype)
         self.actor = self.ref = self.critic = self.reward = None
+        o = c.options
+        norm = (c.aggregation_norm or c.max_new_tokens
+                if o.aggregation == "seq_mean_token_sum_norm" else None)
         if "actor" in roles:
-            loss = PolicyLossConfig(clip_eps=c.clip_eps, entropy_coef=c.entropy_coef,
-                                    aggregation=c.aggregation)
+            loss = PolicyLossConfig(
+                clip_eps=o.clip_eps, clip_eps_high=o.clip_eps_high, dual_clip=c.dual_clip,
+                ratio_level=o.ratio_level, kind=o.policy_loss,
+                log_ratio_clamp=c.log_ratio_clamp, entropy_coef=c.entropy_coef,
+                aggregation=o.aggregation, aggregation_norm=norm, kl_estimator=o.kl_estimator,
+                kl_clamp=c.kl_clamp)
             self.actor = PolicyRole(self._engine(c.actor, c.actor_lr), loss=loss,
                                     num_microbatches=c.micro_batches)
         if "ref" in roles:
@@ -61,7 +68,8 @@ class PPOWorker:
         if "critic" in roles:
             self.critic = ValueRole(self._engine(c.critic, c.critic_lr),
                                     loss=ValueLossConfig(clip_eps=c.value_clip_eps,
-                                                         aggregation=c.aggregation),
+                                                         aggregation=o.aggregation,
+                                                         aggregation_norm=norm),
                                     num_microbatches=c.micro_batches)
         if "reward" in roles:
             self.reward = ValueRole(self._engine(c.reward_model, None),
@@ -150,22 +158,24 @@ class PPOWorker:
                                f"{len(prompts)} prompts x {params.n} samples")
         return sorted(merged, key=lambda c: c.prompt_index)  # stable: samples keep order
 
-    def experience(self, batch: SequenceBatch) -> dict[str, torch.Tensor]:
-        """What this group's roles add to the rollout batch: old logprobs and entropy (actor),
-        ref logprobs, values (critic), reward-model scores."""
+    def experience(self, batch: SequenceBatch, roles: frozenset[str]
+                   ) -> dict[str, torch.Tensor]:
+        """What this group's roles among `roles` add to the rollout batch: old logprobs and
+        entropy (actor), ref logprobs, values (critic), reward-model scores (reward)."""
         out = {}
-        if self.actor is not None:
+        if self.actor is not None and "actor" in roles:
             out["logp"], out["entropy"] = self.actor.logprobs(batch, with_entropy=True)
-        if self.ref is not None:
+        if self.ref is not None and "ref" in roles:
             out["ref_logp"] = self.ref.logprobs(batch)
-        if self.critic is not None:
+        if self.critic is not None and "critic" in roles:
             out["values"] = self.critic.values(batch)
-        if self.reward is not None:
+        if self.reward is not None and "reward" in roles:
             out["rm_scores"] = self.reward.scores(batch)
         return out
 
     def train(self, batch: SequenceBatch, old_logp: torch.Tensor, advantages: torch.Tensor,
-              old_values: torch.Tensor | None, returns: torch.Tensor | None) -> list[dict]:
+              old_values: torch.Tensor | None, returns: torch.Tensor | None,
+              policy: PolicyInputs) -> list[dict]:
         """PPO epochs over mini-batches for this group's actor and/or critic; metrics of every
         optimizer step."""
         c = self.config
@@ -177,7 +187,8 @@ class PPOWorker:
                 part = _rows(batch, rows)
                 m = {}
                 if self.actor is not None:
-                    step, actor = self.actor.train_step(part, old_logp[rows], advantages[rows])
+                    step, actor = self.actor.train_step(part, old_logp[rows], advantages[rows],
+                                                        **policy.rows(rows))
                     m.update({f"actor/{k}": v for k, v in actor.items()})
                     m.update({"actor/grad_norm": step.grad_norm, "actor/lr": step.lr,
                               "actor/skipped": float(step.skipped)})

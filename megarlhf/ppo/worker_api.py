@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     import torch
 
+    from megarlhf.roles.policy import PolicyInputs
     from megarlhf.roles.sequences import SequenceBatch
     from megarlhf.rollout.engine import Completion, SamplingParams
 
@@ -21,10 +22,12 @@ class WorkerAPI(Protocol):
     def generate(self, prompts: list[list[int]], params: SamplingParams
                  ) -> list[Completion]: ...
 
-    def experience(self, batch: SequenceBatch) -> dict[str, torch.Tensor]: ...
+    def experience(self, batch: SequenceBatch, roles: frozenset[str]
+                   ) -> dict[str, torch.Tensor]: ...
 
     def train(self, batch: SequenceBatch, old_logp: torch.Tensor, advantages: torch.Tensor,
-              old_values: torch.Tensor | None, returns: torch.Tensor | None) -> list[dict]: ...
+              old_values: torch.Tensor | None, returns: torch.Tensor | None,
+              policy: PolicyInputs) -> list[dict]: ...
 
     def sync_weights(self) -> None: ...
 

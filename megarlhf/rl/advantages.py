@@ -155,12 +155,14 @@ def reinforce_pp_advantages(
     kl_kind: str = "k1",
     gamma: float = 1.0,
     clip_reward: float | None = None,
+    kl_clamp: float | None = None,
     group: dist.ProcessGroup | None = None,
     eps: float = 1e-8,
 ) -> torch.Tensor:
     """REINFORCE++ (Hu 2025): KL-shaped token rewards -> returns-to-go -> global whitening.
 
-        r_t = `kl_shaped_rewards(score, logp, ref_logp, mask, kl_coef, kl_kind, clip_reward)`
+        r_t = `kl_shaped_rewards(score, logp, ref_logp, mask, kl_coef, kl_kind, clip_reward,
+                                 kl_clamp)`
         G_t = sum_{k >= t, response} gamma^(k - t) r_k
         A   = masked_whiten(G, mask, group)   (mean and variance over the whole DP batch)
 
@@ -168,7 +170,7 @@ def reinforce_pp_advantages(
     depend on how the batch is split. Returns-to-go are `gae` with V = 0 and lam = 1.
     """
     rewards_BT = kl_shaped_rewards(score_B, logp_BT, ref_logp_BT, mask_BT, kl_coef=kl_coef,
-                                   kind=kl_kind, clip_reward=clip_reward)
+                                   kind=kl_kind, clip_reward=clip_reward, kl_clamp=kl_clamp)
     returns_BT, _ = gae(rewards_BT, torch.zeros_like(rewards_BT), mask_BT, gamma=gamma, lam=1.0)
     return masked_whiten(returns_BT, mask_BT, group=group, eps=eps)
 

@@ -54,19 +54,22 @@ def _k3(log_ratio):
 KL_ESTIMATORS = {"k1": _k1, "k2": _k2, "k3": _k3}
 
 
-def kl_penalty(logp_BT: torch.Tensor, ref_logp_BT: torch.Tensor, kind: str) -> torch.Tensor:
+def kl_penalty(logp_BT: torch.Tensor, ref_logp_BT: torch.Tensor, kind: str, *,
+               clamp: float | None = None) -> torch.Tensor:
     """Per-token estimate of KL(pi || ref) from tokens sampled from pi (Schulman's k1/k2/k3).
 
     With x = logp - ref_logp:
         k1 = x                          unbiased, high variance, can be negative
         k2 = 0.5 * x^2                  biased, low variance, >= 0
         k3 = exp(-x) - (-x) - 1         unbiased, low variance, >= 0 (the "low_var_kl")
-    No clamping: x is used as given (verl clamps k3 to [-10, 10]; clamp the result if wanted).
+    With `clamp`, the estimate is clamped to [-clamp, clamp]: k3 grows as exp(-x), and one
+    token the policy made far likelier than the reference would otherwise dominate a batch.
     """
     if kind not in KL_ESTIMATORS:
         raise ValueError(f"unknown KL estimator {kind!r}; choose one of {sorted(KL_ESTIMATORS)}")
     check_same_shape(logp=logp_BT, ref_logp=ref_logp_BT)
-    return KL_ESTIMATORS[kind](logp_BT - ref_logp_BT)
+    kl_BT = KL_ESTIMATORS[kind](logp_BT - ref_logp_BT)
+    return kl_BT if clamp is None else kl_BT.clamp(-clamp, clamp)
 
 
 def kl_shaped_rewards(
@@ -78,10 +81,12 @@ def kl_shaped_rewards(
     kl_coef: float,
     kind: str = "k1",
     clip_reward: float | None = None,
+    kl_clamp: float | None = None,
 ) -> torch.Tensor:
     """Token rewards [B, T]: a KL penalty on every response token, the score on the last one.
 
         r_t = -kl_coef * kl_t                      for response tokens t (mask 1)
+                                                   (kl_t = kl_penalty(..., clamp=kl_clamp))
         r_last += clip(score, -clip_reward, clip_reward)  (no clipping when clip_reward is None)
         r_t = 0                                    elsewhere
 
@@ -91,7 +96,7 @@ def kl_shaped_rewards(
     check_rows(score_B, mask_BT)
     if clip_reward is not None and clip_reward <= 0:
         raise ValueError(f"clip_reward must be > 0 or None, got {clip_reward}")
-    kl_BT = kl_penalty(logp_BT, ref_logp_BT, kind)
+    kl_BT = kl_penalty(logp_BT, ref_logp_BT, kind, clamp=kl_clamp)
     rewards_BT = torch.where(mask_BT.bool(), -kl_coef * kl_BT, 0.0)
     if clip_reward is not None:
         score_B = score_B.clamp(-clip_reward, clip_reward)

@@ -1,5 +1,6 @@
 """Actor and reference: per-token logprobs (and entropy) of given sequences, and the actor's
-PPO update (clipped policy loss, entropy bonus) through the pipeline schedules."""
+update (policy-gradient loss, entropy bonus, KL loss, ptx loss) through the pipeline
+schedules."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from megarlhf.engine.train import StepMetrics, TrainEngine
 from megarlhf.parallel.vocab import (
     vocab_parallel_logprobs, vocab_parallel_logprobs_and_entropy,
 )
-from megarlhf.rl.losses import AGGREGATION_MODES, aggregate, policy_loss
+from megarlhf.rl.kl import KL_ESTIMATORS, kl_penalty
+from megarlhf.rl.losses import aggregate, policy_loss
 from megarlhf.engine.schedule import gather_rows
 from megarlhf.roles.common import microbatches
 from megarlhf.roles.sequences import SequenceBatch, shift_right
@@ -19,27 +21,69 @@ from megarlhf.roles.sequences import SequenceBatch, shift_right
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PolicyLossConfig:
+    """The actor's loss: the policy-gradient term (megarlhf.rl.losses.policy_loss, weighted per
+    token by the rollout correction when given), minus the entropy bonus, plus the KL loss
+    against the reference and the ptx loss."""
+
     clip_eps: float = 0.2
     clip_eps_high: float | None = None
     """Upper clip range (DAPO's clip-higher); None = clip_eps."""
     dual_clip: float | None = None
     """Dual-clip constant (> 1) for negative advantages; None = off."""
+    ratio_level: str = "token"
+    """'token' (PPO) or 'sequence' (GSPO) importance ratios."""
+    kind: str = "clip"
+    """'clip' (PPO's clipped surrogate) or 'cispo' (clipped stop-gradient weights)."""
+    log_ratio_clamp: float | None = None
+    """Clamp on the log importance ratio before exp (None: none)."""
     entropy_coef: float = 0.0
     """Weight of the entropy bonus subtracted from the loss."""
     aggregation: str = "token_mean"
-    """'token_mean' or 'seq_mean_token_mean' (see megarlhf.rl.losses.aggregate)."""
+    """How token losses become one loss (megarlhf.rl.losses.aggregate)."""
+    aggregation_norm: float | None = None
+    """seq_mean_token_sum_norm's constant (tokens); required by it, refused by the others."""
+    kl_estimator: str = "k3"
+    """KL loss estimator (k1, k2, k3); its coefficient comes with each train step, so an
+    adaptive controller can steer it."""
+    kl_clamp: float | None = None
+    """Clamp on the per-token KL estimate (None: none)."""
     ptx_coef: float = 0.0
     """Weight of the pretraining (ptx) loss, the token-mean NLL of a ptx batch, added to the
     PPO loss (InstructGPT's PPO-ptx). Needs a ptx batch in train_step when > 0."""
 
     def __post_init__(self):
-        if self.aggregation not in AGGREGATION_MODES:
-            raise ValueError(f"unknown aggregation {self.aggregation!r}; choose one of "
-                             f"{AGGREGATION_MODES}")
+        aggregate(torch.zeros(1, 1), torch.ones(1, 1), self.aggregation,
+                  norm=self.aggregation_norm)  # the mode, and its norm
+        policy_loss(*(torch.zeros(1, 1),) * 4, clip_eps=self.clip_eps,  # the loss options
+                    clip_eps_high=self.clip_eps_high, dual_clip=self.dual_clip,
+                    ratio_level=self.ratio_level, kind=self.kind)
+        if self.kl_estimator not in KL_ESTIMATORS:
+            raise ValueError(f"unknown kl_estimator {self.kl_estimator!r}; choose one of "
+                             f"{sorted(KL_ESTIMATORS)}")
         if self.entropy_coef < 0:
             raise ValueError(f"entropy_coef must be >= 0, got {self.entropy_coef}")
         if self.ptx_coef < 0:
             raise ValueError(f"ptx_coef must be >= 0, got {self.ptx_coef}")
+
+    def aggregate(self, loss_BT: torch.Tensor, mask_BT: torch.Tensor):
+        return aggregate(loss_BT, mask_BT, self.aggregation, norm=self.aggregation_norm)
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyInputs:
+    """The actor loss's inputs besides sequences, old logprobs and advantages, for a global
+    batch: the reference's logprobs and the KL coefficient of the KL loss (kl_coef 0: no KL
+    term), and the rollout correction's per-token weights (None: 1)."""
+
+    ref_logp: torch.Tensor | None = None
+    kl_coef: float = 0.0
+    is_weight: torch.Tensor | None = None
+
+    def rows(self, rows: slice) -> dict:
+        """train_step's keyword arguments for the mini-batch `rows`."""
+        return {"ref_logp": None if self.ref_logp is None else self.ref_logp[rows],
+                "kl_coef": self.kl_coef,
+                "is_weight": None if self.is_weight is None else self.is_weight[rows]}
 
 
 def ptx_scale(cfg: PolicyLossConfig, batch: SequenceBatch, ptx: SequenceBatch | None) -> float:
@@ -53,12 +97,12 @@ def ptx_scale(cfg: PolicyLossConfig, batch: SequenceBatch, ptx: SequenceBatch | 
     if ptx.shape != batch.shape:
         raise ValueError(f"the ptx batch is {ptx.shape}, the PPO batch {batch.shape}; pad or "
                          f"cut it to the same shape (micro-batches share one shape)")
-    ppo_den = int(aggregate(torch.zeros(batch.shape), batch.response_mask, cfg.aggregation)[1])
+    ppo_den = int(cfg.aggregate(torch.zeros(batch.shape), batch.response_mask)[1])
     return cfg.ptx_coef * ppo_den / int(ptx.response_mask.sum())
 
 
-_STEP_METRICS = ("loss_sum", "num_tokens", "pg_sum", "tokens", "clipped", "approx_kl",
-                 "entropy", "ptx_sum", "ptx_tokens")
+_STEP_METRICS = ("loss_sum", "num_tokens", "pg_sum", "kl_sum", "tokens", "clipped",
+                 "approx_kl", "entropy", "ptx_sum", "ptx_tokens")
 
 
 def _step_metrics(**given: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -107,21 +151,33 @@ class PolicyRole:
         return (logp, gather_rows(out, "entropy", self.engine.mesh)) if with_entropy else logp
 
     def train_step(self, batch: SequenceBatch, old_logp: torch.Tensor,
-                   advantages: torch.Tensor, ptx: SequenceBatch | None = None
+                   advantages: torch.Tensor, ptx: SequenceBatch | None = None, *,
+                   ref_logp: torch.Tensor | None = None, kl_coef: float = 0.0,
+                   is_weight: torch.Tensor | None = None
                    ) -> tuple[StepMetrics, dict[str, float]]:
-        """One optimizer step of the clipped policy loss over the global batch, plus
-        `ptx_coef` times the token-mean NLL of `ptx` (tokens under its response_mask).
+        """One optimizer step over the global batch of
 
-        The two terms are means over different token sets, and the engine divides the sum of
-        all micro-batches' numerators by one global denominator. Both denominators are known
-        up front (every rank holds the global batches), so ptx micro-batches contribute
+            policy-gradient loss (per token, times `is_weight` when given: the rollout
+            correction) - entropy_coef * entropy + kl_coef * KL(actor || ref)
+
+        each aggregated as `self.loss.aggregation` says (the KL term, estimator
+        `kl_estimator`, needs `ref_logp` when kl_coef > 0), plus `ptx_coef` times the
+        token-mean NLL of `ptx` (tokens under its response_mask).
+
+        The PPO and ptx terms are means over different token sets, and the engine divides the
+        sum of all micro-batches' numerators by one global denominator. Both denominators are
+        known up front (every rank holds the global batches), so ptx micro-batches contribute
         `ptx_coef * D_ppo / D_ptx * NLL_sum` with denominator 0: the step's loss is then
         PPO + ptx_coef * ptx however the batches are split.
 
-        Returns the engine's step metrics and global means: policy loss, clip fraction,
-        approximate KL (k3) and entropy over response tokens (and ptx loss).
+        Returns the engine's step metrics and global means: policy loss, KL loss (the
+        aggregated KL estimate, before kl_coef), clip fraction, approximate KL (k3, to
+        pi_old) and entropy over response tokens (and ptx loss).
         """
         cfg = self.loss
+        if kl_coef < 0 or (kl_coef > 0 and ref_logp is None):
+            raise ValueError(f"kl_coef must be >= 0 and needs ref_logp when > 0, got "
+                             f"{kl_coef} and {'no ' if ref_logp is None else ''}ref_logp")
         scale = ptx_scale(cfg, batch, ptx)
         zeros = torch.zeros(batch.shape)
 
@@ -139,23 +195,37 @@ class PolicyRole:
             m = mask.bool()
             pg_BT, stats = policy_loss(logp, mb["old_logp"], mb["advantages"], mask,
                                        clip_eps=cfg.clip_eps, clip_eps_high=cfg.clip_eps_high,
-                                       dual_clip=cfg.dual_clip)
-            num, den = aggregate(pg_BT - cfg.entropy_coef * entropy, mask, cfg.aggregation)
-            pg_num, _ = aggregate(pg_BT, mask, cfg.aggregation)
+                                       dual_clip=cfg.dual_clip, ratio_level=cfg.ratio_level,
+                                       kind=cfg.kind, log_ratio_clamp=cfg.log_ratio_clamp)
+            pg_BT = pg_BT * mb["is_weight"]
+            loss_BT = pg_BT - cfg.entropy_coef * entropy
+            kl_num = torch.zeros((), device=logp.device)
+            if kl_coef > 0:
+                kl_BT = kl_penalty(logp, mb["ref_logp"], cfg.kl_estimator, clamp=cfg.kl_clamp)
+                loss_BT = loss_BT + kl_coef * kl_BT
+                kl_num, _ = cfg.aggregate(kl_BT.detach(), mask)
+            num, den = cfg.aggregate(loss_BT, mask)
+            pg_num, _ = cfg.aggregate(pg_BT.detach(), mask)
             return num, den.to(torch.int), _step_metrics(
                 loss_sum=num.detach().clone(), num_tokens=den.detach().clone(),
-                pg_sum=pg_num.detach(), tokens=m.sum(), clipped=stats["clipped"][m].sum(),
-                approx_kl=stats["approx_kl"][m].sum(), entropy=entropy.detach()[m].sum())
+                pg_sum=pg_num, kl_sum=kl_num, tokens=m.sum(),
+                clipped=stats["clipped"][m].sum(), approx_kl=stats["approx_kl"][m].sum(),
+                entropy=entropy.detach()[m].sum())
 
         def loss_fn(mb, logits_BTV):
             return (ptx_loss if bool(mb["is_ptx"][0, 0]) else ppo_loss)(mb, logits_BTV)
 
-        mbs = self._microbatches(batch, old_logp, advantages, is_ptx=False)
+        mbs = self._microbatches(batch, old_logp, advantages, is_ptx=False,
+                                 ref_logp=zeros if ref_logp is None else ref_logp,
+                                 is_weight=torch.ones(batch.shape) if is_weight is None
+                                 else is_weight)
         if ptx is not None:
-            mbs += self._microbatches(ptx, zeros, zeros, is_ptx=True)
+            mbs += self._microbatches(ptx, zeros, zeros, is_ptx=True, ref_logp=zeros,
+                                      is_weight=zeros)
         step = self.engine.train_step(mbs, loss_fn)
         s = step.sums
         metrics = {"policy_loss": s["pg_sum"] / s["num_tokens"],
+                   "kl_loss": s["kl_sum"] / s["num_tokens"],
                    "clip_fraction": s["clipped"] / s["tokens"],
                    "approx_kl": s["approx_kl"] / s["tokens"],
                    "entropy": s["entropy"] / s["tokens"]}
@@ -163,8 +233,10 @@ class PolicyRole:
             metrics["ptx_loss"] = s["ptx_sum"] / s["ptx_tokens"]
         return step, metrics
 
-    def _microbatches(self, batch: SequenceBatch, old_logp, advantages, *, is_ptx: bool):
+    def _microbatches(self, batch: SequenceBatch, old_logp, advantages, *, is_ptx: bool,
+                      ref_logp, is_weight):
         return microbatches(self.engine, batch, self.num_microbatches,
                             response_mask=batch.response_mask.float(),
                             old_logp=old_logp.float(), advantages=advantages.float(),
+                            ref_logp=ref_logp.float(), is_weight=is_weight.float(),
                             is_ptx=torch.full(batch.shape, float(is_ptx)))

@@ -9,7 +9,7 @@ import dataclasses
 import torch
 
 from megarlhf.engine.train import StepMetrics, TrainEngine
-from megarlhf.rl.losses import AGGREGATION_MODES, aggregate, value_loss
+from megarlhf.rl.losses import aggregate, value_loss
 from megarlhf.engine.schedule import gather_rows
 from megarlhf.roles.common import microbatches
 from megarlhf.roles.sequences import SequenceBatch, shift_right
@@ -20,11 +20,12 @@ class ValueLossConfig:
     clip_eps: float | None = 0.2
     """Clip range of the new values around the old ones; None = unclipped."""
     aggregation: str = "token_mean"
+    aggregation_norm: float | None = None
+    """seq_mean_token_sum_norm's constant (megarlhf.rl.losses.aggregate)."""
 
     def __post_init__(self):
-        if self.aggregation not in AGGREGATION_MODES:
-            raise ValueError(f"unknown aggregation {self.aggregation!r}; choose one of "
-                             f"{AGGREGATION_MODES}")
+        aggregate(torch.zeros(1, 1), torch.ones(1, 1), self.aggregation,
+                  norm=self.aggregation_norm)  # the mode, and its norm
 
 
 class ValueRole:
@@ -68,7 +69,7 @@ class ValueRole:
             mask = mb["response_mask"]
             loss_BT = value_loss(values, mb["old_values"], mb["returns"], mask,
                                  clip_eps=cfg.clip_eps)
-            num, den = aggregate(loss_BT, mask, cfg.aggregation)
+            num, den = aggregate(loss_BT, mask, cfg.aggregation, norm=cfg.aggregation_norm)
             m = mask.bool()
             clipped = torch.zeros((), device=values.device)
             if cfg.clip_eps is not None:

@@ -1,0 +1,125 @@
+"""A step's rollout: prompts drawn, answered by the rollout engines (samples_per_prompt each)
+and scored. With dynamic sampling (DAPO), a prompt whose samples all got the same reward
+teaches nothing (its group advantages are 0): such groups are dropped and further rounds of
+prompts generated, up to dynamic_sampling_rounds, until the step has prompts_per_step groups.
+The batch keeps its shape, so it still splits into mini-batches x DP x micro-batches: when
+the rounds run out, dropped groups complete it (counted in rollout/dynamic_sampling_short).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+
+from megarlhf.data.prompts import Prompt
+from megarlhf.ppo.config import PPOConfig
+from megarlhf.ppo.inputs import RunInputs
+from megarlhf.ppo.placement import Placement
+from megarlhf.rewards.calls import Sample
+from megarlhf.rl.shaping import overlong_penalty, varied_groups
+from megarlhf.rollout.engine import Completion, SamplingParams
+from megarlhf.rollout.experience import rollout_batch
+
+_ROUND_SEED = 2**32
+"""Seed offset between a step's generation rounds (steps differ by 1, so rounds never reuse a
+step's seed)."""
+
+
+@dataclasses.dataclass
+class Group:
+    """One prompt's samples: its completions, the reward function's view of them, and their
+    scores."""
+
+    prompt: Prompt
+    completions: list[Completion]
+    samples: list[Sample]
+    score: torch.Tensor
+
+
+@dataclasses.dataclass
+class StepRollout:
+    prompts: list[Prompt]
+    completions: list[Completion]
+    """samples_per_prompt per prompt, in prompt order; prompt_index points into prompts."""
+    samples: list[Sample]
+    score: torch.Tensor
+    """[B] reward-model score + reward function + overlong penalty."""
+    metrics: dict[str, float]
+    seconds: dict[str, float]
+    """Time spent generating ('rollout') and scoring ('reward'), over all rounds."""
+
+
+def draw(config: PPOConfig, data: RunInputs, workers: Placement, sampler, step: int
+         ) -> StepRollout:
+    """The step's groups (see the module doc)."""
+    o, n = config.options, config.samples_per_prompt
+    kept, dropped, scored, seconds = [], [], [], {"rollout": 0.0, "reward": 0.0}
+    for round_ in range(1 + (config.dynamic_sampling_rounds if o.dynamic_sampling else 0)):
+        prompts = sampler.next(config.prompts_per_step)
+        params = SamplingParams(max_new_tokens=config.max_new_tokens, n=n,
+                                temperature=config.temperature, top_p=config.top_p,
+                                top_k=config.top_k, stop_token_ids=data.checked.stop_token_ids,
+                                # resume-stable: the same step and round draw the same samples
+                                seed=config.seed * 1_000_003 + step + round_ * _ROUND_SEED)
+        t = time.perf_counter()
+        completions = workers.rollout([list(p.ids) for p in prompts], params)
+        seconds["rollout"] += time.perf_counter() - t
+        t = time.perf_counter()
+        samples = data.samples(prompts, completions)
+        score, metrics = _score(config, data, workers, prompts, completions, samples, step)
+        seconds["reward"] += time.perf_counter() - t
+        scored.append((len(samples), metrics))
+        varied = varied_groups(score, n) if o.dynamic_sampling else [True] * len(prompts)
+        for g, prompt in enumerate(prompts):
+            rows = slice(g * n, (g + 1) * n)
+            group = Group(prompt, completions[rows], samples[rows], score[rows])
+            (kept if varied[g] else dropped).append(group)
+        if len(kept) >= config.prompts_per_step:
+            break
+    short = config.prompts_per_step - min(len(kept), config.prompts_per_step)
+    groups = kept[:config.prompts_per_step] + dropped[:short]
+    metrics = _merge(scored)
+    if o.dynamic_sampling:
+        metrics.update({"rollout/dynamic_sampling_rounds": float(round_),
+                        "rollout/dynamic_sampling_dropped": float(len(dropped)),
+                        "rollout/dynamic_sampling_short": float(short)})
+    return StepRollout(
+        prompts=[g.prompt for g in groups],
+        completions=[dataclasses.replace(c, prompt_index=i)
+                     for i, g in enumerate(groups) for c in g.completions],
+        samples=[s for g in groups for s in g.samples],
+        score=torch.cat([g.score for g in groups]), metrics=metrics, seconds=seconds)
+
+
+def _score(config: PPOConfig, data: RunInputs, workers: Placement, prompts: list[Prompt],
+           completions: list[Completion], samples: list[Sample], step: int
+           ) -> tuple[torch.Tensor, dict[str, float]]:
+    """[B] scores of one round: the reward model's, plus the reward function's, plus the
+    overlong penalty; and the reward function's metrics."""
+    score = torch.zeros(len(samples))
+    if config.reward_model:
+        batch = rollout_batch([list(p.ids) for p in prompts], completions).sequences
+        score += workers.experience(batch, frozenset({"reward"}))["rm_scores"].float()
+    metrics = {}
+    if data.reward is not None:
+        fn_score, metrics = data.reward.score(step, samples)
+        score += fn_score
+    buffer = config.options.overlong_buffer
+    if buffer:
+        lengths = torch.tensor([len(c.token_ids) for c in completions])
+        penalty = overlong_penalty(lengths, max_len=config.max_new_tokens, buffer=buffer,
+                                   factor=config.overlong_penalty)
+        score += penalty
+        metrics["reward/overlong_penalty"] = float(penalty.mean())
+    return score, metrics
+
+
+def _merge(scored: list[tuple[int, dict[str, float]]]) -> dict[str, float]:
+    """One step's reward metrics from its rounds': timeouts add up, the others are means
+    weighted by the round's samples."""
+    total = sum(count for count, _ in scored)
+    keys = {key for _, metrics in scored for key in metrics}
+    return {key: sum(m.get(key, 0.0) * (1 if key == "reward/timeouts" else count / total)
+                     for count, m in scored) for key in sorted(keys)}
