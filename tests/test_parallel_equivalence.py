@@ -125,3 +125,18 @@ def test_checkpoint_tp2pp2_resumes_at_tp1pp1(lm_ref, tiny, tmp_path, batch):
     at_tp2pp2 = launch_local(workers.forward_outputs, 4, ckpt,
                              P(tensor_parallel=2, pipeline_parallel=2), batch)[0]
     torch.testing.assert_close(at_tp1, at_tp2pp2, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("distributed", [True, False], ids=["distopt", "no-distopt"])
+def test_a_16_bit_engine_trains_from_the_weights_it_loaded(tiny, tmp_path, dtype, distributed):
+    # Found on a real model: bf16 GRPO from a converted checkpoint reached uniform outputs
+    # (entropy = log(vocab)) after one step at lr 1e-5, because the fp32 master weights were
+    # the pre-load random init. The shared reference weights (seed 0) ARE that init, which hid
+    # it: these come from another seed. A step at lr 1e-9 moves weights by ~1e-9; stale
+    # master weights would move them by their own size (~1e-2).
+    ckpt = str(tmp_path / "seed5")
+    launch_local(workers.write_reference, 1, ckpt, tiny, 5)
+    change = launch_local(workers.weight_change_of_a_16_bit_step, 1, ckpt, dtype,
+                          distributed)[0]
+    assert change < 1e-6, change

@@ -285,7 +285,7 @@ def test_dynamic_sampling_replaces_groups_whose_rewards_are_all_equal(base, tmp_
     config = dataclasses.replace(
         base, algorithm="dapo", critic=None, nproc=1, tensor_parallel=1, steps=1,
         ppo_epochs=1, mini_batches=1, prompts_per_step=4, samples_per_prompt=4,
-        prompts=str(prompts), out_dir=str(tmp_path / "out"), log_samples=16,
+        prompts=str(prompts), out_dir=str(tmp_path / "out"), log_samples=16, kl_coef=None,
         reward_fn="tests.reward_fns:flat_or_varied", dynamic_sampling_rounds=3)
     (metrics,) = run(config)
     assert metrics["rollout/dynamic_sampling_rounds"] >= 1, metrics
@@ -665,10 +665,11 @@ def test_every_enum_value_and_placement_backend_pair_has_a_run():
 def test_each_config_value_runs_a_step(base, tmp_path, name):
     fields = VALUE_RUNS[name]
     critic_free = fields.get("algorithm", "ppo") != "ppo"
+    # kl_coef: the algorithm's (base sets one for its own runs)
     config = dataclasses.replace(base, out_dir=str(tmp_path), nproc=1, tensor_parallel=1,
                                  steps=1, ppo_epochs=1, mini_batches=1, prompts_per_step=4,
                                  samples_per_prompt=4, critic=None if critic_free else base.critic,
-                                 **fields)
+                                 **{"kl_coef": None, **fields})
     (metrics,) = run(config)
     assert metrics["actor/skipped"] == 0.0 and math.isfinite(metrics["actor/policy_loss"]), metrics
     assert metrics["actor/grad_norm"] > 0, metrics
@@ -676,7 +677,10 @@ def test_each_config_value_runs_a_step(base, tmp_path, name):
         assert abs(metrics["rollout/is_ratio_mean"] - 1) < 1e-3, metrics
         assert metrics["rollout/is_clipped_frac"] == 0.0, metrics
     if config.options.dynamic_sampling:
-        assert metrics["rollout/dynamic_sampling_rounds"] >= 0, metrics
+        assert {"rollout/dynamic_sampling_rounds", "rollout/dynamic_sampling_dropped",
+                "rollout/dynamic_sampling_short"} <= set(metrics), metrics
+    if config.options.kl_in == "loss":
+        assert (metrics["actor/kl_loss"] > 0) == (config.options.kl_coef > 0), metrics
 
 
 @pytest.mark.slow

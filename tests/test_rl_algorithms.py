@@ -216,8 +216,7 @@ def test_in_reward_kl_of_group_methods_comes_off_each_samples_score(algorithm):
 # --- presets and options --------------------------------------------------------------------
 
 def test_presets_are_what_their_papers_and_verl_name():
-    o = {name: resolve(_config(name, **({} if name != "ppo" else {})))
-         for name in PRESETS}
+    o = {name: resolve(_config(name)) for name in PRESETS}
     assert (o["grpo"].kl_in, o["grpo"].kl_estimator, o["grpo"].kl_coef) == ("loss", "k3", 0.001)
     assert not o["grpo"].whiten_advantages and not o["rloo"].whiten_advantages
     assert o["ppo"].whiten_advantages and o["ppo"].estimator == "gae"

@@ -169,6 +169,12 @@ def test_fixed_kl_controller_does_not_move():
     ctl = FixedKLController(0.1)
     ctl.update(5.0, 64)
     assert ctl.value == 0.1
+    # Resumed from a checkpoint written with another coefficient (an older default): the
+    # configured one holds.
+    ctl.load_state_dict({"value": 0.05})
+    assert ctl.value == 0.1
+    with pytest.raises(ValueError, match="exactly the key 'value'"):
+        ctl.load_state_dict({"coef": 0.1})
 
 
 def test_adaptive_kl_controller_moves_towards_target_and_resumes_exactly():

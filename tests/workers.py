@@ -108,3 +108,27 @@ def resave_for_training(ckpt: str, out: str, parallel: ParallelConfig) -> None:
                                    value_head=meta["value_head"]), mesh, OPTIM)
     load_checkpoint(ckpt, engine, with_optimizer=False)
     save_checkpoint(out, engine, mesh)
+
+
+def weight_change_of_a_16_bit_step(ckpt: str, dtype: str, distributed: bool) -> float:
+    """Largest |weight change| of the first 16-bit update at lr 1e-9 after a model-only load
+    of `ckpt` (a fresh optimizer). The step moves no weight by a representable amount, so the
+    weights stay the loaded ones, unless the optimizer's fp32 master weights are stale (the
+    random init the engine was built with): then the step writes those back."""
+    from megarlhf.engine.checkpoint import engine_from_checkpoint, read_meta
+    from megarlhf.models.transformer_config import parse_dtype
+
+    parallel = ParallelConfig()
+    mesh = init_mesh(parallel)
+    engine = engine_from_checkpoint(ckpt, parallel, mesh,
+                                    OptimConfig(lr=1e-9, use_distributed_optimizer=distributed),
+                                    dtype=parse_dtype(dtype), on_gpu=False)
+    params = [p for chunk in engine.unwrapped() for p in chunk.parameters()]
+    before = [p.detach().float().clone() for p in params]
+    model = ModelConfig.from_dict(read_meta(ckpt)["model"])
+    batch = make_batch(model, batch=2, seq=8, seed=0)
+    for _ in range(8):  # fp16: until the dynamic loss scale stops skipping the update
+        if not engine.train_step([batch], lm_loss(mesh, model.vocab_size)).skipped:
+            return max(float((p.detach().float() - b).abs().max())
+                       for p, b in zip(params, before))
+    raise AssertionError("every step was skipped")

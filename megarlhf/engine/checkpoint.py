@@ -249,4 +249,9 @@ def load_checkpoint(path: str, engine, *, with_optimizer: bool = True) -> dict:
         with torch_adam_load_fixes(engine.optimizer):
             engine.optimizer.load_state_dict(loaded["optimizer"])
         engine.scheduler.load_state_dict(loaded["scheduler"])
+    elif engine.optimizer is not None:
+        # A 16-bit engine's optimizer holds fp32 master copies of the weights, made when it
+        # was built: refresh them from the loaded weights, or the first step writes the
+        # build-time init back over them.
+        engine.optimizer.reload_model_params()
     return meta["extra"]

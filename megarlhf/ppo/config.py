@@ -261,8 +261,8 @@ class PPOConfig:
     equal rewards are dropped and more prompts generated to replace them."""
     dynamic_sampling_rounds: int = 4
     """Extra generation rounds one step may take to replace dropped groups; when they run
-    out, the batch is completed with dropped groups (their advantages are 0) and
-    rollout/dynamic_sampling_short counts them."""
+    out, the batch is completed with dropped groups (their group advantages are 0, unless an
+    in-reward KL or whitening adds some) and rollout/dynamic_sampling_short counts them."""
     overlong_buffer: int | None = None
     """(algorithm's) DAPO's soft overlong penalty: responses longer than max_new_tokens -
     overlong_buffer lose up to overlong_penalty, linearly (0: off)."""
@@ -415,9 +415,10 @@ class PPOConfig:
         if o.overlong_buffer > self.max_new_tokens:
             problems.append(f"overlong_buffer={o.overlong_buffer} is longer than "
                             f"max_new_tokens={self.max_new_tokens}")
-        if o.dynamic_sampling and self.samples_per_prompt < 2:
-            problems.append("dynamic_sampling drops prompts whose samples all got the same "
-                            "reward: set samples_per_prompt >= 2")
+        if o.dynamic_sampling and o.estimator not in ("grpo", "rloo"):
+            problems.append(f"dynamic_sampling keeps prompts whose samples' rewards differ, "
+                            f"for group advantages (grpo, rloo and their presets), not "
+                            f"{self.algorithm!r}")
         if self.kl_target is not None and o.kl_coef <= 0:
             problems.append(f"kl_target steers kl_coef, which is {o.kl_coef} for "
                             f"{self.algorithm}: set kl_coef > 0")

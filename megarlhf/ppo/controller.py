@@ -38,7 +38,6 @@ from megarlhf.rl import (
 )
 from megarlhf.rl.correction import rollout_correction
 from megarlhf.roles.policy import PolicyInputs
-from megarlhf.rollout.engine import SamplingParams
 from megarlhf.rollout.experience import rollout_batch
 from megarlhf.rollout.gap import check_gap, logprob_gap
 
@@ -81,7 +80,8 @@ def _train(config: PPOConfig, data: RunInputs) -> list[dict]:
               if config.kl_target is not None else FixedKLController(kl_coef))
     log = MetricsLog(config.out_dir, name="ppo", steps=config.steps, resumed_step=start,
                      console_keys=CONSOLE_KEYS, tensorboard=config.tensorboard,
-                     wandb_project=config.wandb_project, run_config=dataclasses.asdict(config))
+                     wandb_project=config.wandb_project, run_config={**dataclasses.asdict(config),
+                                              "resolved": dataclasses.asdict(config.options)})
     log.write({"event": "data", **data.report}, echo=False)
     workers = Placement(config, data.checked.engine_size)
     history = []
@@ -181,8 +181,9 @@ def compute_advantages(config: PPOConfig, score: torch.Tensor, exp: dict, mask: 
     - gae (ppo): KL-shaped token rewards, GAE against the critic's values.
     - reinforce++ / reinforce++_baseline: KL-shaped token rewards, discounted returns and a
       whitening over the batch are the estimator itself (so whitened exactly once).
-    - group estimators (grpo, rloo): a sample's summed KL penalty comes off its score (verl's
-      in-reward KL), then the estimator (grpo with or without the group's std).
+    - group estimators (grpo, rloo): the score clipped to clip_reward, a sample's summed KL
+      penalty off it (verl's in-reward KL), then the estimator (grpo with or without the
+      group's std).
     Then whitening over the batch when whiten_advantages. The controller holds the whole
     batch, so batch statistics need no process group."""
     o = config.options
@@ -200,10 +201,12 @@ def compute_advantages(config: PPOConfig, score: torch.Tensor, exp: dict, mask: 
             options["group_size"] = config.samples_per_prompt
         return critic_free_advantages(o.estimator, score, mask, **options), None
     else:
+        if config.clip_reward is not None:
+            score = score.clamp(-config.clip_reward, config.clip_reward)
         if in_reward:
             per_token = kl_penalty(exp["logp"], exp["ref_logp"], o.kl_estimator,
                                    clamp=config.kl_clamp)
-            score = score - in_reward * (per_token * mask).sum(dim=-1)
+            score = score - in_reward * torch.where(mask.bool(), per_token, 0.0).sum(dim=-1)
         options = {"group_size": config.samples_per_prompt}
         if o.estimator == "grpo":
             options["scale_by_std"] = o.advantage_std_norm
@@ -237,10 +240,8 @@ def validate(config: PPOConfig, data: RunInputs, workers: Placement, step: int,
                              if config.val_samples else [])
     out = {}
     for prefix, n, temperature in runs:
-        params = SamplingParams(max_new_tokens=config.max_new_tokens, n=n,
-                                temperature=temperature, top_p=config.top_p, top_k=config.top_k,
-                                stop_token_ids=data.checked.stop_token_ids,
-                                seed=config.seed * 1_000_003 + step + 500_009)
+        params = rollouts.sampling(config, data, n=n, temperature=temperature,
+                                   seed=config.seed * 1_000_003 + step + 500_009)
         completions = workers.rollout(ids, params)
         samples = data.samples(data.val, completions)
         score, _ = data.reward.score(step, samples)

@@ -76,11 +76,11 @@ class Placement:
     # -- the loop's phases -------------------------------------------------------------------
 
     def rollout(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
-        (completions,), self.busy["rollout"] = self._run(WorkerAPI.generate, ROLLOUT, prompts,
-                                                         params)
+        (completions,), seconds = self._run(WorkerAPI.generate, ROLLOUT, prompts, params)
+        self.busy["rollout"] = self.busy.get("rollout", 0.0) + seconds  # a step may take rounds
         return completions
 
-    def experience(self, batch: SequenceBatch, roles: frozenset[str] = EXPERIENCE) -> dict:
+    def experience(self, batch: SequenceBatch, roles: frozenset[str]) -> dict:
         """What `roles` (of EXPERIENCE) add to the batch: logp and entropy (actor), ref_logp,
         values (critic), rm_scores (reward)."""
         parts, seconds = self._run(WorkerAPI.experience, roles, batch, roles)

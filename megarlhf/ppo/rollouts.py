@@ -58,11 +58,9 @@ def draw(config: PPOConfig, data: RunInputs, workers: Placement, sampler, step: 
     kept, dropped, scored, seconds = [], [], [], {"rollout": 0.0, "reward": 0.0}
     for round_ in range(1 + (config.dynamic_sampling_rounds if o.dynamic_sampling else 0)):
         prompts = sampler.next(config.prompts_per_step)
-        params = SamplingParams(max_new_tokens=config.max_new_tokens, n=n,
-                                temperature=config.temperature, top_p=config.top_p,
-                                top_k=config.top_k, stop_token_ids=data.checked.stop_token_ids,
-                                # resume-stable: the same step and round draw the same samples
-                                seed=config.seed * 1_000_003 + step + round_ * _ROUND_SEED)
+        # resume-stable: the same step and round draw the same samples
+        params = sampling(config, data, n=n, temperature=config.temperature,
+                          seed=config.seed * 1_000_003 + step + round_ * _ROUND_SEED)
         t = time.perf_counter()
         completions = workers.rollout([list(p.ids) for p in prompts], params)
         seconds["rollout"] += time.perf_counter() - t
@@ -93,6 +91,14 @@ def draw(config: PPOConfig, data: RunInputs, workers: Placement, sampler, step: 
         score=torch.cat([g.score for g in groups]), metrics=metrics, seconds=seconds)
 
 
+def sampling(config: PPOConfig, data: RunInputs, *, n: int, temperature: float, seed: int
+             ) -> SamplingParams:
+    """The run's sampling settings for `n` samples per prompt (training and validation)."""
+    return SamplingParams(max_new_tokens=config.max_new_tokens, n=n, temperature=temperature,
+                          top_p=config.top_p, top_k=config.top_k,
+                          stop_token_ids=data.checked.stop_token_ids, seed=seed)
+
+
 def _score(config: PPOConfig, data: RunInputs, workers: Placement, prompts: list[Prompt],
            completions: list[Completion], samples: list[Sample], step: int
            ) -> tuple[torch.Tensor, dict[str, float]]:
@@ -117,9 +123,14 @@ def _score(config: PPOConfig, data: RunInputs, workers: Placement, prompts: list
 
 
 def _merge(scored: list[tuple[int, dict[str, float]]]) -> dict[str, float]:
-    """One step's reward metrics from its rounds': timeouts add up, the others are means
-    weighted by the round's samples."""
-    total = sum(count for count, _ in scored)
-    keys = {key for _, metrics in scored for key in metrics}
-    return {key: sum(m.get(key, 0.0) * (1 if key == "reward/timeouts" else count / total)
-                     for count, m in scored) for key in sorted(keys)}
+    """The reward metrics of every sample scored this step (all rounds, dropped groups too):
+    timeouts add up; the others are means over the rounds that reported them, weighted by
+    their samples."""
+    out = {}
+    for key in sorted({key for _, metrics in scored for key in metrics}):
+        rounds = [(count, m[key]) for count, m in scored if key in m]
+        if key == "reward/timeouts":
+            out[key] = sum(value for _, value in rounds)
+        else:
+            out[key] = sum(c * v for c, v in rounds) / sum(c for c, _ in rounds)
+    return out

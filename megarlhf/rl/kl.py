@@ -120,7 +120,9 @@ class FixedKLController:
         return {"value": self.value}
 
     def load_state_dict(self, state: dict) -> None:
-        self.value = _load_value(state)
+        """Checks the state's form and keeps the configured coefficient: a fixed one is
+        config, not state (a resumed run takes the value its config gives now)."""
+        _load_value(state)
 
 
 class AdaptiveKLController:

@@ -60,6 +60,9 @@ class PolicyLossConfig:
         if self.kl_estimator not in KL_ESTIMATORS:
             raise ValueError(f"unknown kl_estimator {self.kl_estimator!r}; choose one of "
                              f"{sorted(KL_ESTIMATORS)}")
+        for name in ("kl_clamp", "log_ratio_clamp"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0 or None, got {getattr(self, name)}")
         if self.entropy_coef < 0:
             raise ValueError(f"entropy_coef must be >= 0, got {self.entropy_coef}")
         if self.ptx_coef < 0:
