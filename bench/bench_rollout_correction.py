@@ -27,7 +27,7 @@ from tests import real_model
 
 RECIPE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes",
                       "smollm2-135m-grpo-arithmetic.yaml")
-VARIANTS = {"off": [], "tis (token, 2)": ["rollout_correction=tis"],
+VARIANTS = {"none": [], "tis (token, 2)": ["rollout_correction=tis"],
             "mis (token, [0.5, 2])": ["rollout_correction=mis"]}
 
 

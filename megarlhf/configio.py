@@ -85,7 +85,9 @@ def convert(tp, value, where: str):
         except ValueError:
             pass
     if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
-        raise ValueError(f"{where} must be {tp.__name__}, got {value!r}")
+        hint = (" (YAML reads yes/no/on/off unquoted as booleans: quote the word)"
+                if tp is str and isinstance(value, bool) else "")
+        raise ValueError(f"{where} must be {tp.__name__}, got {value!r}{hint}")
     return value
 
 

@@ -105,6 +105,11 @@ def test_config_errors_name_the_problem(prompts_file, tmp_path):
         load_config(PPOConfig, str(recipe), ["stpes=3"])
     with pytest.raises(ValueError, match=r"r.yaml.steps must be int, got 'x'"):
         load_config(PPOConfig, str(recipe), ["steps=x"])
+    with pytest.raises(ValueError, match=r"template must be str, got False \(YAML reads "
+                                         r"yes/no/on/off unquoted as booleans"):
+        load_config(PPOConfig, str(recipe), ["template=off"])
+    assert load_config(PPOConfig, str(recipe), ["rollout_correction=none"]).rollout_correction \
+        == "none"
 
 
 def test_the_worker_implements_every_call_the_controller_makes_as_declared():
@@ -523,7 +528,8 @@ VALUE_RUNS = {
     # A limit below fp32 noise: every step is over it, and 'warn' goes on.
     "reinforce_pp": dict(algorithm="reinforce++", kl_estimator="k3", nan_policy="skip",
                          logprob_gap_policy="warn", logprob_gap_limit=1e-12),
-    "reinforce_pp_baseline": dict(algorithm="reinforce++_baseline", kl_estimator="k1"),
+    "reinforce_pp_baseline": dict(algorithm="reinforce++_baseline", kl_estimator="k1",
+                                  dual_clip=3.0),
     "dapo_tis": dict(algorithm="dapo", rollout_correction="tis"),
     "dr_grpo_mis": dict(algorithm="dr_grpo", rollout_correction="mis",
                         rollout_correction_level="sequence"),
@@ -647,7 +653,7 @@ def test_every_enum_value_and_placement_backend_pair_has_a_run():
         config = PPOConfig(actor="a", critic="c", prompts="p", out_dir="o", reward_fn="m:f",
                            prompts_per_step=4, samples_per_prompt=4, **run)
         values = {**dataclasses.asdict(config), **dataclasses.asdict(config.options)}
-        if config.rollout_correction == "off":  # its level is not used
+        if config.rollout_correction == "none":  # its level is not used
             del values["rollout_correction_level"]
         return values
 
@@ -673,7 +679,7 @@ def test_each_config_value_runs_a_step(base, tmp_path, name):
     (metrics,) = run(config)
     assert metrics["actor/skipped"] == 0.0 and math.isfinite(metrics["actor/policy_loss"]), metrics
     assert metrics["actor/grad_norm"] > 0, metrics
-    if config.rollout_correction != "off":  # fp32 Megatron rollouts: weights of ~1
+    if config.rollout_correction != "none":  # fp32 Megatron rollouts: weights of ~1
         assert abs(metrics["rollout/is_ratio_mean"] - 1) < 1e-3, metrics
         assert metrics["rollout/is_clipped_frac"] == 0.0, metrics
     if config.options.dynamic_sampling:

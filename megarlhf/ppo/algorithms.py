@@ -100,7 +100,7 @@ def describe(config) -> str:
         parts.append(f"dynamic sampling (up to {config.dynamic_sampling_rounds} extra rounds)")
     if o.overlong_buffer:
         parts.append(f"overlong penalty over the last {o.overlong_buffer} tokens")
-    if config.rollout_correction != "off":
+    if config.rollout_correction != "none":
         parts.append(f"rollout correction {config.rollout_correction} per "
                      f"{config.rollout_correction_level} at {config.rollout_correction_threshold}")
     return "; ".join(parts)

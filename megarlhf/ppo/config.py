@@ -267,10 +267,10 @@ class PPOConfig:
     """(algorithm's) DAPO's soft overlong penalty: responses longer than max_new_tokens -
     overlong_buffer lose up to overlong_penalty, linearly (0: off)."""
     overlong_penalty: float = 1.0
-    rollout_correction: str = "off"
+    rollout_correction: str = "none"
     """Reweight the policy gradient for the rollout engine's sampling distribution:
     'tis' truncates the weights pi_old / pi_engine at rollout_correction_threshold, 'mis'
-    zeroes those outside [threshold_low, threshold]; 'off'."""
+    zeroes those outside [threshold_low, threshold]; 'none': no correction."""
     rollout_correction_level: str = "token"
     """'token' weights, or 'sequence' (the product over a row's tokens)."""
     rollout_correction_threshold: float = 2.0

@@ -137,7 +137,7 @@ def ppo_step(config: PPOConfig, data: RunInputs, workers: Placement, sampler: Pr
     policy, correction = PolicyInputs(), {}
     if o.kl_in == "loss" and kl_ctl.value > 0:
         policy = dataclasses.replace(policy, ref_logp=exp["ref_logp"], kl_coef=kl_ctl.value)
-    if config.rollout_correction != "off":
+    if config.rollout_correction != "none":
         weights, correction = rollout_correction(
             exp["logp"], rollout.engine_logp, mask, mode=config.rollout_correction,
             level=config.rollout_correction_level, high=config.rollout_correction_threshold,

@@ -17,7 +17,8 @@ import torch
 
 from megarlhf.rl.kl import check_same_shape
 
-CORRECTIONS = ("off", "tis", "mis")
+CORRECTIONS = ("none", "tis", "mis")
+"""rollout_correction values; not "off", which YAML reads as false."""
 CORRECTION_LEVELS = ("token", "sequence")
 _LOG_RATIO_CAP = 50.0
 """Log-ratios above this read as exp(50) in the statistics (a float guard; any threshold a
