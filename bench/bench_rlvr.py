@@ -53,6 +53,19 @@ def _plot(curve: list[dict], path: str) -> None:
     fig.savefig(path, dpi=100)
 
 
+def recipe_inputs(tmp: str) -> tuple[str, list[dict], list[str]]:
+    """The recipe's inputs made in `tmp`: SmolLM2 converted, the arithmetic train and held-out
+    rows written. Returns (HF dir, held-out rows, the recipe overrides naming them)."""
+    hf_dir = real_model.smollm2_dir()
+    actor = os.path.join(tmp, "actor")
+    hf_to_mcore(hf_dir, actor, parallel=ParallelConfig())
+    train, val = synthetic.arithmetic_records(held_out=64)
+    return hf_dir, val, [
+        f"actor={actor}",
+        f"prompts={synthetic.write_jsonl(train, os.path.join(tmp, 'train.jsonl'))}",
+        f"val_prompts={synthetic.write_jsonl(val, os.path.join(tmp, 'val.jsonl'))}"]
+
+
 def hf_accuracy(hf_dir: str, val: list[dict], max_new_tokens: int) -> float:
     """Greedy accuracy of the HF model in `hf_dir` on `val` (chat template, math checker)."""
     import torch
@@ -79,14 +92,9 @@ def main() -> None:
     parser.add_argument("--append", default=None, help="append the result to this file")
     parser.add_argument("--png", default="bench/results/rlvr_curve.png")
     args = parser.parse_args()
-    hf_dir = real_model.smollm2_dir()
     with tempfile.TemporaryDirectory() as tmp:
-        actor = os.path.join(tmp, "actor")
-        hf_to_mcore(hf_dir, actor, parallel=ParallelConfig())
-        train, val = synthetic.arithmetic_records(held_out=64)
-        overrides = [f"actor={actor}", f"out_dir={os.path.join(tmp, 'run')}",
-                     f"prompts={synthetic.write_jsonl(train, os.path.join(tmp, 'train.jsonl'))}",
-                     f"val_prompts={synthetic.write_jsonl(val, os.path.join(tmp, 'val.jsonl'))}",
+        hf_dir, val, inputs = recipe_inputs(tmp)
+        overrides = [*inputs, f"out_dir={os.path.join(tmp, 'run')}",
                      "save_every=0"]  # the last step is saved (and exported below)
         if args.steps:
             overrides.append(f"steps={args.steps}")

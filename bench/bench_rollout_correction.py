@@ -15,18 +15,13 @@ import os
 import statistics
 import tempfile
 
+from bench.bench_rlvr import RECIPE, recipe_inputs
 from bench.report import append_entry
 from megarlhf.configio import load_config
-from megarlhf.convert.hf_to_mcore import hf_to_mcore
-from megarlhf.data import synthetic
 from megarlhf.metrics import read_steps
-from megarlhf.parallel.mesh import ParallelConfig
 from megarlhf.ppo.config import PPOConfig
 from megarlhf.ppo.controller import run
-from tests import real_model
 
-RECIPE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes",
-                      "smollm2-135m-grpo-arithmetic.yaml")
 VARIANTS = {"none": [], "tis (token, 2)": ["rollout_correction=tis"],
             "mis (token, [0.5, 2])": ["rollout_correction=mis"]}
 
@@ -36,18 +31,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--append", default=None, help="append the table to this file")
     args = parser.parse_args()
-    hf_dir = real_model.smollm2_dir()
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
-        actor = os.path.join(tmp, "actor")
-        hf_to_mcore(hf_dir, actor, parallel=ParallelConfig())
-        train, val = synthetic.arithmetic_records(held_out=64)
-        data = [f"prompts={synthetic.write_jsonl(train, os.path.join(tmp, 'train.jsonl'))}",
-                f"val_prompts={synthetic.write_jsonl(val, os.path.join(tmp, 'val.jsonl'))}"]
+        hf_dir, _, inputs = recipe_inputs(tmp)
         for name, fields in VARIANTS.items():
             out = os.path.join(tmp, name.split()[0])
             config = load_config(PPOConfig, RECIPE, [
-                f"actor={actor}", f"out_dir={out}", *data, f"steps={args.steps}",
+                *inputs, f"out_dir={out}", f"steps={args.steps}",
                 "val_every=0", "save_every=0", "dtype=bf16", "rollout_backend=vllm",
                 f"vllm_model_dir={hf_dir}", "logprob_gap_policy=warn", *fields])
             run(config)
