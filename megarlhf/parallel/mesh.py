@@ -61,9 +61,11 @@ class ParallelConfig:
         return self.virtual_pipeline_parallel or 1
 
     def with_overrides(self, override: "LayoutOverride") -> "ParallelConfig":
-        """This layout with the fields `override` sets replaced."""
+        """This layout with the fields `override` sets replaced (an override may carry fields
+        that are not the mesh's, such as a PPO role's recompute: they are not applied here)."""
+        mine = {f.name for f in dataclasses.fields(self)}
         return dataclasses.replace(self, **{k: v for k, v in dataclasses.asdict(override).items()
-                                            if v is not None})
+                                            if v is not None and k in mine})
 
     def data_parallel_size(self, world_size: int) -> int:
         if world_size % self.model_parallel_size:
@@ -82,6 +84,7 @@ class LayoutOverride:
 
     tensor_parallel: int | None = None
     pipeline_parallel: int | None = None
+    sequence_parallel: bool | None = None
 
     @property
     def is_set(self) -> bool:

@@ -73,16 +73,27 @@ class RolloutLayout:
     else 1. See `PPOConfig.rollout_tp`."""
 
 
+RECOMPUTE = ("none", "full", "selective")
+
+
+@dataclasses.dataclass(frozen=True)
+class RoleLayout(LayoutOverride):
+    """A model role's layout in the `layout` section: the mesh fields, sequence parallelism,
+    and activation recomputation (a trained role's backward)."""
+
+    recompute: str | None = None
+
+
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """The per-role layout section. A model role's fields left unset take the run's
     top-level tensor_parallel / pipeline_parallel. Roles that share ranks (every role when
     colocated; reference and reward when disaggregated) must resolve to one layout."""
 
-    actor: LayoutOverride = dataclasses.field(default_factory=LayoutOverride)
-    critic: LayoutOverride = dataclasses.field(default_factory=LayoutOverride)
-    reference: LayoutOverride = dataclasses.field(default_factory=LayoutOverride)
-    reward: LayoutOverride = dataclasses.field(default_factory=LayoutOverride)
+    actor: RoleLayout = dataclasses.field(default_factory=RoleLayout)
+    critic: RoleLayout = dataclasses.field(default_factory=RoleLayout)
+    reference: RoleLayout = dataclasses.field(default_factory=RoleLayout)
+    reward: RoleLayout = dataclasses.field(default_factory=RoleLayout)
     rollout: RolloutLayout = dataclasses.field(default_factory=RolloutLayout)
 
 
@@ -158,9 +169,33 @@ class PPOConfig:
     tensor_parallel: int = 1
     pipeline_parallel: int = 1
     """The layout of every model role (TP x PP x DP = nproc), unless `layout` sets a role's."""
+    sequence_parallel: bool = False
+    """Sequence parallelism in every model role (activations outside attention and MLP split
+    over the TP ranks; needs tensor_parallel > 1), unless `layout` sets a role's. The
+    colocated Megatron rollout engine generates without it from the same weights."""
+    recompute: str = "none"
+    """Activation recomputation in the trained roles' backward, unless `layout` sets a
+    role's: 'none'; 'full' (each layer keeps only its input and runs again in backward);
+    'selective' (attention's core recomputed, megatron-core's selective granularity)."""
     layout: Layout = dataclasses.field(default_factory=Layout)
-    """Per-role layouts over the two above: `layout.critic.tensor_parallel=4`, ...;
-    `layout.rollout.tensor_parallel` sizes the rollout engines."""
+    """Per-role layouts over the fields above: `layout.critic.tensor_parallel=4`,
+    `layout.actor.recompute=full`, ...; `layout.rollout.tensor_parallel` sizes the rollout
+    engines."""
+    # -- memory between phases (colocated placement; megarlhf/ppo/residency.py) --
+    offload_params: bool = False
+    """Move the weights of roles a phase does not use off the device (to pinned host memory),
+    and back when a phase needs them: the ref and reward models outside experience, the
+    actor and critic outside experience, train and (actor) the weight sync."""
+    offload_grads: bool = False
+    """Free the actor's and critic's gradient buffers outside train (they are zeroed at the
+    start of every step, so nothing is copied)."""
+    offload_optimizer: bool = False
+    """Move the actor's and critic's optimizer states (Adam moments, fp32 master weights)
+    off the device outside train."""
+    rollout_sleep: bool = False
+    """Put the rollout engines to sleep after the step's rollouts (weights and KV cache
+    freed) and wake them in stages at the weight sync: weights, the sync, then the KV
+    cache."""
     worker_group: str = "local"
     """'local' (spawned processes) or 'ray' (one Ray actor per rank)."""
     placement: str = "colocated"
@@ -329,6 +364,7 @@ class PPOConfig:
             if getattr(self, name) is not None:  # None: the algorithm's
                 choice(name, options)
         choice("rollout_correction", CORRECTIONS)
+        choice("recompute", RECOMPUTE)
         choice("rollout_correction_level", CORRECTION_LEVELS)
         choice("dtype", DTYPES)
         choice("template", TEMPLATES)
@@ -345,11 +381,20 @@ class PPOConfig:
             problems.append(f"nproc={self.nproc} is not a multiple of tensor_parallel x "
                             f"pipeline_parallel = {self.tensor_parallel * self.pipeline_parallel}")
         problems += self._layout_problems()
+        if self.sequence_parallel and not any(p.sequence_parallel
+                                              for p in self._valid_layouts().values()):
+            problems.append("sequence_parallel=true needs tensor_parallel > 1 (in the run's "
+                            "or a role's layout)")
         if self.algorithm in ALGORITHMS:
             problems += self._algorithm_problems()
         if self.reward_model is None and self.reward_fn is None and not self.reward_fn_by_source:
             problems.append("no reward: set reward_model=CKPT and/or reward_fn=math|exact_match|"
                             "module:function")
+        if self.placement != "colocated":
+            problems += [f"{name}=true applies to placement=colocated (a disaggregated group "
+                         f"holds only the roles it runs, none idle); set it false"
+                         for name in ("offload_params", "offload_grads", "offload_optimizer",
+                                      "rollout_sleep") if getattr(self, name)]
         if self.placement == "colocated" and self.rollout_nproc != 1:
             problems.append(f"rollout_nproc={self.rollout_nproc} needs "
                             f"placement=disaggregated; colocated rollouts run on the nproc "
@@ -469,10 +514,19 @@ class PPOConfig:
             (("reward",) if self.reward_model else ())
 
     def parallel_of(self, role: str) -> ParallelConfig:
-        """The layout of model role `role` (actor, ref, critic, reward)."""
-        default = ParallelConfig(tensor_parallel=self.tensor_parallel,
-                                 pipeline_parallel=self.pipeline_parallel)
-        return default.with_overrides(getattr(self.layout, LAYOUT_KEYS[role]))
+        """The layout of model role `role` (actor, ref, critic, reward), with its sequence
+        parallelism (the group's mesh is the same without it: ppo/layout.py)."""
+        override = getattr(self.layout, LAYOUT_KEYS[role])
+        default = ParallelConfig(
+            tensor_parallel=self.tensor_parallel, pipeline_parallel=self.pipeline_parallel,
+            # A role whose own TP is 1 cannot inherit the run's sequence parallelism.
+            sequence_parallel=self.sequence_parallel and (override.tensor_parallel or
+                                                          self.tensor_parallel) > 1)
+        return default.with_overrides(override)
+
+    def recompute_of(self, role: str) -> str:
+        """Model role `role`'s activation recomputation (none, full or selective)."""
+        return getattr(self.layout, LAYOUT_KEYS[role]).recompute or self.recompute
 
     def _actor_layout(self) -> ParallelConfig:
         return self._valid_layouts().get("actor", ParallelConfig())
@@ -492,6 +546,9 @@ class PPOConfig:
         problems = []
         for role, key in LAYOUT_KEYS.items():
             override = getattr(self.layout, key)
+            if override.recompute not in (None, *RECOMPUTE):
+                problems.append(f"layout.{key}.recompute={override.recompute!r} is not one of "
+                                f"{list(RECOMPUTE)}")
             if not override.is_set:
                 continue
             if role not in self.roles:

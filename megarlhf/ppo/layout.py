@@ -16,7 +16,9 @@ class GroupSpec:
     roles: frozenset[str]
     nproc: int
     parallel: ParallelConfig
-    """This group's mesh (TP x PP; DP = nproc / (TP x PP))."""
+    """This group's mesh (TP x PP; DP = nproc / (TP x PP)), without sequence parallelism:
+    that is each role's own (PPOConfig.parallel_of), and the colocated Megatron rollout engine
+    on the same mesh generates without it."""
 
 
 def group_specs(config: PPOConfig) -> tuple[GroupSpec, ...]:
@@ -24,17 +26,20 @@ def group_specs(config: PPOConfig) -> tuple[GroupSpec, ...]:
     have one)."""
     critic = {"critic"} if "critic" in config.roles else set()
     reward = {"reward"} if config.reward_model else set()
-    actor = config.parallel_of("actor")
+    def mesh(role: str) -> ParallelConfig:
+        return dataclasses.replace(config.parallel_of(role), sequence_parallel=False)
+
+    actor = mesh("actor")
     if config.placement == "colocated":
         roles = frozenset({"actor", "ref", "rollout"} | critic | reward)
         return (GroupSpec("colocated", roles, config.nproc, actor),)
     groups = [GroupSpec("actor", frozenset({"actor"}), config.nproc, actor)]
     if critic:
         groups.append(GroupSpec("critic", frozenset(critic), config.nproc,
-                                config.parallel_of("critic")))
+                                mesh("critic")))
     inference = frozenset({"ref"} | reward)
     groups.append(GroupSpec("+".join(sorted(inference)), inference, config.nproc,
-                            config.parallel_of("ref")))
+                            mesh("ref")))
     groups.append(GroupSpec("rollout", frozenset({"rollout"}), config.rollout_nproc,
                             ParallelConfig(tensor_parallel=config.rollout_tp)))
     return tuple(groups)
