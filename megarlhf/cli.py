@@ -35,6 +35,8 @@ def main(argv: list[str] | None = None) -> None:
     plan.add_argument("--nodes", type=int, required=True)
     plan.add_argument("--gpus-per-node", type=int, default=8)
     plan.add_argument("--gpu-mem-gb", type=float, default=80.0, help="GiB per GPU")
+    plan.add_argument("--host-mem-gb", type=float, default=2048.0,
+                      help="GiB of host memory per node (offloaded state is pinned there)")
     plan.add_argument("--prompt-len", type=int, default=None,
                       help="tokens of the longest prompt (default: measured in the prompts file)")
     plan.add_argument("overrides", nargs="*", help="key=value settings on top of the recipe")
@@ -94,7 +96,7 @@ def _run(args: argparse.Namespace) -> int:
         from megarlhf.plan.job import Cluster
 
         cluster = Cluster(nodes=args.nodes, gpus_per_node=args.gpus_per_node,
-                          gpu_mem_gb=args.gpu_mem_gb)
+                          gpu_mem_gb=args.gpu_mem_gb, host_mem_gb=args.host_mem_gb)
         return plan_command.main(args.config, args.overrides, cluster,
                                  prompt_len=args.prompt_len, dry_run=args.dry_run)
     elif args.command == "demo":

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from megarlhf.convert.mcore_io import CheckpointReader
@@ -20,10 +22,12 @@ from megarlhf.roles.value import ValueLossConfig, ValueRole
 OPTIM = OptimConfig(lr=1e-3, weight_decay=0.01, clip_grad=1.0, adam_eps=1e-6)
 
 
-def experience_batch(vocab_size: int, *, rows: int, seed: int) -> SequenceBatch:
-    """Left-padded prompts (3-8 tokens) + right-padded responses (1-10 tokens), T = 18."""
+def experience_batch(vocab_size: int, *, rows: int, seed: int,
+                     columns: int = 18) -> SequenceBatch:
+    """Left-padded prompts (3-8 tokens) + right-padded responses (1 to columns - 8 tokens),
+    T = columns."""
     g = torch.Generator().manual_seed(seed)
-    prompt_cols, response_cols = 8, 10
+    prompt_cols, response_cols = 8, columns - 8
     tokens = torch.randint(1, vocab_size, (rows, prompt_cols + response_cols), generator=g)
     attention = torch.zeros_like(tokens)
     response = torch.zeros_like(tokens)
@@ -36,19 +40,23 @@ def experience_batch(vocab_size: int, *, rows: int, seed: int) -> SequenceBatch:
     return SequenceBatch(tokens=tokens, attention_mask=attention, response_mask=response)
 
 
-def _engine(ckpt: str, parallel: ParallelConfig, mesh, optim):
-    return engine_from_checkpoint(ckpt, parallel, mesh, optim, on_gpu=False)
+def _engine(ckpt: str, parallel: ParallelConfig, mesh, optim, recompute: str = "none"):
+    return engine_from_checkpoint(ckpt, parallel, mesh, optim, on_gpu=False,
+                                  recompute=recompute)
 
 
 def ppo_step(actor_ckpt: str, critic_ckpt: str, parallel: ParallelConfig, batch: SequenceBatch,
-             num_microbatches: int, save_dir: str, seed: int = 7) -> dict:
-    """One actor and one critic PPO update on `batch`, colocated on one mesh."""
-    mesh = init_mesh(parallel)
-    actor = PolicyRole(_engine(actor_ckpt, parallel, mesh, OPTIM),
+             num_microbatches: int, save_dir: str, seed: int = 7,
+             recompute: tuple[str, str] = ("none", "none")) -> dict:
+    """One actor and one critic PPO update on `batch`, colocated on one mesh. As in a PPO
+    worker, the mesh has no sequence parallelism, the models have `parallel`'s; `recompute`:
+    the actor's and the critic's."""
+    mesh = init_mesh(dataclasses.replace(parallel, sequence_parallel=False))
+    actor = PolicyRole(_engine(actor_ckpt, parallel, mesh, OPTIM, recompute[0]),
                        num_microbatches=num_microbatches,
                        loss=PolicyLossConfig(clip_eps=0.2, dual_clip=3.0, entropy_coef=0.01,
                                              ptx_coef=0.5))
-    critic = ValueRole(_engine(critic_ckpt, parallel, mesh, OPTIM),
+    critic = ValueRole(_engine(critic_ckpt, parallel, mesh, OPTIM, recompute[1]),
                        num_microbatches=num_microbatches, loss=ValueLossConfig(clip_eps=0.1))
     g = torch.Generator().manual_seed(seed)
     logp, entropy = actor.logprobs(batch, with_entropy=True)
@@ -57,7 +65,7 @@ def ppo_step(actor_ckpt: str, critic_ckpt: str, parallel: ParallelConfig, batch:
     advantages = torch.randn(logp.shape, generator=g)
     # Pretraining rows of the same shape, trained on their "response" tokens.
     ptx = experience_batch(actor.engine.spec.model.vocab_size, rows=batch.shape[0],
-                           seed=seed + 100)
+                           seed=seed + 100, columns=batch.shape[1])
     actor_step, actor_metrics = actor.train_step(batch, old_logp, advantages, ptx)
     values = critic.values(batch)
     # Old values off by up to +-0.2 so that the 0.1 value clip takes effect on some tokens.

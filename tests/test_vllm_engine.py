@@ -272,12 +272,17 @@ def test_failures_inside_generation_name_the_engine(colocated):
 def test_sleep_frees_the_kv_cache_and_wake_needs_an_update(colocated):
     assert colocated["kv_bytes_awake"] == 16 * 1024**2
     assert colocated["kv_bytes_asleep"] == 0
+    assert colocated["kv_bytes_weights_woken"] == 0  # the weights' stage wakes no cache
     assert colocated["kv_bytes_woken"] == 16 * 1024**2
     assert colocated["asleep_generate"][0] == "EngineError"
     assert colocated["asleep_update"] == (
         "EngineError", "vllm engine rank 0: asleep; call wake() before update_weights")
     assert colocated["woken_generate"][0] == "EngineError"
+    assert colocated["updated_generate_without_kv"] == (
+        "EngineError", "vllm engine rank 0: asleep (kv_cache); call wake() and "
+                       "update_weights() before generate")
     assert colocated["greedy_after_wake"] == colocated["greedy"]
+    assert colocated["greedy_after_second_wake"] == colocated["greedy"]
 
 
 @needs_vllm

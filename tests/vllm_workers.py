@@ -154,11 +154,20 @@ def _sleep_wake(engine: VLLMEngine, bridge: WeightBridge, prompts) -> dict:
     out["kv_bytes_asleep"] = engine.kv_cache_bytes()
     out["asleep_generate"] = error_of(lambda: engine.generate(prompts, GREEDY))
     out["asleep_update"] = error_of(lambda: engine.update_weights(bridge.stream()))
-    engine.wake()
-    out["kv_bytes_woken"] = engine.kv_cache_bytes()
+    # In stages, as the weight sync wakes it: weights, the update, then the KV cache.
+    engine.wake(("weights",))
+    out["kv_bytes_weights_woken"] = engine.kv_cache_bytes()
     out["woken_generate"] = error_of(lambda: engine.generate(prompts, GREEDY))
     engine.update_weights(bridge.stream())
+    out["updated_generate_without_kv"] = error_of(lambda: engine.generate(prompts, GREEDY))
+    engine.wake(("kv_cache",))
+    out["kv_bytes_woken"] = engine.kv_cache_bytes()
     out["greedy_after_wake"] = as_tuples(engine.generate(prompts, GREEDY))
+    # The whole cycle again (a second wake reads freshly allocated cache memory).
+    engine.sleep()
+    engine.wake()
+    engine.update_weights(bridge.stream())
+    out["greedy_after_second_wake"] = as_tuples(engine.generate(prompts, GREEDY))
     return out
 
 

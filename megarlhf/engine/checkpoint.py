@@ -221,7 +221,8 @@ def engine_from_checkpoint(path: str, parallel: ParallelConfig, mesh: Mesh,
                            optim: OptimConfig | None = None, **spec) -> TrainEngine:
     """An engine at `parallel` holding the checkpoint's model (its config and head from the
     metadata) and weights, cast to `spec`'s dtype when it differs; `spec`: model_spec's
-    keyword arguments (dtype, layer_spec, on_gpu). The optimizer, if any, starts fresh."""
+    keyword arguments (dtype, layer_spec, on_gpu, recompute). The optimizer, if any, starts
+    fresh. `parallel` may add sequence parallelism to `mesh`'s layout (a per-model flag)."""
     meta = read_meta(path)
     engine = TrainEngine(model_spec(ModelConfig.from_dict(meta["model"]), parallel,
                                     value_head=meta["value_head"], **spec), mesh, optim)

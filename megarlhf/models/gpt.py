@@ -61,12 +61,15 @@ class ModelSpec:
 
 def model_spec(model: ModelConfig, parallel: ParallelConfig, *, value_head: bool = False,
                dtype: torch.dtype = torch.float32, layer_spec: str = "auto",
-               on_gpu: bool | None = None) -> ModelSpec:
-    """The ModelSpec of `model` at `parallel`; `on_gpu` defaults to whether CUDA is present."""
+               on_gpu: bool | None = None, recompute: str = "none") -> ModelSpec:
+    """The ModelSpec of `model` at `parallel` (with its sequence parallelism); `on_gpu`
+    defaults to whether CUDA is present; `recompute`: activation recomputation in training
+    (none, full, selective: to_transformer_config)."""
     on_gpu = torch.cuda.is_available() if on_gpu is None else on_gpu
     return ModelSpec(
         model=model,
-        transformer=to_transformer_config(model, parallel, dtype=dtype, on_gpu=on_gpu),
+        transformer=to_transformer_config(model, parallel, dtype=dtype, on_gpu=on_gpu,
+                                          recompute=recompute),
         layer_spec=resolve_layer_spec(layer_spec, on_gpu=on_gpu),
         value_head=value_head,
     )

@@ -10,6 +10,8 @@ from megarlhf.models.config import ModelConfig
 from megarlhf.parallel.mesh import ParallelConfig
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+RECOMPUTE = ("none", "full", "selective")
+"""Activation recomputation modes (to_transformer_config's `recompute`)."""
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -29,14 +31,22 @@ def to_transformer_config(
     dtype: torch.dtype = torch.float32,
     on_gpu: bool = False,
     calculate_per_token_loss: bool = True,
-    recompute: bool = False,
+    recompute: str = "none",
 ) -> TransformerConfig:
     """Translate a Llama-family `ModelConfig` + layout into megatron-core's `TransformerConfig`.
 
     `calculate_per_token_loss=True` makes the schedules leave losses as token sums and divide
     gradients by the token count of the whole global batch, so gradients do not depend on how
     the batch is split into micro-batches or DP ranks.
+
+    `recompute` (activation recomputation in training's backward; forward-only passes keep no
+    activations, so it does nothing there): 'none'; 'full' (every layer keeps only its input
+    and runs again in backward: granularity full, method uniform, 1 layer per unit);
+    'selective' (megatron-core's selective granularity over the core attention, the
+    softmax(QK^T)V part, named explicitly rather than left to megatron-core's default list).
     """
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"recompute={recompute!r} is not one of {list(RECOMPUTE)}")
     model.check_parallel(parallel)
     return TransformerConfig(
         num_layers=model.num_layers,
@@ -76,7 +86,8 @@ def to_transformer_config(
         # Batched p2p on gloo swaps micro-batch activations in the interleaved schedule
         # (measured: silent wrong loss); NCCL batches correctly.
         batch_p2p_comm=on_gpu,
-        recompute_granularity="full" if recompute else None,
-        recompute_method="uniform" if recompute else None,
-        recompute_num_layers=1 if recompute else None,
+        recompute_granularity=None if recompute == "none" else recompute,
+        recompute_method="uniform" if recompute == "full" else None,
+        recompute_num_layers=1 if recompute == "full" else None,
+        recompute_modules=["core_attn"] if recompute == "selective" else None,
     )

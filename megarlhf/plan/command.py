@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import sys
 
-from megarlhf.plan.fixes import suggest
+from megarlhf.plan.fixes import suggest, switches
 from megarlhf.plan.job import Cluster, check, plan, resolve_models
 from megarlhf.plan.report import render, refusal
 from megarlhf.configio import load_config
@@ -46,5 +46,5 @@ def main(recipe: str, overrides: list[str], cluster: Cluster, *, prompt_len: int
     print(render(result, recipe))
     if result.fits:
         return 0
-    print(refusal(result, suggest(result)), file=sys.stderr)
+    print(refusal(result, suggest(result), switches(result)), file=sys.stderr)
     return 1

@@ -1,16 +1,21 @@
-"""Changes that would make a job fit: the smallest step of each kind that does, found by
-planning the changed recipe (so a suggestion is itself a plan that passes every check)."""
+"""Changes that would make a job fit, each found by planning the changed recipe (so a
+suggestion is itself a plan that passes every check): the smallest step of each kind of
+layout change, and the fewest switches (offload, engine sleep, sequence parallelism,
+recomputation) to turn on."""
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 
-from megarlhf.plan.job import Plan, plan
+from megarlhf.plan.job import SWITCHES, Plan, plan
 from megarlhf.ppo.placement import group_specs
 
 MAX_FACTOR = 16
 """Search up to 16x the pipeline depth, the ranks per group and the micro-batch count."""
+MAX_SWITCH_SETS = 3
+"""Switch settings reported: those with the lowest peaks among the fewest switches."""
 
 
 def _fitting(base: Plan, field: str, *, grow_cluster: bool = False) -> tuple[str, Plan] | None:
@@ -44,3 +49,41 @@ def suggest(base: Plan) -> list[tuple[str, Plan]]:
     found = [_fitting(base, "pipeline_parallel"), _fitting(base, "nproc", grow_cluster=True),
              _fitting(base, "micro_batches")]
     return [fix for fix in found if fix is not None]
+
+
+def switch_options(config) -> list[list[dict]]:
+    """Per switch the job has off: the settings it could take instead (recompute: selective
+    or full, one at a time)."""
+    options = []
+    if config.placement == "colocated":
+        options += [[{name: True}] for name in SWITCHES if not getattr(config, name)]
+    if not config.sequence_parallel and any(
+            config.parallel_of(r).tensor_parallel > 1 for r in config.roles):
+        options.append([{"sequence_parallel": True}])
+    more = {"none": ["selective", "full"], "selective": ["full"]}.get(config.recompute, [])
+    if more:
+        options.append([{"recompute": level} for level in more])
+    return options
+
+
+def switches(base: Plan) -> list[tuple[str, Plan]]:
+    """('name=value ...', its plan) for the fewest switches turned on that make the job fit
+    (up to MAX_SWITCH_SETS settings of that many switches, the lowest peaks); none if no
+    combination does."""
+    options = switch_options(base.config)
+    for count in range(1, len(options) + 1):
+        found = []
+        for chosen in itertools.combinations(options, count):
+            for setting in itertools.product(*chosen):
+                fields = {k: v for part in setting for k, v in part.items()}
+                try:
+                    candidate = plan(dataclasses.replace(base.config, **fields), base.cluster,
+                                     base.prompt_len, base.models)
+                except ValueError:
+                    continue
+                if candidate.fits:
+                    change = " ".join(f"{k}={str(v).lower()}" for k, v in fields.items())
+                    found.append((change, candidate))
+        if found:  # the most headroom first
+            return sorted(found, key=lambda fix: fix[1].worst.peak)[:MAX_SWITCH_SETS]
+    return []

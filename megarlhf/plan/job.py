@@ -1,19 +1,49 @@
-"""A PPO job's memory per GPU: which models each group of ranks holds (ppo/placement.py), at
-which layout, and what they allocate in each phase of the loop.
+"""A PPO job's memory per GPU: which models each group of ranks holds (ppo/layout.py), at
+which layout, and what is on the device in each phase of the loop.
 
 What is planned is what the trainer builds (ppo/worker.py):
-- every role at the recipe's TP x PP, its weights in the recipe's dtype; actor and critic with
-  fp32 main grads and the distributed optimizer, ref and reward frozen (weights only);
+- every role at its layout (PPOConfig.parallel_of: TP x PP, and sequence parallelism for its
+  activations), its weights in the recipe's dtype; actor and critic with fp32 main grads and
+  the distributed optimizer, and their activation recomputation (PPOConfig.recompute_of);
+  ref and reward frozen (weights only);
 - the rollout engine in the same dtype: Megatron (its own copy of the actor at the rollout
-  group's TP, PP=1) or vLLM (engines of config.rollout_tp ranks), sized by its share of the
-  rollout batch;
-- the peak of a rank is everything resident (all weights, grads and optimizer states, and the
-  rollout engine's weights: the worker neither offloads an idle role nor sleeps the engine)
-  plus the largest transient of a phase. Phases never overlap on a rank, and inside a phase
-  the roles of a rank run one after the other, so a phase's transient is its largest role's:
-  rollout (KV cache), experience (forward passes: logits and one layer's activations), train
-  (activations kept for backward, logits). Activations are planned without recomputation, as
-  the trainer runs; the with-recomputation figure is reported for comparison.
+  group's TP, PP=1; KV cache allocated inside generate) or vLLM (engines of
+  config.rollout_tp ranks, KV cache allocated at start), sized by its share of the batch.
+
+A step runs four phases, one after the other on a rank: rollout (the engines generate),
+experience (the roles' forward passes, one role after another; the reward model's scoring
+of the rollouts is one), train (actor and critic alternate per mini-batch) and sync (the
+actor's weights streamed into the engines); a fifth, checkpoint, saves (or loads) the actor
+and critic after a step's sync. Each term is on the device in some phases, held for the whole
+phase or only while its role runs (Term.held, Term.running). Colocated, the switches move
+terms off the device (ppo/residency.py, the worker):
+
+                      rollout   experience     train       sync        checkpoint
+  model weights       held      held           held        held        held
+   offload_params     -         while running  actor,      actor       actor, critic
+                                               critic
+  grads (actor,       held      held           held        held        held
+   critic)
+   offload_grads      -         -              held        -           -
+  optimizer states    held      held           held        held        held
+   offload_optimizer  -         -              held        -           held
+  engine weights      held      held           held        held        held
+   rollout_sleep      held      -              -           held        held
+                                                           (woken)
+  engine KV cache     vLLM: held in every phase; with rollout_sleep in rollout and
+                      checkpoint (woken after the sync's weights). Megatron: while
+                      generating only.
+  transients          KV cache, a forward:     one role's  the bridge's (none
+                      prefill   a layer or     kept acti-  buffers      planned)
+                      logits    its logits     vations and
+                                               backward
+
+So a phase's peak is what is held plus its largest role's running terms: with offload_params
+only one role's weights are on the device at a time during experience (loaded before its
+forward, offloaded before the next role's). Offloaded weights and optimizer states live in
+pinned host memory (grads are dropped, not copied): per node, the sum over its ranks
+(Plan.host_per_node), checked against Cluster.host_mem_gb. A disaggregated group holds only
+the roles it runs, and the switches are refused there (PPOConfig).
 """
 
 from __future__ import annotations
@@ -25,17 +55,21 @@ from megarlhf.models.config import ModelConfig
 from megarlhf.models.transformer_config import parse_dtype
 from megarlhf.parallel.mesh import ParallelConfig
 from megarlhf.plan import memory
-from megarlhf.plan.params import rank_params
+from megarlhf.plan.params import rank_params, total_params
 from megarlhf.plan.sources import ModelSource, resolve
 from megarlhf.ppo.config import PPOConfig
 from megarlhf.ppo.layout import GroupSpec, group_specs
+from megarlhf.rollout.bridge import DEFAULT_BUCKET_BYTES
 from megarlhf.rollout.megatron_engine import MegatronEngineConfig
 
 GIB = 1024**3
-PHASES = ("rollout", "experience", "train")
+PHASES = ("rollout", "experience", "train", "sync", "checkpoint")
+EVERY = frozenset(PHASES)
 MODEL_ROLES = {"actor": ("actor", False, True), "ref": ("actor", False, False),
                "critic": ("critic", True, True), "reward": ("reward_model", True, False)}
 """role -> (PPOConfig field with its checkpoint, value head, trained)."""
+SWITCHES = ("offload_params", "offload_grads", "offload_optimizer", "rollout_sleep")
+"""PPOConfig's switches that move terms off the device between phases (colocated only)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -46,17 +80,26 @@ class Cluster:
     """Memory of one GPU in GiB (2^30 bytes), as nvidia-smi reports it."""
     reserve_fraction: float = 0.1
     """Kept free for the CUDA context, NCCL buffers and allocator fragmentation."""
+    host_mem_gb: float = 2048.0
+    """Host (CPU) memory of one node in GiB: 2 TiB, as an 8 x 80 GB node (DGX A100 / H100)
+    has. Offloaded weights and optimizer states are pinned there."""
+    host_reserve_fraction: float = 0.25
+    """Of host memory, kept for the OS, the ranks' own processes and the Ray object store:
+    pinned memory cannot be swapped out."""
 
     def __post_init__(self):
         for name in ("nodes", "gpus_per_node"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive integer, got "
                                  f"{getattr(self, name)!r}")
-        if not 0 < self.gpu_mem_gb < math.inf:
-            raise ValueError(f"--gpu-mem-gb must be a finite number > 0 (GiB per GPU), got "
-                             f"{self.gpu_mem_gb}")
-        if not 0 <= self.reserve_fraction < 1:
-            raise ValueError(f"reserve_fraction must be in [0, 1), got {self.reserve_fraction}")
+        for name, flag in (("gpu_mem_gb", "--gpu-mem-gb"), ("host_mem_gb", "--host-mem-gb")):
+            if not 0 < getattr(self, name) < math.inf:
+                raise ValueError(f"{flag} must be a finite number > 0 (GiB per "
+                                 f"{'GPU' if name == 'gpu_mem_gb' else 'node'}), got "
+                                 f"{getattr(self, name)}")
+        for name in ("reserve_fraction", "host_reserve_fraction"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
 
     @property
     def gpus(self) -> int:
@@ -66,52 +109,123 @@ class Cluster:
     def usable_bytes(self) -> int:
         return int(self.gpu_mem_gb * GIB * (1 - self.reserve_fraction))
 
+    @property
+    def usable_host_bytes(self) -> int:
+        return int(self.host_mem_gb * GIB * (1 - self.host_reserve_fraction))
+
 
 @dataclasses.dataclass(frozen=True)
 class Term:
     role: str
     what: str
-    """weights, grads, optimizer, activations, logits or KV cache."""
+    """weights, grads, optimizer, forward pass, activations (kept for backward), backward
+    (what a backward adds at its peak), KV cache, prefill logits or sync buffers."""
     bytes: int
-    phase: str | None
-    """None: resident for the whole run; else the phase it exists in."""
+    held: frozenset[str] = frozenset()
+    """Phases it is on the device for the whole phase."""
+    running: frozenset[str] = frozenset()
+    """Phases it is on the device only while its role runs (roles of a phase run one after
+    the other)."""
+    pinned: bool = False
+    """Kept in pinned host memory while off the device (offloaded weights, optimizer
+    states)."""
+
+    def on_device(self, phase: str) -> bool:
+        return phase in self.held or phase in self.running
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    """One rank of a group at pipeline stage `pp_rank` (every TP and DP rank of a stage holds
+    the same)."""
+
+    pp_rank: int
+    terms: tuple[Term, ...]
+
+    def held(self, phase: str) -> int:
+        return sum(t.bytes for t in self.terms if phase in t.held)
+
+    def running(self, phase: str) -> dict[str, int]:
+        """Role -> the bytes on the device only while it runs in `phase`."""
+        per_role: dict[str, int] = {}
+        for t in self.terms:
+            if phase in t.running:
+                per_role[t.role] = per_role.get(t.role, 0) + t.bytes
+        return per_role
+
+    def transient(self, phase: str) -> int:
+        return max(self.running(phase).values(), default=0)
+
+    def phase_peak(self, phase: str) -> int:
+        return self.held(phase) + self.transient(phase)
+
+    @property
+    def peak_phase(self) -> str:
+        return max(PHASES, key=self.phase_peak)
+
+    @property
+    def peak(self) -> int:
+        return self.phase_peak(self.peak_phase)
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Pinned host memory of this rank: the bytes it offloads."""
+        return sum(t.bytes for t in self.terms if t.pinned)
+
+    def present(self, phase: str) -> list[Term]:
+        """The terms on the device at `phase`'s peak: the held ones and the running terms of
+        the role with the most."""
+        running = self.running(phase)
+        top = max(running, key=running.get) if running else None
+        return [t for t in self.terms if phase in t.held
+                or (phase in t.running and t.role == top)]
+
+    def largest_term(self) -> Term:
+        """The biggest single term present at the peak."""
+        return max(self.present(self.peak_phase), key=lambda t: t.bytes)
 
 
 @dataclasses.dataclass(frozen=True)
 class GroupPlan:
-    """One group of ranks at its most loaded pipeline rank."""
+    """One group of ranks: every pipeline stage's plan; the report shows the most loaded."""
 
     spec: GroupSpec
     first_gpu: int
     """The group's ranks take GPUs first_gpu .. first_gpu + nproc - 1, node by node."""
-    pp_rank: int
-    terms: tuple[Term, ...]
-    recompute: dict[str, int]
-    """Trained role -> its train activations with full recomputation (for comparison)."""
+    stages: tuple[Stage, ...]
 
     @property
-    def resident(self) -> int:
-        return sum(t.bytes for t in self.terms if t.phase is None)
+    def most_loaded(self) -> Stage:
+        return max(self.stages, key=lambda s: s.peak)
 
-    def transient(self, phase: str) -> int:
-        per_role: dict[str, int] = {}
-        for t in self.terms:
-            if t.phase == phase:
-                per_role[t.role] = per_role.get(t.role, 0) + t.bytes
-        return max(per_role.values(), default=0)
+    @property
+    def pp_rank(self) -> int:
+        return self.most_loaded.pp_rank
+
+    @property
+    def terms(self) -> tuple[Term, ...]:
+        """The most loaded stage's terms."""
+        return self.most_loaded.terms
+
+    def phase_peak(self, phase: str) -> int:
+        """`phase`'s peak over the group's stages (each phase may peak on another stage)."""
+        return max(s.phase_peak(phase) for s in self.stages)
 
     @property
     def peak_phase(self) -> str:
-        return max(PHASES, key=self.transient)
+        return self.most_loaded.peak_phase
 
     @property
     def peak(self) -> int:
-        return self.resident + self.transient(self.peak_phase)
+        return self.most_loaded.peak
 
     def largest_term(self) -> Term:
-        """The biggest single term present at the peak."""
-        present = [t for t in self.terms if t.phase in (None, self.peak_phase)]
-        return max(present, key=lambda t: t.bytes)
+        return self.most_loaded.largest_term()
+
+    def rank_pinned_bytes(self, rank: int) -> int:
+        """Pinned host bytes of the group's `rank`. Megatron's rank order is tp-cp-ep-dp-pp:
+        pipeline stage r holds ranks r x TP x DP .. (r + 1) x TP x DP - 1."""
+        return self.stages[rank // (self.spec.nproc // len(self.stages))].pinned_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,6 +235,8 @@ class Plan:
     prompt_len: int
     models: dict[str, ModelSource]
     groups: tuple[GroupPlan, ...]
+    host_per_node: tuple[int, ...]
+    """Pinned host bytes of each node (the sum over its ranks)."""
 
     @property
     def param_bytes(self) -> int:
@@ -136,8 +252,25 @@ class Plan:
         return max(self.groups, key=lambda g: g.peak)
 
     @property
-    def fits(self) -> bool:
+    def host_node(self) -> int:
+        """The node with the most pinned host memory."""
+        return max(range(len(self.host_per_node)), key=self.host_per_node.__getitem__)
+
+    @property
+    def host_peak(self) -> int:
+        return max(self.host_per_node, default=0)
+
+    @property
+    def fits_gpu(self) -> bool:
         return self.worst.peak <= self.cluster.usable_bytes
+
+    @property
+    def fits_host(self) -> bool:
+        return self.host_peak <= self.cluster.usable_host_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.fits_gpu and self.fits_host
 
 
 def resolve_models(config: PPOConfig) -> dict[str, ModelSource]:
@@ -219,76 +352,125 @@ def param_bytes(config: PPOConfig) -> int:
 
 def plan(config: PPOConfig, cluster: Cluster, prompt_len: int,
          models: dict[str, ModelSource] | None = None) -> Plan:
-    """The per-GPU memory of every group; ValueError if the layout itself is impossible."""
+    """The per-GPU memory of every group and the pinned host memory of every node;
+    ValueError if the layout itself is impossible."""
     models = models if models is not None else resolve_models(config)
     seq = prompt_len + config.max_new_tokens
     check(config, cluster, models, seq)
     groups, first = [], 0
+    host = [0] * cluster.nodes
     for spec in group_specs(config):
-        per_rank = [_group_at(config, spec, models, seq, first, r)
-                    for r in range(spec.parallel.pipeline_parallel)]
-        groups.append(max(per_rank, key=lambda g: g.peak))
+        group = GroupPlan(spec, first, tuple(_stage(config, spec, models, prompt_len, r)
+                                             for r in range(spec.parallel.pipeline_parallel)))
+        groups.append(group)
+        for rank in range(spec.nproc):
+            host[(first + rank) // cluster.gpus_per_node] += group.rank_pinned_bytes(rank)
         first += spec.nproc
-    return Plan(config, cluster, prompt_len, models, tuple(groups))
+    return Plan(config, cluster, prompt_len, models, tuple(groups), tuple(host))
 
 
-def _group_at(config: PPOConfig, spec: GroupSpec, models: dict[str, ModelSource], seq: int,
-              first_gpu: int, pp_rank: int) -> GroupPlan:
-    parallel, nbytes = spec.parallel, param_bytes(config)
-    tp, pp = parallel.tensor_parallel, parallel.pipeline_parallel
-    dp = parallel.data_parallel_size(spec.nproc)
-    last = pp_rank == pp - 1
+def residency(config: PPOConfig, role: str, what: str) -> dict:
+    """Term fields (held, running, pinned) of a model role's model state under the job's
+    switches (the table in the module docstring)."""
+    if what == "weights":
+        if not config.offload_params:
+            return {"held": EVERY}
+        held = {"actor": {"train", "sync", "checkpoint"},
+                "critic": {"train", "checkpoint"}}.get(role, set())
+        return {"held": frozenset(held), "running": frozenset({"experience"}), "pinned": True}
+    if what == "grads":
+        return {"held": frozenset({"train"}) if config.offload_grads else EVERY}
+    if what == "optimizer":
+        if config.offload_optimizer:
+            return {"held": frozenset({"train", "checkpoint"}), "pinned": True}
+        return {"held": EVERY}
+    raise ValueError(f"no residency rule for {what}")
+
+
+def _stage(config: PPOConfig, spec: GroupSpec, models: dict[str, ModelSource],
+           prompt_len: int, pp_rank: int) -> Stage:
+    nbytes, seq = param_bytes(config), prompt_len + config.max_new_tokens
+    mesh = spec.parallel
+    dp = mesh.data_parallel_size(spec.nproc)
+    last = pp_rank == mesh.pipeline_parallel - 1
     train_rows = config.rows_per_step // (config.mini_batches * dp * config.micro_batches)
     exp_rows = config.rows_per_step // (dp * config.micro_batches)
-    terms, recompute = [], {}
+    experience, train = frozenset({"experience"}), frozenset({"train"})
+    terms = []
     for role in MODEL_ROLES:
         if role not in spec.roles:
             continue
         model, trained = models[role].model, MODEL_ROLES[role][2]
+        parallel = config.parallel_of(role)  # the group's mesh, with the role's SP
         lm = not models[role].value_head
         n = rank_params(model, parallel, pp_rank, value_head=not lm)
-        terms += [Term(role, what, b, None)
+        terms += [Term(role, what, b, **residency(config, role, what))
                   for what, b in memory.model_state(n, nbytes, trained=trained, dp=dp).items()]
-        terms.append(Term(role, "activations", memory.layer_activations(
-            model, parallel, exp_rows, seq, nbytes), "experience"))
-        if lm and last:
-            terms.append(Term(role, "logits", memory.lm_logits(model, tp, exp_rows, seq, nbytes),
-                              "experience"))
+        terms.append(Term(role, "forward pass", memory.forward_pass(
+            model, parallel, exp_rows, seq, nbytes, logits=lm and last), running=experience))
         if trained:
-            kept = {flag: memory.train_activations(
+            recompute = config.recompute_of(role)
+            terms.append(Term(role, "activations", memory.train_activations(
                 model, parallel, pp_rank, rows=train_rows, seq=seq,
-                microbatches=config.micro_batches, param_bytes=nbytes, recompute=flag)
-                for flag in (False, True)}
-            terms.append(Term(role, "activations", kept[False], "train"))
-            recompute[role] = kept[True]
-            if lm and last:
-                terms.append(Term(role, "logits",
-                                  memory.lm_logits(model, tp, train_rows, seq, nbytes), "train"))
+                microbatches=config.micro_batches, param_bytes=nbytes, recompute=recompute),
+                running=train))
+            terms.append(Term(role, "backward", memory.backward_peak(
+                model, parallel, train_rows, seq, nbytes, recompute=recompute,
+                logits=lm and last), running=train))
+    actor = models["actor"].model
+    if "actor" in spec.roles:  # the sender of the weight sync
+        terms.append(Term("actor", "sync buffers", memory.sync_buffers(
+            actor, config.parallel_of("actor"), lm_params=total_params(actor),
+            param_bytes=nbytes, rollout_bytes=nbytes, bucket_bytes=DEFAULT_BUCKET_BYTES),
+            running=frozenset({"sync"})))
     if "rollout" in spec.roles:
-        terms += _rollout_terms(config, spec, models["actor"].model, seq)
-    return GroupPlan(spec, first_gpu, pp_rank, tuple(terms), recompute)
+        terms += _rollout_terms(config, spec, actor, prompt_len)
+    return Stage(pp_rank, tuple(terms))
 
 
-def _rollout_terms(config: PPOConfig, spec: GroupSpec, model: ModelConfig, seq: int
+def _rollout_terms(config: PPOConfig, spec: GroupSpec, model: ModelConfig, prompt_len: int
                    ) -> list[Term]:
-    """The engine's weights, and the KV cache of its share of the rollout batch at once."""
+    """The engine's weights and KV cache (its share of the rollout batch at once), and the
+    Megatron engine's prefill logits; where each is on the device."""
     n, nbytes = config.samples_per_prompt, param_bytes(config)
+    seq = prompt_len + config.max_new_tokens
+    rollout = frozenset({"rollout"})
+    extra = []
     if config.rollout_backend == "megatron":
         # One engine per DP replica, at the group's TP; it generates max_batch_size rows at a
-        # time (a prompt's samples together).
+        # time (a prompt's samples together), allocating the cache inside generate.
         tp = spec.parallel.tensor_parallel
         engines = spec.parallel.data_parallel_size(spec.nproc)
         per_batch = max(1, MegatronEngineConfig().max_batch_size // n)
-        rows = min(math.ceil(config.prompts_per_step / engines), per_batch) * n
-        kv = memory.kv_cache(model, tp, rows, seq, nbytes)
+        prompts = min(math.ceil(config.prompts_per_step / engines), per_batch)
+        # Prefill caches the prompts once, then copies each prompt's rows for its samples,
+        # one layer at a time.
+        kv = Term("rollout", "KV cache", memory.kv_cache(model, tp, prompts * n, seq, nbytes)
+                  + memory.kv_cache(model, tp, prompts, seq, nbytes) // model.num_layers,
+                  running=rollout)
+        # Prefill returns the logits of every prompt position, gathered over TP (inference
+        # mode), before the last position's are taken.
+        extra.append(Term("rollout", "prefill logits",
+                          prompts * prompt_len * model.padded_vocab_size(tp) * nbytes,
+                          running=rollout))
     else:
         # vLLM pages its cache; the engines get their whole share of the batch at once, so
-        # every sequence runs concurrently (rollout/sizing.py, which the workers use too).
+        # every sequence runs concurrently (rollout/sizing.py, which the workers use too). It
+        # is allocated when the engine starts and freed only by sleep.
         tp = config.rollout_tp
-        size = config.vllm_engine_size(model, seq - config.max_new_tokens)
+        size = config.vllm_engine_size(model, prompt_len)
         rows = math.ceil(config.prompts_per_step / config.rollout_engines) * n
-        kv = size.kv_cache_bytes if size.kv_cache_bytes is not None else \
+        kv_bytes = size.kv_cache_bytes if size.kv_cache_bytes is not None else \
             memory.kv_cache(model, tp, rows, size.max_model_len, nbytes)
+        # Woken after the sync's weights, so also there for a checkpoint.
+        kv = Term("rollout", "KV cache", kv_bytes, held=frozenset({"rollout", "checkpoint"})
+                  if config.rollout_sleep else EVERY)
     weights = rank_params(model, ParallelConfig(tensor_parallel=tp), 0) * nbytes
-    return [Term("rollout", "weights", weights, None),
-            Term("rollout", "KV cache", kv, "rollout")]
+    # Asleep from the end of rollout until the sync wakes its weights (then its cache).
+    awake = frozenset({"rollout", "sync", "checkpoint"}) if config.rollout_sleep else EVERY
+    terms = [Term("rollout", "weights", weights, held=awake), kv] + extra
+    if config.placement != "colocated":  # the received buckets
+        terms.append(Term("rollout", "sync buffers", memory.largest_bucket(
+            model, tp, lm_params=total_params(model), rollout_bytes=nbytes,
+            bucket_bytes=DEFAULT_BUCKET_BYTES), running=frozenset({"sync"})))
+    return terms

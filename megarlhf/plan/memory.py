@@ -1,10 +1,11 @@
-"""Bytes per GPU: one role's model state, and the transient tensors of a forward/backward pass
-or a rollout. Pure arithmetic on shapes; megarlhf.plan.job says which terms a PPO job has.
+"""Bytes per GPU: one role's model state, and the transient tensors of a forward/backward pass,
+a rollout or a weight sync. Pure arithmetic on shapes; megarlhf.plan.job says which terms a
+PPO job has and in which phases each is on the device.
 
 Legend: N parameters on the rank (plan.params), P bytes per parameter element (the param
 dtype), DP data-parallel size, b rows per micro-batch, s tokens per row (prompt + response),
 h hidden size, f FFN width, q = heads x head_dim, k = kv_heads x head_dim, t = TP size,
-V the TP-padded vocabulary.
+x = t with sequence parallelism (else 1), V the TP-padded vocabulary.
 
 Model state of a trained role, as megarlhf.engine.train builds it (megatron-core DDP with
 grad_reduce_in_fp32=True and the distributed optimizer over torch Adam):
@@ -15,32 +16,74 @@ grad_reduce_in_fp32=True and the distributed optimizer over torch Adam):
                                      weights (m = 1) when params are 16-bit; fp32 params are
                                      their own master weights (m = 0). Sharded over DP.
 
-A frozen role (no optimizer) holds its weights only.
+A frozen role (no optimizer) holds its weights only. Offloading (plan.job) moves weights and
+optimizer states to pinned host memory (the same bytes) and drops grads.
 
 Activations kept for backward, per layer and micro-batch (the accounting of Korthikanti et
 al. 2022, "Reducing Activation Recomputation in Large Transformer Models", sec. 4.1, redone
-for a Llama layer: RMSNorm, GQA, SwiGLU, no dropout, and flash/memory-efficient attention,
-which keeps no s x s score tensor):
+for a Llama layer as megatron-core builds it on GPU: Transformer Engine's fused RMSNorm +
+linear and SwiGLU, unfused RoPE (apply_rope_fusion=False), no dropout, and flash /
+memory-efficient attention, which keeps no s x s score tensor):
 
-    b s P [ 4h/x + (2q + 2k)/t + 3f/t ] + b s (heads/t) 4
+    b s P [ 4h/x + (3q + 3k)/t + 3f/t ] + b s (heads/t) 4 + 4 s d P
 
-    4h      the two norms' inputs and outputs (x = t with sequence parallelism, else 1)
-    2q+2k   attention inputs q, k, v and its output (the projection's input)
-    3f      gate and up (SwiGLU's inputs) and SwiGLU's output (the down projection's input)
-    last    attention's fp32 log-sum-exp per head
+    4h/x    the two norms' inputs and outputs (the linears behind them keep their input
+            sequence-sharded and gather it again in backward)
+    3q+3k   attention: the fused QKV projection's output (q + 2k: V is a view of it, so the
+            whole tensor stays), Q and K after RoPE (q + k: new tensors), and attention's
+            output, the output projection's input (q)
+    3f      the fused gate/up output (2f, SwiGLU's input) and SwiGLU's output (f, the down
+            projection's input)
+    (heads/t) 4   attention's fp32 log-sum-exp per head
+    4 s d P the cos and sin tables of RoPE for Q and K (d = head_dim), per sequence position
 
-plus the padding-aware causal mask (b s^2 bytes, bool) per micro-batch. With full
-recomputation only each layer's input (b s h P / x) is kept, and one layer's activations are
-rebuilt at a time. A pipeline rank holds the activations of several micro-batches at once:
-1F1B runs min(PP - rank, micro-batches) forwards ahead of their backwards; the interleaved
-schedule (VPP chunks) min(VPP x micro-batches, 2 (PP - rank - 1) + (VPP - 1) PP + 1) chunk
-forwards, as megatron-core's schedules warm up.
+plus the padding-aware causal mask (b s^2 bytes, bool) per micro-batch. tests/test_plan.py
+checks this count tensor by tensor against what one layer saves on CPU, where our RMSNorm,
+unfused SwiGLU and SDPA's additive mask keep more (the test counts those separately).
 
-LM logits on the last stage, one micro-batch: b s V/t x (P + 12): the output layer's logits
-and parallel/vocab.py's three fp32 tensors (the float copy, shifted logits, their exp kept
-for backward).
+Recomputation (PPOConfig.recompute, per trained role):
+- 'full' (megatron-core full / uniform / 1 layer): each layer keeps only its input,
+  b s h P / x, and one layer's activations are rebuilt at a time in backward;
+- 'selective' (megatron-core's selective granularity over ["core_attn"], its default
+  recompute_modules): the core attention runs under a checkpoint that saves its inputs (Q,
+  K, V and the mask, kept anyway) and drops what the kernel itself saved: here only the fp32
+  log-sum-exp, b s (heads/t) 4 per layer (its output is still kept as the output
+  projection's input). With flash attention this saves little (megatron-core warns as
+  much when core_attn is recomputed): the point of selective recomputation is the s x s
+  scores of unfused attention, which this accounting never has.
 
-KV cache: 2 (keys, values) x layers x rows x s x k/t x P.
+A backward adds to the kept activations, at its peak, the larger of the last stage's logits
+workspace (below) and, once those are freed, the layer being back-propagated: what
+recomputation rebuilds of it (full: the layer; selective: its LSE) and its largest gradient
+(the fused gate/up output's, b s 2f/t P).
+
+A pipeline rank holds the activations of several micro-batches at once: 1F1B runs
+min(PP - rank, micro-batches) forwards ahead of their backwards; the interleaved schedule
+(VPP chunks) min(VPP x micro-batches, 2 (PP - rank - 1) + (VPP - 1) PP + 1) chunk forwards,
+as megatron-core's schedules warm up.
+
+The last stage also keeps the final norm's input and output (2 b s h P / x).
+
+LM logits on the last stage, one micro-batch, b s V/t x:
+- forward: P + 8 + 4c, the output layer's logits and parallel/vocab.py's fp32 tensors: the
+  shifted logits and their exp (the softmax, kept for backward), and a float copy of 16-bit
+  logits (c = 1; fp32 logits are their own, c = 0);
+- training: the larger of that and backward's 2P + 8 (logits and softmax kept, the fp32
+  gradient and its cast to the logits' dtype): P + 12 for fp32 and for 16-bit params.
+Sequence parallelism does not shard them: megatron-core's output layer gathers the sequence
+before its matmul, so the logits are the whole sequence's, vocab-split.
+
+A forward-only pass (experience) keeps nothing: it holds one layer's tensors at a time (the
+count above) or, on the last stage of an LM, the logits, whichever is larger.
+
+KV cache (the Megatron engine's, allocated inside generate): 2 (keys, values) x layers x
+rows x s x k/t x P. vLLM's is sized by megarlhf.rollout.sizing.
+
+Weight sync (rollout.bridge): at most one bucket (the largest: bucket_bytes, or the largest
+single tensor when bigger, never more than the whole model, in the rollout dtype; none at
+TP1 x PP1, where the engines get views of the parameters) plus the TP all-gather, assembly and
+split of the largest single Megatron tensor (3 x its full bytes): the bound
+BridgePlan.peak_extra_bytes states.
 """
 
 from __future__ import annotations
@@ -54,6 +97,7 @@ GRAD_BYTES = 4
 ADAM_STATE_BYTES = 8
 MASTER_WEIGHT_BYTES = 4
 FP32_BYTES = 4
+RECOMPUTE = ("none", "selective", "full")
 
 
 def model_state(params: int, param_bytes: int, *, trained: bool, dp: int) -> dict[str, int]:
@@ -66,25 +110,86 @@ def model_state(params: int, param_bytes: int, *, trained: bool, dp: int) -> dic
     return state
 
 
+def _shard(parallel: ParallelConfig) -> tuple[int, int]:
+    """(t, x): the TP size, and what sequence parallelism divides the sequence by."""
+    t = parallel.tensor_parallel
+    return t, (t if parallel.sequence_parallel else 1)
+
+
+def attention_lse(model: ModelConfig, parallel: ParallelConfig, rows: int, seq: int) -> int:
+    """Bytes of one layer's fp32 log-sum-exp per head (what flash attention saves besides
+    its inputs and output): what selective recomputation drops."""
+    t, _ = _shard(parallel)
+    return rows * seq * model.num_attention_heads // t * FP32_BYTES
+
+
+def rope_tables(model: ModelConfig, seq: int, param_bytes: int) -> int:
+    """Bytes of the cos and sin tables unfused RoPE makes for Q and for K in every layer,
+    [s, 1, 1, head_dim] each, kept by its multiplications."""
+    return 4 * seq * model.kv_channels * param_bytes
+
+
 def layer_activations(model: ModelConfig, parallel: ParallelConfig, rows: int, seq: int,
                       param_bytes: int) -> int:
     """Bytes one layer keeps for backward for one micro-batch (no recomputation)."""
-    t = parallel.tensor_parallel
-    x = t if parallel.sequence_parallel else 1
+    t, x = _shard(parallel)
     h, f = model.hidden_size, model.ffn_hidden_size
     q = model.num_attention_heads * model.kv_channels
     k = model.kv_heads * model.kv_channels
-    tokens = rows * seq
-    per_token = param_bytes * (4 * h / x + (2 * q + 2 * k) / t + 3 * f / t)
-    per_token += model.num_attention_heads / t * FP32_BYTES
-    return math.ceil(tokens * per_token)
+    per_token = param_bytes * (4 * h / x + (3 * q + 3 * k) / t + 3 * f / t)
+    return math.ceil(rows * seq * per_token) + attention_lse(model, parallel, rows, seq) \
+        + rope_tables(model, seq, param_bytes)
 
 
 def layer_input(model: ModelConfig, parallel: ParallelConfig, rows: int, seq: int,
                 param_bytes: int) -> int:
     """Bytes of one layer's input for one micro-batch: all full recomputation keeps."""
-    x = parallel.tensor_parallel if parallel.sequence_parallel else 1
+    _, x = _shard(parallel)
     return math.ceil(rows * seq * model.hidden_size * param_bytes / x)
+
+
+def kept_per_layer(model: ModelConfig, parallel: ParallelConfig, rows: int, seq: int,
+                   param_bytes: int, recompute: str) -> int:
+    """Bytes one layer keeps between its forward and its backward, for one micro-batch."""
+    if recompute == "full":
+        return layer_input(model, parallel, rows, seq, param_bytes)
+    layer = layer_activations(model, parallel, rows, seq, param_bytes)
+    if recompute == "selective":
+        return layer - attention_lse(model, parallel, rows, seq)
+    if recompute == "none":
+        return layer
+    raise ValueError(f"recompute must be one of {RECOMPUTE}, got {recompute!r}")
+
+
+def rebuilt(model: ModelConfig, parallel: ParallelConfig, rows: int, seq: int,
+            param_bytes: int, recompute: str) -> int:
+    """Bytes recomputation rebuilds for the one layer being back-propagated: the whole
+    layer (full), the core attention's LSE (selective: its output replaces the kept copy,
+    which the output projection's backward has released), nothing (none)."""
+    if recompute == "full":
+        return layer_activations(model, parallel, rows, seq, param_bytes)
+    if recompute == "selective":
+        return attention_lse(model, parallel, rows, seq)
+    return 0
+
+
+def layer_gradients(model: ModelConfig, parallel: ParallelConfig, rows: int, seq: int,
+                    param_bytes: int) -> int:
+    """Bytes of the largest gradient a layer's backward makes: the fused gate/up output's."""
+    t, _ = _shard(parallel)
+    return rows * seq * 2 * model.ffn_hidden_size // t * param_bytes
+
+
+def backward_peak(model: ModelConfig, parallel: ParallelConfig, rows: int, seq: int,
+                  param_bytes: int, *, recompute: str, logits: bool) -> int:
+    """Bytes a backward adds to the kept activations at its peak: the last stage's logits
+    workspace (`logits`: an LM's last stage), or later, once those are freed, the layer being
+    back-propagated: what recomputation rebuilds of it and its gradients."""
+    layer = rebuilt(model, parallel, rows, seq, param_bytes, recompute) \
+        + layer_gradients(model, parallel, rows, seq, param_bytes)
+    if not logits:
+        return layer
+    return max(layer, lm_logits(model, parallel.tensor_parallel, rows, seq, param_bytes))
 
 
 def forwards_in_flight(parallel: ParallelConfig, pp_rank: int, microbatches: int) -> int:
@@ -103,24 +208,78 @@ def in_flight_layers(model: ModelConfig, parallel: ParallelConfig, pp_rank: int,
 
 
 def train_activations(model: ModelConfig, parallel: ParallelConfig, pp_rank: int, *, rows: int,
-                      seq: int, microbatches: int, param_bytes: int, recompute: bool) -> int:
-    """Peak bytes of activations kept for backward on pipeline rank `pp_rank`."""
+                      seq: int, microbatches: int, param_bytes: int,
+                      recompute: str = "none") -> int:
+    """Peak bytes of activations kept for backward on pipeline rank `pp_rank`, with
+    `recompute` one of RECOMPUTE (what a backward adds on top: backward_peak)."""
     held = in_flight_layers(model, parallel, pp_rank, microbatches)
     # A micro-batch's mask is shared by its chunks: at most one per forward in flight.
     masks = min(microbatches, forwards_in_flight(parallel, pp_rank, microbatches)) \
         * rows * seq * seq
+    kept = held * kept_per_layer(model, parallel, rows, seq, param_bytes, recompute) + masks
+    if pp_rank == parallel.pipeline_parallel - 1:
+        # The final norm's input and output (the output layer's or value head's input).
+        kept += 2 * layer_input(model, parallel, rows, seq, param_bytes)
+    return kept
+
+
+def lm_logits(model: ModelConfig, tp: int, rows: int, seq: int, param_bytes: int, *,
+              backward: bool = True) -> int:
+    """Peak bytes of one micro-batch's vocab-parallel logits and their fp32 workspace (the
+    whole sequence, with or without sequence parallelism), in training (`backward`) or in a
+    forward-only pass."""
+    fp32 = FP32_BYTES
+    forward = param_bytes + 2 * fp32 + (fp32 if param_bytes < fp32 else 0)
+    per_entry = max(forward, 2 * param_bytes + 2 * fp32) if backward else forward
+    return rows * seq * (model.padded_vocab_size(tp) // tp) * per_entry
+
+
+def forward_pass(model: ModelConfig, parallel: ParallelConfig, rows: int, seq: int,
+                 param_bytes: int, *, logits: bool) -> int:
+    """Peak bytes of a forward-only pass over one micro-batch: one layer's tensors at a time
+    (none is kept), or on the last stage of an LM its logits, whichever is larger."""
     layer = layer_activations(model, parallel, rows, seq, param_bytes)
-    if recompute:
-        return held * layer_input(model, parallel, rows, seq, param_bytes) + layer + masks
-    return held * layer + masks
-
-
-def lm_logits(model: ModelConfig, tp: int, rows: int, seq: int, param_bytes: int) -> int:
-    """Bytes of one micro-batch's vocab-parallel logits and their fp32 softmax workspace."""
-    return rows * seq * (model.padded_vocab_size(tp) // tp) * (param_bytes + 3 * FP32_BYTES)
+    if not logits:
+        return layer
+    return max(layer, lm_logits(model, parallel.tensor_parallel, rows, seq, param_bytes,
+                                backward=False))
 
 
 def kv_cache(model: ModelConfig, tp: int, rows: int, seq: int, param_bytes: int) -> int:
     """Bytes of keys and values of every layer for `rows` sequences of `seq` tokens."""
     return 2 * model.num_layers * rows * seq * model.kv_heads // tp * model.kv_channels \
         * param_bytes
+
+
+def largest_tensor(model: ModelConfig, tp: int) -> int:
+    """Elements of the largest single Megatron tensor in its full (TP-gathered) form: the
+    padded embedding / output layer, or a layer's fused QKV, fused gate/up, output or down
+    projection."""
+    h, f = model.hidden_size, model.ffn_hidden_size
+    q = model.num_attention_heads * model.kv_channels
+    k = model.kv_heads * model.kv_channels
+    return max(model.padded_vocab_size(tp) * h, (q + 2 * k) * h, 2 * f * h, q * h, f * h)
+
+
+def largest_bucket(model: ModelConfig, tp: int, *, lm_params: int, rollout_bytes: int,
+                   bucket_bytes: int) -> int:
+    """Bound on the bytes of the bridge's largest bucket: bucket_bytes, or the largest
+    single tensor when bigger, never more than the whole model (`lm_params` at TP1), in the
+    rollout dtype."""
+    largest = largest_tensor(model, tp) * rollout_bytes
+    return min(max(bucket_bytes, largest), lm_params * rollout_bytes)
+
+
+def sync_buffers(model: ModelConfig, parallel: ParallelConfig, *, lm_params: int,
+                 param_bytes: int, rollout_bytes: int, bucket_bytes: int) -> int:
+    """Bound on the bytes one training rank of the actor (at `parallel`) allocates while
+    streaming its weights to the rollout engines (rollout.bridge): the largest bucket, and
+    the TP all-gather, assembly and split of the largest tensor in the training dtype
+    (BridgePlan.peak_extra_bytes). At TP1 without pipeline stages the engines get views of
+    the parameters: no bucket is assembled."""
+    tp = parallel.tensor_parallel
+    whole = tp == 1 and parallel.pipeline_parallel == 1
+    bucket = 0 if whole else largest_bucket(model, tp, lm_params=lm_params,
+                                            rollout_bytes=rollout_bytes,
+                                            bucket_bytes=bucket_bytes)
+    return bucket + 3 * largest_tensor(model, tp) * param_bytes

@@ -18,7 +18,7 @@ from megarlhf.parallel.mesh import LayoutOverride, ParallelConfig
 from megarlhf.rollout import sizing
 from megarlhf.rollout.gap import DEFAULT_GAP_LIMITS, GAP_POLICIES
 from megarlhf.rollout.sizing import EngineSize
-from megarlhf.models.transformer_config import DTYPES
+from megarlhf.models.transformer_config import DTYPES, RECOMPUTE
 from megarlhf.ppo.algorithms import ALGORITHMS, PRESETS, AlgorithmOptions, resolve
 from megarlhf.rl import AGGREGATION_MODES, KL_ESTIMATORS
 from megarlhf.rl.correction import CORRECTION_LEVELS, CORRECTIONS
@@ -73,13 +73,11 @@ class RolloutLayout:
     else 1. See `PPOConfig.rollout_tp`."""
 
 
-RECOMPUTE = ("none", "full", "selective")
-
-
 @dataclasses.dataclass(frozen=True)
 class RoleLayout(LayoutOverride):
     """A model role's layout in the `layout` section: the mesh fields, sequence parallelism,
-    and activation recomputation (a trained role's backward)."""
+    and activation recomputation (a trained role's backward: layout.reference.recompute and
+    layout.reward.recompute may only be 'none', those models are frozen)."""
 
     recompute: str | None = None
 
@@ -99,6 +97,8 @@ class Layout:
 
 LAYOUT_KEYS = {"actor": "actor", "ref": "reference", "critic": "critic", "reward": "reward"}
 """Model role -> its key in the `layout` section."""
+TRAINED_ROLES = ("actor", "critic")
+"""The model roles with an optimizer (the others are frozen: forward passes only)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -174,9 +174,10 @@ class PPOConfig:
     over the TP ranks; needs tensor_parallel > 1), unless `layout` sets a role's. The
     colocated Megatron rollout engine generates without it from the same weights."""
     recompute: str = "none"
-    """Activation recomputation in the trained roles' backward, unless `layout` sets a
-    role's: 'none'; 'full' (each layer keeps only its input and runs again in backward);
-    'selective' (attention's core recomputed, megatron-core's selective granularity)."""
+    """Activation recomputation in the trained roles' (actor, critic) backward, unless
+    `layout` sets a role's: 'none'; 'full' (each layer keeps only its input and runs again in
+    backward); 'selective' (attention's core recomputed, megatron-core's selective
+    granularity). The frozen ref and reward models run forward only: nothing to recompute."""
     layout: Layout = dataclasses.field(default_factory=Layout)
     """Per-role layouts over the fields above: `layout.critic.tensor_parallel=4`,
     `layout.actor.recompute=full`, ...; `layout.rollout.tensor_parallel` sizes the rollout
@@ -525,7 +526,12 @@ class PPOConfig:
         return default.with_overrides(override)
 
     def recompute_of(self, role: str) -> str:
-        """Model role `role`'s activation recomputation (none, full or selective)."""
+        """Model role `role`'s activation recomputation (none, full or selective). The frozen
+        roles (ref, reward) run forward passes only, which keep no activations to recompute:
+        always 'none' (the run-wide `recompute` is for the trained roles; the config refuses
+        layout.reference.recompute / layout.reward.recompute other than 'none')."""
+        if role not in TRAINED_ROLES:
+            return "none"
         return getattr(self.layout, LAYOUT_KEYS[role]).recompute or self.recompute
 
     def _actor_layout(self) -> ParallelConfig:
@@ -549,6 +555,10 @@ class PPOConfig:
             if override.recompute not in (None, *RECOMPUTE):
                 problems.append(f"layout.{key}.recompute={override.recompute!r} is not one of "
                                 f"{list(RECOMPUTE)}")
+            elif role not in TRAINED_ROLES and override.recompute not in (None, "none"):
+                problems.append(f"layout.{key}.recompute={override.recompute}: the {key} "
+                                f"model is frozen (forward passes only, nothing to recompute);"
+                                f" recompute applies to the actor and critic")
             if not override.is_set:
                 continue
             if role not in self.roles:

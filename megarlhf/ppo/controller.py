@@ -168,8 +168,10 @@ def ppo_step(config: PPOConfig, data: RunInputs, workers: Placement, sampler: Pr
     # Samples that ended on a stop id rather than at max_new_tokens (a chat model that never
     # stops has a wrong stop id or template).
     stopped = sum(c.finish_reason == "stop" for c in drawn.completions) / len(drawn.completions)
+    memory = {f"memory/{phase}_state_mib": nbytes / 2**20
+              for phase, nbytes in workers.take_memory().items()}
     return {**metrics, **drawn.metrics, **correction, "rollout/stopped_fraction": stopped,
-            **overhead_metrics(time.perf_counter() - start, workers.take_busy())}
+            **memory, **overhead_metrics(time.perf_counter() - start, workers.take_busy())}
 
 
 def compute_advantages(config: PPOConfig, score: torch.Tensor, exp: dict, mask: torch.Tensor,

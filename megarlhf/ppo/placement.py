@@ -97,6 +97,13 @@ class Placement:
     def sync(self) -> None:
         _, self.busy["sync"] = self._run(WorkerAPI.sync_weights, SYNC)
 
+    def take_memory(self) -> dict[str, int]:
+        """phase -> the most bytes of model state on a device in it since the last call (each
+        group's rank 0; the phases of all groups)."""
+        parts, _ = self._run(WorkerAPI.take_memory, self._all_roles)
+        return {phase: max(p.get(phase, 0) for p in parts)
+                for phase in sorted({phase for p in parts for phase in p})}
+
     def take_busy(self) -> dict[str, float]:
         busy, self.busy = self.busy, {}
         return busy

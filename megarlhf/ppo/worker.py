@@ -27,7 +27,9 @@ from megarlhf.models.gpt import model_spec
 from megarlhf.models.transformer_config import parse_dtype
 from megarlhf.parallel.mesh import init_mesh
 from megarlhf.ppo.config import PPOConfig
+from megarlhf.ppo import residency
 from megarlhf.ppo.layout import GroupSpec
+from megarlhf.ppo.residency import Residency
 from megarlhf.rollout.bridge import WeightBridge, open_channel, receive
 from megarlhf.rollout.engine import Completion, EngineError, SamplingParams
 from megarlhf.rollout import sizing
@@ -61,19 +63,23 @@ class PPOWorker:
                 log_ratio_clamp=c.log_ratio_clamp, entropy_coef=c.entropy_coef,
                 aggregation=o.aggregation, aggregation_norm=norm, kl_estimator=o.kl_estimator,
                 kl_clamp=c.kl_clamp)
-            self.actor = PolicyRole(self._engine(c.actor, c.actor_lr), loss=loss,
+            self.actor = PolicyRole(self._engine("actor", c.actor, c.actor_lr), loss=loss,
                                     num_microbatches=c.micro_batches)
         if "ref" in roles:
-            self.ref = PolicyRole(self._engine(c.actor, None), num_microbatches=c.micro_batches)
+            self.ref = PolicyRole(self._engine("ref", c.actor, None),
+                                  num_microbatches=c.micro_batches)
         if "critic" in roles:
-            self.critic = ValueRole(self._engine(c.critic, c.critic_lr),
+            self.critic = ValueRole(self._engine("critic", c.critic, c.critic_lr),
                                     loss=ValueLossConfig(clip_eps=c.value_clip_eps,
                                                          aggregation=o.aggregation,
                                                          aggregation_norm=norm),
                                     num_microbatches=c.micro_batches)
         if "reward" in roles:
-            self.reward = ValueRole(self._engine(c.reward_model, None),
+            self.reward = ValueRole(self._engine("reward", c.reward_model, None),
                                     num_microbatches=c.micro_batches)
+        self.residency = Residency(
+            {role: r.engine for role, r in self._models().items()},
+            params=c.offload_params, grads=c.offload_grads, optimizer=c.offload_optimizer)
         model, arch = self._actor_model()
         self.bridge = self.engine = self.channel = None
         if self.actor is not None:
@@ -81,10 +87,29 @@ class PPOWorker:
         if "rollout" in roles:
             self.engine = self._rollout_engine(model, arch.name)
 
-    def _engine(self, ckpt: str, lr: float | None) -> TrainEngine:
+    def _models(self) -> dict:
+        """role -> its PolicyRole / ValueRole, for the model roles this group holds."""
+        return {role: r for role, r in (("actor", self.actor), ("ref", self.ref),
+                                        ("critic", self.critic), ("reward", self.reward))
+                if r is not None}
+
+    def _engine_sleeps(self) -> None:
+        """The rollouts are over until the weight sync: free the engine's memory."""
+        if self.engine is not None and self.config.rollout_sleep:
+            self.engine.sleep()
+
+    def _engine(self, role: str, ckpt: str, lr: float | None) -> TrainEngine:
+        """Model role `role` on the group's mesh, at its own layout: the mesh's TP x PP with
+        the role's sequence parallelism (a per-model flag; the ranks' megatron-core parallel
+        state is the group's) and its activation recomputation."""
         optim = OptimConfig(lr=lr, clip_grad=1.0) if lr is not None else None
-        return engine_from_checkpoint(ckpt, self.group.parallel, self.mesh, optim,
-                                      dtype=self.dtype)
+        parallel = self.config.parallel_of(role)
+        if parallel != dataclasses.replace(self.group.parallel,
+                                           sequence_parallel=parallel.sequence_parallel):
+            raise ValueError(f"{role}'s layout {parallel} is not its group's mesh "
+                             f"{self.group.parallel} (the config's checks should have said)")
+        return engine_from_checkpoint(ckpt, parallel, self.mesh, optim, dtype=self.dtype,
+                                      recompute=self.config.recompute_of(role))
 
     def _actor_model(self):
         """The actor's model config and architecture (HF names for the bridge and engines)."""
@@ -145,6 +170,7 @@ class PPOWorker:
         else:
             share, count, group = self.mesh.dp_rank, self.mesh.dp_size, self.mesh.dp_group
             speaks = True  # dp_group holds one rank of each engine
+        self.residency.keep("rollout", residency.ROLLOUT)
         mine = list(range(share, len(prompts), count))
         local = self.engine.generate([prompts[i] for i in mine], params) if mine else []
         local = [dataclasses.replace(c, prompt_index=mine[c.prompt_index])
@@ -162,15 +188,21 @@ class PPOWorker:
                    ) -> dict[str, torch.Tensor]:
         """What this group's roles among `roles` add to the rollout batch: old logprobs and
         entropy (actor), ref logprobs, values (critic), reward-model scores (reward)."""
+        self._engine_sleeps()
         out = {}
-        if self.actor is not None and "actor" in roles:
-            out["logp"], out["entropy"] = self.actor.logprobs(batch, with_entropy=True)
-        if self.ref is not None and "ref" in roles:
-            out["ref_logp"] = self.ref.logprobs(batch)
-        if self.critic is not None and "critic" in roles:
-            out["values"] = self.critic.values(batch)
-        if self.reward is not None and "reward" in roles:
-            out["rm_scores"] = self.reward.scores(batch)
+        for role, model in self._models().items():
+            if role not in roles:
+                continue
+            # One role's weights at a time, when they are offloaded.
+            self.residency.keep("experience", residency.forward_of(role))
+            if role == "actor":
+                out["logp"], out["entropy"] = model.logprobs(batch, with_entropy=True)
+            elif role == "ref":
+                out["ref_logp"] = model.logprobs(batch)
+            elif role == "critic":
+                out["values"] = model.values(batch)
+            else:
+                out["rm_scores"] = model.scores(batch)
         return out
 
     def train(self, batch: SequenceBatch, old_logp: torch.Tensor, advantages: torch.Tensor,
@@ -179,6 +211,8 @@ class PPOWorker:
         """PPO epochs over mini-batches for this group's actor and/or critic; metrics of every
         optimizer step."""
         c = self.config
+        self._engine_sleeps()
+        self.residency.keep("train", residency.TRAIN)
         size = batch.shape[0] // c.mini_batches
         metrics = []
         for _ in range(c.ppo_epochs):
@@ -202,19 +236,30 @@ class PPOWorker:
 
     def sync_weights(self) -> None:
         """The actor's weights into the rollout engines: streamed inside this rank
-        (colocated), or sent (actor group) / received (rollout group) over the channel."""
+        (colocated), or sent (actor group) / received (rollout group) over the channel. A
+        sleeping engine wakes in stages: its weights, the sync, then its KV cache."""
         if self.bridge is not None and self.engine is not None:
+            self.residency.keep("sync", residency.SYNC)
+            self.engine.wake(("weights",))
             self.engine.update_weights(
                 self.bridge.stream(reuse_buffer=self.engine.copies_each_bucket))
+            self.residency.keep("sync", residency.ROLLOUT)
+            self.engine.wake(("kv_cache",))
         elif self.bridge is not None:
             self.bridge.send(self.channel)
         else:
             self.engine.update_weights(receive(self.channel))
 
+    def take_memory(self) -> dict[str, int]:
+        """phase -> the most bytes of this rank's model state on the device in it, since the
+        last call."""
+        return self.residency.take_peaks()
+
     # -- checkpoints -------------------------------------------------------------------------
 
     def save(self, directory: str) -> None:
         """The trained models with their optimizers, and every rank's RNG states."""
+        self.residency.keep("checkpoint", residency.CHECKPOINT)
         if self.actor is not None:
             save_checkpoint(os.path.join(directory, "actor"), self.actor.engine, self.mesh)
         if self.critic is not None:
@@ -226,6 +271,7 @@ class PPOWorker:
 
     def load(self, directory: str) -> None:
         """Undo save(); the rollout engines need a weight sync afterwards."""
+        self.residency.keep("checkpoint", residency.CHECKPOINT)
         if self.actor is not None:
             load_checkpoint(os.path.join(directory, "actor"), self.actor.engine)
         if self.critic is not None:

@@ -150,8 +150,10 @@ class PolicyRole:
                                                            "entropy": entropy.detach()}
 
         out = self.engine.forward(microbatches(self.engine, batch, self.num_microbatches), keep)
-        logp = gather_rows(out, "logp", self.engine.mesh)
-        return (logp, gather_rows(out, "entropy", self.engine.mesh)) if with_entropy else logp
+        T = batch.shape[1]  # the micro-batches may be padded (sequence parallelism)
+        logp = gather_rows(out, "logp", self.engine.mesh)[:, :T]
+        return (logp, gather_rows(out, "entropy", self.engine.mesh)[:, :T]) if with_entropy \
+            else logp
 
     def train_step(self, batch: SequenceBatch, old_logp: torch.Tensor,
                    advantages: torch.Tensor, ptx: SequenceBatch | None = None, *,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+import torch.nn.functional as F
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +53,12 @@ class SequenceBatch:
         if self.shape[1] > max_length:
             raise ValueError(f"sequences are {self.shape[1]} tokens long, more than the "
                              f"model's max_position_embeddings={max_length}")
+
+    def right_padded(self, columns: int) -> "SequenceBatch":
+        """This batch with `columns` padding columns on the right (token 0, both masks 0)."""
+        pad = lambda t: F.pad(t, (0, columns))  # noqa: E731
+        return SequenceBatch(tokens=pad(self.tokens), attention_mask=pad(self.attention_mask),
+                             response_mask=pad(self.response_mask))
 
     def position_ids(self) -> torch.Tensor:
         """Positions counted over real tokens only, so left padding does not shift them."""

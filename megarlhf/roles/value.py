@@ -52,7 +52,8 @@ class ValueRole:
 
     def values(self, batch: SequenceBatch) -> torch.Tensor:
         """V(state before token t) [B, T] on every rank."""
-        return gather_rows(self._forward(batch), "values", self.engine.mesh)
+        # [:, :T]: the micro-batches may be padded (sequence parallelism)
+        return gather_rows(self._forward(batch), "values", self.engine.mesh)[:, :batch.shape[1]]
 
     def scores(self, batch: SequenceBatch) -> torch.Tensor:
         """The head's output at each row's last real token [B] (a reward model's score)."""

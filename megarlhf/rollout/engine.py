@@ -68,6 +68,12 @@ engine whose `copies_each_bucket` is True promises to be done with a bucket befo
 the next, so the producer may reuse the memory."""
 
 
+ENGINE_PARTS = ("weights", "kv_cache")
+"""What an engine's sleep frees and its wake allocates, in the order the weight sync wakes
+them: the weights, then (after the sync has loaded them and freed its buffers) the KV cache,
+so the two are never allocated beside the sync's transient memory."""
+
+
 class RolloutEngine(Protocol):
     copies_each_bucket: bool
     """True when update_weights is done with a bucket before it asks for the next."""
@@ -79,10 +85,11 @@ class RolloutEngine(Protocol):
         """Load new weights in place; every parameter of the model must arrive."""
 
     def sleep(self) -> None:
-        """Free weights' and KV cache memory for training (colocated mode)."""
+        """Free the weights' and the KV cache's memory for training (colocated mode)."""
 
-    def wake(self) -> None:
-        """Undo sleep(); weights must be updated before the next generate()."""
+    def wake(self, parts: tuple[str, ...] = ENGINE_PARTS) -> None:
+        """Allocate `parts` (of ENGINE_PARTS) of what sleep() freed again; the weights must
+        be updated before the next generate()."""
 
     def shutdown(self) -> None:
         ...

@@ -37,7 +37,9 @@ from megarlhf.models.arch import TensorRule, architecture_for_model
 from megarlhf.models.gpt import ModelSpec, build_model
 from megarlhf.parallel.mesh import Mesh
 from megarlhf.parallel.vocab import vocab_parallel_logprobs
-from megarlhf.rollout.engine import Completion, EngineError, SamplingParams, WeightStream
+from megarlhf.rollout.engine import (
+    ENGINE_PARTS, Completion, EngineError, SamplingParams, WeightStream,
+)
 from megarlhf.rollout.pieces import Piece, local_pieces
 from megarlhf.rollout.weights import WeightCheck, hf_weight_shapes
 
@@ -299,9 +301,10 @@ class MegatronEngine:
             storage.resize_(0)
         self._asleep, self._weights_ready = True, False
 
-    def wake(self) -> None:
-        """Allocate the weights' memory again (contents undefined until update_weights)."""
-        if not self._asleep:
+    def wake(self, parts: tuple[str, ...] = ENGINE_PARTS) -> None:
+        """Allocate the weights' memory again (contents undefined until update_weights); the
+        KV cache is allocated by each generate()."""
+        if not self._asleep or "weights" not in parts:
             return
         for storage, nbytes in self._freed:
             storage.resize_(nbytes)
@@ -317,9 +320,10 @@ def _check_layout(spec: ModelSpec, mesh: Mesh) -> None:
         problems.append(f"pipeline_parallel={mesh.pp} (virtual "
                         f"{mesh.config.virtual_pipeline_parallel}): the engine generates at "
                         f"PP=1 only; give it a mesh with tensor parallelism alone")
-    if mesh.config.sequence_parallel:
+    if mesh.config.sequence_parallel or spec.transformer.sequence_parallel:
         problems.append("sequence_parallel=True: megatron-core's static KV cache does not "
-                        "support it; use an inference mesh without it")
+                        "support it; use an inference mesh and model spec without it (the "
+                        "weights are the same)")
     if spec.transformer.tensor_model_parallel_size != mesh.tp:
         problems.append(f"the model spec is for TP={spec.transformer.tensor_model_parallel_size}"
                         f" but the mesh has TP={mesh.tp}; build the spec from the mesh's config")

@@ -33,7 +33,9 @@ import transformers
 
 from megarlhf.models.arch import architecture_for_hf_config
 from megarlhf.rollout.weights import WeightCheck, hf_weight_shapes
-from megarlhf.rollout.engine import Completion, EngineError, SamplingParams, WeightStream
+from megarlhf.rollout.engine import (
+    ENGINE_PARTS, Completion, EngineError, SamplingParams, WeightStream,
+)
 
 LOAD_FORMATS = ("auto", "dummy")
 _EXTENSION = "megarlhf.rollout.vllm_worker.WeightSyncExtension"
@@ -120,7 +122,8 @@ class VLLMEngine:
         except Exception as e:  # noqa: BLE001 - any failure must name this engine
             raise EngineError(f"{self.name}: start failed: {type(e).__name__}: {e}") from e
         self._weights_ready = config.load_format == "auto"
-        self._asleep = False
+        self._asleep: set[str] = set()
+        """The ENGINE_PARTS freed by sleep() and not woken yet."""
 
     # ----------------------------------------------------------------------------- generation
 
@@ -175,8 +178,8 @@ class VLLMEngine:
 
     def _check_ready(self, doing: str) -> None:
         if self._asleep:
-            raise EngineError(f"{self.name}: asleep; call wake() and update_weights() before "
-                              f"{doing}")
+            raise EngineError(f"{self.name}: asleep ({', '.join(sorted(self._asleep))}); call "
+                              f"wake() and update_weights() before {doing}")
         if not self._weights_ready:
             raise EngineError(f"{self.name}: no weights loaded (started with dummy weights, "
                               f"woke from sleep, or a weight update failed); call "
@@ -189,7 +192,7 @@ class VLLMEngine:
         read lazily inside vLLM, so a bad tensor is found with the model half-written: then
         generate() refuses until an update succeeds."""
         llm = self._running()
-        if self._asleep:
+        if "weights" in self._asleep:
             raise EngineError(f"{self.name}: asleep; call wake() before update_weights")
         self._weights_ready = False
         try:
@@ -218,8 +221,9 @@ class VLLMEngine:
     def sleep(self) -> None:
         """Free the KV cache (CPU), or weights and KV cache (vLLM sleep mode, GPU)."""
         llm = self._running()
-        if self._asleep:
+        if self._asleep == set(ENGINE_PARTS):
             return
+        self.wake()  # half awake: vLLM sleeps from fully awake
         try:
             if self._sleep_mode:
                 llm.sleep(level=2)
@@ -227,21 +231,24 @@ class VLLMEngine:
                 llm.collective_rpc("release_kv_cache")
         except Exception as e:  # noqa: BLE001 - any failure must name this engine
             raise EngineError(f"{self.name}: sleep failed: {type(e).__name__}: {e}") from e
-        self._asleep, self._weights_ready = True, False
+        self._asleep, self._weights_ready = set(ENGINE_PARTS), False
 
-    def wake(self) -> None:
-        """Allocate what sleep() freed; weights must be updated before the next generate()."""
+    def wake(self, parts: tuple[str, ...] = ENGINE_PARTS) -> None:
+        """Allocate `parts` of what sleep() freed (vLLM's wake_up tags); the weights must be
+        updated before the next generate(). Without sleep mode the weights were never
+        freed: only the KV cache comes back."""
         llm = self._running()
-        if not self._asleep:
+        waking = [p for p in ENGINE_PARTS if p in parts and p in self._asleep]
+        if not waking:
             return
         try:
             if self._sleep_mode:
-                llm.wake_up()
-            else:
+                llm.wake_up(tags=waking)
+            elif "kv_cache" in waking:
                 llm.collective_rpc("restore_kv_cache")
         except Exception as e:  # noqa: BLE001 - any failure must name this engine
             raise EngineError(f"{self.name}: wake failed: {type(e).__name__}: {e}") from e
-        self._asleep = False
+        self._asleep -= set(waking)
 
     def shutdown(self) -> None:
         """Stop the engine and free its memory; the trainer's process group stays."""

@@ -49,10 +49,14 @@ class WeightSyncExtension:
             storage.resize_(0)
 
     def restore_kv_cache(self) -> None:
-        """Allocate the KV cache again. Its old contents are gone, which is safe only because
-        the engine runs without prefix caching: no block is read before it is written."""
+        """Allocate the KV cache again, zeroed. Its old contents are gone, which is safe
+        because the engine runs without prefix caching: no token's keys are read before they
+        are written. But the CPU attention reads a partly written block whole and masks the
+        rest, and fresh memory may hold NaN bit patterns, which survive a mask (measured: NaN
+        logprobs after a wake); zeros do not."""
         for storage, nbytes in getattr(self, "_released_kv", []):
             storage.resize_(nbytes)
+            torch.empty(0, dtype=torch.uint8).set_(storage).zero_()
         self._released_kv = []
 
 
