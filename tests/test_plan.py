@@ -378,7 +378,7 @@ def expected_phases(role: str, what: str, on: set[str], backend: str) -> set[str
         if backend == "megatron":
             return {"rollout"}  # allocated inside generate
         return {"rollout", "checkpoint"} if "rollout_sleep" in on else every
-    if what == "prefill logits":
+    if what == "generation":
         return {"rollout"}
     if what == "weights":
         if "offload_params" not in on:
@@ -995,8 +995,8 @@ LIVE_CASES = [
 LIVE_MARGIN = 0.10
 """Each phase's measured peak within 10% of the plan (plus the CPU kernels' extras). Measured
 on the 2-core CI machine ('+': measured above the plan): the state bytes at every call
-within 0.1% (Adam's step counters); the phase peaks -6.7% .. +4.3%: rollout -3.1 .. +4.0%
-(the Megatron engine's decode-step tensors, beside its KV cache and prefill logits),
+within 0.1% (Adam's step counters); the phase peaks -6.7% .. +4.3%: rollout -3.1 .. -0.3%
+(the Megatron engine's generation working set, beside its KV cache),
 experience 0 .. +4.3%, train -2.8 .. +0.1%, sync -6.7 .. -0.3% (the bridge's bound: TP2
 assembles a little less than a bucket), checkpoint 0.0%."""
 

@@ -34,8 +34,8 @@ terms off the device (ppo/residency.py, the worker):
                       checkpoint (woken after the sync's weights). Megatron: while
                       generating only.
   transients          KV cache, a forward:     one role's  the bridge's (none
-                      prefill   a layer or     kept acti-  buffers      planned)
-                      logits    its logits     vations and
+                      genera-   a layer or     kept acti-  buffers      planned)
+                      tion      its logits     vations and
                                                backward
 
 So a phase's peak is what is held plus its largest role's running terms: with offload_params
@@ -119,7 +119,7 @@ class Term:
     role: str
     what: str
     """weights, grads, optimizer, forward pass, activations (kept for backward), backward
-    (what a backward adds at its peak), KV cache, prefill logits or sync buffers."""
+    (what a backward adds at its peak), KV cache, generation or sync buffers."""
     bytes: int
     held: frozenset[str] = frozenset()
     """Phases it is on the device for the whole phase."""
@@ -431,7 +431,7 @@ def _stage(config: PPOConfig, spec: GroupSpec, models: dict[str, ModelSource],
 def _rollout_terms(config: PPOConfig, spec: GroupSpec, model: ModelConfig, prompt_len: int
                    ) -> list[Term]:
     """The engine's weights and KV cache (its share of the rollout batch at once), and the
-    Megatron engine's prefill logits; where each is on the device."""
+    Megatron engine's generation working set; where each is on the device."""
     n, nbytes = config.samples_per_prompt, param_bytes(config)
     seq = prompt_len + config.max_new_tokens
     rollout = frozenset({"rollout"})
@@ -448,11 +448,13 @@ def _rollout_terms(config: PPOConfig, spec: GroupSpec, model: ModelConfig, promp
         kv = Term("rollout", "KV cache", memory.kv_cache(model, tp, prompts * n, seq, nbytes)
                   + memory.kv_cache(model, tp, prompts, seq, nbytes) // model.num_layers,
                   running=rollout)
-        # Prefill returns the logits of every prompt position, gathered over TP (inference
-        # mode), before the last position's are taken.
-        extra.append(Term("rollout", "prefill logits",
-                          prompts * prompt_len * model.padded_vocab_size(tp) * nbytes,
-                          running=rollout))
+        # Generation's working set: the prefill's forward over the prompts, one layer at a
+        # time, or a decode step's logits (megatron-core's static inference context
+        # materialises the last position's only, gathered over TP: full vocabulary rows).
+        extra.append(Term("rollout", "generation", max(
+            memory.inference_layer(model, tp, prompts, prompt_len, nbytes),
+            memory.lm_logits(model, 1, prompts * n, 1, nbytes, backward=False)),
+            running=rollout))
     else:
         # vLLM pages its cache; the engines get their whole share of the batch at once, so
         # every sequence runs concurrently (rollout/sizing.py, which the workers use too). It

@@ -245,6 +245,15 @@ def forward_pass(model: ModelConfig, parallel: ParallelConfig, rows: int, seq: i
                                 backward=False))
 
 
+def inference_layer(model: ModelConfig, tp: int, rows: int, seq: int, param_bytes: int) -> int:
+    """Peak bytes of one layer of a no-grad forward (generation's prefill): nothing is kept
+    for a backward, so only the widest point is alive at once, the MLP of a Llama layer:
+    the residual stream and the norm's output (2h), gate and up (2f/t) and SwiGLU's output
+    (f/t), per token."""
+    h, f = model.hidden_size, model.ffn_hidden_size
+    return rows * seq * param_bytes * (2 * h + 3 * f // tp)
+
+
 def kv_cache(model: ModelConfig, tp: int, rows: int, seq: int, param_bytes: int) -> int:
     """Bytes of keys and values of every layer for `rows` sequences of `seq` tokens."""
     return 2 * model.num_layers * rows * seq * model.kv_heads // tp * model.kv_channels \

@@ -9,7 +9,7 @@ from megarlhf.plan.job import GIB, PHASES, SWITCHES, GroupPlan, Plan
 from megarlhf.plan.params import total_params
 
 ROW_ORDER = ("weights", "grads", "optimizer", "forward pass", "activations", "backward",
-             "KV cache", "prefill logits", "sync buffers")
+             "KV cache", "generation", "sync buffers")
 
 
 def _gib(nbytes: int) -> str:
