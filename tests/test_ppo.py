@@ -441,7 +441,10 @@ def test_disaggregated_equals_colocated_and_resumes_exactly(base, tmp_path, monk
     apart = dataclasses.replace(base, out_dir=str(tmp_path / "apart"), placement="disaggregated",
                                 **short)
     straight = run(apart)
-    assert [_without_timings(m) for m in straight] == [_without_timings(m) for m in colocated]
+    # The state on a device per phase depends on what a group holds: not compared.
+    same = lambda m: {k: v for k, v in _without_timings(m).items()  # noqa: E731
+                      if not k.startswith("memory/")}
+    assert [same(m) for m in straight] == [same(m) for m in colocated]
     assert straight[-1]["time/worker/experience"] > 0
 
     resumed = dataclasses.replace(apart, out_dir=str(tmp_path / "resumed"))
@@ -872,8 +875,10 @@ def _memory(metrics: dict) -> dict:
 @pytest.mark.slow
 @pytest.mark.parametrize("algorithm,layout", [
     ("ppo", "tp2"), ("grpo", "tp2"),
-    # The colocated Megatron engine generates at PP1: PP2 runs with vLLM rollouts.
-    ("ppo", "pp2"), ("grpo", "pp2")])
+    # The colocated Megatron engine generates at PP1: PP2 runs with vLLM rollouts. PPO at
+    # PP2 (~80 s more of make test's budget) adds no code path: the critic's offload is
+    # ppo-tp2's, the pipeline stages' and vLLM's sleep are grpo-pp2's.
+    ("grpo", "pp2")])
 def test_offloading_every_idle_role_changes_no_metric(base, vllm_checkpoints, tmp_path,
                                                       algorithm, layout):
     """Colocated runs with every offload switch and engine sleep on equal the runs with them

@@ -52,6 +52,11 @@ class Residency:
             offloader.offload((self.switched & set(offloader.kinds())) - wanted)
         for role, offloader in self.roles.items():
             offloader.reload(needs.get(role, ()))
+        self.note(phase)
+
+    def note(self, phase: str) -> None:
+        """Count what is on the device now as `phase`'s (also after a phase that creates
+        state: the first step's Adam moments, a checkpoint's loaded optimizer)."""
         held = sum(offloader.device_bytes() for offloader in self.roles.values())
         self.peaks[phase] = max(self.peaks.get(phase, 0), held)
 

@@ -232,6 +232,7 @@ class PPOWorker:
                     m.update({f"critic/{k}": v for k, v in critic.items()})
                     m["critic/grad_norm"] = vstep.grad_norm
                 metrics.append(m)
+        self.residency.note("train")
         return metrics
 
     def sync_weights(self) -> None:
@@ -276,6 +277,7 @@ class PPOWorker:
             load_checkpoint(os.path.join(directory, "actor"), self.actor.engine)
         if self.critic is not None:
             load_checkpoint(os.path.join(directory, "critic"), self.critic.engine)
+        self.residency.note("checkpoint")
         rng = torch.load(self._rng_path(directory), weights_only=False)
         torch.set_rng_state(rng["torch"])
         random.setstate(rng["python"])
