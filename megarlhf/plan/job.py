@@ -57,6 +57,7 @@ from megarlhf.parallel.mesh import ParallelConfig
 from megarlhf.plan import memory
 from megarlhf.plan.params import rank_params, total_params
 from megarlhf.plan.sources import ModelSource, resolve
+from megarlhf.ppo import residency as phase_needs
 from megarlhf.ppo.config import PPOConfig
 from megarlhf.ppo.layout import GroupSpec, group_specs
 from megarlhf.rollout.bridge import DEFAULT_BUCKET_BYTES
@@ -371,20 +372,16 @@ def plan(config: PPOConfig, cluster: Cluster, prompt_len: int,
 
 def residency(config: PPOConfig, role: str, what: str) -> dict:
     """Term fields (held, running, pinned) of a model role's model state under the job's
-    switches (the table in the module docstring)."""
-    if what == "weights":
-        if not config.offload_params:
-            return {"held": EVERY}
-        held = {"actor": {"train", "sync", "checkpoint"},
-                "critic": {"train", "checkpoint"}}.get(role, set())
-        return {"held": frozenset(held), "running": frozenset({"experience"}), "pinned": True}
-    if what == "grads":
-        return {"held": frozenset({"train"}) if config.offload_grads else EVERY}
-    if what == "optimizer":
-        if config.offload_optimizer:
-            return {"held": frozenset({"train", "checkpoint"}), "pinned": True}
+    switches: the worker's own table (ppo/residency.py), so the plan cannot drift from it."""
+    kind = {"weights": "params", "grads": "grads", "optimizer": "optimizer"}[what]
+    if not getattr(config, f"offload_{kind}"):
         return {"held": EVERY}
-    raise ValueError(f"no residency rule for {what}")
+    held = frozenset(phase for phase, needs in phase_needs.HELD.items()
+                     if kind in needs.get(role, ()))
+    fields = {"held": held, "pinned": kind != "grads"}  # grads are dropped, not copied
+    if kind == "params":
+        fields["running"] = frozenset({"experience"})  # loaded for the role's forward
+    return fields
 
 
 def _stage(config: PPOConfig, spec: GroupSpec, models: dict[str, ModelSource],

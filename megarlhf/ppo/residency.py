@@ -30,6 +30,11 @@ SYNC: Needs = {"actor": ("params",)}
 CHECKPOINT: Needs = {"actor": ("params", "optimizer"), "critic": ("params", "optimizer")}
 
 
+HELD: dict[str, Needs] = {"rollout": ROLLOUT, "train": TRAIN, "sync": SYNC,
+                          "checkpoint": CHECKPOINT}
+"""What each phase holds for its whole length (experience loads roles in turn instead)."""
+
+
 def forward_of(role: str) -> Needs:
     """An experience forward pass of `role`."""
     return {role: ("params",)}
