@@ -19,7 +19,7 @@ import torch
 
 from bench.report import append_entry
 from megarlhf.engine.losses import lm_loss
-from megarlhf.engine.offload import KINDS, Offloader, _storages
+from megarlhf.engine.offload import KINDS, Offloader, storages_of
 from megarlhf.engine.optim import OptimConfig
 from megarlhf.engine.schedule import rank_microbatches
 from megarlhf.engine.train import TrainEngine
@@ -46,7 +46,7 @@ def _rank(repeats: int) -> list[tuple]:
     offloader = Offloader(engine)
     rows = []
     for kind in KINDS:
-        nbytes = sum(s.nbytes() for s in _storages([offloader._tensors(kind)]).values())
+        nbytes = sum(s.nbytes() for s in storages_of([offloader.tensors(kind)]).values())
         trips, copies = [], []
         for _ in range(repeats):
             t = time.perf_counter()
@@ -54,7 +54,7 @@ def _rank(repeats: int) -> list[tuple]:
             offloader.reload([kind])
             trips.append(time.perf_counter() - t)
             source = [torch.empty(0, dtype=torch.uint8).set_(s)
-                      for s in _storages([offloader._tensors(kind)]).values()]
+                      for s in storages_of([offloader.tensors(kind)]).values()]
             t = time.perf_counter()
             host = [s.clone() for s in source]
             for s, h in zip(source, host):

@@ -149,7 +149,7 @@ def offload_round_trip(ckpt: str, model: ModelConfig, parallel: ParallelConfig,
     batch = make_batch(model, batch=2 * mesh.dp_size, seq=8, seed=1)
     engine.train_step(rank_microbatches(batch, mesh, 1), lm_loss(mesh, model.vocab_size))
     offloader = Offloader(engine)
-    tensors = {kind: offloader._tensors(kind) for kind in KINDS}
+    tensors = {kind: offloader.tensors(kind) for kind in KINDS}
     before = {kind: [t.detach().clone() for t in ts] for kind, ts in tensors.items()}
     offloader.offload(KINDS)
     out = {

@@ -16,7 +16,8 @@ Everything is moved by storage, not by tensor: a storage's memory is released wi
 (parameters, `main_grad` views, the distributed optimizer's shard views, the weight bridge's
 pieces) stays valid across the round trip, and the bytes come back bitwise equal. A storage
 shared by two kinds (the fp32 master weights of fp32 params are views of the parameters) is
-moved with the first kind that owns it: params, then grads, then optimizer.
+moved with the first kind that owns it: params, then grads, then optimizer. `release` and
+`reallocate` are the one way this is done: the rollout engines' sleep uses them too.
 
 While a kind is offloaded its tensors must not be touched (their storage is empty; any use
 raises). On a CPU-only machine the "device" is host memory too: the mechanism is the same
@@ -58,7 +59,7 @@ class Offloader:
         owned: dict[int, torch.UntypedStorage] = {}
         moved = []
         for kind in KINDS:
-            storages = _storages([self._tensors(kind)])
+            storages = storages_of([self.tensors(kind)])
             fresh = {key: s for key, s in storages.items() if key not in owned}
             owned.update(storages)
             if kind in kinds:
@@ -68,33 +69,33 @@ class Offloader:
                     if kind != "grads":
                         host = torch.empty(storage.nbytes(), dtype=torch.uint8,
                                            pin_memory=storage.device.type == "cuda")
-                        host.copy_(_bytes(storage), non_blocking=True)
+                        host.copy_(as_bytes(storage), non_blocking=True)
                     entries.append((storage, storage.nbytes(), host))
                 self._host[kind] = entries
                 moved += entries
         if any(s.device.type == "cuda" for s, _, _ in moved):
             torch.cuda.synchronize()  # the copies must land before the memory is released
-        for storage, _, _ in moved:
-            storage.resize_(0)
+        release(s for s, _, _ in moved)
 
     @torch.no_grad()
     def reload(self, kinds: Iterable[str]) -> None:
         """Allocate `kinds` again and copy their bytes back (grads: zeros)."""
+        cuda = False
         for kind in [k for k in KINDS if k in set(kinds) and k in self._host]:
             for storage, nbytes, host in self._host.pop(kind):
-                storage.resize_(nbytes)
-                if host is None:
-                    _bytes(storage).zero_()
-                else:
-                    _bytes(storage).copy_(host, non_blocking=True)
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
+                reallocate([(storage, nbytes)], zero=host is None)
+                if host is not None:
+                    as_bytes(storage).copy_(host, non_blocking=True)
+                cuda = cuda or storage.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize()  # the weights must be back before they are used
 
     def device_bytes(self) -> int:
         """Bytes of this engine's state that are on the device now (every kind it has)."""
-        return sum(s.nbytes() for s in _storages(self._tensors(k) for k in self.kinds()).values())
+        return sum(s.nbytes() for s in storages_of(self.tensors(k) for k in self.kinds()).values())
 
-    def _tensors(self, kind: str) -> list[torch.Tensor]:
+    def tensors(self, kind: str) -> list[torch.Tensor]:
+        """The engine's tensors of `kind` (views may share storages)."""
         params = [p for chunk in self.engine.chunks for p in chunk.parameters()]
         if kind == "params":
             return params
@@ -117,7 +118,7 @@ def _torch_optimizers(optimizer) -> list[torch.optim.Optimizer]:
     return [p.optimizer for p in parts if getattr(p, "optimizer", None) is not None]
 
 
-def _storages(groups: Iterable[list[torch.Tensor]]) -> dict[int, torch.UntypedStorage]:
+def storages_of(groups: Iterable[Iterable[torch.Tensor]]) -> dict[int, torch.UntypedStorage]:
     """The distinct non-empty storages under the tensors, by address."""
     out = {}
     for tensors in groups:
@@ -128,6 +129,25 @@ def _storages(groups: Iterable[list[torch.Tensor]]) -> dict[int, torch.UntypedSt
     return out
 
 
-def _bytes(storage: torch.UntypedStorage) -> torch.Tensor:
+def release(storages: Iterable[torch.UntypedStorage]
+            ) -> list[tuple[torch.UntypedStorage, int]]:
+    """Free the storages' memory in place (every tensor and view onto them stays a valid
+    object); returns what `reallocate` needs."""
+    released = [(s, s.nbytes()) for s in storages]
+    for storage, _ in released:
+        storage.resize_(0)
+    return released
+
+
+def reallocate(released: list[tuple[torch.UntypedStorage, int]], *, zero: bool = False
+               ) -> None:
+    """Undo `release`: the old sizes, contents undefined unless `zero`."""
+    for storage, nbytes in released:
+        storage.resize_(nbytes)
+        if zero:
+            as_bytes(storage).zero_()
+
+
+def as_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
     """A uint8 tensor over the whole storage."""
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)

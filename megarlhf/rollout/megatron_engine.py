@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.inference.contexts import StaticInferenceContext
 
+from megarlhf.engine.offload import reallocate, release, storages_of
 from megarlhf.models.arch import TensorRule, architecture_for_model
 from megarlhf.models.gpt import ModelSpec, build_model
 from megarlhf.parallel.mesh import Mesh
@@ -292,13 +293,8 @@ class MegatronEngine:
         none to drop between calls."""
         if self._asleep:
             return
-        storages = {}
-        for p in self.model.parameters():
-            storage = p.untyped_storage()
-            storages.setdefault(storage.data_ptr(), storage)  # tied weights share one
-        self._freed = [(s, s.nbytes()) for s in storages.values()]
-        for storage, _ in self._freed:
-            storage.resize_(0)
+        # Tied weights share one storage: freed once.
+        self._freed = release(storages_of([self.model.parameters()]).values())
         self._asleep, self._weights_ready = True, False
 
     def wake(self, parts: tuple[str, ...] = ENGINE_PARTS) -> None:
@@ -306,8 +302,7 @@ class MegatronEngine:
         KV cache is allocated by each generate()."""
         if not self._asleep or "weights" not in parts:
             return
-        for storage, nbytes in self._freed:
-            storage.resize_(nbytes)
+        reallocate(self._freed)
         self._freed, self._asleep = [], False
 
     def shutdown(self) -> None:

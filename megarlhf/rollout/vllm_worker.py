@@ -14,6 +14,7 @@ from typing import Iterable
 import torch
 
 from megarlhf.compat import vllm as shims
+from megarlhf.engine.offload import reallocate, release
 
 
 class WeightSyncExtension:
@@ -43,10 +44,7 @@ class WeightSyncExtension:
     def release_kv_cache(self) -> None:
         """Give the KV cache's memory back (CPU has no vLLM sleep mode). The tensors, and the
         attention layers' views of them, stay valid objects over empty storage."""
-        storages = shims.kv_storages(self.model_runner)
-        self._released_kv = [(s, s.nbytes()) for s in storages]
-        for storage, _ in self._released_kv:
-            storage.resize_(0)
+        self._released_kv = release(shims.kv_storages(self.model_runner))
 
     def restore_kv_cache(self) -> None:
         """Allocate the KV cache again, zeroed. Its old contents are gone, which is safe
@@ -54,9 +52,7 @@ class WeightSyncExtension:
         are written. But the CPU attention reads a partly written block whole and masks the
         rest, and fresh memory may hold NaN bit patterns, which survive a mask (measured: NaN
         logprobs after a wake); zeros do not."""
-        for storage, nbytes in getattr(self, "_released_kv", []):
-            storage.resize_(nbytes)
-            torch.empty(0, dtype=torch.uint8).set_(storage).zero_()
+        reallocate(getattr(self, "_released_kv", []), zero=True)
         self._released_kv = []
 
 
