@@ -115,7 +115,11 @@ def grpo_run(hf_dir, actor, work):
         "algorithm: grpo\nnproc: 2\nrollout_backend: vllm\n"
         f"vllm_model_dir: {hf_dir}\n"
         "prompts_per_step: 4\nsamples_per_prompt: 4\nmax_new_tokens: 24\nsteps: 2\n"
-        "val_every: 2\nlog_samples: 2\nactor_lr: 1.0e-6\n")
+        "val_every: 2\nlog_samples: 2\nactor_lr: 1.0e-6\n"
+        # Idle state off the device and the engines asleep between phases: the real model's
+        # tied embedding through offload, the staged wake and the re-sync.
+        "offload_params: true\noffload_grads: true\noffload_optimizer: true\n"
+        "rollout_sleep: true\n")
     preview = _run(sys.executable, "-m", "megarlhf.cli", "data", "--config", str(recipe))
     print(preview)
     assert f"{len(real_tasks.TRAIN)} prompts kept, 0 skipped; format chat" in preview, preview
