@@ -10,6 +10,7 @@ from megarlhf.convert.mcore_io import CheckpointReader
 from megarlhf.engine.checkpoint import engine_from_checkpoint, save_checkpoint
 from megarlhf.engine.optim import OptimConfig
 from megarlhf.parallel.mesh import ParallelConfig, init_mesh
+from megarlhf.roles.batching import Batching
 from megarlhf.roles.policy import PolicyLossConfig, PolicyRole
 from megarlhf.roles.sequences import SequenceBatch
 from megarlhf.roles.value import ValueLossConfig, ValueRole
@@ -46,18 +47,18 @@ def _engine(ckpt: str, parallel: ParallelConfig, mesh, optim, recompute: str = "
 
 
 def ppo_step(actor_ckpt: str, critic_ckpt: str, parallel: ParallelConfig, batch: SequenceBatch,
-             num_microbatches: int, save_dir: str, seed: int = 7,
+             batching: Batching, save_dir: str, seed: int = 7,
              recompute: tuple[str, str] = ("none", "none")) -> dict:
     """One actor and one critic PPO update on `batch`, colocated on one mesh. As in a PPO
     worker, the mesh has no sequence parallelism, the models have `parallel`'s; `recompute`:
     the actor's and the critic's."""
     mesh = init_mesh(dataclasses.replace(parallel, sequence_parallel=False))
     actor = PolicyRole(_engine(actor_ckpt, parallel, mesh, OPTIM, recompute[0]),
-                       num_microbatches=num_microbatches,
+                       batching=batching,
                        loss=PolicyLossConfig(clip_eps=0.2, dual_clip=3.0, entropy_coef=0.01,
                                              ptx_coef=0.5))
     critic = ValueRole(_engine(critic_ckpt, parallel, mesh, OPTIM, recompute[1]),
-                       num_microbatches=num_microbatches, loss=ValueLossConfig(clip_eps=0.1))
+                       batching=batching, loss=ValueLossConfig(clip_eps=0.1))
     g = torch.Generator().manual_seed(seed)
     logp, entropy = actor.logprobs(batch, with_entropy=True)
     # Old logprobs off by up to +-0.5 so that some ratios leave the clip range.
@@ -85,10 +86,9 @@ def ppo_step(actor_ckpt: str, critic_ckpt: str, parallel: ParallelConfig, batch:
 
 
 def reward_scores(ckpt: str, parallel: ParallelConfig, batch: SequenceBatch,
-                  num_microbatches: int = 1) -> torch.Tensor:
+                  batching: Batching = Batching()) -> torch.Tensor:
     mesh = init_mesh(parallel)
-    return ValueRole(_engine(ckpt, parallel, mesh, None),
-                     num_microbatches=num_microbatches).scores(batch)
+    return ValueRole(_engine(ckpt, parallel, mesh, None), batching=batching).scores(batch)
 
 
 def unpadded_scores(ckpt: str, batch: SequenceBatch) -> list[float]:
@@ -115,14 +115,14 @@ def checkpoint_tensors(path: str) -> dict[str, torch.Tensor]:
 
 
 def policy_terms(actor_ckpt: str, parallel: ParallelConfig, batch: SequenceBatch,
-                 num_microbatches: int, loss: PolicyLossConfig, seed: int = 11) -> dict:
+                 batching: Batching, loss: PolicyLossConfig, seed: int = 11) -> dict:
     """One actor update with every term of the loss on: the policy gradient on random old
     logprobs and per-row advantages, weighted by random rollout-correction weights in [0, 2),
     and a KL loss (coefficient 0.1) to a random reference. Returns the inputs, the metrics
     and the logprobs after the step."""
     mesh = init_mesh(parallel)
     actor = PolicyRole(_engine(actor_ckpt, parallel, mesh, OPTIM),
-                       num_microbatches=num_microbatches, loss=loss)
+                       batching=batching, loss=loss)
     g = torch.Generator().manual_seed(seed)
     logp = actor.logprobs(batch)
     shape = logp.shape

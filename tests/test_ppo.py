@@ -460,13 +460,14 @@ def test_disaggregated_equals_colocated_and_resumes_exactly(base, tmp_path, monk
 
 
 @pytest.mark.slow
-def test_sequence_parallel_and_recompute_at_tp2_equal_tp1(base, tmp_path):
+def test_sequence_parallel_recompute_and_packing_equal_tp1(base, tmp_path):
     """Colocated at TP2, the actor and critic with sequence parallelism (the reference
     without: one mesh, a per-model switch) and recomputation (actor selective, critic full),
     against TP1 with neither. The Megatron engine generates from the group's mesh, without
     sequence parallelism, from weights trained with it: its logprobs match the trainer's at
     fp32 noise (an engine one update behind is > 1e-2 off), and every metric matches TP1.
-    Prompts of 3 and 5 tokens + 8-token responses: T is odd, so the roles pad to 2.
+    Prompts of 3 and 5 tokens + 8-token responses: T is odd, so the roles pad to 2. And
+    every role on packed token-budget micro-batches, against the same TP1 run.
 
     Tolerance: fp32, where TP2, sequence parallelism and recomputation only reorder sums
     (measured over the two steps: <= 1.5e-6 relative on losses, grad norms and approx KL,
@@ -484,11 +485,19 @@ def test_sequence_parallel_and_recompute_at_tp2_equal_tp1(base, tmp_path):
                     critic=RoleLayout(sequence_parallel=True, recompute="full"))
     sp = run(dataclasses.replace(base, out_dir=str(tmp_path / "sp"), nproc=2, tensor_parallel=2,
                                  layout=layout, **short))
+    # Every role on packed token-budget micro-batches (rows of 11 or 13 tokens, packed in
+    # pairs where they fit 24). One rank: the Megatron engine samples per DP rank, so DP2
+    # would draw other responses (DP balancing: tests/test_roles.py).
+    packed = run(dataclasses.replace(base, out_dir=str(tmp_path / "packed"), nproc=1,
+                                     tensor_parallel=1, pack_sequences=True,
+                                     max_tokens_per_micro_batch=24, **short))
     for step, (ours, theirs) in enumerate(zip(sp, tp1), start=1):
         assert ours["rollout/logprob_gap_max"] < 1e-5, (step, ours)
         strip = {k: v for k, v in _without_timings(theirs).items()
                  if not k.startswith("memory/")}  # bytes per rank: the layouts differ
         assert {k: ours[k] for k in strip} == pytest.approx(strip, rel=1e-5, abs=1e-6), step
+        assert {k: packed[step - 1][k] for k in strip} == pytest.approx(
+            strip, rel=1e-5, abs=1e-6), step
     assert len(sp) == 2 and sp[-1]["actor/grad_norm"] > 0
 
 
@@ -629,8 +638,8 @@ RUN_ELSEWHERE = {
         "skip": "test_grpo_on_text_prompts_with_ground_truth_validation_and_samples",
         "error": "test_grpo_on_text_prompts_with_ground_truth_validation_and_samples"},
     # Set per role there (layout.actor / layout.critic), each also in tests/test_roles.py.
-    "recompute": {"full": "test_sequence_parallel_and_recompute_at_tp2_equal_tp1",
-                  "selective": "test_sequence_parallel_and_recompute_at_tp2_equal_tp1"},
+    "recompute": {"full": "test_sequence_parallel_recompute_and_packing_equal_tp1",
+                  "selective": "test_sequence_parallel_recompute_and_packing_equal_tp1"},
     # placement x rollout_backend
     ("placement", "rollout_backend"): {
         ("colocated", "megatron"): "test_grpo_reward_rises",

@@ -1,6 +1,8 @@
 """PPO roles across the mesh: one actor + critic update at TP2xPP2xDP2 with sequence
-parallelism and activation recomputation, and with 4 micro-batches, equals TP1 with 1; reward
-scores under PP2 with padding equal an unpadded TP1 forward; and the batch checks.
+parallelism and activation recomputation, with 4 micro-batches, and with token-budget
+micro-batches packed at TP2 and PP2 and padded at PP2, equals TP1 with 1 padded micro-batch;
+reward scores under PP2 with padding or packing equal an unpadded TP1 forward; and the batch
+checks.
 
 Tolerances: 1e-5 (abs on logprobs/values/weights, rel on losses). Layouts differ only in fp32
 summation order (~1e-7 here); one Adam step at lr 1e-3 moves weights by ~1e-3, so a wrong
@@ -23,6 +25,7 @@ from megarlhf.parallel import launch_local
 from megarlhf.parallel.mesh import ParallelConfig as P
 from megarlhf.roles.policy import PolicyLossConfig, ptx_scale
 from megarlhf.roles.sequences import SequenceBatch
+from megarlhf.roles.batching import Batching
 from tests import role_workers
 
 TOL = 1e-5
@@ -37,13 +40,11 @@ def test_sequence_batch_positions_and_mask():
     allowed = ~batch.attention_bias()[0, 0]
     assert allowed[3].tolist() == [False, True, True, True, False]  # causal, no padding keys
     assert allowed[0].tolist() == [True, False, False, False, False]  # padding sees itself
-    assert batch.model_inputs()["last_index"].tolist() == [3]
     # Sequence parallelism's padding: masked columns no real token sees; the last real
     # token and every real column's inputs unchanged.
     padded = batch.right_padded(3)
     assert padded.shape == (1, 8) and padded.response_mask[0, 5:].tolist() == [0, 0, 0]
     inputs, ours = padded.model_inputs(), batch.model_inputs()
-    assert inputs["last_index"].tolist() == [3]
     assert torch.equal(inputs["position_ids"][:, :5], ours["position_ids"])
     assert torch.equal(inputs["attention_mask"][..., :5, :5], ours["attention_mask"])
     assert inputs["attention_mask"][0, 0, :5, 5:].all()  # real rows never see padding
@@ -105,7 +106,7 @@ def ppo_batch(tiny):
 @pytest.fixture(scope="module")
 def ppo_reference(refs, ppo_batch, tmp_path_factory):
     out = str(tmp_path_factory.mktemp("ppo_tp1"))
-    result = launch_local(role_workers.ppo_step, 1, *refs, P(), ppo_batch, 1, out)[0]
+    result = launch_local(role_workers.ppo_step, 1, *refs, P(), ppo_batch, Batching(), out)[0]
     return result, out
 
 
@@ -142,22 +143,32 @@ def test_reference_step_is_meaningful(ppo_reference):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("parallel,nprocs,micro,recompute", [
+@pytest.mark.parametrize("parallel,nprocs,batching,recompute", [
     # Sequence parallelism on a mesh without it (as in a PPO worker), across pipeline stages
     # (the p2p shapes are the padded sequence over TP); the actor recomputes whole layers in
     # backward, the critic its core attention. Without them, TP2xPP2xDP2 training is
     # tests/test_parallel_equivalence.py's and the roles at TP2xDP2 the policy-terms test's
     # below: the roles add nothing to a layout but this padding.
-    (P(tensor_parallel=2, pipeline_parallel=2, sequence_parallel=True), 8, 2,
+    (P(tensor_parallel=2, pipeline_parallel=2, sequence_parallel=True), 8, Batching(2),
      ("full", "selective")),
-    (P(), 1, 4, ("none", "none")),
-], ids=["TP2xPP2xDP2+SP+recompute", "TP1x4microbatches"])
-def test_ppo_step_equals_tp1(refs, ppo_batch, ppo_reference, tmp_path, parallel, nprocs, micro,
-                             recompute):
+    (P(), 1, Batching(4), ("none", "none")),
+    # Token budgets: rows of 4-17 tokens (and as many ptx rows), so each DP rank runs 5-8
+    # micro-batches of different shapes. Packed under sequence parallelism (packed rows
+    # padded to a multiple of TP) and across pipeline stages (the stages exchange each
+    # micro-batch's shape); padded across pipeline stages, where the two DP ranks run 6 and 8
+    # micro-batches (ranks meet only in the gradient reduction).
+    (P(tensor_parallel=2, sequence_parallel=True), 4, Batching(max_tokens=24, pack=True),
+     ("none", "none")),
+    (P(pipeline_parallel=2), 4, Batching(max_tokens=24, pack=True), ("none", "none")),
+    (P(pipeline_parallel=2), 4, Batching(max_tokens=24), ("none", "none")),
+], ids=["TP2xPP2xDP2+SP+recompute", "TP1x4microbatches", "TP2xDP2+SP+packed",
+        "PP2xDP2+packed", "PP2xDP2+token-budget-padded"])
+def test_ppo_step_equals_tp1(refs, ppo_batch, ppo_reference, tmp_path, parallel, nprocs,
+                             batching, recompute):
     ref, ref_dir = ppo_reference
     out = str(tmp_path / "ppo")
-    results = launch_local(role_workers.ppo_step, nprocs, *refs, parallel, ppo_batch, micro, out,
-                           recompute=recompute)
+    results = launch_local(role_workers.ppo_step, nprocs, *refs, parallel, ppo_batch, batching,
+                           out, recompute=recompute)
     for result in results:
         _compare(result, ref, out, ref_dir)
 
@@ -166,10 +177,12 @@ def test_ppo_step_equals_tp1(refs, ppo_batch, ppo_reference, tmp_path, parallel,
 def test_reward_scores_under_pp2_with_padding_equal_unpadded_tp1(value_refs, ppo_batch):
     ckpt = value_refs[True][1]
     alone = launch_local(role_workers.unpadded_scores, 1, ckpt, ppo_batch)[0]
-    for parallel, nprocs in ((P(pipeline_parallel=2), 2),
-                             (P(tensor_parallel=2, pipeline_parallel=2), 4)):
+    for parallel, nprocs, batching in (
+            (P(pipeline_parallel=2), 2, Batching(2)),
+            (P(tensor_parallel=2, pipeline_parallel=2), 4, Batching(2)),
+            (P(pipeline_parallel=2), 2, Batching(max_tokens=24, pack=True))):
         scores = launch_local(role_workers.reward_scores, nprocs, ckpt, parallel, ppo_batch,
-                              2)[0]
+                              batching)[0]
         torch.testing.assert_close(scores, torch.tensor(alone), atol=TOL, rtol=0)
 
 
@@ -218,7 +231,8 @@ def _reference_terms(r: dict, cfg: PolicyLossConfig) -> dict[str, float]:
 @pytest.fixture(scope="module", params=sorted(POLICY_OPTIONS))
 def policy_reference(request, refs, ppo_batch):
     cfg = POLICY_OPTIONS[request.param]
-    result = launch_local(role_workers.policy_terms, 1, refs[0], P(), ppo_batch, 1, cfg)[0]
+    result = launch_local(role_workers.policy_terms, 1, refs[0], P(), ppo_batch, Batching(),
+                          cfg)[0]
     return cfg, {**result, "response_mask": ppo_batch.response_mask}
 
 
@@ -237,8 +251,12 @@ def test_policy_loss_terms_are_their_formulas(policy_reference):
 def test_policy_loss_terms_at_tp2_dp2_with_micro_batches_equal_tp1(refs, ppo_batch,
                                                                    policy_reference):
     cfg, ref = policy_reference
+    # GSPO's sequence ratios and per-row sums from packed rows (the loss sees each sequence
+    # unpacked); CISPO from two padded micro-batches per rank.
+    batching = Batching(max_tokens=24, pack=True) if cfg.ratio_level == "sequence" \
+        else Batching(2)
     for result in launch_local(role_workers.policy_terms, 4, refs[0], P(tensor_parallel=2),
-                               ppo_batch, 2, cfg):
+                               ppo_batch, batching, cfg):
         for key, value in ref["metrics"].items():
             assert result["metrics"][key] == pytest.approx(value, rel=TOL, abs=1e-9), key
         torch.testing.assert_close(result["logp_after"], ref["logp_after"], atol=TOL, rtol=0)

@@ -63,7 +63,14 @@ def sft_batch(rows: list[list[Example]], pad_id: int) -> dict[str, torch.Tensor]
             positions[b, start:end] = torch.arange(n)
             doc[b, start:end] = d
             start = end
-    causal = torch.ones(T, T, dtype=torch.bool).tril()
-    allowed = (doc[:, :, None] == doc[:, None, :]) & causal
     return {"tokens": tokens, "labels": labels, "loss_mask": loss_mask,
-            "position_ids": positions, "attention_mask": ~allowed[:, None]}
+            "position_ids": positions, "attention_mask": document_mask(doc)}
+
+
+def document_mask(doc: torch.Tensor) -> torch.Tensor:
+    """[B, 1, T, T] bool, True = masked, from document ids [B, T]: causal within a document,
+    nothing across. Give padding positions distinct ids of their own (no softmax row is then
+    empty)."""
+    T = doc.shape[1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=doc.device).tril()
+    return ~((doc[:, :, None] == doc[:, None, :]) & causal)[:, None]

@@ -1,8 +1,10 @@
 """Micro-batched forward(/backward) through megatron-core's pipeline schedules.
 
-A micro-batch is a dict of tensors with the same keys and shapes for every micro-batch of a
-call; `tokens` [B, T] is required, `position_ids` [B, T] and `attention_mask` [B, 1, T, T]
-(True = masked out) are optional. Every pipeline stage receives the whole dict: later stages
+A micro-batch is a dict of tensors with the same keys for every micro-batch of a call;
+`tokens` [B, T] is required, `position_ids` [B, T] and `attention_mask` [B, 1, T, T]
+(True = masked out) are optional. Shapes may differ between micro-batches (token-budget
+micro-batches, roles/batching.py): the pipeline stages then send each activation's shape
+ahead of it. Every pipeline stage receives the whole dict: later stages
 need the mask and positions, and the loss closure on the last stage needs labels.
 
 A loss closure `loss_fn(batch, output) -> (loss_sum, num_tokens, metrics: dict)` runs on the
@@ -17,6 +19,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.utils import get_model_config
 
 from megarlhf.parallel.mesh import Mesh
 
@@ -24,18 +27,19 @@ Batch = dict[str, torch.Tensor]
 LossFn = Callable[[Batch, torch.Tensor], tuple[torch.Tensor, torch.Tensor, dict]]
 
 
-def check_microbatches(microbatches: list[Batch]) -> tuple[int, int]:
-    """(micro_batch_size, seq_length); raise if the micro-batches disagree on shapes."""
+def check_microbatches(microbatches: list[Batch]) -> set[tuple[int, int]]:
+    """The micro-batches' (batch, seq) shapes; raise if one lacks tokens [batch, seq] or
+    their keys differ."""
     if not microbatches:
         raise ValueError("no micro-batches given")
-    shapes = {k: tuple(v.shape) for k, v in microbatches[0].items()}
-    if "tokens" not in shapes or len(shapes["tokens"]) != 2:
-        raise ValueError("each micro-batch needs 'tokens' of shape [batch, seq]")
-    for i, mb in enumerate(microbatches[1:], start=1):
-        other = {k: tuple(v.shape) for k, v in mb.items()}
-        if other != shapes:
-            raise ValueError(f"micro-batch {i} has shapes {other}, micro-batch 0 has {shapes}")
-    return shapes["tokens"]
+    keys = set(microbatches[0])
+    for i, mb in enumerate(microbatches):
+        if "tokens" not in mb or mb["tokens"].dim() != 2:
+            raise ValueError(f"micro-batch {i} needs 'tokens' of shape [batch, seq]")
+        if set(mb) != keys:
+            raise ValueError(f"micro-batch {i} has keys {sorted(mb)}, micro-batch 0 has "
+                             f"{sorted(keys)}")
+    return {tuple(mb["tokens"].shape) for mb in microbatches}
 
 
 def forward_backward(
@@ -50,7 +54,12 @@ def forward_backward(
 
     The list is filled on the last pipeline stage and empty elsewhere (see `from_last_stage`).
     """
-    micro_batch_size, seq_length = check_microbatches(microbatches)
+    shapes = check_microbatches(microbatches)
+    micro_batch_size, seq_length = next(iter(shapes))
+    # Pipeline stages size their receive buffers from seq_length x micro_batch_size unless
+    # told to exchange shapes first (an extra small message per send): set per call, on the
+    # config the schedules read.
+    get_model_config(chunks[0]).variable_seq_lengths = len(shapes) > 1
     device = mesh.device
 
     def forward_step(data_iterator, model):

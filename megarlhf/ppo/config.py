@@ -36,6 +36,7 @@ RESUME_INPUTS = ("actor", "critic", "reward_model", "prompts", "seed", "algorith
 
 _RANGES = (  # (field, low, high, low included?); high is included, values must be finite
     ("temperature", 0.0, math.inf, True),  # 0: greedy
+    ("max_tokens_per_micro_batch", 1, math.inf, True),
     ("top_p", 0.0, 1.0, False),
     ("top_k", 0, math.inf, True),
     ("clip_eps", 0.0, 1.0, False),  # 1: no lower clip bound
@@ -249,6 +250,14 @@ class PPOConfig:
     """Optimizer steps per epoch (the rollout batch is cut into this many parts)."""
     micro_batches: int = 1
     """Micro-batches per mini-batch and DP rank (pipeline schedule)."""
+    max_tokens_per_micro_batch: int | None = None
+    """Instead of micro_batches equal parts: every role cuts a batch into micro-batches of at
+    most this many model tokens (rows x columns padded, the packed length packed), its rows
+    spread over the DP ranks by token count, not row count (megarlhf/roles/batching.py).
+    Must hold the longest prompt + max_new_tokens."""
+    pack_sequences: bool = False
+    """Pack each micro-batch's sequences into one row, each attending only to itself, instead
+    of padding them to the longest: no compute on padding."""
     clip_eps: float | None = None
     """(algorithm's) Lower clip range of the importance ratio: 1 - clip_eps."""
     clip_eps_high: float | None = None
@@ -423,10 +432,19 @@ class PPOConfig:
             problems.append("set one of rollout_kv_cache_bytes and "
                             "rollout_gpu_memory_utilization, not both")
         rows = self.prompts_per_step * self.samples_per_prompt
+        budget = self.max_tokens_per_micro_batch
+        if budget is not None and self.micro_batches != 1:
+            problems.append("max_tokens_per_micro_batch sets the number of micro-batches: "
+                            "leave micro_batches at 1")
         # At least 1: a model-parallel size above nproc is reported above, not divided by.
         for dp in sorted({max(1, self.nproc // p.model_parallel_size)
                           for p in self._valid_layouts().values()}):
-            if rows % (self.mini_batches * dp * self.micro_batches):
+            if budget is not None:  # any rows per DP rank, at least one
+                if rows % self.mini_batches or rows // self.mini_batches < dp:
+                    problems.append(f"prompts_per_step x samples_per_prompt = {rows} rows do "
+                                    f"not split into mini_batches ({self.mini_batches}) of "
+                                    f"at least DP ({dp}) rows")
+            elif rows % (self.mini_batches * dp * self.micro_batches):
                 problems.append(f"prompts_per_step x samples_per_prompt = {rows} rows do not "
                                 f"split into mini_batches ({self.mini_batches}) x DP ({dp}) x "
                                 f"micro_batches ({self.micro_batches})")

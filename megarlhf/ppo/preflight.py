@@ -61,6 +61,11 @@ def preflight(config: PPOConfig, prompts: list[list[int]],
     dropped = set(overlong)  # reported above; check_models checks what remains
     longest = max((len(p) for i, p in enumerate(prompts) if i not in dropped), default=0)
     problems += check_models(config, models, longest + config.max_new_tokens)
+    budget = config.max_tokens_per_micro_batch
+    if budget is not None and budget < longest + config.max_new_tokens:
+        problems.append(f"max_tokens_per_micro_batch={budget} cannot hold the longest "
+                        f"prompt ({longest} tokens) + max_new_tokens={config.max_new_tokens}; "
+                        f"raise it to at least {longest + config.max_new_tokens}")
     problems += [f"{role}: {getattr(config, field)} is an HF model directory, not a megarlhf "
                  f"checkpoint; convert it first (python -m tools.convert_hf.hf_to_mcore --hf "
                  f"DIR --out CKPT [--role critic|reward])"

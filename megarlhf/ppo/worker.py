@@ -34,6 +34,7 @@ from megarlhf.rollout.bridge import WeightBridge, open_channel, receive
 from megarlhf.rollout.engine import Completion, EngineError, SamplingParams
 from megarlhf.rollout import sizing
 from megarlhf.rollout.sizing import EngineSize
+from megarlhf.roles.batching import Batching
 from megarlhf.roles.policy import PolicyInputs, PolicyLossConfig, PolicyRole
 from megarlhf.roles.sequences import SequenceBatch
 from megarlhf.roles.value import ValueLossConfig, ValueRole
@@ -56,6 +57,8 @@ class PPOWorker:
         o = c.options
         norm = (c.aggregation_norm or c.max_new_tokens
                 if o.aggregation == "seq_mean_token_sum_norm" else None)
+        batching = Batching(num_microbatches=c.micro_batches,
+                            max_tokens=c.max_tokens_per_micro_batch, pack=c.pack_sequences)
         if "actor" in roles:
             loss = PolicyLossConfig(
                 clip_eps=o.clip_eps, clip_eps_high=o.clip_eps_high, dual_clip=c.dual_clip,
@@ -64,19 +67,19 @@ class PPOWorker:
                 aggregation=o.aggregation, aggregation_norm=norm, kl_estimator=o.kl_estimator,
                 kl_clamp=c.kl_clamp)
             self.actor = PolicyRole(self._engine("actor", c.actor, c.actor_lr), loss=loss,
-                                    num_microbatches=c.micro_batches)
+                                    batching=batching)
         if "ref" in roles:
             self.ref = PolicyRole(self._engine("ref", c.actor, None),
-                                  num_microbatches=c.micro_batches)
+                                  batching=batching)
         if "critic" in roles:
             self.critic = ValueRole(self._engine("critic", c.critic, c.critic_lr),
                                     loss=ValueLossConfig(clip_eps=c.value_clip_eps,
                                                          aggregation=o.aggregation,
                                                          aggregation_norm=norm),
-                                    num_microbatches=c.micro_batches)
+                                    batching=batching)
         if "reward" in roles:
             self.reward = ValueRole(self._engine("reward", c.reward_model, None),
-                                    num_microbatches=c.micro_batches)
+                                    batching=batching)
         self.residency = Residency(
             {role: r.engine for role, r in self._models().items()},
             params=c.offload_params, grads=c.offload_grads, optimizer=c.offload_optimizer)

@@ -14,9 +14,8 @@ from megarlhf.parallel.vocab import (
 )
 from megarlhf.rl.kl import KL_ESTIMATORS, kl_penalty
 from megarlhf.rl.losses import aggregate, policy_loss
-from megarlhf.engine.schedule import gather_rows
-from megarlhf.roles.common import microbatches
-from megarlhf.roles.sequences import SequenceBatch, shift_right
+from megarlhf.roles.batching import Batching, about_token, microbatches, to_global
+from megarlhf.roles.sequences import SequenceBatch
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -97,9 +96,6 @@ def ptx_scale(cfg: PolicyLossConfig, batch: SequenceBatch, ptx: SequenceBatch | 
                          f"{cfg.ptx_coef} and {'a' if ptx is not None else 'no'} ptx batch")
     if ptx is None:
         return 0.0
-    if ptx.shape != batch.shape:
-        raise ValueError(f"the ptx batch is {ptx.shape}, the PPO batch {batch.shape}; pad or "
-                         f"cut it to the same shape (micro-batches share one shape)")
     ppo_den = int(cfg.aggregate(torch.zeros(batch.shape), batch.response_mask)[1])
     return cfg.ptx_coef * ppo_den / int(ptx.response_mask.sum())
 
@@ -118,27 +114,29 @@ def _step_metrics(**given: torch.Tensor) -> dict[str, torch.Tensor]:
 class PolicyRole:
     """Actor (with an optimizer) or reference (without) over one TrainEngine."""
 
-    def __init__(self, engine: TrainEngine, *, num_microbatches: int = 1,
+    def __init__(self, engine: TrainEngine, *, batching: Batching = Batching(),
                  loss: PolicyLossConfig | None = None):
         if engine.spec.value_head:
             raise ValueError("a policy role needs an LM; build its engine with "
                              "model_spec(..., value_head=False)")
-        self.engine, self.num_microbatches = engine, num_microbatches
+        self.engine, self.batching = engine, batching
         self.loss = loss or PolicyLossConfig()
         self._vocab_size = engine.spec.model.vocab_size
 
-    def _logp(self, mb, logits_BTV):
+    # The closures get logits [R, L, V] in the micro-batch's layout (batching.py) and give
+    # per-token quantities [b, W] in the global batch's rows and columns.
+    def _logp(self, mb, logits_RLV):
         mesh = self.engine.mesh
-        return shift_right(vocab_parallel_logprobs(
-            logits_BTV, mb["labels"], tp_group=mesh.tp_group,
-            vocab_start=mesh.tp_rank * logits_BTV.shape[-1], vocab_size=self._vocab_size))
+        return about_token(mb, vocab_parallel_logprobs(
+            logits_RLV, mb["labels"], tp_group=mesh.tp_group,
+            vocab_start=mesh.tp_rank * logits_RLV.shape[-1], vocab_size=self._vocab_size))
 
-    def _logp_entropy(self, mb, logits_BTV):
+    def _logp_entropy(self, mb, logits_RLV):
         mesh = self.engine.mesh
         logp, entropy = vocab_parallel_logprobs_and_entropy(
-            logits_BTV, mb["labels"], tp_group=mesh.tp_group,
-            vocab_start=mesh.tp_rank * logits_BTV.shape[-1], vocab_size=self._vocab_size)
-        return shift_right(logp), shift_right(entropy)
+            logits_RLV, mb["labels"], tp_group=mesh.tp_group,
+            vocab_start=mesh.tp_rank * logits_RLV.shape[-1], vocab_size=self._vocab_size)
+        return about_token(mb, logp), about_token(mb, entropy)
 
     def logprobs(self, batch: SequenceBatch, *, with_entropy: bool = False):
         """log p(token_t | tokens_<t) [B, T] (and entropy [B, T]) on every rank."""
@@ -149,11 +147,11 @@ class PolicyRole:
             return zero, torch.ones((), dtype=torch.int), {"logp": logp.detach(),
                                                            "entropy": entropy.detach()}
 
-        out = self.engine.forward(microbatches(self.engine, batch, self.num_microbatches), keep)
-        T = batch.shape[1]  # the micro-batches may be padded (sequence parallelism)
-        logp = gather_rows(out, "logp", self.engine.mesh)[:, :T]
-        return (logp, gather_rows(out, "entropy", self.engine.mesh)[:, :T]) if with_entropy \
-            else logp
+        mbs = microbatches(self.engine, self.batching, batch)
+        out = self.engine.forward(mbs, keep)
+        logp = to_global(mbs, out, "logp", batch.shape, self.engine)
+        return (logp, to_global(mbs, out, "entropy", batch.shape, self.engine)) \
+            if with_entropy else logp
 
     def train_step(self, batch: SequenceBatch, old_logp: torch.Tensor,
                    advantages: torch.Tensor, ptx: SequenceBatch | None = None, *,
@@ -184,7 +182,6 @@ class PolicyRole:
             raise ValueError(f"kl_coef must be >= 0 and needs ref_logp when > 0, got "
                              f"{kl_coef} and {'no ' if ref_logp is None else ''}ref_logp")
         scale = ptx_scale(cfg, batch, ptx)
-        zeros = torch.zeros(batch.shape)
 
         def ptx_loss(mb, logits_BTV):
             mask = mb["response_mask"]
@@ -220,11 +217,13 @@ class PolicyRole:
         def loss_fn(mb, logits_BTV):
             return (ptx_loss if bool(mb["is_ptx"][0, 0]) else ppo_loss)(mb, logits_BTV)
 
+        zeros = torch.zeros(batch.shape)
         mbs = self._microbatches(batch, old_logp, advantages, is_ptx=False,
                                  ref_logp=zeros if ref_logp is None else ref_logp,
                                  is_weight=torch.ones(batch.shape) if is_weight is None
                                  else is_weight)
         if ptx is not None:
+            zeros = torch.zeros(ptx.shape)
             mbs += self._microbatches(ptx, zeros, zeros, is_ptx=True, ref_logp=zeros,
                                       is_weight=zeros)
         step = self.engine.train_step(mbs, loss_fn)
@@ -240,7 +239,7 @@ class PolicyRole:
 
     def _microbatches(self, batch: SequenceBatch, old_logp, advantages, *, is_ptx: bool,
                       ref_logp, is_weight):
-        return microbatches(self.engine, batch, self.num_microbatches,
+        return microbatches(self.engine, self.batching, batch,
                             response_mask=batch.response_mask.float(),
                             old_logp=old_logp.float(), advantages=advantages.float(),
                             ref_logp=ref_logp.float(), is_weight=is_weight.float(),

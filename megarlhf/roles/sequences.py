@@ -5,7 +5,8 @@ left-padded and responses right-padded, so every response starts at the same col
 
 Per-token outputs are aligned with `tokens`: column t holds the quantity for producing token t
 from the tokens before it (log p(token_t | tokens_<t), the value of the state before token t).
-Column 0 has no such quantity and holds 0; `response_mask` never covers it.
+Columns without a real token before them (column 0, a prompt's first token, padding) have no
+such quantity and hold 0; `response_mask` never covers them.
 """
 
 from __future__ import annotations
@@ -73,15 +74,9 @@ class SequenceBatch:
         allowed = causal & keys | torch.eye(T, dtype=torch.bool)
         return ~allowed
 
-    def model_inputs(self, **per_token: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The engine's micro-batch dict for this batch, with extra per-row tensors added."""
+    def model_inputs(self) -> dict[str, torch.Tensor]:
+        """The model's inputs for this batch, one row per sequence (roles/batching.py lays
+        micro-batches out)."""
         labels = torch.cat([self.tokens[:, 1:], torch.zeros_like(self.tokens[:, :1])], dim=1)
         return {"tokens": self.tokens.long(), "labels": labels.long(),
-                "position_ids": self.position_ids(), "attention_mask": self.attention_bias(),
-                "last_index": self.attention_mask.long().cumsum(1).argmax(1),
-                **per_token}
-
-
-def shift_right(next_BT: torch.Tensor) -> torch.Tensor:
-    """Outputs at position t (about token t+1) moved to column t+1; column 0 becomes 0."""
-    return torch.cat([torch.zeros_like(next_BT[:, :1]), next_BT[:, :-1]], dim=1)
+                "position_ids": self.position_ids(), "attention_mask": self.attention_bias()}

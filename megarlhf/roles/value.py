@@ -10,9 +10,8 @@ import torch
 
 from megarlhf.engine.train import StepMetrics, TrainEngine
 from megarlhf.rl.losses import aggregate, value_loss
-from megarlhf.engine.schedule import gather_rows
-from megarlhf.roles.common import microbatches
-from megarlhf.roles.sequences import SequenceBatch, shift_right
+from megarlhf.roles.batching import Batching, about_token, at_last_token, microbatches, to_global
+from megarlhf.roles.sequences import SequenceBatch
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -31,33 +30,33 @@ class ValueLossConfig:
 class ValueRole:
     """Critic (with an optimizer) or reward model (without) over one TrainEngine."""
 
-    def __init__(self, engine: TrainEngine, *, num_microbatches: int = 1,
+    def __init__(self, engine: TrainEngine, *, batching: Batching = Batching(),
                  loss: ValueLossConfig | None = None):
         if not engine.spec.value_head:
             raise ValueError("a value role needs a scalar head; build its engine with "
                              "model_spec(..., value_head=True)")
-        self.engine, self.num_microbatches = engine, num_microbatches
+        self.engine, self.batching = engine, batching
         self.loss = loss or ValueLossConfig()
 
-    def _forward(self, batch: SequenceBatch) -> list[dict]:
-        def keep(mb, values_BT):
-            values_BT = values_BT.float()
-            last = values_BT[torch.arange(values_BT.shape[0]), mb["last_index"]]
-            zero = torch.zeros((), device=values_BT.device)
+    def _forward(self, batch: SequenceBatch, key: str, shape: tuple[int, ...]) -> torch.Tensor:
+        # The head's outputs [R, L] in the micro-batch's layout (batching.py).
+        def keep(mb, values_RL):
+            values_RL = values_RL.float()
+            zero = torch.zeros((), device=values_RL.device)
             return zero, torch.ones((), dtype=torch.int), {
-                "values": shift_right(values_BT).detach(), "score": last.detach()}
+                "values": about_token(mb, values_RL).detach(),
+                "score": at_last_token(mb, values_RL).detach()}
 
-        return self.engine.forward(microbatches(self.engine, batch, self.num_microbatches),
-                                   keep)
+        mbs = microbatches(self.engine, self.batching, batch)
+        return to_global(mbs, self.engine.forward(mbs, keep), key, shape, self.engine)
 
     def values(self, batch: SequenceBatch) -> torch.Tensor:
         """V(state before token t) [B, T] on every rank."""
-        # [:, :T]: the micro-batches may be padded (sequence parallelism)
-        return gather_rows(self._forward(batch), "values", self.engine.mesh)[:, :batch.shape[1]]
+        return self._forward(batch, "values", batch.shape)
 
     def scores(self, batch: SequenceBatch) -> torch.Tensor:
         """The head's output at each row's last real token [B] (a reward model's score)."""
-        return gather_rows(self._forward(batch), "score", self.engine.mesh)
+        return self._forward(batch, "score", batch.shape[:1])
 
     def train_step(self, batch: SequenceBatch, old_values: torch.Tensor,
                    returns: torch.Tensor) -> tuple[StepMetrics, dict[str, float]]:
@@ -65,8 +64,8 @@ class ValueRole:
         mean value loss and value-clip fraction over response tokens."""
         cfg = self.loss
 
-        def loss_fn(mb, values_BT):
-            values = shift_right(values_BT.float())
+        def loss_fn(mb, values_RL):
+            values = about_token(mb, values_RL.float())
             mask = mb["response_mask"]
             loss_BT = value_loss(values, mb["old_values"], mb["returns"], mask,
                                  clip_eps=cfg.clip_eps)
@@ -79,7 +78,7 @@ class ValueRole:
                                             "num_tokens": den.detach().clone(),
                                             "tokens": m.sum(), "clipped": clipped}
 
-        mbs = microbatches(self.engine, batch, self.num_microbatches,
+        mbs = microbatches(self.engine, self.batching, batch,
                            response_mask=batch.response_mask.float(),
                            old_values=old_values.float(), returns=returns.float())
         step = self.engine.train_step(mbs, loss_fn)

@@ -1,0 +1,239 @@
+"""This rank's micro-batches of a global SequenceBatch, and the roles' outputs back in the
+global batch's rows and columns.
+
+Which rows go together (`Batching`):
+- by count (max_tokens None): this DP rank's contiguous share of the rows, cut into
+  num_microbatches equal parts;
+- by token budget (max_tokens): the rows spread over the DP ranks by their real tokens
+  (longest first, each to the rank holding the fewest tokens so far), then each rank's rows
+  into micro-batches of at most max_tokens model tokens (first fit, longest first). Ranks may
+  then run different numbers of micro-batches: megatron-core's schedules only meet across DP
+  when the gradients are reduced, after the last one.
+
+How a micro-batch lays them out:
+- padded: its rows cut to the columns any of them uses (short rows make a short micro-batch);
+  a token budget counts rows x columns;
+- packed (`pack`): the rows' real tokens one after another in a single row, each sequence
+  attending only to its own earlier tokens with positions counting from 0 (the SFT packer's
+  block-diagonal mask), so no compute goes to padding; a budget counts the packed length.
+Either way a sequence's logits equal its logits alone, up to summation order.
+
+Shapes then differ between the micro-batches of one call; schedule.forward_backward lets the
+pipeline send each one's shape with it.
+
+A micro-batch dict holds the model inputs [R, L] (tokens, labels, position_ids,
+attention_mask) and, in the global batch's terms, `rows` [b] (which rows), `col0` (its first
+column), `token_index` [b, W] (where the token at (row, col0 + w) sits in the model's output
+flattened to R * L; -1 on padding) and the per-token tensors [b, W] (response_mask, old_logp,
+...). Loss closures read the model's per-position outputs through `about_token` and
+`at_last_token`, which give [b, W] and [b] in that frame for either layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megarlhf.data.packing import document_mask
+from megarlhf.engine.train import TrainEngine
+from megarlhf.roles.sequences import SequenceBatch
+
+
+@dataclasses.dataclass(frozen=True)
+class Batching:
+    num_microbatches: int = 1
+    """Micro-batches per DP rank (count mode)."""
+    max_tokens: int | None = None
+    """Token budget of a micro-batch (replaces num_microbatches)."""
+    pack: bool = False
+    """Pack each micro-batch's sequences into one row instead of padding them."""
+
+    def __post_init__(self):
+        if self.num_microbatches < 1:
+            raise ValueError(f"num_microbatches must be >= 1, got {self.num_microbatches}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1 or None, got {self.max_tokens}")
+        if self.max_tokens is not None and self.num_microbatches != 1:
+            raise ValueError("a token budget sets the number of micro-batches: give "
+                             "max_tokens or num_microbatches, not both")
+
+
+def sequence_multiple(engine: TrainEngine) -> int:
+    """What a micro-batch's sequence length must be a multiple of: TP under sequence
+    parallelism (megatron-core splits the sequence dimension over the TP ranks), else 1."""
+    config = engine.spec.transformer
+    return config.tensor_model_parallel_size if config.sequence_parallel else 1
+
+
+def microbatches(engine: TrainEngine, batching: Batching, batch: SequenceBatch,
+                 **per_token: torch.Tensor) -> list[dict]:
+    """This rank's micro-batches of `batch` with `per_token` tensors [B, T] added."""
+    batch.check_length(engine.spec.model.max_position_embeddings)
+    for name, value in per_token.items():
+        if tuple(value.shape) != batch.shape:
+            raise ValueError(f"{name} has shape {tuple(value.shape)}, the batch is "
+                             f"{batch.shape}")
+    first, end = spans(batch)
+    multiple = sequence_multiple(engine)
+    mesh = engine.mesh
+    if batching.max_tokens is None:
+        groups = _count_groups(batch.shape[0], mesh.dp_size, mesh.dp_rank,
+                               batching.num_microbatches)
+    else:
+        cost = _packed_cost if batching.pack else _padded_cost
+        mine = balance(end - first, mesh.dp_size)[mesh.dp_rank]
+        groups = fit(mine, first, end, batching.max_tokens,
+                     lambda s, e: cost(s, e, multiple))
+    return [_microbatch(batch, rows, first, end, pack=batching.pack, multiple=multiple,
+                        per_token=per_token) for rows in groups]
+
+
+def spans(batch: SequenceBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's real tokens as columns [first, end) [B] each; they must be contiguous."""
+    real = batch.attention_mask.bool()
+    T = batch.shape[1]
+    first = real.long().argmax(1)
+    end = T - real.flip(1).long().argmax(1)
+    holes = (real.sum(1) != end - first).nonzero().flatten().tolist()
+    if holes:
+        raise ValueError(f"rows {holes} have padding between real tokens; a row must be "
+                         f"[padding | prompt | response | padding]")
+    return first, end
+
+
+def _count_groups(rows: int, dp: int, dp_rank: int, count: int) -> list[list[int]]:
+    if rows % (dp * count):
+        raise ValueError(f"global batch of {rows} rows does not split into {dp} DP ranks x "
+                         f"{count} micro-batches; use a multiple of {dp * count}")
+    size = rows // (dp * count)
+    start = dp_rank * rows // dp
+    return [list(range(start + i * size, start + (i + 1) * size)) for i in range(count)]
+
+
+def balance(lengths: torch.Tensor, parts: int) -> list[list[int]]:
+    """Rows into `parts` lists with near-equal token sums: longest row first, each to the
+    part with the fewest tokens so far (the lowest-numbered on ties)."""
+    if len(lengths) < parts:
+        raise ValueError(f"{len(lengths)} rows cannot feed {parts} DP ranks")
+    order = sorted(range(len(lengths)), key=lambda r: (-int(lengths[r]), r))
+    load, out = [0] * parts, [[] for _ in range(parts)]
+    for r in order:
+        p = min(range(parts), key=lambda i: (load[i], i))
+        load[p] += int(lengths[r])
+        out[p].append(r)
+    return [sorted(part) for part in out]
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return n + (-n % multiple)
+
+
+def _padded_cost(first: list[int], end: list[int], multiple: int) -> int:
+    return len(first) * _round_up(max(end) - min(first), multiple)
+
+
+def _packed_cost(first: list[int], end: list[int], multiple: int) -> int:
+    return _round_up(sum(e - s for s, e in zip(first, end)), multiple)
+
+
+def fit(rows: list[int], first: torch.Tensor, end: torch.Tensor, budget: int,
+        cost) -> list[list[int]]:
+    """`rows` into micro-batches whose cost(firsts, ends) stays within `budget`: longest row
+    first, each into the first micro-batch it fits, else a new one."""
+    order = sorted(rows, key=lambda r: (-int(end[r] - first[r]), r))
+    groups: list[list[int]] = []
+    for r in order:
+        alone = cost([int(first[r])], [int(end[r])])
+        if alone > budget:
+            raise ValueError(f"a sequence of {int(end[r] - first[r])} tokens ({alone} with "
+                             f"its padding) does not fit max_tokens_per_micro_batch="
+                             f"{budget}; raise it to at least the longest prompt + response")
+        for group in groups:
+            if cost([int(first[g]) for g in group + [r]],
+                     [int(end[g]) for g in group + [r]]) <= budget:
+                group.append(r)
+                break
+        else:
+            groups.append([r])
+    return [sorted(g) for g in groups]
+
+
+def _microbatch(batch: SequenceBatch, rows: list[int], first: torch.Tensor, end: torch.Tensor,
+                *, pack: bool, multiple: int, per_token: dict) -> dict:
+    r = torch.tensor(rows)
+    c0, c1 = int(first[r].min()), int(end[r].max())
+    sub = SequenceBatch(tokens=batch.tokens[r, c0:c1],
+                        attention_mask=batch.attention_mask[r, c0:c1],
+                        response_mask=batch.response_mask[r, c0:c1])
+    real = sub.attention_mask.bool()
+    b, W = real.shape
+    if pack:
+        inputs, index = _packed_inputs(sub.tokens[real], real.sum(1), multiple)
+        token_index = torch.full((b, W), -1, dtype=torch.long)
+        token_index[real] = index  # row-major, as the tokens were packed
+    else:
+        L = _round_up(W, multiple)
+        inputs = sub.right_padded(L - W).model_inputs()
+        token_index = torch.where(real, torch.arange(b * L).view(b, L)[:, :W], -1)
+    return {"tokens": inputs["tokens"], "labels": inputs["labels"],
+            "position_ids": inputs["position_ids"], "attention_mask": inputs["attention_mask"],
+            "rows": r, "col0": torch.tensor(c0), "token_index": token_index,
+            **{name: value[r, c0:c1] for name, value in per_token.items()}}
+
+
+def _packed_inputs(tokens: torch.Tensor, lengths: torch.Tensor, multiple: int
+                   ) -> tuple[dict, torch.Tensor]:
+    """One row [1, L] of the sequences `tokens` (concatenated, lengths [b]) and each token's
+    position in it."""
+    n = int(lengths.sum())
+    L = _round_up(n, multiple)
+    doc = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+    starts = lengths.cumsum(0) - lengths
+    positions = torch.arange(n) - starts[doc]
+    same_doc_next = torch.cat([doc[1:] == doc[:-1], torch.tensor([False])])
+    labels = torch.where(same_doc_next, torch.cat([tokens[1:], tokens[:1]]), 0)
+    pad = L - n
+    # Padding: token 0, position 0, a document id of its own per position.
+    doc = torch.cat([doc, -torch.arange(1, pad + 1)])
+    return ({"tokens": F.pad(tokens.long(), (0, pad))[None],
+             "labels": F.pad(labels.long(), (0, pad))[None],
+             "position_ids": F.pad(positions, (0, pad))[None],
+             "attention_mask": document_mask(doc[None])}, torch.arange(n))
+
+
+def about_token(mb: dict, per_position: torch.Tensor) -> torch.Tensor:
+    """[b, W] from the model's per-position outputs [R, L]: at each real token that follows a
+    real token, the output at the token before it (the logprob of producing it, the value of
+    the state before it); 0 elsewhere."""
+    index = mb["token_index"]
+    before = F.pad(index, (1, 0), value=-1)[:, :-1]
+    ok = (index >= 0) & (before >= 0)
+    return torch.where(ok, per_position.reshape(-1)[before.clamp(min=0)], 0)
+
+
+def at_last_token(mb: dict, per_position: torch.Tensor) -> torch.Tensor:
+    """[b]: the output at each row's last real token."""
+    index = mb["token_index"]
+    last = (index >= 0).long().cumsum(1).argmax(1)  # the first column of the final count
+    return per_position.reshape(-1)[index[torch.arange(index.shape[0]), last]]
+
+
+def to_global(mbs: list[dict], outputs: list[dict], key: str, shape: tuple[int, ...],
+              engine: TrainEngine) -> torch.Tensor:
+    """`key` of the loss closures' dicts (after from_last_stage) in the global batch's frame
+    `shape` ([B, T] per token, [B] per row), on every rank: each rank writes its rows, the DP
+    ranks' disjoint rows are summed (adding zeros, exact)."""
+    out = torch.zeros(shape, device=engine.mesh.device)
+    for mb, o in zip(mbs, outputs, strict=True):
+        value = o[key]
+        rows = mb["rows"].to(out.device)
+        if value.dim() == 1:
+            out[rows] = value.to(out.dtype)
+        else:
+            c0 = int(mb["col0"])
+            out[rows, c0:c0 + value.shape[1]] = value.to(out.dtype)
+    dist.all_reduce(out, group=engine.mesh.dp_group)
+    return out

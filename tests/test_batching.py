@@ -1,0 +1,130 @@
+"""Micro-batches of the PPO roles (megarlhf/roles/batching.py) without a model: which rows go
+together, the packed layout, and the way back to the global batch's frame.
+
+A stand-in model checks the layouts: its output at a position is a hash of the (token,
+position) pairs that position may attend to under the micro-batch's attention mask. Equal
+outputs mean equal model inputs as far as any causal model can tell, so the packed and
+trimmed layouts must reproduce the padded reference exactly (integer arithmetic, no
+tolerance).
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from megarlhf.roles.batching import (
+    Batching, about_token, at_last_token, balance, fit, microbatches, spans,
+)
+from megarlhf.roles.sequences import SequenceBatch
+from tests.role_workers import experience_batch
+
+
+def _engine(dp_size=1, dp_rank=0, tp=1, sequence_parallel=False):
+    return types.SimpleNamespace(
+        spec=types.SimpleNamespace(
+            model=types.SimpleNamespace(max_position_embeddings=64),
+            transformer=types.SimpleNamespace(tensor_model_parallel_size=tp,
+                                              sequence_parallel=sequence_parallel)),
+        mesh=types.SimpleNamespace(dp_size=dp_size, dp_rank=dp_rank))
+
+
+def _stand_in_model(mb: dict) -> torch.Tensor:
+    """[R, L] int64: per query, a sum over the keys it may see of a hash of their (token,
+    position), plus its own: a wrong mask, position or token changes it."""
+    pair = mb["tokens"] * 1009 + mb["position_ids"] * 7 + 1  # [R, L]
+    visible = ~mb["attention_mask"][:, 0]  # [R, Lq, Lk]
+    return (visible * (pair * (mb["position_ids"] + 3))[:, None, :]).sum(-1) * 31 + pair * 17
+
+
+def _reference(batch: SequenceBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    inputs = batch.model_inputs()
+    mb = {**inputs, "token_index": torch.where(
+        batch.attention_mask.bool(),
+        torch.arange(batch.tokens.numel()).view(batch.shape), -1)}
+    out = _stand_in_model(mb)
+    return about_token(mb, out), at_last_token(mb, out)
+
+
+def _assemble(batch: SequenceBatch, batching: Batching, dp: int, **engine_kw):
+    per_token = torch.zeros(batch.shape, dtype=torch.long)
+    score = torch.zeros(batch.shape[0], dtype=torch.long)
+    seen = []
+    for rank in range(dp):
+        mbs = microbatches(_engine(dp, rank, **engine_kw), batching, batch,
+                           response_mask=batch.response_mask.float())
+        for mb in mbs:
+            out = _stand_in_model(mb)
+            rows, c0 = mb["rows"], int(mb["col0"])
+            per_token[rows, c0:c0 + mb["token_index"].shape[1]] = about_token(mb, out)
+            score[rows] = at_last_token(mb, out)
+            seen += rows.tolist()
+            torch.testing.assert_close(mb["response_mask"],
+                                       batch.response_mask[rows, c0:c0 + mb["token_index"]
+                                                           .shape[1]].float())
+    assert sorted(seen) == list(range(batch.shape[0]))  # every row once
+    return per_token, score
+
+
+@pytest.mark.parametrize("batching,dp,engine_kw", [
+    (Batching(2), 2, {}),
+    (Batching(max_tokens=40), 2, {}),
+    (Batching(max_tokens=24, pack=True), 2, {}),
+    (Batching(max_tokens=24, pack=True), 1, dict(tp=2, sequence_parallel=True)),
+    (Batching(4, pack=True), 1, {}),
+], ids=["count", "budget-padded", "budget-packed-dp2", "packed-sp", "count-packed"])
+def test_layouts_reproduce_the_padded_batch(batching, dp, engine_kw):
+    batch = experience_batch(300, rows=8, seed=3, columns=17)
+    want_tokens, want_score = _reference(batch)
+    got_tokens, got_score = _assemble(batch, batching, dp, **engine_kw)
+    assert torch.equal(got_tokens, want_tokens)
+    assert torch.equal(got_score, want_score)
+
+
+def test_packed_micro_batch_layout():
+    batch = SequenceBatch(tokens=torch.tensor([[0, 5, 6, 7, 0], [8, 9, 0, 0, 0]]),
+                          attention_mask=torch.tensor([[0, 1, 1, 1, 0], [1, 1, 0, 0, 0]]),
+                          response_mask=torch.tensor([[0, 0, 0, 1, 0], [0, 1, 0, 0, 0]]))
+    # 5 tokens, padded to 6 for sequence parallelism at TP2.
+    (mb,) = microbatches(_engine(tp=2, sequence_parallel=True), Batching(pack=True), batch)
+    assert mb["tokens"].tolist() == [[5, 6, 7, 8, 9, 0]]
+    assert mb["position_ids"].tolist() == [[0, 1, 2, 0, 1, 0]]
+    assert mb["labels"].tolist() == [[6, 7, 0, 9, 0, 0]]  # no label across sequences
+    allowed = ~mb["attention_mask"][0, 0]
+    assert allowed[4].tolist() == [False, False, False, True, True, False]
+    assert allowed[5].tolist() == [False] * 5 + [True]  # padding sees only itself
+    # Columns 0-3 of the batch: column 4 is padding in both rows.
+    assert mb["col0"] == 0 and mb["token_index"].tolist() == [[-1, 0, 1, 2], [3, 4, -1, -1]]
+
+
+def test_token_budget_balances_tokens_over_dp_and_fits_the_budget():
+    batch = experience_batch(300, rows=16, seed=5, columns=40)
+    first, end = spans(batch)
+    lengths = end - first
+    parts = balance(lengths, 2)
+    loads = [int(lengths[p].sum()) for p in parts]
+    assert abs(loads[0] - loads[1]) <= int(lengths.max())  # longest-first greedy's bound
+    for pack, cost in ((True, lambda f, e: sum(e) - sum(f)),
+                       (False, lambda f, e: len(f) * (max(e) - min(f)))):
+        groups = fit(parts[0], first, end, 60, cost)
+        assert sorted(r for g in groups for r in g) == parts[0]
+        assert all(cost([int(first[r]) for r in g], [int(end[r]) for r in g]) <= 60
+                   for g in groups)
+
+
+def test_budget_mistakes_are_named():
+    batch = experience_batch(300, rows=4, seed=1, columns=17)
+    longest = int((spans(batch)[1] - spans(batch)[0]).max())
+    with pytest.raises(ValueError, match="does not fit max_tokens_per_micro_batch"):
+        microbatches(_engine(), Batching(max_tokens=longest - 1), batch)
+    with pytest.raises(ValueError, match="cannot feed 8 DP ranks"):
+        microbatches(_engine(dp_size=8), Batching(max_tokens=100), batch)
+    with pytest.raises(ValueError, match="not both"):
+        Batching(2, max_tokens=10)
+    holes = SequenceBatch(tokens=torch.tensor([[5, 0, 6, 7]]),
+                          attention_mask=torch.tensor([[1, 0, 1, 1]]),
+                          response_mask=torch.tensor([[0, 0, 0, 1]]))
+    with pytest.raises(ValueError, match="padding between real tokens"):
+        microbatches(_engine(), Batching(), holes)
