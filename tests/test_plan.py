@@ -1046,3 +1046,24 @@ def test_planned_phases_match_a_workers_live_bytes(case, tmp_path):
         planned = stage.held(phase) + max(running.values(), default=0)
         assert abs(peaks[phase] - planned) <= LIVE_MARGIN * planned, \
             (phase, peaks[phase], planned, f"{peaks[phase] / planned - 1:+.1%}")
+
+
+def test_a_token_budget_bounds_the_planned_activations_by_the_budget():
+    """Rows of 16 + max_new_tokens tokens: a budget of one row's tokens plans the activations
+    and backward of a one-row micro-batch (padded), and of one packed row of the budget's
+    length; the weights do not change."""
+    from megarlhf.plan.job import Cluster, plan
+
+    def terms(**fields):
+        config = config_of(**fields)
+        stage = plan(config, Cluster(nodes=1), 16, tiny_models()).groups[0].stages[0]
+        return config, {(t.role, t.what): t.bytes for t in stage.terms}
+
+    config, whole = terms()
+    seq = 16 + config.max_new_tokens
+    _, one_row = terms(max_tokens_per_micro_batch=seq, micro_batches=1)
+    _, packed = terms(max_tokens_per_micro_batch=seq, micro_batches=1, pack_sequences=True)
+    for role in ("actor", "critic"):
+        assert one_row[(role, "backward")] < whole[(role, "backward")]
+        assert packed[(role, "backward")] == one_row[(role, "backward")]  # the same tokens
+        assert one_row[(role, "weights")] == whole[(role, "weights")]

@@ -86,6 +86,13 @@ def test_config_errors_name_the_problem(prompts_file, tmp_path):
         dataclasses.replace(base, algorithm="grpo", critic=None, samples_per_prompt=1)
     with pytest.raises(ValueError, match="do not split"):
         dataclasses.replace(base, mini_batches=3)
+    with pytest.raises(ValueError, match="max_tokens_per_micro_batch sets the number of "
+                                         "micro-batches: leave micro_batches at 1"):
+        dataclasses.replace(base, max_tokens_per_micro_batch=64, micro_batches=2)
+    # A budget needs no rows-per-DP-rank multiple: 16 rows, 2 mini-batches, DP2 of 3 rows.
+    dataclasses.replace(base, max_tokens_per_micro_batch=64, nproc=6)
+    with pytest.raises(ValueError, match=r"mini_batches \(8\) of at least DP \(4\) rows"):
+        dataclasses.replace(base, max_tokens_per_micro_batch=64, nproc=8, mini_batches=8)
     with pytest.raises(ValueError, match="Megatron rollout backend runs at PP=1"):
         dataclasses.replace(base, tensor_parallel=1, pipeline_parallel=2)
     # Disaggregated rollout ranks run their own TP1 engines, whatever the actor's layout.
@@ -845,6 +852,9 @@ CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="checks made on 
     ([[5], [5, 300]], {}, r"prompt p.jsonl:2: token id 300 is outside the actor's vocabulary "
                           r"\(300; 1 prompt\(s\) in all\)"),
     ([[5]], {"stop_token_ids": (2, 999)}, r"stop_token_ids \[999\] are outside"),
+    ([[5] * 30], {"max_tokens_per_micro_batch": 40},
+     r"max_tokens_per_micro_batch=40 cannot hold the longest prompt \(30 tokens\) \+ "
+     r"max_new_tokens=16; raise it to at least 46"),
     pytest.param([[5]], {"rollout_backend": "vllm", "vllm_model_dir": "hf"},
                  r"vLLM's CPU attention cannot serve the actor's head_dim 16", marks=CPU_ONLY),
     pytest.param([[5]], {"rollout_backend": "vllm", "vllm_model_dir": "hf",

@@ -392,6 +392,15 @@ def _stage(config: PPOConfig, spec: GroupSpec, models: dict[str, ModelSource],
     last = pp_rank == mesh.pipeline_parallel - 1
     train_rows = config.rows_per_step // (config.mini_batches * dp * config.micro_batches)
     exp_rows = config.rows_per_step // (dp * config.micro_batches)
+    microbatches, mb_seq = config.micro_batches, seq
+    budget = config.max_tokens_per_micro_batch
+    if budget is not None:  # micro-batches of at most `budget` tokens, however many
+        microbatches = -(-train_rows * seq // budget)  # at full length, the most there are
+        if config.pack_sequences:  # one row of up to `budget` tokens
+            train_rows = exp_rows = 1
+            mb_seq = budget
+        else:
+            train_rows = exp_rows = max(1, budget // seq)
     experience, train = frozenset({"experience"}), frozenset({"train"})
     terms = []
     for role in MODEL_ROLES:
@@ -404,15 +413,15 @@ def _stage(config: PPOConfig, spec: GroupSpec, models: dict[str, ModelSource],
         terms += [Term(role, what, b, **residency(config, role, what))
                   for what, b in memory.model_state(n, nbytes, trained=trained, dp=dp).items()]
         terms.append(Term(role, "forward pass", memory.forward_pass(
-            model, parallel, exp_rows, seq, nbytes, logits=lm and last), running=experience))
+            model, parallel, exp_rows, mb_seq, nbytes, logits=lm and last), running=experience))
         if trained:
             recompute = config.recompute_of(role)
             terms.append(Term(role, "activations", memory.train_activations(
-                model, parallel, pp_rank, rows=train_rows, seq=seq,
-                microbatches=config.micro_batches, param_bytes=nbytes, recompute=recompute),
+                model, parallel, pp_rank, rows=train_rows, seq=mb_seq,
+                microbatches=microbatches, param_bytes=nbytes, recompute=recompute),
                 running=train))
             terms.append(Term(role, "backward", memory.backward_peak(
-                model, parallel, train_rows, seq, nbytes, recompute=recompute,
+                model, parallel, train_rows, mb_seq, nbytes, recompute=recompute,
                 logits=lm and last), running=train))
     actor = models["actor"].model
     if "actor" in spec.roles:  # the sender of the weight sync
