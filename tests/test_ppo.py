@@ -103,6 +103,11 @@ def test_config_errors_name_the_problem(prompts_file, tmp_path):
         dataclasses.replace(base, rollout_nproc=2)
     with pytest.raises(ValueError, match="rollout_nproc must be >= 1"):
         dataclasses.replace(base, placement="disaggregated", rollout_nproc=0)
+    with pytest.raises(ValueError, match="async_rollout=true needs placement=disaggregated"):
+        dataclasses.replace(base, async_rollout=True, rollout_correction="tis")
+    with pytest.raises(ValueError, match="async_rollout=true trains on samples of weights one "
+                                         "update old: set rollout_correction=tis or mis"):
+        dataclasses.replace(base, async_rollout=True, placement="disaggregated")
     for switch in ("offload_params", "offload_grads", "offload_optimizer", "rollout_sleep"):
         with pytest.raises(ValueError, match=f"{switch}=true applies to placement=colocated"):
             dataclasses.replace(base, placement="disaggregated", **{switch: True})
@@ -464,6 +469,51 @@ def test_disaggregated_equals_colocated_and_resumes_exactly(base, tmp_path, monk
         assert ours.keys() == theirs.keys()
         for key in ours:
             assert torch.equal(ours[key], theirs[key]), (role, key)
+
+
+@pytest.mark.slow
+def test_async_rollout_overlaps_training_and_resumes_exactly(base, value_refs, tmp_path,
+                                                             monkeypatch):
+    """Disaggregated with a reward model (its scores come from the ref+reward group, which
+    the training phases use at the same time: the placement serialises the calls). Step n+1's
+    rollout runs while step n learns: their wall-clock spans overlap, and its samples carry
+    the weights of step n-1 (lag 1, after the first step). A job resumed from the step-2
+    checkpoint trains on the rollout that checkpoint kept and repeats steps 3-4 and the
+    final weights exactly; a damaged kept rollout is refused naming its file."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # same threads everywhere: same summation order
+    config = dataclasses.replace(
+        base, out_dir=str(tmp_path / "async"), nproc=1, tensor_parallel=1, steps=4,
+        save_every=2, placement="disaggregated", async_rollout=True, rollout_correction="tis",
+        reward_model=value_refs[True][1])
+    straight = run(config)
+    assert [m["rollout/weight_version"] for m in straight] == [0, 0, 1, 2]
+    assert [m["rollout/policy_lag"] for m in straight] == [0, 1, 1, 1]
+    for m in straight[:3]:  # the rollout drawn beside each step but the last
+        assert m["time/rollout_ahead_start"] < m["time/learn_end"], m
+        assert m["time/rollout_ahead_end"] > m["time/learn_start"], m
+    assert "time/rollout_ahead_start" not in straight[3]
+    assert all(m["rollout/is_ratio_mean"] != 1.0 for m in straight[1:])  # weights moved
+    with open(os.path.join(config.out_dir, "samples.jsonl")) as f:
+        assert {json.loads(line)["weight_version"] for line in f} == {0, 1, 2}
+
+    kept = f"{checkpoints.of_run(config.out_dir).root}/step_2"
+    resumed = dataclasses.replace(config, out_dir=str(tmp_path / "resumed"))
+    shutil.copytree(kept, f"{checkpoints.of_run(resumed.out_dir).root}/step_2")
+    history = run(resumed)
+    assert [_without_timings(m) for m in history] == [_without_timings(m)
+                                                      for m in straight[2:]]
+    ours, theirs = _final_weights(resumed.out_dir, "actor"), _final_weights(config.out_dir,
+                                                                            "actor")
+    assert all(torch.equal(ours[key], theirs[key]) for key in theirs)
+
+    pending = os.path.join(kept, checkpoints.PENDING)
+    with open(pending, "r+b") as f:
+        f.seek(100)
+        byte = f.read(1)
+        f.seek(100)
+        f.write(bytes([byte[0] ^ 1]))
+    with pytest.raises(ValueError, match="pending_rollout.pt is missing or does not match"):
+        checkpoints.read_pending(kept, checkpoints.read_state(kept))
 
 
 @pytest.mark.slow

@@ -13,6 +13,7 @@ leaves them unreadable.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
@@ -33,6 +34,15 @@ MCORE_CONFIG = "metadata.json"  # megatron-core's description of the checkpoint'
 # Read and checked in pieces that stay in the CPU cache: ~2.7x faster than zipfile's reads.
 _BLOCK = 1 << 20
 _FIX = "the file is corrupt; restore it or use another checkpoint"
+
+
+def file_sha256(path: str) -> str:
+    """The hex SHA-256 of a file we wrote and recorded the checksum of."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def read_metadata(path: str) -> Metadata:

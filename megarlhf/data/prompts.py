@@ -17,6 +17,7 @@ import json
 import os
 from typing import Any, Callable
 
+from megarlhf.convert.integrity import file_sha256
 from megarlhf.data.config import DatasetSource
 from megarlhf.data.records import PROMPT_IDS, read_records
 from megarlhf.data.report import BadRecords
@@ -109,7 +110,7 @@ def _verify_cache(path: str, tokenizer_path: str | None) -> None:
         return
     with open(sidecar) as f:
         meta = json.load(f)
-    if _sha256(path) != meta.get("sha256"):
+    if file_sha256(path) != meta.get("sha256"):
         raise ValueError(f"prompt cache {path} does not match the checksum it was written with "
                          f"({os.path.basename(sidecar)}): it was changed or cut short; write it "
                          f"again with `megarlhf data --write-cache`")
@@ -126,9 +127,3 @@ def _fingerprint(tokenizer_path: str | None) -> str | None:
     return tokenizer_fingerprint(tokenizer_path)
 
 
-def _sha256(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()

@@ -207,6 +207,11 @@ class PPOConfig:
     rollout_nproc: int = 1
     """Disaggregated only: rollout ranks, in engines of rollout_tp ranks, fed by the actor's
     ranks."""
+    async_rollout: bool = False
+    """Disaggregated only: generate step n+1's samples while step n trains (one-step-off
+    policy). The engine's weights are then one update behind the actor's when it samples;
+    needs a rollout_correction to weigh that gap. Each step logs its samples' weight version
+    (rollout/weight_version, rollout/policy_lag)."""
     dtype: str = "fp32"
     """Param dtype of every role and of the rollout engine: fp32, bf16 or fp16. 16-bit roles
     train with fp32 main grads and fp32 master weights (the distributed optimizer's). A
@@ -405,6 +410,12 @@ class PPOConfig:
                          f"holds only the roles it runs, none idle); set it false"
                          for name in ("offload_params", "offload_grads", "offload_optimizer",
                                       "rollout_sleep") if getattr(self, name)]
+        if self.async_rollout and self.placement != "disaggregated":
+            problems.append("async_rollout=true needs placement=disaggregated (colocated, "
+                            "rollout and training share the ranks and cannot overlap)")
+        if self.async_rollout and self.rollout_correction == "none":
+            problems.append("async_rollout=true trains on samples of weights one update old: "
+                            "set rollout_correction=tis or mis")
         if self.placement == "colocated" and self.rollout_nproc != 1:
             problems.append(f"rollout_nproc={self.rollout_nproc} needs "
                             f"placement=disaggregated; colocated rollouts run on the nproc "

@@ -1,7 +1,7 @@
 """The PPO loop: one controller drives the worker groups, top to bottom.
 
     prompts -> rollout (n per prompt) and rewards (megarlhf/ppo/rollouts.py; with dynamic
-    sampling, more rounds) -> experience (logprobs, ref logprobs, values) -> advantages ->
+    sampling, more rounds; with async_rollout, drawn during the step before) -> experience (logprobs, ref logprobs, values) -> advantages ->
     policy inputs (KL loss, rollout correction) -> PPO epochs (actor, critic) -> weight sync
     -> metrics -> checkpoint
     (and, with val_prompts, validation before the first step, every val_every steps and after
@@ -85,6 +85,9 @@ def _train(config: PPOConfig, data: RunInputs) -> list[dict]:
     log.write({"event": "data", **data.report}, echo=False)
     workers = Placement(config, data.checked.engine_size)
     history = []
+    # After a resume the engine holds the checkpoint's weights (loading syncs them).
+    steps = rollouts.Rollouts(config, data, workers, sampler, weight_version=start,
+                              pending=checkpoints.read_pending(latest, state) if state else None)
     try:
         if state is not None:
             workers.load(latest)
@@ -94,7 +97,7 @@ def _train(config: PPOConfig, data: RunInputs) -> list[dict]:
         elif data.val:
             log.write({"step": 0, **validate(config, data, workers, 0, log)})
         for step in range(start + 1, config.steps + 1):
-            metrics = ppo_step(config, data, workers, sampler, kl_ctl, step, log)
+            metrics = ppo_step(config, data, workers, steps, kl_ctl, step, log)
             if data.val and (step == config.steps or
                              (config.val_every and step % config.val_every == 0)):
                 metrics.update(validate(config, data, workers, step, log))
@@ -103,31 +106,40 @@ def _train(config: PPOConfig, data: RunInputs) -> list[dict]:
             if step == config.steps or (config.save_every and step % config.save_every == 0):
                 checkpoints.save(config, workers, step, {
                     "step": step, "sampler": sampler.state_dict(),
-                    "kl": kl_ctl.state_dict(), "inputs": inputs})
+                    "kl": kl_ctl.state_dict(), "inputs": inputs}, pending=steps.pending)
     finally:
+        steps.close()
         workers.shutdown()
         log.close()
     return history
 
 
-def ppo_step(config: PPOConfig, data: RunInputs, workers: Placement, sampler: PromptSampler,
-             kl_ctl, step: int, log: MetricsLog) -> dict:
+def ppo_step(config: PPOConfig, data: RunInputs, workers: Placement,
+             steps: rollouts.Rollouts, kl_ctl, step: int, log: MetricsLog) -> dict:
     o = config.options
     start = time.perf_counter()
     log.phase("rollout")
-    drawn = rollouts.draw(config, data, workers, sampler, step)
+    drawn = steps.take(step)  # with async_rollout, the next step's starts beside this one
+    lag = step - 1 - drawn.weight_version  # actor updates the sampling weights missed
+    # Wall-clock bounds of experience + train, and of the rollout drawn beside them.
+    span = {"time/learn_start": time.time()}
     rollout = rollout_batch([list(p.ids) for p in drawn.prompts], drawn.completions)
     batch, score = rollout.sequences, drawn.score
     mask = batch.response_mask.float()
-    timer = dict(drawn.seconds)
-    log.samples(step, sample_rows(drawn.samples, score, config.log_samples, "train"))
+    # A rollout drawn ahead ran during the step before: its seconds are not this step's.
+    timer = {} if drawn.busy else dict(drawn.seconds)
+    log.samples(step, [{**row, "weight_version": drawn.weight_version} for row in
+                       sample_rows(drawn.samples, score, config.log_samples, "train")])
 
     log.phase("experience")
     t = time.perf_counter()
     exp = workers.experience(batch, EXPERIENCE - {"reward"})  # scored with the rollout
     gap = logprob_gap(rollout.engine_logp, exp["logp"], batch.response_mask)
+    # Before training on samples from another policy. Samples of older weights (async
+    # rollouts) differ by the updates since, which the rollout correction weighs: the guard
+    # holds for samples of the actor's own weights (the first step, and after a resume).
     warning = check_gap(gap, limit=config.gap_limit, policy=config.logprob_gap_policy,
-                        step=step)  # before training on samples from another policy
+                        step=step) if lag == 0 else None
     if warning:
         _log.warning(warning)
     timer["experience"], t = time.perf_counter() - t, time.perf_counter()
@@ -155,10 +167,16 @@ def ppo_step(config: PPOConfig, data: RunInputs, workers: Placement, sampler: Pr
         if not all(math.isfinite(v) for v in losses) and config.nan_policy == "stop":
             raise NonFiniteError(f"step {step}: non-finite loss {losses}")
     timer["train"], t = time.perf_counter() - t, time.perf_counter()
+    span["time/learn_end"] = time.time()
 
     log.phase("sync")
+    steps.finish()  # the rollout drawn ahead: the engine must be idle for the sync
+    timer["wait_rollout_ahead"], t = time.perf_counter() - t, time.perf_counter()
     workers.sync()
+    steps.synced(step)
     timer["sync"] = time.perf_counter() - t
+    if steps.pending is not None:  # when the next step's rollout ran (async_rollout)
+        span["time/rollout_ahead_start"], span["time/rollout_ahead_end"] = steps.ahead_span
 
     kl = ((exp["logp"] - exp["ref_logp"]) * mask).sum() / mask.sum()
     kl_ctl.update(float(kl), config.rows_per_step)
@@ -171,7 +189,11 @@ def ppo_step(config: PPOConfig, data: RunInputs, workers: Placement, sampler: Pr
     memory = {f"memory/{phase}_state_mib": nbytes / 2**20
               for phase, nbytes in workers.take_memory().items()}
     return {**metrics, **drawn.metrics, **correction, "rollout/stopped_fraction": stopped,
-            **memory, **overhead_metrics(time.perf_counter() - start, workers.take_busy())}
+            "rollout/weight_version": float(drawn.weight_version),
+            "rollout/policy_lag": float(lag), **memory, **span,
+            **{f"time/ahead/{k}": v for k, v in drawn.seconds.items() if drawn.busy},
+            **{f"time/worker_ahead/{k}": v for k, v in drawn.busy.items()},
+            **overhead_metrics(time.perf_counter() - start, workers.take_busy())}
 
 
 def compute_advantages(config: PPOConfig, score: torch.Tensor, exp: dict, mask: torch.Tensor,

@@ -16,6 +16,8 @@ so are the actor and critic updates.
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
 from typing import Callable
 
@@ -54,11 +56,14 @@ class Placement:
         self.config = config
         self.specs = group_specs(config)
         self._all_roles = set().union(*(spec.roles for spec in self.specs))
-        self.busy: dict[str, float] = {}
-        """Worker-side seconds of each phase's latest call (its slowest rank)."""
+        self._thread = threading.local()
         self._failed = False
         self._backend = _backend(config, sum(s.nproc for s in self.specs))
         self._groups = []
+        # A group serves one call at a time. With async_rollout the next step's rollout (and
+        # its reward-model scores) runs in a thread beside the training phases: a call takes
+        # the locks of its groups, in group order (no deadlock), for as long as it runs.
+        self._locks = [threading.Lock() for _ in self.specs]
         try:
             for spec in self.specs:
                 self._groups.append(self._backend.group(spec.name, spec.nproc,
@@ -104,8 +109,16 @@ class Placement:
         return {phase: max(p.get(phase, 0) for p in parts)
                 for phase in sorted({phase for p in parts for phase in p})}
 
+    @property
+    def busy(self) -> dict[str, float]:
+        """Worker-side seconds of each phase's latest call (its slowest rank), of the calls
+        this thread made (a rollout drawn ahead in a thread counts apart)."""
+        if not hasattr(self._thread, "busy"):
+            self._thread.busy = {}
+        return self._thread.busy
+
     def take_busy(self) -> dict[str, float]:
-        busy, self.busy = self.busy, {}
+        busy, self._thread.busy = self.busy, {}
         return busy
 
     # -- checkpoints -------------------------------------------------------------------------
@@ -133,9 +146,12 @@ class Placement:
     def _run(self, method: Callable, roles: set[str], *args) -> tuple[list, float]:
         """`method(*args)` (a WorkerAPI method) on every rank of the groups holding any of
         `roles`, concurrently: (rank 0's result per group, the slowest rank's seconds in it)."""
-        calls = [g.async_call(method.__name__, *args)
-                 for g, spec in zip(self._groups, self.specs) if spec.roles & roles]
-        per_call = self._wait(calls)
+        chosen = [i for i, spec in enumerate(self.specs) if spec.roles & roles]
+        with contextlib.ExitStack() as held:
+            for i in chosen:
+                held.enter_context(self._locks[i])
+            per_call = self._wait([self._groups[i].async_call(method.__name__, *args)
+                                   for i in chosen])
         return ([ranks[0][0] for ranks in per_call],
                 max(seconds for ranks in per_call for _, seconds in ranks))
 

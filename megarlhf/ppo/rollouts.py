@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -49,11 +50,17 @@ class StepRollout:
     metrics: dict[str, float]
     seconds: dict[str, float]
     """Time spent generating ('rollout') and scoring ('reward'), over all rounds."""
+    weight_version: int
+    """The actor updates the engine's weights held when it sampled (the step of its last
+    weight sync)."""
+    busy: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Drawn ahead (async_rollout): the workers' seconds of each phase it called."""
 
 
-def draw(config: PPOConfig, data: RunInputs, workers: Placement, sampler, step: int
-         ) -> StepRollout:
-    """The step's groups (see the module doc)."""
+def draw(config: PPOConfig, data: RunInputs, workers: Placement, sampler, step: int,
+         weight_version: int) -> StepRollout:
+    """The step's groups (see the module doc), sampled by an engine holding the weights after
+    `weight_version` updates."""
     o, n = config.options, config.samples_per_prompt
     kept, dropped, scored, seconds = [], [], [], {"rollout": 0.0, "reward": 0.0}
     for round_ in range(1 + (config.dynamic_sampling_rounds if o.dynamic_sampling else 0)):
@@ -88,7 +95,59 @@ def draw(config: PPOConfig, data: RunInputs, workers: Placement, sampler, step: 
         completions=[dataclasses.replace(c, prompt_index=i)
                      for i, g in enumerate(groups) for c in g.completions],
         samples=[s for g in groups for s in g.samples],
-        score=torch.cat([g.score for g in groups]), metrics=metrics, seconds=seconds)
+        score=torch.cat([g.score for g in groups]), metrics=metrics, seconds=seconds,
+        weight_version=weight_version)
+
+
+class Rollouts:
+    """Each step's rollout, drawn when the step starts, or (async_rollout) during the step
+    before: the next step's rollout then runs in a thread beside this step's experience and
+    training (the placement keeps the groups' calls apart) and is waited for before the
+    weight sync, so the engine samples with weights one update behind the actor's. A
+    checkpoint keeps the rollout drawn ahead (`pending`): a resumed run trains on the same
+    samples as a straight one."""
+
+    def __init__(self, config: PPOConfig, data: RunInputs, workers: Placement, sampler, *,
+                 weight_version: int, pending: StepRollout | None = None):
+        self.config, self.data, self.workers, self.sampler = config, data, workers, sampler
+        self.weight_version = weight_version
+        """The updates the engine's weights hold now."""
+        self.pending = pending
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="rollout-ahead") \
+            if config.async_rollout else None
+        self._ahead = None
+        self.ahead_span: tuple[float, float] | None = None
+        """Wall-clock (start, end) of the latest rollout drawn ahead."""
+
+    def take(self, step: int) -> StepRollout:
+        """Step `step`'s rollout (drawn ahead, or now); with async_rollout, start drawing the
+        next step's."""
+        drawn, self.pending = self.pending, None
+        if drawn is None:
+            drawn = draw(self.config, self.data, self.workers, self.sampler, step,
+                         self.weight_version)
+        if self._pool is not None and step < self.config.steps:
+            self._ahead = self._pool.submit(self._draw_ahead, step + 1, self.weight_version)
+        return drawn
+
+    def _draw_ahead(self, step: int, weight_version: int) -> StepRollout:
+        start = time.time()
+        drawn = draw(self.config, self.data, self.workers, self.sampler, step, weight_version)
+        self.ahead_span = (start, time.time())
+        return dataclasses.replace(drawn, busy=self.workers.take_busy())  # this thread's
+
+    def finish(self) -> None:
+        """Wait for the rollout drawn ahead (the engine must be idle for the weight sync)."""
+        if self._ahead is not None:
+            ahead, self._ahead = self._ahead, None
+            self.pending = ahead.result()
+
+    def synced(self, step: int) -> None:
+        self.weight_version = step
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 def sampling(config: PPOConfig, data: RunInputs, *, n: int, temperature: float, seed: int
