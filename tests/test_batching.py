@@ -73,8 +73,7 @@ def _assemble(batch: SequenceBatch, batching: Batching, dp: int, **engine_kw):
     (Batching(max_tokens=40), 2, {}),
     (Batching(max_tokens=24, pack=True), 2, {}),
     (Batching(max_tokens=24, pack=True), 1, dict(tp=2, sequence_parallel=True)),
-    (Batching(4, pack=True), 1, {}),
-], ids=["count", "budget-padded", "budget-packed-dp2", "packed-sp", "count-packed"])
+], ids=["count", "budget-padded", "budget-packed-dp2", "packed-sp"])
 def test_layouts_reproduce_the_padded_batch(batching, dp, engine_kw):
     batch = experience_batch(300, rows=8, seed=3, columns=17)
     want_tokens, want_score = _reference(batch)
@@ -83,12 +82,23 @@ def test_layouts_reproduce_the_padded_batch(batching, dp, engine_kw):
     assert torch.equal(got_score, want_score)
 
 
+def test_micro_batches_by_count_keep_the_batch_width():
+    """One shape for every micro-batch (the pipeline needs no shape exchange), as before
+    token budgets existed."""
+    batch = experience_batch(300, rows=8, seed=3, columns=17)
+    mbs = microbatches(_engine(dp_size=2, dp_rank=1), Batching(2), batch)
+    assert [mb["rows"].tolist() for mb in mbs] == [[4, 5], [6, 7]]
+    assert {tuple(mb["tokens"].shape) for mb in mbs} == {(2, 17)}
+    assert all(int(mb["col0"]) == 0 for mb in mbs)
+
+
 def test_packed_micro_batch_layout():
     batch = SequenceBatch(tokens=torch.tensor([[0, 5, 6, 7, 0], [8, 9, 0, 0, 0]]),
                           attention_mask=torch.tensor([[0, 1, 1, 1, 0], [1, 1, 0, 0, 0]]),
                           response_mask=torch.tensor([[0, 0, 0, 1, 0], [0, 1, 0, 0, 0]]))
     # 5 tokens, padded to 6 for sequence parallelism at TP2.
-    (mb,) = microbatches(_engine(tp=2, sequence_parallel=True), Batching(pack=True), batch)
+    (mb,) = microbatches(_engine(tp=2, sequence_parallel=True),
+                         Batching(max_tokens=100, pack=True), batch)
     assert mb["tokens"].tolist() == [[5, 6, 7, 8, 9, 0]]
     assert mb["position_ids"].tolist() == [[0, 1, 2, 0, 1, 0]]
     assert mb["labels"].tolist() == [[6, 7, 0, 9, 0, 0]]  # no label across sequences
@@ -123,8 +133,10 @@ def test_budget_mistakes_are_named():
         microbatches(_engine(dp_size=8), Batching(max_tokens=100), batch)
     with pytest.raises(ValueError, match="not both"):
         Batching(2, max_tokens=10)
+    with pytest.raises(ValueError, match="packing needs a token budget"):
+        Batching(pack=True)
     holes = SequenceBatch(tokens=torch.tensor([[5, 0, 6, 7]]),
                           attention_mask=torch.tensor([[1, 0, 1, 1]]),
                           response_mask=torch.tensor([[0, 0, 0, 1]]))
     with pytest.raises(ValueError, match="padding between real tokens"):
-        microbatches(_engine(), Batching(), holes)
+        microbatches(_engine(), Batching(max_tokens=100), holes)

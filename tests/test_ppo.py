@@ -22,7 +22,7 @@ import torch
 from megarlhf.convert.hf_to_mcore import hf_to_mcore
 from megarlhf.metrics import read_metrics, read_steps
 from megarlhf.parallel.mesh import ParallelConfig
-from megarlhf.ppo import checkpoints
+from megarlhf.ppo import checkpoints, rollouts
 from megarlhf.configio import load_config
 from megarlhf.ppo.config import Layout, PPOConfig, RoleLayout, RolloutLayout
 from megarlhf.ppo.controller import run
@@ -479,7 +479,8 @@ def test_async_rollout_overlaps_training_and_resumes_exactly(base, value_refs, t
     rollout runs while step n learns: their wall-clock spans overlap, and its samples carry
     the weights of step n-1 (lag 1, after the first step). A job resumed from the step-2
     checkpoint trains on the rollout that checkpoint kept and repeats steps 3-4 and the
-    final weights exactly; a damaged kept rollout is refused naming its file."""
+    final weights exactly; a damaged kept rollout is refused naming its file, one drawn with
+    other sampling settings is drawn again."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # same threads everywhere: same summation order
     config = dataclasses.replace(
         base, out_dir=str(tmp_path / "async"), nproc=1, tensor_parallel=1, steps=4,
@@ -506,6 +507,9 @@ def test_async_rollout_overlaps_training_and_resumes_exactly(base, value_refs, t
                                                                             "actor")
     assert all(torch.equal(ours[key], theirs[key]) for key in theirs)
 
+    # Resumed with other sampling settings: the kept rollout is drawn again.
+    other = {**rollouts.settings(config), "max_new_tokens": 4}
+    assert checkpoints.read_pending(kept, checkpoints.read_state(kept), other) is None
     pending = os.path.join(kept, checkpoints.PENDING)
     with open(pending, "r+b") as f:
         f.seek(100)
@@ -513,7 +517,7 @@ def test_async_rollout_overlaps_training_and_resumes_exactly(base, value_refs, t
         f.seek(100)
         f.write(bytes([byte[0] ^ 1]))
     with pytest.raises(ValueError, match="pending_rollout.pt is missing or does not match"):
-        checkpoints.read_pending(kept, checkpoints.read_state(kept))
+        checkpoints.read_pending(kept, checkpoints.read_state(kept), rollouts.settings(config))
 
 
 @pytest.mark.slow

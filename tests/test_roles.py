@@ -53,7 +53,11 @@ def test_sequence_batch_positions_and_mask():
 @pytest.mark.parametrize("change,match", [
     (dict(response_mask=torch.zeros(2, 4, dtype=torch.long)), r"rows \[0, 1\] have an empty"),
     (dict(attention_mask=torch.ones(2, 5, dtype=torch.long)), r"attention_mask has shape"),
-    (dict(response_mask=torch.tensor([[1, 0, 0, 0], [0, 0, 1, 0]])), "column 0"),
+    (dict(response_mask=torch.tensor([[1, 0, 0, 0], [0, 0, 1, 0]])), r"rows \[0\] .*column 0"),
+    # A left-padded row whose response starts at its first real token.
+    (dict(attention_mask=torch.tensor([[1, 1, 1, 0], [0, 1, 1, 1]]),
+          response_mask=torch.tensor([[0, 0, 1, 0], [0, 1, 1, 0]])),
+     r"rows \[1\] have a response token at their first real token"),
     (dict(response_mask=torch.tensor([[0, 0, 0, 1], [0, 0, 1, 1]])), "padding positions"),
     (dict(tokens=torch.ones(2, 4)), "integer tensor"),
 ])
@@ -85,9 +89,6 @@ def test_ptx_scale_and_its_checks():
         ptx_scale(PolicyLossConfig(), batch, ptx)
     with pytest.raises(ValueError, match="go together"):
         ptx_scale(PolicyLossConfig(ptx_coef=1.0), batch, None)
-    with pytest.raises(ValueError, match="same shape"):
-        ptx_scale(PolicyLossConfig(ptx_coef=1.0), batch,
-                  role_workers.experience_batch(VOCAB, rows=2, seed=1))
     with pytest.raises(ValueError, match="ptx_coef must be >= 0"):
         PolicyLossConfig(ptx_coef=-1.0)
 

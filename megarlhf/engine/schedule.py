@@ -117,17 +117,21 @@ def gather_rows(out: list[dict], key: str, mesh: Mesh) -> torch.Tensor:
     return torch.cat(parts)
 
 
+def rank_rows(rows: int, dp_size: int, dp_rank: int, num_microbatches: int) -> list[range]:
+    """The rows of this DP rank's equal micro-batches: a contiguous share of the batch."""
+    if rows % (dp_size * num_microbatches):
+        raise ValueError(
+            f"global batch of {rows} rows does not split into {dp_size} DP ranks x "
+            f"{num_microbatches} micro-batches; use a multiple of "
+            f"{dp_size * num_microbatches}"
+        )
+    size = rows // (dp_size * num_microbatches)
+    start = dp_rank * rows // dp_size
+    return [range(start + i * size, start + (i + 1) * size) for i in range(num_microbatches)]
+
+
 def rank_microbatches(batch: Batch, mesh: Mesh, num_microbatches: int) -> list[Batch]:
     """This DP rank's contiguous share of a global batch, cut into equal micro-batches."""
-    rows = batch["tokens"].shape[0]
-    if rows % (mesh.dp_size * num_microbatches):
-        raise ValueError(
-            f"global batch of {rows} rows does not split into {mesh.dp_size} DP ranks x "
-            f"{num_microbatches} micro-batches; use a multiple of "
-            f"{mesh.dp_size * num_microbatches}"
-        )
-    per_rank = rows // mesh.dp_size
-    size = per_rank // num_microbatches
-    start = mesh.dp_rank * per_rank
-    return [{k: v[start + i * size:start + (i + 1) * size] for k, v in batch.items()}
-            for i in range(num_microbatches)]
+    return [{k: v[r.start:r.stop] for k, v in batch.items()}
+            for r in rank_rows(batch["tokens"].shape[0], mesh.dp_size, mesh.dp_rank,
+                               num_microbatches)]

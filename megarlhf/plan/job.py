@@ -395,12 +395,15 @@ def _stage(config: PPOConfig, spec: GroupSpec, models: dict[str, ModelSource],
     microbatches, mb_seq = config.micro_batches, seq
     budget = config.max_tokens_per_micro_batch
     if budget is not None:  # micro-batches of at most `budget` tokens, however many
-        microbatches = -(-train_rows * seq // budget)  # at full length, the most there are
+        # At full length, the most there are (DP balancing may give a rank a row more).
         if config.pack_sequences:  # one row of up to `budget` tokens
+            microbatches = -(-(train_rows + 1) * seq // budget)
             train_rows = exp_rows = 1
             mb_seq = budget
         else:
-            train_rows = exp_rows = max(1, budget // seq)
+            per_micro_batch = max(1, budget // seq)
+            microbatches = -(-(train_rows + 1) // per_micro_batch)
+            train_rows = exp_rows = per_micro_batch
     experience, train = frozenset({"experience"}), frozenset({"train"})
     terms = []
     for role in MODEL_ROLES:

@@ -9,6 +9,7 @@ removing leftovers: engine/run_checkpoints.py, as for SFT and RM.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 
@@ -18,6 +19,8 @@ from megarlhf.convert.integrity import file_sha256
 from megarlhf.engine.checkpoint import replace_dir
 from megarlhf.engine.run_checkpoints import RunCheckpoints
 
+log = logging.getLogger(__name__)
+
 STATE = "controller.json"
 PENDING = "pending_rollout.pt"
 
@@ -26,11 +29,17 @@ def of_run(out_dir: str) -> RunCheckpoints:
     return RunCheckpoints(out_dir, marker=STATE)
 
 
-def read_pending(path: str, state: dict):
-    """The rollout a checkpoint kept for its next step (None if it kept none), checked
-    against the checksum written with it."""
+def read_pending(path: str, state: dict, settings: dict):
+    """The rollout a checkpoint kept for its next step, checked against the checksum written
+    with it; None if it kept none, or drew it with other `settings` than the run's now (the
+    run then draws that step's rollout again, from the prompts after it)."""
     want = state.get("pending_rollout_sha256")
     if want is None:
+        return None
+    if state.get("pending_rollout_settings") != settings:
+        log.warning("%s: its rollout for the next step was drawn with other settings (%s, now "
+                    "%s); drawing it again", path, state.get("pending_rollout_settings"),
+                    settings)
         return None
     file = os.path.join(path, PENDING)
     if not os.path.isfile(file) or file_sha256(file) != want:
@@ -46,9 +55,9 @@ def read_state(path: str) -> dict:
         return json.load(f)
 
 
-def save(config, workers, step: int, state: dict, pending=None) -> str:
+def save(config, workers, step: int, state: dict, pending=None, settings=None) -> str:
     """`pending`: the next step's rollout, drawn ahead (async_rollout), kept with its
-    checksum in the controller state."""
+    checksum and the `settings` it was drawn with in the controller state."""
     steps = of_run(config.out_dir)
     final = steps.path(step)
     tmp = final + ".tmp"
@@ -57,7 +66,8 @@ def save(config, workers, step: int, state: dict, pending=None) -> str:
     workers.save(tmp)
     if pending is not None:
         torch.save(pending, os.path.join(tmp, PENDING))
-        state = {**state, "pending_rollout_sha256": file_sha256(os.path.join(tmp, PENDING))}
+        state = {**state, "pending_rollout_sha256": file_sha256(os.path.join(tmp, PENDING)),
+                 "pending_rollout_settings": settings}
     with open(os.path.join(tmp, STATE), "w") as f:
         json.dump(state, f)
     replace_dir(tmp, final)

@@ -261,8 +261,8 @@ class PPOConfig:
     spread over the DP ranks by token count, not row count (megarlhf/roles/batching.py).
     Must hold the longest prompt + max_new_tokens."""
     pack_sequences: bool = False
-    """Pack each micro-batch's sequences into one row, each attending only to itself, instead
-    of padding them to the longest: no compute on padding."""
+    """Pack each token-budget micro-batch's sequences into one row, each attending only to
+    itself, instead of padding them to the longest: no compute on padding."""
     clip_eps: float | None = None
     """(algorithm's) Lower clip range of the importance ratio: 1 - clip_eps."""
     clip_eps_high: float | None = None
@@ -444,6 +444,9 @@ class PPOConfig:
                             "rollout_gpu_memory_utilization, not both")
         rows = self.prompts_per_step * self.samples_per_prompt
         budget = self.max_tokens_per_micro_batch
+        if self.pack_sequences and budget is None:
+            problems.append("pack_sequences=true needs max_tokens_per_micro_batch (the "
+                            "length of a packed row)")
         if budget is not None and self.micro_batches != 1:
             problems.append("max_tokens_per_micro_batch sets the number of micro-batches: "
                             "leave micro_batches at 1")

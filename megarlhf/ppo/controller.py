@@ -75,6 +75,7 @@ def _train(config: PPOConfig, data: RunInputs) -> list[dict]:
     inputs = run_dir.run_inputs(config, data.train)
     latest, state = run_dir.resume_point(config, inputs)
     start = state["step"] if state is not None else 0
+    kept = checkpoints.read_pending(latest, state, rollouts.settings(config)) if state else None
     kl_coef = config.options.kl_coef
     kl_ctl = (AdaptiveKLController(kl_coef, config.kl_target, config.kl_horizon)
               if config.kl_target is not None else FixedKLController(kl_coef))
@@ -87,7 +88,7 @@ def _train(config: PPOConfig, data: RunInputs) -> list[dict]:
     history = []
     # After a resume the engine holds the checkpoint's weights (loading syncs them).
     steps = rollouts.Rollouts(config, data, workers, sampler, weight_version=start,
-                              pending=checkpoints.read_pending(latest, state) if state else None)
+                              pending=kept)
     try:
         if state is not None:
             workers.load(latest)
@@ -106,10 +107,13 @@ def _train(config: PPOConfig, data: RunInputs) -> list[dict]:
             if step == config.steps or (config.save_every and step % config.save_every == 0):
                 checkpoints.save(config, workers, step, {
                     "step": step, "sampler": sampler.state_dict(),
-                    "kl": kl_ctl.state_dict(), "inputs": inputs}, pending=steps.pending)
+                    "kl": kl_ctl.state_dict(), "inputs": inputs}, pending=steps.pending,
+                    settings=rollouts.settings(config))
     finally:
-        steps.close()
+        if steps.drawing():  # a failed step left a rollout being drawn: its ranks are busy
+            workers.abandon()
         workers.shutdown()
+        steps.close()  # the thread's call ends with the shutdown
         log.close()
     return history
 

@@ -130,6 +130,10 @@ class Placement:
         self._run(WorkerAPI.load, self._all_roles, directory)
         self.sync()
 
+    def abandon(self) -> None:
+        """Shut down without waiting for the ranks: a call is still running on some."""
+        self._failed = True
+
     def shutdown(self) -> None:
         """Stop every rank, all groups at once; after a failure without waiting (the others
         may be stuck in a collective with the failed rank and would never answer)."""

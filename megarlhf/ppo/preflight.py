@@ -62,10 +62,15 @@ def preflight(config: PPOConfig, prompts: list[list[int]],
     longest = max((len(p) for i, p in enumerate(prompts) if i not in dropped), default=0)
     problems += check_models(config, models, longest + config.max_new_tokens)
     budget = config.max_tokens_per_micro_batch
-    if budget is not None and budget < longest + config.max_new_tokens:
-        problems.append(f"max_tokens_per_micro_batch={budget} cannot hold the longest "
-                        f"prompt ({longest} tokens) + max_new_tokens={config.max_new_tokens}; "
-                        f"raise it to at least {longest + config.max_new_tokens}")
+    if budget is not None:
+        # Under sequence parallelism a row is padded to a multiple of its role's TP.
+        multiple = max([p.tensor_parallel for p in map(config.parallel_of, models)
+                        if p.sequence_parallel] or [1])
+        need = -(-(longest + config.max_new_tokens) // multiple) * multiple
+        if budget < need:
+            problems.append(f"max_tokens_per_micro_batch={budget} cannot hold the longest "
+                            f"prompt ({longest} tokens) + max_new_tokens="
+                            f"{config.max_new_tokens}; raise it to at least {need}")
     problems += [f"{role}: {getattr(config, field)} is an HF model directory, not a megarlhf "
                  f"checkpoint; convert it first (python -m tools.convert_hf.hf_to_mcore --hf "
                  f"DIR --out CKPT [--role critic|reward])"

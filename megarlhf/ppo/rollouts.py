@@ -9,6 +9,8 @@ the rounds run out, dropped groups complete it (counted in rollout/dynamic_sampl
 from __future__ import annotations
 
 import dataclasses
+import json
+import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -22,6 +24,8 @@ from megarlhf.rewards.calls import Sample
 from megarlhf.rl.shaping import overlong_penalty, varied_groups
 from megarlhf.rollout.engine import Completion, SamplingParams
 from megarlhf.rollout.experience import rollout_batch
+
+_log = logging.getLogger(__name__)
 
 _ROUND_SEED = 2**32
 """Seed offset between a step's generation rounds (steps differ by 1, so rounds never reuse a
@@ -145,9 +149,27 @@ class Rollouts:
     def synced(self, step: int) -> None:
         self.weight_version = step
 
+    def drawing(self) -> bool:
+        """A rollout is being drawn ahead (after a failed step)."""
+        return self._ahead is not None and not self._ahead.done()
+
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+        """Join the thread (after the workers' shutdown, which ends a call it waits on); a
+        failure of a rollout no step waited for is logged, not lost."""
+        if self._pool is None:
+            return
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        if self._ahead is not None and not self._ahead.cancelled() and \
+                self._ahead.exception() is not None:
+            _log.error("the rollout drawn ahead failed too: %r", self._ahead.exception())
+
+
+def settings(config: PPOConfig) -> dict:
+    """What a rollout drawn ahead was sampled and scored with: a resumed run with other
+    values draws its first rollout again."""
+    return json.loads(json.dumps({name: getattr(config, name) for name in (
+        "prompts_per_step", "samples_per_prompt", "max_new_tokens", "temperature", "top_p",
+        "top_k", "stop_token_ids", "reward_fn", "reward_model", "async_rollout")}))
 
 
 def sampling(config: PPOConfig, data: RunInputs, *, n: int, temperature: float, seed: int

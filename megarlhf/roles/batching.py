@@ -3,23 +3,23 @@ global batch's rows and columns.
 
 Which rows go together (`Batching`):
 - by count (max_tokens None): this DP rank's contiguous share of the rows, cut into
-  num_microbatches equal parts;
+  num_microbatches equal parts, each the batch's full width: one shape for every micro-batch;
 - by token budget (max_tokens): the rows spread over the DP ranks by their real tokens
   (longest first, each to the rank holding the fewest tokens so far), then each rank's rows
   into micro-batches of at most max_tokens model tokens (first fit, longest first). Ranks may
   then run different numbers of micro-batches: megatron-core's schedules only meet across DP
-  when the gradients are reduced, after the last one.
+  when the gradients are reduced, after the last one. Shapes differ between micro-batches:
+  schedule.forward_backward has the pipeline stages send each one's shape with it.
 
-How a micro-batch lays them out:
-- padded: its rows cut to the columns any of them uses (short rows make a short micro-batch);
-  a token budget counts rows x columns;
+How a budget's micro-batch lays its rows out:
+- padded: cut to the columns any of them uses (short rows make a short micro-batch); the
+  budget counts rows x columns;
 - packed (`pack`): the rows' real tokens one after another in a single row, each sequence
   attending only to its own earlier tokens with positions counting from 0 (the SFT packer's
-  block-diagonal mask), so no compute goes to padding; a budget counts the packed length.
+  block-diagonal mask), so no compute goes to padding; the budget counts the packed length.
+  Rotary embeddings depend only on the distance between query and key, so a packed sequence
+  sees the same rotations as alone; learned absolute positions read the restarted positions.
 Either way a sequence's logits equal its logits alone, up to summation order.
-
-Shapes then differ between the micro-batches of one call; schedule.forward_backward lets the
-pipeline send each one's shape with it.
 
 A micro-batch dict holds the model inputs [R, L] (tokens, labels, position_ids,
 attention_mask) and, in the global batch's terms, `rows` [b] (which rows), `col0` (its first
@@ -38,6 +38,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megarlhf.data.packing import document_mask
+from megarlhf.engine.schedule import rank_rows
 from megarlhf.engine.train import TrainEngine
 from megarlhf.roles.sequences import SequenceBatch
 
@@ -49,7 +50,8 @@ class Batching:
     max_tokens: int | None = None
     """Token budget of a micro-batch (replaces num_microbatches)."""
     pack: bool = False
-    """Pack each micro-batch's sequences into one row instead of padding them."""
+    """Pack each micro-batch's sequences into one row instead of padding them (needs a
+    budget: it bounds the packed row, whose attention mask grows with its square)."""
 
     def __post_init__(self):
         if self.num_microbatches < 1:
@@ -59,6 +61,9 @@ class Batching:
         if self.max_tokens is not None and self.num_microbatches != 1:
             raise ValueError("a token budget sets the number of micro-batches: give "
                              "max_tokens or num_microbatches, not both")
+        if self.pack and self.max_tokens is None:
+            raise ValueError("packing needs a token budget (max_tokens) to bound the packed "
+                             "rows")
 
 
 def sequence_multiple(engine: TrainEngine) -> int:
@@ -76,19 +81,30 @@ def microbatches(engine: TrainEngine, batching: Batching, batch: SequenceBatch,
         if tuple(value.shape) != batch.shape:
             raise ValueError(f"{name} has shape {tuple(value.shape)}, the batch is "
                              f"{batch.shape}")
-    first, end = spans(batch)
     multiple = sequence_multiple(engine)
     mesh = engine.mesh
     if batching.max_tokens is None:
-        groups = _count_groups(batch.shape[0], mesh.dp_size, mesh.dp_rank,
-                               batching.num_microbatches)
-    else:
-        cost = _packed_cost if batching.pack else _padded_cost
-        mine = balance(end - first, mesh.dp_size)[mesh.dp_rank]
-        groups = fit(mine, first, end, batching.max_tokens,
-                     lambda s, e: cost(s, e, multiple))
+        T = batch.shape[1]
+        everything = (torch.zeros(batch.shape[0], dtype=torch.long),
+                      torch.full((batch.shape[0],), T))
+        return [_microbatch(batch, list(rows), *everything, pack=False, multiple=multiple,
+                            per_token=per_token)
+                for rows in rank_rows(batch.shape[0], mesh.dp_size, mesh.dp_rank,
+                                      batching.num_microbatches)]
+    first, end = spans(batch)
+    base = _packed_cost if batching.pack else _padded_cost
+    cost = lambda s, e: base(s, e, multiple)  # noqa: E731
+    longest = int((end - first).argmax())  # every rank checks it, so all raise alike
+    alone = cost([int(first[longest])], [int(end[longest])])
+    if alone > batching.max_tokens:
+        raise ValueError(f"a sequence of {int(end[longest] - first[longest])} tokens ({alone} "
+                         f"with its padding) does not fit max_tokens_per_micro_batch="
+                         f"{batching.max_tokens}; raise it to at least the longest prompt + "
+                         f"response")
+    mine = balance(end - first, mesh.dp_size)[mesh.dp_rank]
     return [_microbatch(batch, rows, first, end, pack=batching.pack, multiple=multiple,
-                        per_token=per_token) for rows in groups]
+                        per_token=per_token)
+            for rows in fit(mine, first, end, batching.max_tokens, cost)]
 
 
 def spans(batch: SequenceBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -102,15 +118,6 @@ def spans(batch: SequenceBatch) -> tuple[torch.Tensor, torch.Tensor]:
         raise ValueError(f"rows {holes} have padding between real tokens; a row must be "
                          f"[padding | prompt | response | padding]")
     return first, end
-
-
-def _count_groups(rows: int, dp: int, dp_rank: int, count: int) -> list[list[int]]:
-    if rows % (dp * count):
-        raise ValueError(f"global batch of {rows} rows does not split into {dp} DP ranks x "
-                         f"{count} micro-batches; use a multiple of {dp * count}")
-    size = rows // (dp * count)
-    start = dp_rank * rows // dp
-    return [list(range(start + i * size, start + (i + 1) * size)) for i in range(count)]
 
 
 def balance(lengths: torch.Tensor, parts: int) -> list[list[int]]:
@@ -141,16 +148,12 @@ def _packed_cost(first: list[int], end: list[int], multiple: int) -> int:
 
 def fit(rows: list[int], first: torch.Tensor, end: torch.Tensor, budget: int,
         cost) -> list[list[int]]:
-    """`rows` into micro-batches whose cost(firsts, ends) stays within `budget`: longest row
-    first, each into the first micro-batch it fits, else a new one."""
+    """`rows` into micro-batches whose cost(firsts, ends) stays within `budget` (each row
+    alone must fit): longest row first, each into the first micro-batch it fits, else a new
+    one."""
     order = sorted(rows, key=lambda r: (-int(end[r] - first[r]), r))
     groups: list[list[int]] = []
     for r in order:
-        alone = cost([int(first[r])], [int(end[r])])
-        if alone > budget:
-            raise ValueError(f"a sequence of {int(end[r] - first[r])} tokens ({alone} with "
-                             f"its padding) does not fit max_tokens_per_micro_batch="
-                             f"{budget}; raise it to at least the longest prompt + response")
         for group in groups:
             if cost([int(first[g]) for g in group + [r]],
                      [int(end[g]) for g in group + [r]]) <= budget:

@@ -16,6 +16,8 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
+from megarlhf.data.packing import document_mask
+
 
 @dataclasses.dataclass(frozen=True)
 class SequenceBatch:
@@ -38,9 +40,11 @@ class SequenceBatch:
                                  f"{tuple(t.shape)}")
         if bool((self.response_mask.bool() & ~self.attention_mask.bool()).any()):
             raise ValueError("response_mask marks padding positions (attention_mask == 0)")
-        if bool(self.response_mask[:, 0].bool().any()):
-            raise ValueError("a response cannot start at column 0: it needs a prompt token "
-                             "before it")
+        first = self.attention_mask.long().argmax(dim=1)  # each row's first real token
+        led = self.response_mask.gather(1, first[:, None]).flatten().nonzero().flatten()
+        if len(led):
+            raise ValueError(f"rows {led.tolist()} have a response token at their first real "
+                             f"token (or column 0): it needs a prompt token before it")
         empty = (self.response_mask.sum(dim=1) == 0).nonzero().flatten().tolist()
         if empty:
             raise ValueError(f"rows {empty} have an empty response (no response tokens); drop "
@@ -69,10 +73,8 @@ class SequenceBatch:
         """[B, 1, T, T] bool, True = masked: causal, no padding keys. A padding query sees only
         itself, so no softmax row is empty (its output is never used)."""
         _, T = self.shape
-        causal = torch.ones(T, T, dtype=torch.bool).tril()
-        keys = self.attention_mask.bool()[:, None, None, :]
-        allowed = causal & keys | torch.eye(T, dtype=torch.bool)
-        return ~allowed
+        padding = -torch.arange(1, T + 1).expand(self.shape)  # an id of its own per position
+        return document_mask(torch.where(self.attention_mask.bool(), 0, padding))
 
     def model_inputs(self) -> dict[str, torch.Tensor]:
         """The model's inputs for this batch, one row per sequence (roles/batching.py lays
