@@ -3,12 +3,14 @@ placement: step rate and the reward curve of each over the same steps, in one ru
 
 Setup: bench_ppo's tiny actor and reference (4 layers, hidden 64, vocabulary 300, seed-0
 weights), GRPO on the low-token task (tests/ppo_tasks.py: the fraction of 'low' tokens in a
-response) with TIS, 8 prompts x 4 samples of --new-tokens tokens per step, Megatron rollouts
-on their own rank, actor and reference groups of one rank each. Synchronous, the rollout rank
+response) with TIS, 8 prompts x 4 samples of --new-tokens tokens per step, 2 epochs of
+--mini-batches optimizer steps, Megatron rollouts on their own rank, actor and reference
+groups of one rank each. Synchronous, the rollout rank
 waits while the others learn and the other way round; asynchronous, step n+1's rollout runs
 while step n learns, sampled with weights one update older.
 
-    python -m bench.bench_async [--steps 15] [--new-tokens 48] [--append BENCHMARKS.md]
+    python -m bench.bench_async [--steps 15] [--new-tokens 48] [--mini-batches 4]
+                                [--append BENCHMARKS.md]
 """
 
 from __future__ import annotations
@@ -23,6 +25,10 @@ from bench.bench_ppo import _write_prompts, _write_references
 from bench.report import append_entry
 from megarlhf.parallel import launch_local
 
+PHASES = ("rollout", "reward", "ahead/rollout", "ahead/reward", "experience", "train",
+          "wait_rollout_ahead", "sync")
+"""Where a step's time goes; a rollout drawn ahead (ahead/...) ran during the step before."""
+
 
 def _run(config) -> dict:
     from megarlhf.ppo.controller import run
@@ -30,13 +36,15 @@ def _run(config) -> dict:
     start = time.perf_counter()
     history = run(config)
     total = time.perf_counter() - start
-    return {"step": statistics.median(m["time/wall"] for m in history[1:]),
-            "steps_total": sum(m["time/wall"] for m in history), "total": total,
+    phases = {p: statistics.median(m.get(f"time/{p}", 0.0) for m in history[1:])
+              for p in PHASES}
+    return {"step": statistics.median(m["time/wall"] for m in history[1:]), "phases": phases,
+            "steps_total": sum(m["time/wall"] for m in history[1:]), "total": total,
             "reward": [m["reward/mean"] for m in history],
             "lag": [m["rollout/policy_lag"] for m in history]}
 
 
-def measure(steps: int, new_tokens: int) -> tuple[str, dict]:
+def measure(steps: int, new_tokens: int, mini_batches: int) -> tuple[str, dict]:
     from megarlhf.ppo.config import PPOConfig
 
     load = [os.getloadavg()[0]]
@@ -51,15 +59,18 @@ def measure(steps: int, new_tokens: int) -> tuple[str, dict]:
                 reward_fn="tests.ppo_tasks:low_token_fraction", algorithm="grpo",
                 rollout_correction="tis", placement="disaggregated",
                 async_rollout=mode == "async", steps=steps, prompts_per_step=8,
-                samples_per_prompt=4, max_new_tokens=new_tokens, actor_lr=3e-3)
+                samples_per_prompt=4, max_new_tokens=new_tokens, actor_lr=3e-3,
+                mini_batches=mini_batches, ppo_epochs=2)
             out[mode] = _run(config)
             load.append(os.getloadavg()[0])
     sync, async_ = out["sync"], out["async"]
     lines = ["| | synchronous | one-step-off (async_rollout) | ratio |", "|---|---|---|---|",
              f"| step wall time (s, median of steps 2-{steps}) | {sync['step']:.2f} | "
              f"{async_['step']:.2f} | {sync['step'] / async_['step']:.2f}x |",
-             f"| {steps} steps, sum of step times (s) | {sync['steps_total']:.1f} | "
+             f"| steps 2-{steps}, sum of step wall times (s) | {sync['steps_total']:.1f} | "
              f"{async_['steps_total']:.1f} | {sync['steps_total'] / async_['steps_total']:.2f}x |",
+             *[f"| {p} (s, median) | {sync['phases'][p]:.3f} | {async_['phases'][p]:.3f} | |"
+               for p in PHASES],
              "", "| step | " + " | ".join(str(i) for i in range(1, steps + 1)) + " |",
              "|---" * (steps + 1) + "|",
              "| reward, synchronous | " + " | ".join(f"{r:.3f}" for r in sync["reward"]) + " |",
@@ -75,14 +86,16 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=15)
     parser.add_argument("--new-tokens", type=int, default=48)
+    parser.add_argument("--mini-batches", type=int, default=4)
     parser.add_argument("--append", help="append the results to this markdown file")
     args = parser.parse_args()
-    table, _ = measure(args.steps, args.new_tokens)
+    table, _ = measure(args.steps, args.new_tokens, args.mini_batches)
     if args.append:
         append_entry(args.append, "One-step-off-policy rollouts vs synchronous, disaggregated "
                      "GRPO (tiny model): step rate and reward curves",
                      f"python -m bench.bench_async --steps {args.steps} "
-                     f"--new-tokens {args.new_tokens}", table)
+                     f"--new-tokens {args.new_tokens} --mini-batches {args.mini_batches}",
+                     table)
 
 
 if __name__ == "__main__":
