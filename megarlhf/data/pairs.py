@@ -34,5 +34,7 @@ def pair_batch(pairs: list[Example], pad_id: int) -> dict[str, torch.Tensor]:
     """The engine's micro-batch dict: model inputs, `last_index` of each row, and per-row
     `margin` and `pair_weight` (1; 0 marks filler pairs that must not count)."""
     margins = torch.tensor([ex.margin for ex in pairs], dtype=torch.float32)
-    return pair_sequences(pairs, pad_id).model_inputs(
-        margin=margins.repeat_interleave(2), pair_weight=torch.ones(2 * len(pairs)))
+    batch = pair_sequences(pairs, pad_id)
+    return {**batch.model_inputs(),
+            "last_index": batch.attention_mask.long().cumsum(1).argmax(1),
+            "margin": margins.repeat_interleave(2), "pair_weight": torch.ones(2 * len(pairs))}

@@ -58,7 +58,10 @@ class CallPool:
                 try:
                     kind, value = conn.recv()
                 except (EOFError, OSError):
-                    code = self._workers[slot].process.exitcode
+                    # The pipe closes as the process exits, maybe before it can be reaped.
+                    process = self._workers[slot].process
+                    process.join(timeout=5)
+                    code = process.exitcode
                     kind, value = "error", f"its worker process died (exit code {code})"
                     self._stop(slot)
                 outcomes[index] = Outcome(kind, value)
