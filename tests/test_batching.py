@@ -22,10 +22,10 @@ from megarlhf.roles.sequences import SequenceBatch
 from tests.role_workers import experience_batch
 
 
-def _engine(dp_size=1, dp_rank=0, tp=1, sequence_parallel=False):
+def _engine(dp_size=1, dp_rank=0, tp=1, sequence_parallel=False, layer_spec="local"):
     return types.SimpleNamespace(
         spec=types.SimpleNamespace(
-            model=types.SimpleNamespace(max_position_embeddings=64),
+            layer_spec=layer_spec, model=types.SimpleNamespace(max_position_embeddings=64),
             transformer=types.SimpleNamespace(tensor_model_parallel_size=tp,
                                               sequence_parallel=sequence_parallel)),
         mesh=types.SimpleNamespace(dp_size=dp_size, dp_rank=dp_rank))
@@ -135,6 +135,8 @@ def test_budget_mistakes_are_named():
         Batching(2, max_tokens=10)
     with pytest.raises(ValueError, match="packing needs a token budget"):
         Batching(pack=True)
+    with pytest.raises(ValueError, match="Transformer Engine layers ignore the block-diagonal"):
+        microbatches(_engine(layer_spec="te"), Batching(max_tokens=100, pack=True), batch)
     holes = SequenceBatch(tokens=torch.tensor([[5, 0, 6, 7]]),
                           attention_mask=torch.tensor([[1, 0, 1, 1]]),
                           response_mask=torch.tensor([[0, 0, 0, 1]]))

@@ -77,6 +77,11 @@ def microbatches(engine: TrainEngine, batching: Batching, batch: SequenceBatch,
                  **per_token: torch.Tensor) -> list[dict]:
     """This rank's micro-batches of `batch` with `per_token` tensors [B, T] added."""
     batch.check_length(engine.spec.model.max_position_embeddings)
+    if batching.pack and engine.spec.layer_spec == "te":
+        # Its attention runs with a causal mask type and ignores the mask given: packed
+        # sequences would see each other. Its packed-sequence (THD) layout is not wired up.
+        raise ValueError("pack_sequences=true needs the local or sdpa layer spec; the "
+                         "Transformer Engine layers ignore the block-diagonal mask")
     for name, value in per_token.items():
         if tuple(value.shape) != batch.shape:
             raise ValueError(f"{name} has shape {tuple(value.shape)}, the batch is "
