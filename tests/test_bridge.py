@@ -63,10 +63,30 @@ LAYOUTS = {
 }
 
 
+@pytest.fixture(scope="module")
+def colocated_streams(checkpoints):
+    """Per-rank colocated streams, {(dtype, layout): results}: the first look-up runs every
+    case below on one set of 4 ranks (each case builds its own mesh and engines there, as a
+    launch of its own would), saving the start-up of a launch per case."""
+    cases = {("fp32", layout): ([checkpoints[n][0] for n in NAMES], LAYOUTS[layout], BUCKET)
+             for layout in LAYOUTS}
+    for layout in ("TP2xPP2", "TP2xDP2"):
+        cases["bf16", layout] = ([checkpoints["llama"][0]], LAYOUTS[layout], BUCKET,
+                                 torch.bfloat16, True)
+    cache: dict = {}
+
+    def get(key):
+        if not cache:
+            per_rank = launch_local(bridge_workers.colocated_cases, 4, list(cases.values()))
+            for i, k in enumerate(cases):
+                cache[k] = [outs[i] for outs in per_rank]
+        return cache[key]
+    return get
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_colocated_stream_equals_export(checkpoints, layout):
-    ckpts = [checkpoints[n][0] for n in NAMES]
-    results = launch_local(bridge_workers.colocated, 4, ckpts, LAYOUTS[layout], BUCKET)
+def test_colocated_stream_equals_export(checkpoints, colocated_streams, layout):
+    results = colocated_streams(("fp32", layout))
     for rank, per_ckpt in enumerate(results):
         for name, (streamed, bucket_bytes) in zip(NAMES, per_ckpt):
             assert_bitwise(streamed, checkpoints[name][1])
@@ -77,9 +97,9 @@ def test_colocated_stream_equals_export(checkpoints, layout):
 
 
 @pytest.mark.parametrize("layout", ["TP2xPP2", "TP2xDP2"])
-def test_colocated_stream_casts_like_export_with_a_reused_buffer(checkpoints, layout):
-    results = launch_local(bridge_workers.colocated, 4, [checkpoints["llama"][0]],
-                           LAYOUTS[layout], BUCKET, torch.bfloat16, True)
+def test_colocated_stream_casts_like_export_with_a_reused_buffer(checkpoints, colocated_streams,
+                                                                 layout):
+    results = colocated_streams(("bf16", layout))
     for per_ckpt in results:
         assert_bitwise(per_ckpt[0][0], checkpoints["llama_bf16"])
 

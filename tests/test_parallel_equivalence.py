@@ -33,25 +33,50 @@ def batch(tiny):
     return workers.make_batch(tiny, batch=4, seq=16, seed=1)
 
 
+def _grouped_outputs(cases: dict, batch: dict):
+    """Look up forward outputs of named cases {name: (nprocs, ckpt, parallel, kwargs)}; the
+    first look-up of a case runs every case of its process count in one launch (each case
+    builds its own mesh and engine there, exactly as a launch of its own would), so the same
+    outputs are compared for a fraction of the process start-ups."""
+    cache: dict = {}
+
+    def get(name):
+        if name not in cache:
+            nprocs = cases[name][0]
+            group = [n for n in cases if cases[n][0] == nprocs]
+            per_rank = launch_local(workers.forward_outputs_of_cases, nprocs,
+                                    [cases[n][1:] for n in group], batch)
+            for i, n in enumerate(group):
+                cache[n] = [outs[i] for outs in per_rank]
+        return cache[name]
+    return get
+
+
 @pytest.fixture(scope="module")
-def ref_logits(lm_ref, tiny, batch):
-    return launch_local(workers.forward_outputs, 1, lm_ref, P(), batch)[0]
+def lm_outputs(lm_ref, batch):
+    cases = {"ref": (1, lm_ref, P(), {}),
+             "sdpa": (2, lm_ref, P(tensor_parallel=2), {"layer_spec": "sdpa"})}
+    for layout, (parallel, nprocs) in LAYOUTS.items():
+        cases[layout] = (nprocs, lm_ref, parallel, {"microbatches": 2 if nprocs < 8 else 1})
+    return _grouped_outputs(cases, batch)
+
+
+@pytest.fixture(scope="module")
+def ref_logits(lm_outputs):
+    return lm_outputs("ref")[0]
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_logits_equal_tp1pp1(layout, lm_ref, tiny, batch, ref_logits):
-    parallel, nprocs = LAYOUTS[layout]
-    outs = launch_local(workers.forward_outputs, nprocs, lm_ref, parallel, batch,
-                        microbatches=2 if nprocs < 8 else 1)
+def test_logits_equal_tp1pp1(layout, lm_outputs, tiny, ref_logits):
+    outs = lm_outputs(layout)
     assert ref_logits.shape == (4, 16, tiny.vocab_size)
     assert ref_logits.std() > 0.1  # a real, non-degenerate output
     for rank, out in enumerate(outs):
         torch.testing.assert_close(out, ref_logits, atol=ATOL, rtol=0, msg=f"rank {rank}")
 
 
-def test_sdpa_spec_equals_local_spec(lm_ref, tiny, batch, ref_logits):
-    outs = launch_local(workers.forward_outputs, 2, lm_ref, P(tensor_parallel=2), batch,
-                        layer_spec="sdpa")
+def test_sdpa_spec_equals_local_spec(lm_outputs, ref_logits):
+    outs = lm_outputs("sdpa")
     torch.testing.assert_close(outs[0], ref_logits, atol=ATOL, rtol=0)
 
 
@@ -97,13 +122,21 @@ def test_train_curve_with_distopt_equals_tp1pp1dp2(layout, lm_ref, tiny, train_b
             assert gnorm_a == pytest.approx(gnorm_b, rel=1e-5), f"rank {rank} step {step} gnorm"
 
 
+@pytest.fixture(scope="module")
+def value_outputs(value_refs, batch):
+    cases = {}
+    for tied, (_, path) in value_refs.items():
+        cases[(tied, "ref")] = (1, path, P(), {})
+        cases[(tied, "tp2pp2")] = (4, path, P(tensor_parallel=2, pipeline_parallel=2),
+                                   {"microbatches": 2})
+    return _grouped_outputs(cases, batch)
+
+
 @pytest.mark.parametrize("tied", [False, True])
-def test_value_head_pp2_equals_tp1pp1(tied, value_refs, batch):
-    _, path = value_refs[tied]
-    ref = launch_local(workers.forward_outputs, 1, path, P(), batch)[0]
+def test_value_head_pp2_equals_tp1pp1(tied, value_outputs):
+    ref = value_outputs((tied, "ref"))[0]
     assert ref.shape == (4, 16) and ref.std() > 1e-3
-    outs = launch_local(workers.forward_outputs, 4, path,
-                        P(tensor_parallel=2, pipeline_parallel=2), batch, microbatches=2)
+    outs = value_outputs((tied, "tp2pp2"))
     for out in outs:
         torch.testing.assert_close(out, ref, atol=ATOL, rtol=0)
 
@@ -112,31 +145,41 @@ def test_checkpoint_tp2pp2_resumes_at_tp1pp1(lm_ref, tiny, tmp_path, batch):
     """Train 4 steps at TP2xPP2 saving after 2; resume at TP1xPP1: steps 3-4 and logits equal."""
     batches = [workers.make_batch(tiny, batch=4, seq=16, seed=20 + i) for i in range(4)]
     ckpt = str(tmp_path / "step2")
-    straight = launch_local(workers.train_curve, 4, lm_ref, tiny,
-                            P(tensor_parallel=2, pipeline_parallel=2), batches, microbatches=2,
-                            save_to=ckpt, save_after=2)[0]
-    resumed = launch_local(workers.train_curve, 1, lm_ref, tiny, P(), batches[2:],
-                           resume_from=ckpt)[0]
+    tp2pp2 = P(tensor_parallel=2, pipeline_parallel=2)
+    # Training (saving after step 2), then the saved checkpoint's logits at TP2xPP2 on the
+    # same 4 ranks, loaded by a fresh mesh and engine: one launch.
+    straight, at_tp2pp2 = launch_local(workers.in_sequence, 4, [
+        (workers.train_curve, (lm_ref, tiny, tp2pp2, batches),
+         {"microbatches": 2, "save_to": ckpt, "save_after": 2}),
+        (workers.forward_outputs, (ckpt, tp2pp2, batch), {})])[0]
+    # Resumed training, then the saved checkpoint's logits at TP1xPP1: one rank, one launch.
+    resumed, at_tp1 = launch_local(workers.in_sequence, 1, [
+        (workers.train_curve, (lm_ref, tiny, P(), batches[2:]), {"resume_from": ckpt}),
+        (workers.forward_outputs, (ckpt, P(), batch), {})])[0]
     for step, (a, b) in enumerate(zip(resumed, straight[2:]), start=3):
         assert a[0] == pytest.approx(b[0], rel=1e-5), f"step {step} loss"
         assert a[2] == pytest.approx(b[2], rel=1e-5), f"step {step} grad norm"
         assert a[3] == pytest.approx(b[3], rel=1e-12), f"step {step} lr"
-    at_tp1 = launch_local(workers.forward_outputs, 1, ckpt, P(), batch)[0]
-    at_tp2pp2 = launch_local(workers.forward_outputs, 4, ckpt,
-                             P(tensor_parallel=2, pipeline_parallel=2), batch)[0]
     torch.testing.assert_close(at_tp1, at_tp2pp2, atol=ATOL, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def seed5_ckpt(tiny, tmp_path_factory):
+    """Weights from another seed than the shared references, written once: each case only
+    loads them (model-only) into a fresh engine of its own."""
+    ckpt = str(tmp_path_factory.mktemp("seed5") / "seed5")
+    launch_local(workers.write_reference, 1, ckpt, tiny, 5)
+    return ckpt
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 @pytest.mark.parametrize("distributed", [True, False], ids=["distopt", "no-distopt"])
-def test_a_16_bit_engine_trains_from_the_weights_it_loaded(tiny, tmp_path, dtype, distributed):
+def test_a_16_bit_engine_trains_from_the_weights_it_loaded(seed5_ckpt, dtype, distributed):
     # Found on a real model: bf16 GRPO from a converted checkpoint reached uniform outputs
     # (entropy = log(vocab)) after one step at lr 1e-5, because the fp32 master weights were
     # the pre-load random init. The shared reference weights (seed 0) ARE that init, which hid
     # it: these come from another seed. A step at lr 1e-9 moves weights by ~1e-9; stale
     # master weights would move them by their own size (~1e-2).
-    ckpt = str(tmp_path / "seed5")
-    launch_local(workers.write_reference, 1, ckpt, tiny, 5)
-    change = launch_local(workers.weight_change_of_a_16_bit_step, 1, ckpt, dtype,
+    change = launch_local(workers.weight_change_of_a_16_bit_step, 1, seed5_ckpt, dtype,
                           distributed)[0]
     assert change < 1e-6, change
