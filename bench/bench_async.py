@@ -21,9 +21,8 @@ import statistics
 import tempfile
 import time
 
-from bench.bench_ppo import _write_prompts, _write_references
+from bench.bench_ppo import write_inputs
 from bench.report import append_entry
-from megarlhf.parallel import launch_local
 
 PHASES = ("rollout", "reward", "ahead/rollout", "ahead/reward", "experience", "train",
           "wait_rollout_ahead", "sync")
@@ -50,9 +49,7 @@ def measure(steps: int, new_tokens: int, mini_batches: int) -> tuple[str, dict]:
     load = [os.getloadavg()[0]]
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
-        actor, critic, prompts = (os.path.join(tmp, n) for n in ("actor", "critic", "p.jsonl"))
-        launch_local(_write_references, 1, actor, critic)
-        _write_prompts(prompts)
+        actor, _, prompts = write_inputs(tmp)
         for mode in ("sync", "async"):
             config = PPOConfig(
                 actor=actor, prompts=prompts, out_dir=os.path.join(tmp, mode),

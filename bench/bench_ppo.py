@@ -51,6 +51,14 @@ def _write_references(actor: str, critic: str) -> None:
         save_checkpoint(path, engine, mesh, with_optimizer=False)
 
 
+def write_inputs(tmp: str) -> tuple[str, str, str]:
+    """The setup's actor, critic and prompts written under `tmp`; their paths."""
+    actor, critic, prompts = (os.path.join(tmp, n) for n in ("actor", "critic", "p.jsonl"))
+    launch_local(_write_references, 1, actor, critic)
+    _write_prompts(prompts)
+    return actor, critic, prompts
+
+
 def _write_prompts(path: str) -> None:
     g = torch.Generator().manual_seed(0)
     with open(path, "w") as f:
@@ -112,9 +120,7 @@ def measure(steps: int, nproc: int, tp: int, groups: list[str]) -> dict:
     load = [os.getloadavg()[0]]
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
-        actor, critic, prompts = (os.path.join(tmp, n) for n in ("actor", "critic", "p.jsonl"))
-        launch_local(_write_references, 1, actor, critic)
-        _write_prompts(prompts)
+        actor, critic, prompts = write_inputs(tmp)
         for group in groups:
             for placement in PLACEMENTS:
                 config = PPOConfig(

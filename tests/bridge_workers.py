@@ -45,12 +45,6 @@ def colocated(ckpts: list[str], parallel: ParallelConfig, bucket_bytes: int, dty
     return out
 
 
-def colocated_cases(cases: list[tuple]) -> list:
-    """colocated(*case) for several cases (each builds its own mesh and engines, as a launch
-    of its own would), in one set of ranks; one result per case."""
-    return [colocated(*case) for case in cases]
-
-
 def refusals(cases: dict[str, tuple[str, dict]]) -> dict[str, str]:
     """Per case (checkpoint, config fields that the bridge is told but the model lacks): the
     bridge's error message."""

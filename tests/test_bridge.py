@@ -77,7 +77,8 @@ def colocated_streams(checkpoints):
 
     def get(key):
         if not cache:
-            per_rank = launch_local(bridge_workers.colocated_cases, 4, list(cases.values()))
+            per_rank = launch_local(workers.in_sequence, 4, [
+                (bridge_workers.colocated, case, {}) for case in cases.values()])
             for i, k in enumerate(cases):
                 cache[k] = [outs[i] for outs in per_rank]
         return cache[key]

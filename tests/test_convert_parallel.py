@@ -66,9 +66,10 @@ def outputs_at_layout(hf_dirs, converted):
         if layout not in cache:
             group = [n for n in LAYOUTS if _world(LAYOUTS[n]) == _world(LAYOUTS[layout])]
             tokens = [_batch(hf_dirs[n], n.endswith("_rm"))[0] for n in NAMES]
-            outs = launch_local(workers.outputs_of_checkpoints_at_layouts,
-                                _world(LAYOUTS[layout]), [converted[n] for n in NAMES],
-                                [LAYOUTS[n] for n in group], tokens)[0]
+            ckpts = [converted[n] for n in NAMES]
+            outs = launch_local(workers.in_sequence, _world(LAYOUTS[layout]), [
+                (workers.outputs_of_checkpoints, (ckpts, LAYOUTS[n], tokens), {})
+                for n in group])[0]
             cache.update(zip(group, outs))
         return cache[layout]
     return get
@@ -128,8 +129,9 @@ def test_saved_by_training_at_tp2pp2_exports_exactly_and_loads_at_other_layouts(
     tokens, pad_id = _batch(hf_dirs[name], value_head)
     ref = hf_outputs(hf_dirs[name], tokens, value_head=value_head, pad_id=pad_id)
     layouts = ("TP1xPP2", "TP2xPP1")  # both on 2 ranks: one launch, a mesh for each
-    outs = launch_local(workers.outputs_of_checkpoints_at_layouts, 2, [trained],
-                        [LAYOUTS[layout] for layout in layouts], [tokens])[0]
+    outs = launch_local(workers.in_sequence, 2, [
+        (workers.outputs_of_checkpoints, ([trained], LAYOUTS[layout], [tokens]), {})
+        for layout in layouts])[0]
     for layout, (out,) in zip(layouts, outs):
         report = compare(ref, out, tokens, value_head=value_head, pad_id=pad_id, tolerance=TOL,
                          layout=layout)

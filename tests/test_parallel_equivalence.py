@@ -44,8 +44,9 @@ def _grouped_outputs(cases: dict, batch: dict):
         if name not in cache:
             nprocs = cases[name][0]
             group = [n for n in cases if cases[n][0] == nprocs]
-            per_rank = launch_local(workers.forward_outputs_of_cases, nprocs,
-                                    [cases[n][1:] for n in group], batch)
+            per_rank = launch_local(workers.in_sequence, nprocs, [
+                (workers.forward_outputs, (cases[n][1], cases[n][2], batch), cases[n][3])
+                for n in group])
             for i, n in enumerate(group):
                 cache[n] = [outs[i] for outs in per_rank]
         return cache[name]

@@ -62,12 +62,6 @@ def in_sequence(calls: list[tuple]) -> list:
     return [fn(*args, **kwargs) for fn, args, kwargs in calls]
 
 
-def forward_outputs_of_cases(cases: list[tuple[str, ParallelConfig, dict]], batch: dict):
-    """forward_outputs of several (checkpoint, layout, options) cases in one set of ranks
-    (init_mesh rebuilds the model-parallel groups for each); one result per case."""
-    return [forward_outputs(ckpt, parallel, batch, **kw) for ckpt, parallel, kw in cases]
-
-
 def train_curve(ckpt: str, model: ModelConfig, parallel: ParallelConfig, batches: list[dict],
                 *, microbatches: int = 1, optim: OptimConfig = OPTIM,
                 save_to: str | None = None, save_after: int | None = None,
@@ -108,13 +102,6 @@ def outputs_of_checkpoints(ckpts: list[str], parallel: ParallelConfig,
                            tokens: list[torch.Tensor]) -> list[torch.Tensor]:
     """Logits (or values) of several checkpoints at one layout, in one set of ranks."""
     return [checkpoint_outputs(c, parallel, t, layer_spec="local") for c, t in zip(ckpts, tokens)]
-
-
-def outputs_of_checkpoints_at_layouts(ckpts: list[str], layouts: list[ParallelConfig],
-                                      tokens: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-    """outputs_of_checkpoints at each of several layouts of the same world size, in one set
-    of ranks; one list per layout."""
-    return [outputs_of_checkpoints(ckpts, parallel, tokens) for parallel in layouts]
 
 
 def resave_for_training(ckpt: str, out: str, parallel: ParallelConfig) -> None:
