@@ -119,7 +119,10 @@ def grpo_run(hf_dir, actor, work):
         # Idle state off the device and the engines asleep between phases: the real model's
         # tied embedding through offload, the staged wake and the re-sync.
         "offload_params: true\noffload_grads: true\noffload_optimizer: true\n"
-        "rollout_sleep: true\n")
+        "rollout_sleep: true\n"
+        # Every role on packed token-budget micro-batches: the trainer's logprobs of packed
+        # rows against vLLM's of the same samples (the gap check below).
+        "max_tokens_per_micro_batch: 256\npack_sequences: true\n")
     preview = _run(sys.executable, "-m", "megarlhf.cli", "data", "--config", str(recipe))
     print(preview)
     assert f"{len(real_tasks.TRAIN)} prompts kept, 0 skipped; format chat" in preview, preview
