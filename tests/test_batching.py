@@ -118,7 +118,10 @@ def test_token_budget_balances_tokens_over_dp_and_fits_the_budget():
     assert abs(loads[0] - loads[1]) <= int(lengths.max())  # longest-first greedy's bound
     for pack, cost in ((True, lambda f, e: sum(e) - sum(f)),
                        (False, lambda f, e: len(f) * (max(e) - min(f)))):
-        groups = fit(parts[0], first, end, 60, cost)
+        def span_cost(span):  # the same cost, from a micro-batch's running Span
+            return span.tokens if pack else span.rows * (span.end - span.first)
+
+        groups = fit(parts[0], first, end, 60, span_cost)
         assert sorted(r for g in groups for r in g) == parts[0]
         assert all(cost([int(first[r]) for r in g], [int(end[r]) for r in g]) <= 60
                    for g in groups)

@@ -32,6 +32,7 @@ flattened to R * L; -1 on padding) and the per-token tensors [b, W] (response_ma
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -98,9 +99,9 @@ def microbatches(engine: TrainEngine, batching: Batching, batch: SequenceBatch,
                                       batching.num_microbatches)]
     first, end = spans(batch)
     base = _packed_cost if batching.pack else _padded_cost
-    cost = lambda s, e: base(s, e, multiple)  # noqa: E731
+    cost = lambda span: base(span, multiple)  # noqa: E731
     longest = int((end - first).argmax())  # every rank checks it, so all raise alike
-    alone = cost([int(first[longest])], [int(end[longest])])
+    alone = cost(Span.of(int(first[longest]), int(end[longest])))
     if alone > batching.max_tokens:
         raise ValueError(f"a sequence of {int(end[longest] - first[longest])} tokens ({alone} "
                          f"with its padding) does not fit max_tokens_per_micro_batch="
@@ -143,30 +144,50 @@ def _round_up(n: int, multiple: int) -> int:
     return n + (-n % multiple)
 
 
-def _padded_cost(first: list[int], end: list[int], multiple: int) -> int:
-    return len(first) * _round_up(max(end) - min(first), multiple)
+class Span(NamedTuple):
+    """A micro-batch's rows as its cost sees them: how many, the columns [first, end) they
+    use, their real tokens."""
+
+    rows: int
+    first: int
+    end: int
+    tokens: int
+
+    @staticmethod
+    def of(first: int, end: int) -> "Span":
+        return Span(1, first, end, end - first)
+
+    def add(self, first: int, end: int) -> "Span":
+        return Span(self.rows + 1, min(self.first, first), max(self.end, end),
+                    self.tokens + end - first)
 
 
-def _packed_cost(first: list[int], end: list[int], multiple: int) -> int:
-    return _round_up(sum(e - s for s, e in zip(first, end)), multiple)
+def _padded_cost(span: Span, multiple: int) -> int:
+    return span.rows * _round_up(span.end - span.first, multiple)
+
+
+def _packed_cost(span: Span, multiple: int) -> int:
+    return _round_up(span.tokens, multiple)
 
 
 def fit(rows: list[int], first: torch.Tensor, end: torch.Tensor, budget: int,
         cost) -> list[list[int]]:
-    """`rows` into micro-batches whose cost(firsts, ends) stays within `budget` (each row
-    alone must fit): longest row first, each into the first micro-batch it fits, else a new
-    one."""
+    """`rows` into micro-batches whose cost(Span) stays within `budget` (each row alone must
+    fit): longest row first, each into the first micro-batch it fits, else a new one. Each
+    micro-batch keeps its Span, so a try costs O(1)."""
     order = sorted(rows, key=lambda r: (-int(end[r] - first[r]), r))
-    groups: list[list[int]] = []
+    groups: list[tuple[list[int], Span]] = []
     for r in order:
-        for group in groups:
-            if cost([int(first[g]) for g in group + [r]],
-                     [int(end[g]) for g in group + [r]]) <= budget:
+        f, e = int(first[r]), int(end[r])
+        for i, (group, span) in enumerate(groups):
+            grown = span.add(f, e)
+            if cost(grown) <= budget:
                 group.append(r)
+                groups[i] = (group, grown)
                 break
         else:
-            groups.append([r])
-    return [sorted(g) for g in groups]
+            groups.append(([r], Span.of(f, e)))
+    return [sorted(g) for g, _ in groups]
 
 
 def _microbatch(batch: SequenceBatch, rows: list[int], first: torch.Tensor, end: torch.Tensor,
