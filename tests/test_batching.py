@@ -27,7 +27,8 @@ def _engine(dp_size=1, dp_rank=0, tp=1, sequence_parallel=False, layer_spec="loc
         spec=types.SimpleNamespace(
             layer_spec=layer_spec, model=types.SimpleNamespace(max_position_embeddings=64),
             transformer=types.SimpleNamespace(tensor_model_parallel_size=tp,
-                                              sequence_parallel=sequence_parallel)),
+                                              sequence_parallel=sequence_parallel,
+                                              context_parallel_size=1)),
         mesh=types.SimpleNamespace(dp_size=dp_size, dp_rank=dp_rank))
 
 

@@ -15,8 +15,12 @@ from megarlhf.parallel.mesh import DistEnv, ParallelConfig, init_mesh
 
 
 def test_world_size_not_divisible_by_tp_pp():
-    with pytest.raises(ValueError, match=r"world size 6 .* 2 x 2 = 4"):
+    with pytest.raises(ValueError, match=r"world size 6 .* 2 x 2 x 1 = 4"):
         ParallelConfig(tensor_parallel=2, pipeline_parallel=2).data_parallel_size(6)
+    # CP ranks hold one replica between them, like TP and PP ranks.
+    with pytest.raises(ValueError, match=r"world size 6 .* x context_parallel = 2 x 1 x 2 = 4"):
+        ParallelConfig(tensor_parallel=2, context_parallel=2).data_parallel_size(6)
+    assert ParallelConfig(context_parallel=2).data_parallel_size(8) == 4
     # init_mesh refuses before any process group is created.
     env = DistEnv(rank=0, world_size=6, local_rank=0, master_addr="127.0.0.1", master_port=1)
     with pytest.raises(ValueError, match="world size 6"):
@@ -60,6 +64,17 @@ def test_unknown_layer_spec_and_dtype():
     with pytest.raises(ValueError, match="needs a GPU and Transformer Engine"):
         resolve_layer_spec("te", on_gpu=False)
     assert resolve_layer_spec("auto", on_gpu=False) == "local"
+    # Context parallelism runs our gathered-KV attention, never Transformer Engine's.
+    assert resolve_layer_spec("auto", on_gpu=True, context_parallel=2) == "sdpa"
+    assert resolve_layer_spec("auto", on_gpu=False, context_parallel=2) == "local"
+    with pytest.raises(ValueError, match="context_parallel=2 runs with the 'sdpa' or 'local'"):
+        resolve_layer_spec("te", on_gpu=True, context_parallel=2)
+    with pytest.raises(ValueError, match="context_parallel must be a positive integer"):
+        ParallelConfig(context_parallel=0)
+    assert ParallelConfig(context_parallel=2).sequence_multiple == 4
+    assert ParallelConfig(tensor_parallel=2, sequence_parallel=True,
+                          context_parallel=2).sequence_multiple == 8
+    assert ParallelConfig(tensor_parallel=2, sequence_parallel=True).sequence_multiple == 2
     with pytest.raises(ValueError, match="unknown dtype 'fp8'"):
         parse_dtype("fp8")
 

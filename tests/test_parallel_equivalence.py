@@ -25,6 +25,10 @@ LAYOUTS = {
     "tp2pp2dp2": (P(tensor_parallel=2, pipeline_parallel=2), 8),
     "tp2pp2vpp2": (P(tensor_parallel=2, pipeline_parallel=2, virtual_pipeline_parallel=2), 4),
     "tp2sp": (P(tensor_parallel=2, sequence_parallel=True), 2),
+    # Context parallelism: each rank runs 2 of 4 sequence chunks, attention gathers the keys.
+    "cp2": (P(context_parallel=2), 2),
+    "tp2cp2": (P(tensor_parallel=2, context_parallel=2), 4),
+    "cp2pp2": (P(context_parallel=2, pipeline_parallel=2), 4),
 }
 
 
@@ -87,6 +91,9 @@ TRAIN_LAYOUTS = {
     # transformer config turns batching off on CPU, see models/transformer_config.py).
     "pp2vpp2dp2": (P(pipeline_parallel=2, virtual_pipeline_parallel=2), 4),
     "tp2sp_dp2": (P(tensor_parallel=2, sequence_parallel=True), 4),
+    # Gradients summed over DP x CP, the token count once per sequence.
+    "cp2dp2": (P(context_parallel=2), 4),
+    "tp2sp_cp2": (P(tensor_parallel=2, sequence_parallel=True, context_parallel=2), 4),
 }
 
 

@@ -77,6 +77,7 @@ def fake_rank(parallel: ParallelConfig, rank: int):
         yield Mesh(config=parallel, rank=rank, world_size=world, device=torch.device("cpu"),
                    backend="fake", tp_rank=ps.get_tensor_model_parallel_rank(),
                    pp_rank=ps.get_pipeline_model_parallel_rank(), dp_rank=0, dp_size=1,
+                   cp_rank=0, cp_group=ps.get_context_parallel_group(),
                    tp_group=ps.get_tensor_model_parallel_group(),
                    pp_group=ps.get_pipeline_model_parallel_group(),
                    dp_group=ps.get_data_parallel_group(),
@@ -618,7 +619,7 @@ def test_pinned_host_memory_beyond_the_nodes_is_refused(capsys):
     (["tensor_parallel=8"], ["--gpus-per-node", "6"], "groups would span nodes of 6 GPUs"),
     (["pipeline_parallel=3", "nproc=24", "rollout_backend=vllm", "vllm_model_dir=hf"], [],
      "num_layers=32 is not divisible by pipeline_parallel"),
-    (["nproc=12"], [], "nproc=12 is not a multiple of tensor_parallel x pipeline_parallel = 8"),
+    (["nproc=12"], [], "nproc=12 is not a multiple of tensor_parallel x pipeline_parallel x context_parallel = 8"),
     (["max_new_tokens=8000"], [], "8512 tokens exceeds the model's max_position_embeddings=8192"),
 ])
 def test_layouts_that_cannot_run_are_refused(overrides, extra, message, capsys):
@@ -922,7 +923,7 @@ def measure_phases(tmp: str, model_name: str, dtype: str, tp: int, fields: dict)
 
     # The SDPA spec: flash-style attention without s x s scores, as the plan counts (the CPU
     # default, 'local', keeps megatron-core's unfused attention scores).
-    gpt.resolve_layer_spec = lambda name, on_gpu: "sdpa"
+    gpt.resolve_layer_spec = lambda name, on_gpu, context_parallel=1: "sdpa"
     model = LIVE_MODELS[model_name]
     mesh = init_mesh(ParallelConfig(tensor_parallel=tp))
     for name, value_head in (("lm", False), ("value", True)):

@@ -152,15 +152,16 @@ def test_per_role_layouts_resolve_and_roles_sharing_ranks_share_one(prompts_file
     assert apart.parallel_of("ref") == ParallelConfig(tensor_parallel=2, pipeline_parallel=2)
     assert [(g.name, g.parallel.tensor_parallel, g.parallel.pipeline_parallel)
             for g in group_specs(apart)[:3]] == [("actor", 2, 1), ("critic", 1, 1), ("ref", 2, 2)]
-    with pytest.raises(ValueError, match=r"layout.critic \(TP1 x PP1\) differs from "
-                                         r"layout.actor \(TP2 x PP1\), but they run on the same "
-                                         r"ranks \(placement=colocated\): give them one layout, "
+    with pytest.raises(ValueError, match=r"layout.critic \(TP1 x PP1 x CP1\) differs from "
+                                         r"layout.actor \(TP2 x PP1 x CP1\), but they run on "
+                                         r"the same ranks \(placement=colocated\): give them one layout, "
                                          r"or use placement=disaggregated"):
         dataclasses.replace(apart, placement="colocated")
     with pytest.raises(ValueError, match="layout.reward .* differs from layout.reference"):
         dataclasses.replace(apart, reward_model=str(tmp_path / "critic"))
     with pytest.raises(ValueError, match=r"layout.critic: nproc=4 is not a multiple of "
-                                         r"tensor_parallel x pipeline_parallel = 8"):
+                                         r"tensor_parallel x pipeline_parallel x "
+                                         r"context_parallel = 8"):
         dataclasses.replace(apart, layout=Layout(critic=RoleLayout(tensor_parallel=8)))
     with pytest.raises(ValueError, match=r"layout.critic: tensor_parallel must be a positive"):
         dataclasses.replace(apart, layout=Layout(critic=RoleLayout(tensor_parallel=0)))

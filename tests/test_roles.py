@@ -162,8 +162,16 @@ def test_reference_step_is_meaningful(ppo_reference):
      ("none", "none")),
     (P(pipeline_parallel=2), 4, Batching(max_tokens=24, pack=True), ("none", "none")),
     (P(pipeline_parallel=2), 4, Batching(max_tokens=24), ("none", "none")),
+    # Context parallelism: rows padded to a multiple of 2 x CP (x TP under SP); every role's
+    # outputs gathered to whole rows. Count mode over DP, a packed budget under TP + SP, a
+    # padded budget across pipeline stages with full recomputation.
+    (P(context_parallel=2), 4, Batching(2), ("none", "none")),
+    (P(tensor_parallel=2, sequence_parallel=True, context_parallel=2), 4,
+     Batching(max_tokens=24, pack=True), ("selective", "none")),
+    (P(pipeline_parallel=2, context_parallel=2), 4, Batching(max_tokens=24), ("full", "none")),
 ], ids=["TP2xPP2xDP2+SP+recompute", "TP1x4microbatches", "TP2xDP2+SP+packed",
-        "PP2xDP2+packed", "PP2xDP2+token-budget-padded"])
+        "PP2xDP2+packed", "PP2xDP2+token-budget-padded", "CP2xDP2", "TP2xCP2+SP+packed",
+        "PP2xCP2+token-budget-padded+recompute"])
 def test_ppo_step_equals_tp1(refs, ppo_batch, ppo_reference, tmp_path, parallel, nprocs,
                              batching, recompute):
     ref, ref_dir = ppo_reference

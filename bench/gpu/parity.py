@@ -62,7 +62,7 @@ def side(sizes: Sizes, specs: list[str]) -> dict[str, dict]:
         loss_fn = lm_loss(mesh, V)
 
         def logits_fn(b, logits_BTV):
-            loss_sum, tokens, metrics = loss_fn(b, logits_BTV)
+            loss_sum, tokens, metrics = loss_fn.closure(b, loss_fn.per_position(b, logits_BTV))
             return loss_sum, tokens, {**metrics, "logits": logits_BTV[..., :V].detach().float()}
 
         logits = engine.forward([batch], logits_fn)[0]["logits"].cpu()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from megarlhf.engine.schedule import Loss
 from megarlhf.parallel.mesh import Mesh
 from megarlhf.parallel.vocab import vocab_parallel_logprobs
 
@@ -27,19 +28,20 @@ def gather_logits(logits_BTV: torch.Tensor, mesh: Mesh, vocab_size: int) -> torc
     return torch.cat(parts, dim=-1)[..., :vocab_size]
 
 
-def lm_loss(mesh: Mesh, vocab_size: int):
+def lm_loss(mesh: Mesh, vocab_size: int) -> Loss:
     """Next-token cross entropy summed over `loss_mask` tokens (labels = tokens shifted left).
 
-    The batch needs `labels` [B, T] and `loss_mask` [B, T]; returns the token sum so the
-    schedule can normalise by the global token count.
+    The batch needs `labels` [B, T] and `loss_mask` [B, T]; the logits become log p(labels)
+    per position first (so context parallelism gathers those, not the logits); returns the
+    token sum so the schedule can normalise by the global token count.
     """
 
-    def loss_fn(batch, logits_BTV):
-        logp_BT = token_logprobs(logits_BTV, batch["labels"], mesh, vocab_size)
+    def loss_fn(batch, logp_BT):
         mask_BT = batch["loss_mask"].float()
         loss_sum = -(logp_BT * mask_BT).sum()
         num_tokens = mask_BT.sum().to(torch.int)
         return loss_sum, num_tokens, {"loss_sum": loss_sum.detach().clone(),
                                       "num_tokens": num_tokens.detach().clone()}
 
-    return loss_fn
+    return Loss(closure=loss_fn, per_position=lambda inputs, logits_BTV: token_logprobs(
+        logits_BTV, inputs["labels"], mesh, vocab_size))

@@ -9,11 +9,21 @@ need the mask and positions, and the loss closure on the last stage needs labels
 
 A loss closure `loss_fn(batch, output) -> (loss_sum, num_tokens, metrics: dict)` runs on the
 last stage; with `calculate_per_token_loss` the schedules keep token sums and megatron-core
-divides gradients by the token count of the whole global batch.
+divides gradients by the token count of the whole global batch. A `Loss` pairs a closure with
+a per-position step run first on the model's raw output (an LM's logits -> log-probabilities):
+the closure then gets that step's result.
+
+Under context parallelism the batch stays whole: the model runs on this CP rank's share of
+the sequence, the per-position step on the same share (with the model inputs and labels of
+those positions), its result is gathered back to whole rows before the closure
+(models/context_parallel.py), and only CP rank 0 counts the tokens, so the count
+megatron-core sums over DP x CP is the batch's. An LM's logits are never gathered whole when
+its loss reduces them per position first.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 import torch
@@ -21,10 +31,21 @@ import torch.distributed as dist
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.utils import get_model_config
 
+from megarlhf.models import context_parallel
 from megarlhf.parallel.mesh import Mesh
 
 Batch = dict[str, torch.Tensor]
 LossFn = Callable[[Batch, torch.Tensor], tuple[torch.Tensor, torch.Tensor, dict]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Loss:
+    """A loss closure with the per-position step applied to the model's output first:
+    `per_position(inputs, output) -> [B, T, ...]`, where `inputs` holds the model-layout
+    tensors (tokens, labels, position_ids, attention_mask) of the positions `output` covers."""
+
+    closure: LossFn
+    per_position: Callable[[Batch, torch.Tensor], torch.Tensor]
 
 
 def check_microbatches(microbatches: list[Batch]) -> set[tuple[int, int]]:
@@ -46,7 +67,7 @@ def forward_backward(
     chunks: list[torch.nn.Module],
     mesh: Mesh,
     microbatches: list[Batch],
-    loss_fn: LossFn,
+    loss_fn: LossFn | Loss,
     *,
     forward_only: bool,
 ) -> list[dict]:
@@ -62,12 +83,21 @@ def forward_backward(
     get_model_config(chunks[0]).variable_seq_lengths = len(shapes) > 1
     device = mesh.device
 
+    closure, per_position = (loss_fn.closure, loss_fn.per_position) \
+        if isinstance(loss_fn, Loss) else (loss_fn, None)
+
+    def loss_on_whole_rows(batch, inputs, out):
+        if per_position is not None:
+            out = per_position(inputs, out)
+        loss, num_tokens, metrics = closure(batch, context_parallel.gather_sequence(out, 1, mesh))
+        return loss, num_tokens if mesh.cp_rank == 0 else num_tokens * 0, metrics
+
     def forward_step(data_iterator, model):
         batch = {k: v.to(device) for k, v in next(data_iterator).items()}
-        output = model(
-            batch["tokens"], batch.get("position_ids"), batch.get("attention_mask")
-        )
-        return output, lambda out: loss_fn(batch, out)
+        inputs = context_parallel.local_inputs(batch, mesh)
+        output = model(inputs["tokens"], inputs.get("position_ids"),
+                       inputs.get("attention_mask"))
+        return output, lambda out: loss_on_whole_rows(batch, inputs, out)
 
     iterators = [iter(microbatches) for _ in chunks]
     return get_forward_backward_func()(
@@ -115,6 +145,29 @@ def gather_rows(out: list[dict], key: str, mesh: Mesh) -> torch.Tensor:
     parts = [torch.empty_like(local) for _ in range(mesh.dp_size)]
     dist.all_gather(parts, local.contiguous(), group=mesh.dp_group)
     return torch.cat(parts)
+
+
+def pad_to_multiple(batch: Batch, multiple: int) -> Batch:
+    """`batch` with its sequence dimension padded on the right to a multiple of `multiple`
+    (sequence and context parallelism split it): [B, T] tensors with 0, the attention mask
+    [B, 1, T, T] with masked-out keys, a padding query seeing only itself (no empty softmax
+    row). Per-row tensors [B] are kept; nothing reads the padded positions' outputs."""
+    T = batch["tokens"].shape[1]
+    pad = -T % multiple
+    if pad == 0:
+        return batch
+    out = {}
+    for key, value in batch.items():
+        if key == "attention_mask":
+            mask = torch.nn.functional.pad(value, (0, pad, 0, pad), value=True)
+            new = torch.arange(T, T + pad)
+            mask[..., new, new] = False
+            out[key] = mask
+        elif value.dim() == 2 and value.shape[1] == T:
+            out[key] = torch.nn.functional.pad(value, (0, pad))
+        else:
+            out[key] = value
+    return out
 
 
 def rank_rows(rows: int, dp_size: int, dp_rank: int, num_microbatches: int) -> list[range]:

@@ -15,7 +15,7 @@ from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
 from megarlhf.engine.optim import OptimConfig, build_optimizer, build_scheduler
 from megarlhf.engine.schedule import (
-    Batch, LossFn, forward_backward, from_last_stage, outputs_from_last_stage,
+    Batch, Loss, LossFn, forward_backward, from_last_stage, outputs_from_last_stage,
 )
 from megarlhf.models.gpt import ModelSpec, build_model
 from megarlhf.parallel.mesh import Mesh
@@ -69,7 +69,7 @@ class TrainEngine:
         # config and tokenizer.
         self.provenance: dict = {"architecture": None, "hf_files": {}}
 
-    def forward(self, microbatches: list[Batch], loss_fn: LossFn) -> list[dict]:
+    def forward(self, microbatches: list[Batch], loss_fn: LossFn | Loss) -> list[dict]:
         """Forward-only pass; the loss closures' dicts, on every pipeline stage."""
         for chunk in self.chunks:
             chunk.eval()
@@ -78,7 +78,7 @@ class TrainEngine:
                                    forward_only=True)
         return outputs_from_last_stage(out, self.mesh)
 
-    def train_step(self, microbatches: list[Batch], loss_fn: LossFn) -> StepMetrics:
+    def train_step(self, microbatches: list[Batch], loss_fn: LossFn | Loss) -> StepMetrics:
         """One optimizer step over `microbatches` (this DP rank's share of the global batch).
 
         `loss_fn` must return the loss as a token sum with its token count (see

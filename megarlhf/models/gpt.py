@@ -70,7 +70,8 @@ def model_spec(model: ModelConfig, parallel: ParallelConfig, *, value_head: bool
         model=model,
         transformer=to_transformer_config(model, parallel, dtype=dtype, on_gpu=on_gpu,
                                           recompute=recompute),
-        layer_spec=resolve_layer_spec(layer_spec, on_gpu=on_gpu),
+        layer_spec=resolve_layer_spec(layer_spec, on_gpu=on_gpu,
+                                      context_parallel=parallel.context_parallel),
         value_head=value_head,
     )
 

@@ -4,6 +4,10 @@
 - "sdpa": as local, with attention through torch SDPA (flash kernels on a plain PyTorch GPU);
 - "te": Transformer Engine modules (fused kernels; needs `transformer_engine` installed);
 - "auto": te on GPU when TE imports, sdpa on GPU without it, local on CPU.
+
+Under context parallelism (CP > 1) the local and sdpa attentions run inside
+ContextParallelAttention (models/context_parallel.py); Transformer Engine's own CP attention
+is not used: it takes no padding mask in our [batch, seq] layout.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from megatron.core.transformer.transformer_block import (
 )
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megarlhf.models.context_parallel import ContextParallelAttention
 from megarlhf.models.layers import RMSNorm, SDPAttention
 
 LAYER_SPECS = ("auto", "local", "sdpa", "te")
@@ -29,11 +34,16 @@ def te_available() -> bool:
     return importlib.util.find_spec("transformer_engine") is not None
 
 
-def resolve_layer_spec(name: str, on_gpu: bool) -> str:
+def resolve_layer_spec(name: str, on_gpu: bool, context_parallel: int = 1) -> str:
     if name not in LAYER_SPECS:
         raise ValueError(f"unknown layer spec {name!r}; choose one of {LAYER_SPECS}")
     if name == "auto":
-        return ("te" if te_available() else "sdpa") if on_gpu else "local"
+        te = te_available() and context_parallel == 1
+        return ("te" if te else "sdpa") if on_gpu else "local"
+    if name == "te" and context_parallel > 1:
+        raise ValueError(f"context_parallel={context_parallel} runs with the 'sdpa' or "
+                         f"'local' layer spec (or 'auto'); Transformer Engine's CP attention "
+                         f"takes no padding mask in megarlhf's batch layout")
     if name == "te" and not (on_gpu and te_available()):
         raise ValueError(
             "layer spec 'te' needs a GPU and Transformer Engine installed; use 'auto', 'sdpa' "
@@ -42,15 +52,18 @@ def resolve_layer_spec(name: str, on_gpu: bool) -> str:
     return name
 
 
-def layer_spec(name: str, *, qk_norm: bool) -> ModuleSpec:
+def layer_spec(name: str, *, qk_norm: bool, context_parallel: int = 1) -> ModuleSpec:
     """The ModuleSpec of one transformer layer for a resolved spec name."""
     if name == "te":
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_norm)
     spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=qk_norm, normalization="RMSNorm")
     attn = spec.submodules.self_attention
+    core = SDPAttention if name == "sdpa" else attn.submodules.core_attention
+    if context_parallel > 1:
+        core = ModuleSpec(module=ContextParallelAttention, params={"inner": core})
     attn_sub = dataclasses.replace(
         attn.submodules,
-        core_attention=SDPAttention if name == "sdpa" else attn.submodules.core_attention,
+        core_attention=core,
         q_layernorm=RMSNorm if qk_norm else IdentityOp,
         k_layernorm=RMSNorm if qk_norm else IdentityOp,
     )
@@ -73,5 +86,7 @@ def block_spec(
         final_norm = RMSNorm
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
     return TransformerBlockSubmodules(
-        layer_specs=[layer_spec(name, qk_norm=qk_norm)] * num_layers, layer_norm=final_norm
+        layer_specs=[layer_spec(name, qk_norm=qk_norm,
+                                context_parallel=config.context_parallel_size)] * num_layers,
+        layer_norm=final_norm
     )

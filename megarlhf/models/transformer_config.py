@@ -69,6 +69,7 @@ def to_transformer_config(
         pipeline_model_parallel_size=parallel.pipeline_parallel,
         virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_parallel,
         sequence_parallel=parallel.sequence_parallel,
+        context_parallel_size=parallel.context_parallel,
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,

@@ -1,4 +1,5 @@
-"""The device mesh: who we are (rendezvous), how ranks are split (TP, PP, DP), and the groups.
+"""The device mesh: who we are (rendezvous), how ranks are split (TP, CP, PP, DP), and the
+groups.
 
 A `Mesh` is a frozen object holding this rank's coordinates and process groups. Code that needs a
 group receives it from the mesh explicitly instead of reading global state. megatron-core's own
@@ -6,7 +7,8 @@ schedules and layers still read `megatron.core.parallel_state`, so `init_mesh` i
 too and the mesh holds the very same group objects.
 
 Rank order follows megatron-core's default "tp-cp-ep-dp-pp": TP ranks are adjacent (same node),
-then DP, then PP.
+then CP, then DP, then PP. CP ranks hold the same weights and split every sequence
+(models/context_parallel.py); gradients are summed over DP x CP.
 """
 
 from __future__ import annotations
@@ -33,9 +35,12 @@ class ParallelConfig:
     """Model chunks per pipeline rank for the interleaved 1F1B schedule (None: plain 1F1B)."""
     sequence_parallel: bool = False
     """Shard activations along the sequence inside TP regions (needs tensor_parallel > 1)."""
+    context_parallel: int = 1
+    """CP size: ranks that split every sequence (each holds 2 of 2 x CP chunks) and hold the
+    same weights."""
 
     def __post_init__(self):
-        for name in ("tensor_parallel", "pipeline_parallel"):
+        for name in ("tensor_parallel", "pipeline_parallel", "context_parallel"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -53,7 +58,16 @@ class ParallelConfig:
 
     @property
     def model_parallel_size(self) -> int:
-        return self.tensor_parallel * self.pipeline_parallel
+        """Ranks that together run one data-parallel replica: TP x PP x CP."""
+        return self.tensor_parallel * self.pipeline_parallel * self.context_parallel
+
+    @property
+    def sequence_multiple(self) -> int:
+        """What a micro-batch's sequence length must be a multiple of: 2 x CP (each CP rank
+        takes two equal chunks) times TP under sequence parallelism (megatron-core splits each
+        rank's part of the sequence over the TP ranks)."""
+        cp = 2 * self.context_parallel if self.context_parallel > 1 else 1
+        return cp * (self.tensor_parallel if self.sequence_parallel else 1)
 
     @property
     def num_chunks(self) -> int:
@@ -71,8 +85,9 @@ class ParallelConfig:
         if world_size % self.model_parallel_size:
             raise ValueError(
                 f"world size {world_size} is not divisible by tensor_parallel x pipeline_parallel "
-                f"= {self.tensor_parallel} x {self.pipeline_parallel} = {self.model_parallel_size};"
-                f" use a world size that is a multiple of {self.model_parallel_size}"
+                f"x context_parallel = {self.tensor_parallel} x {self.pipeline_parallel} x "
+                f"{self.context_parallel} = {self.model_parallel_size}; use a world size that "
+                f"is a multiple of {self.model_parallel_size}"
             )
         return world_size // self.model_parallel_size
 
@@ -85,6 +100,7 @@ class LayoutOverride:
     tensor_parallel: int | None = None
     pipeline_parallel: int | None = None
     sequence_parallel: bool | None = None
+    context_parallel: int | None = None
 
     @property
     def is_set(self) -> bool:
@@ -179,7 +195,7 @@ def free_port() -> int:
 
 @dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
 class Mesh:
-    """This rank's place in the TP x PP x DP mesh, with the groups that connect it."""
+    """This rank's place in the TP x CP x PP x DP mesh, with the groups that connect it."""
 
     config: ParallelConfig
     rank: int
@@ -190,9 +206,14 @@ class Mesh:
     pp_rank: int
     dp_rank: int
     dp_size: int
+    cp_rank: int
+    cp_group: dist.ProcessGroup
+    """Ranks splitting the same sequences (one rank when context_parallel is 1)."""
     tp_group: dist.ProcessGroup
     pp_group: dist.ProcessGroup
     dp_group: dist.ProcessGroup
+    """Ranks holding the same model shard and different rows (without the CP ranks: those
+    hold the same rows)."""
     model_parallel_group: dist.ProcessGroup
     """TP x PP ranks that together hold one full model replica."""
     embedding_group: dist.ProcessGroup | None
@@ -205,6 +226,10 @@ class Mesh:
     @property
     def pp(self) -> int:
         return self.config.pipeline_parallel
+
+    @property
+    def cp(self) -> int:
+        return self.config.context_parallel
 
     @property
     def is_first_stage(self) -> bool:
@@ -238,7 +263,7 @@ def init_distributed(env: DistEnv | None = None, *, timeout_s: float = 600.0) ->
 
 
 def init_mesh(config: ParallelConfig, env: DistEnv | None = None, *, seed: int = 0) -> Mesh:
-    """Join (or start) the process group, split it into TP/PP/DP groups, and seed the RNGs.
+    """Join (or start) the process group, split it into TP/CP/PP/DP groups, and seed the RNGs.
 
     Every rank's default generator gets `seed` (so CPU-initialised weights are identical in
     every layout); megatron-core's tracker gets per-TP-rank streams for dropout in TP regions.
@@ -259,6 +284,7 @@ def init_mesh(config: ParallelConfig, env: DistEnv | None = None, *, seed: int =
     ps.initialize_model_parallel(
         tensor_model_parallel_size=config.tensor_parallel,
         pipeline_model_parallel_size=config.pipeline_parallel,
+        context_parallel_size=config.context_parallel,
         virtual_pipeline_model_parallel_size=config.virtual_pipeline_parallel,
         distributed_timeout_minutes=10,
     )
@@ -275,6 +301,8 @@ def init_mesh(config: ParallelConfig, env: DistEnv | None = None, *, seed: int =
         pp_rank=ps.get_pipeline_model_parallel_rank(),
         dp_rank=ps.get_data_parallel_rank(),
         dp_size=dp_size,
+        cp_rank=ps.get_context_parallel_rank(),
+        cp_group=ps.get_context_parallel_group(),
         tp_group=ps.get_tensor_model_parallel_group(),
         pp_group=ps.get_pipeline_model_parallel_group(),
         dp_group=ps.get_data_parallel_group(),

@@ -13,7 +13,8 @@ from megarlhf.plan.job import SWITCHES, Plan, plan
 from megarlhf.ppo.placement import group_specs
 
 MAX_FACTOR = 16
-"""Search up to 16x the pipeline depth, the ranks per group and the micro-batch count."""
+"""Search up to 16x the pipeline depth, the ranks per group, the micro-batch count and the
+context parallelism."""
 MAX_SWITCH_SETS = 3
 """Switch settings reported: those with the lowest peaks among the fewest switches."""
 
@@ -45,9 +46,10 @@ def suggest(base: Plan) -> list[tuple[str, Plan]]:
     """(change, its plan) for each kind of change that fits: a deeper pipeline on the same
     GPUs (fewer parameters per rank), more ranks per group on more nodes (more data
     parallelism: smaller optimizer shards, fewer rows per micro-batch), more micro-batches
-    (smaller activations)."""
+    (smaller activations), context parallelism on the same GPUs (each rank a share of every
+    sequence: for long sequences)."""
     found = [_fitting(base, "pipeline_parallel"), _fitting(base, "nproc", grow_cluster=True),
-             _fitting(base, "micro_batches")]
+             _fitting(base, "micro_batches"), _fitting(base, "context_parallel")]
     return [fix for fix in found if fix is not None]
 
 

@@ -5,7 +5,7 @@ PPO job has and in which phases each is on the device.
 Legend: N parameters on the rank (plan.params), P bytes per parameter element (the param
 dtype), DP data-parallel size, b rows per micro-batch, s tokens per row (prompt + response),
 h hidden size, f FFN width, q = heads x head_dim, k = kv_heads x head_dim, t = TP size,
-x = t with sequence parallelism (else 1), V the TP-padded vocabulary.
+x = t with sequence parallelism (else 1), c = CP size, V the TP-padded vocabulary.
 
 Model state of a trained role, as megarlhf.engine.train builds it (megatron-core DDP with
 grad_reduce_in_fp32=True and the distributed optimizer over torch Adam):
@@ -73,6 +73,13 @@ LM logits on the last stage, one micro-batch, b s V/t x:
 Sequence parallelism does not shard them: megatron-core's output layer gathers the sequence
 before its matmul, so the logits are the whole sequence's, vocab-split.
 
+Context parallelism (models/context_parallel.py) gives each rank s/c of every row: every
+per-token term above and the mask's rows divide by c. Attention gathers every rank's K and V
+and keeps them for backward: 2 b s k/t P per layer for the whole sequence, of which the
+count above already holds this rank's b (s/c) k/t P in its 3k. The logits are gathered to the
+whole sequence on every CP rank (the loss sees whole rows), so they do not divide: this
+rank's own logits, b (s/c) V/t P, come on top.
+
 A forward-only pass (experience) keeps nothing: it holds one layer's tensors at a time (the
 count above) or, on the last stage of an LM, the logits, whichever is larger.
 
@@ -116,17 +123,32 @@ def _shard(parallel: ParallelConfig) -> tuple[int, int]:
     return t, (t if parallel.sequence_parallel else 1)
 
 
+def _local(seq: int, parallel: ParallelConfig) -> int:
+    """Positions of a row this rank holds: s / c under context parallelism."""
+    return math.ceil(seq / parallel.context_parallel)
+
+
 def attention_lse(model: ModelConfig, parallel: ParallelConfig, rows: int, seq: int) -> int:
     """Bytes of one layer's fp32 log-sum-exp per head (what flash attention saves besides
     its inputs and output): what selective recomputation drops."""
     t, _ = _shard(parallel)
-    return rows * seq * model.num_attention_heads // t * FP32_BYTES
+    return rows * _local(seq, parallel) * model.num_attention_heads // t * FP32_BYTES
 
 
 def rope_tables(model: ModelConfig, seq: int, param_bytes: int) -> int:
     """Bytes of the cos and sin tables unfused RoPE makes for Q and for K in every layer,
-    [s, 1, 1, head_dim] each, kept by its multiplications."""
+    [s, 1, 1, head_dim] each, kept by its multiplications (s: this rank's positions)."""
     return 4 * seq * model.kv_channels * param_bytes
+
+
+def gathered_kv(model: ModelConfig, parallel: ParallelConfig, rows: int, seq: int,
+                param_bytes: int) -> int:
+    """Bytes of the other CP ranks' keys and values one layer's attention keeps (0 at
+    CP1)."""
+    c = parallel.context_parallel
+    k = model.kv_heads * model.kv_channels
+    return 2 * rows * (seq - _local(seq, parallel)) * k // parallel.tensor_parallel \
+        * param_bytes if c > 1 else 0
 
 
 def layer_activations(model: ModelConfig, parallel: ParallelConfig, rows: int, seq: int,
@@ -137,15 +159,17 @@ def layer_activations(model: ModelConfig, parallel: ParallelConfig, rows: int, s
     q = model.num_attention_heads * model.kv_channels
     k = model.kv_heads * model.kv_channels
     per_token = param_bytes * (4 * h / x + (3 * q + 3 * k) / t + 3 * f / t)
-    return math.ceil(rows * seq * per_token) + attention_lse(model, parallel, rows, seq) \
-        + rope_tables(model, seq, param_bytes)
+    local = _local(seq, parallel)
+    return math.ceil(rows * local * per_token) + attention_lse(model, parallel, rows, seq) \
+        + rope_tables(model, local, param_bytes) \
+        + gathered_kv(model, parallel, rows, seq, param_bytes)
 
 
 def layer_input(model: ModelConfig, parallel: ParallelConfig, rows: int, seq: int,
                 param_bytes: int) -> int:
     """Bytes of one layer's input for one micro-batch: all full recomputation keeps."""
     _, x = _shard(parallel)
-    return math.ceil(rows * seq * model.hidden_size * param_bytes / x)
+    return math.ceil(rows * _local(seq, parallel) * model.hidden_size * param_bytes / x)
 
 
 def kept_per_layer(model: ModelConfig, parallel: ParallelConfig, rows: int, seq: int,
@@ -177,7 +201,7 @@ def layer_gradients(model: ModelConfig, parallel: ParallelConfig, rows: int, seq
                     param_bytes: int) -> int:
     """Bytes of the largest gradient a layer's backward makes: the fused gate/up output's."""
     t, _ = _shard(parallel)
-    return rows * seq * 2 * model.ffn_hidden_size // t * param_bytes
+    return rows * _local(seq, parallel) * 2 * model.ffn_hidden_size // t * param_bytes
 
 
 def backward_peak(model: ModelConfig, parallel: ParallelConfig, rows: int, seq: int,
@@ -189,7 +213,18 @@ def backward_peak(model: ModelConfig, parallel: ParallelConfig, rows: int, seq: 
         + layer_gradients(model, parallel, rows, seq, param_bytes)
     if not logits:
         return layer
-    return max(layer, lm_logits(model, parallel.tensor_parallel, rows, seq, param_bytes))
+    return max(layer, lm_logits(model, parallel.tensor_parallel, rows, seq, param_bytes)
+               + local_logits(model, parallel, rows, seq, param_bytes))
+
+
+def local_logits(model: ModelConfig, parallel: ParallelConfig, rows: int, seq: int,
+                 param_bytes: int) -> int:
+    """Bytes of this CP rank's own logits, kept beside the whole rows' log-probabilities
+    and workspace (0 at CP1)."""
+    if parallel.context_parallel == 1:
+        return 0
+    t = parallel.tensor_parallel
+    return rows * _local(seq, parallel) * (model.padded_vocab_size(t) // t) * param_bytes
 
 
 def forwards_in_flight(parallel: ParallelConfig, pp_rank: int, microbatches: int) -> int:
@@ -215,7 +250,7 @@ def train_activations(model: ModelConfig, parallel: ParallelConfig, pp_rank: int
     held = in_flight_layers(model, parallel, pp_rank, microbatches)
     # A micro-batch's mask is shared by its chunks: at most one per forward in flight.
     masks = min(microbatches, forwards_in_flight(parallel, pp_rank, microbatches)) \
-        * rows * seq * seq
+        * rows * _local(seq, parallel) * seq
     kept = held * kept_per_layer(model, parallel, rows, seq, param_bytes, recompute) + masks
     if pp_rank == parallel.pipeline_parallel - 1:
         # The final norm's input and output (the output layer's or value head's input).
@@ -242,7 +277,8 @@ def forward_pass(model: ModelConfig, parallel: ParallelConfig, rows: int, seq: i
     if not logits:
         return layer
     return max(layer, lm_logits(model, parallel.tensor_parallel, rows, seq, param_bytes,
-                                backward=False))
+                                backward=False)
+               + local_logits(model, parallel, rows, seq, param_bytes))
 
 
 def inference_layer(model: ModelConfig, tp: int, rows: int, seq: int, param_bytes: int) -> int:

@@ -165,11 +165,14 @@ class PPOConfig:
     out_dir: str
     # -- layout --
     nproc: int = 1
-    """Ranks of a model group (TP x PP x DP = nproc): colocated, every role shares them;
+    """Ranks of a model group (TP x PP x CP x DP = nproc): colocated, every role shares them;
     disaggregated, actor, critic and ref+reward get nproc ranks each."""
     tensor_parallel: int = 1
     pipeline_parallel: int = 1
-    """The layout of every model role (TP x PP x DP = nproc), unless `layout` sets a role's."""
+    context_parallel: int = 1
+    """The layout of every model role (TP x PP x CP x DP = nproc), unless `layout` sets a
+    role's. Context parallelism splits every sequence over CP ranks (long responses); the
+    token budget and batch widths then round to multiples of 2 x CP."""
     sequence_parallel: bool = False
     """Sequence parallelism in every model role (activations outside attention and MLP split
     over the TP ranks; needs tensor_parallel > 1), unless `layout` sets a role's. The
@@ -385,16 +388,18 @@ class PPOConfig:
         choice("template", TEMPLATES)
         choice("on_bad_record", BAD_RECORD_POLICIES)
         problems += self._data_problems()
-        for name in ("nproc", "tensor_parallel", "pipeline_parallel", "prompts_per_step",
+        for name in ("nproc", "tensor_parallel", "pipeline_parallel", "context_parallel",
+                     "prompts_per_step",
                      "samples_per_prompt", "max_new_tokens", "steps", "ppo_epochs",
                      "mini_batches", "micro_batches", "keep_last", "rollout_nproc",
                      "reward_workers"):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be >= 1, got {getattr(self, name)}")
         problems += self._range_problems()
-        if self.nproc % (self.tensor_parallel * self.pipeline_parallel):
+        replica = self.tensor_parallel * self.pipeline_parallel * self.context_parallel
+        if self.nproc % replica:
             problems.append(f"nproc={self.nproc} is not a multiple of tensor_parallel x "
-                            f"pipeline_parallel = {self.tensor_parallel * self.pipeline_parallel}")
+                            f"pipeline_parallel x context_parallel = {replica}")
         problems += self._layout_problems()
         if self.sequence_parallel and not any(p.sequence_parallel
                                               for p in self._valid_layouts().values()):
@@ -421,10 +426,12 @@ class PPOConfig:
                             f"placement=disaggregated; colocated rollouts run on the nproc "
                             f"training ranks")
         if (self.placement == "colocated" and self.rollout_backend == "megatron"
-                and self._actor_layout().pipeline_parallel > 1):
-            problems.append("the colocated Megatron rollout backend runs at PP=1 (the "
-                            "actor's layout); use rollout_backend=vllm, or "
-                            "placement=disaggregated, with pipeline_parallel > 1")
+                and (self._actor_layout().pipeline_parallel > 1
+                     or self._actor_layout().context_parallel > 1)):
+            problems.append("the colocated Megatron rollout backend runs at PP=1 and CP=1 "
+                            "(the actor's layout); use rollout_backend=vllm, or "
+                            "placement=disaggregated, with pipeline_parallel or "
+                            "context_parallel > 1")
         if self.rollout_backend == "vllm" and not self.vllm_model_dir:
             problems.append("rollout_backend=vllm needs vllm_model_dir (an HF dir with the "
                             "actor's config.json, e.g. its mcore_to_hf export)")
@@ -552,6 +559,7 @@ class PPOConfig:
         override = getattr(self.layout, LAYOUT_KEYS[role])
         default = ParallelConfig(
             tensor_parallel=self.tensor_parallel, pipeline_parallel=self.pipeline_parallel,
+            context_parallel=self.context_parallel,
             # A role whose own TP is 1 cannot inherit the run's sequence parallelism.
             sequence_parallel=self.sequence_parallel and (override.tensor_parallel or
                                                           self.tensor_parallel) > 1)
@@ -604,7 +612,7 @@ class PPOConfig:
                 continue
             if self.nproc % parallel.model_parallel_size:
                 problems.append(f"layout.{key}: nproc={self.nproc} is not a multiple of "
-                                f"tensor_parallel x pipeline_parallel = "
+                                f"tensor_parallel x pipeline_parallel x context_parallel = "
                                 f"{parallel.model_parallel_size}")
         layouts = self._valid_layouts()
         # Roles that share ranks share one mesh: megatron-core's parallel state is one per
@@ -614,13 +622,13 @@ class PPOConfig:
         fix = ", or use placement=disaggregated" if colocated else ""
         for role in sharing[1:]:
             first, other = layouts[sharing[0]], layouts[role]
-            if (first.tensor_parallel, first.pipeline_parallel) != \
-                    (other.tensor_parallel, other.pipeline_parallel):
-                problems.append(f"layout.{LAYOUT_KEYS[role]} (TP{other.tensor_parallel} x "
-                                f"PP{other.pipeline_parallel}) differs from layout."
-                                f"{LAYOUT_KEYS[sharing[0]]} (TP{first.tensor_parallel} x "
-                                f"PP{first.pipeline_parallel}), but they run on the same ranks "
-                                f"(placement={self.placement}): give them one layout{fix}")
+            mesh = lambda p: (f"TP{p.tensor_parallel} x PP{p.pipeline_parallel} x "  # noqa: E731
+                              f"CP{p.context_parallel}")
+            if mesh(first) != mesh(other):
+                problems.append(f"layout.{LAYOUT_KEYS[role]} ({mesh(other)}) differs from "
+                                f"layout.{LAYOUT_KEYS[sharing[0]]} ({mesh(first)}), but they "
+                                f"run on the same ranks (placement={self.placement}): give "
+                                f"them one layout{fix}")
         return problems
 
     def _rollout_tp_problems(self) -> list[str]:

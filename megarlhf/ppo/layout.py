@@ -16,7 +16,7 @@ class GroupSpec:
     roles: frozenset[str]
     nproc: int
     parallel: ParallelConfig
-    """This group's mesh (TP x PP; DP = nproc / (TP x PP)), without sequence parallelism:
+    """This group's mesh (TP x PP x CP; DP = nproc / (TP x PP x CP)), without sequence parallelism:
     that is each role's own (PPOConfig.parallel_of), and the colocated Megatron rollout engine
     on the same mesh generates without it."""
 

@@ -63,10 +63,11 @@ def preflight(config: PPOConfig, prompts: list[list[int]],
     problems += check_models(config, models, longest + config.max_new_tokens)
     budget = config.max_tokens_per_micro_batch
     if budget is not None:
-        # Under sequence parallelism a row is padded to a multiple of its role's TP.
-        multiple = max([p.tensor_parallel for p in map(config.parallel_of, models)
-                        if p.sequence_parallel] or [1])
-        need = -(-(longest + config.max_new_tokens) // multiple) * multiple
+        # Each role pads a row to its multiple: 2 x CP under context parallelism, times TP
+        # under sequence parallelism.
+        length = longest + config.max_new_tokens
+        need = max(-(-length // p.sequence_multiple) * p.sequence_multiple
+                   for p in map(config.parallel_of, models))
         if budget < need:
             problems.append(f"max_tokens_per_micro_batch={budget} cannot hold the longest "
                             f"prompt ({longest} tokens) + max_new_tokens="

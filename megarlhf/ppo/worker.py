@@ -150,12 +150,13 @@ class PPOWorker:
     def open_channel(self, host: str, port: int) -> None:
         """Disaggregated: join the weight channel. Its members are the actor's senders (TP
         rank 0 of DP replica 0 of each pipeline stage: channel ranks 0..PP-1) and every
-        rollout rank (PP..); the actor's other ranks only help assemble tensors."""
+        rollout rank (PP..); the actor's other ranks only help assemble tensors (TP) or hold
+        copies (DP, CP)."""
         pp = self.config.parallel_of("actor").pipeline_parallel
         size = pp + self.config.rollout_nproc
         if self.engine is not None:
             self.channel = open_channel(host, port, pp + self.rank, size)
-        elif self.mesh.tp_rank == 0 and self.mesh.dp_rank == 0:
+        elif self.mesh.tp_rank == 0 and self.mesh.dp_rank == 0 and self.mesh.cp_rank == 0:
             self.channel = open_channel(host, port, self.mesh.pp_rank, size)
 
     # -- the loop's phases -----------------------------------------------------------------

@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from megarlhf.data.packing import document_mask
 from megarlhf.engine.schedule import rank_rows
 from megarlhf.engine.train import TrainEngine
+from megarlhf.parallel.mesh import ParallelConfig
 from megarlhf.roles.sequences import SequenceBatch
 
 
@@ -68,10 +69,12 @@ class Batching:
 
 
 def sequence_multiple(engine: TrainEngine) -> int:
-    """What a micro-batch's sequence length must be a multiple of: TP under sequence
-    parallelism (megatron-core splits the sequence dimension over the TP ranks), else 1."""
+    """What a micro-batch's sequence length must be a multiple of (ParallelConfig's
+    sequence_multiple: 2 x CP, times TP under sequence parallelism)."""
     config = engine.spec.transformer
-    return config.tensor_model_parallel_size if config.sequence_parallel else 1
+    return ParallelConfig(tensor_parallel=config.tensor_model_parallel_size,
+                          sequence_parallel=config.sequence_parallel,
+                          context_parallel=config.context_parallel_size).sequence_multiple
 
 
 def microbatches(engine: TrainEngine, batching: Batching, batch: SequenceBatch,

@@ -9,9 +9,8 @@ import dataclasses
 import torch
 
 from megarlhf.engine.train import StepMetrics, TrainEngine
-from megarlhf.parallel.vocab import (
-    vocab_parallel_logprobs, vocab_parallel_logprobs_and_entropy,
-)
+from megarlhf.engine.schedule import Loss
+from megarlhf.parallel.vocab import vocab_parallel_logprobs_and_entropy
 from megarlhf.rl.kl import KL_ESTIMATORS, kl_penalty
 from megarlhf.rl.losses import aggregate, policy_loss
 from megarlhf.roles.batching import Batching, about_token, microbatches, to_global
@@ -123,32 +122,32 @@ class PolicyRole:
         self.loss = loss or PolicyLossConfig()
         self._vocab_size = engine.spec.model.vocab_size
 
-    # The closures get logits [R, L, V] in the micro-batch's layout (batching.py) and give
-    # per-token quantities [b, W] in the global batch's rows and columns.
-    def _logp(self, mb, logits_RLV):
+    # The logits [R, L, V] in the micro-batch's layout (batching.py) become log p(label) and
+    # the entropy per position [R, L, 2] (on this rank's positions under context
+    # parallelism); the closures give per-token quantities [b, W] in the global batch's rows
+    # and columns from those.
+    def _per_position(self, inputs, logits_RLV):
         mesh = self.engine.mesh
-        return about_token(mb, vocab_parallel_logprobs(
-            logits_RLV, mb["labels"], tp_group=mesh.tp_group,
-            vocab_start=mesh.tp_rank * logits_RLV.shape[-1], vocab_size=self._vocab_size))
+        return torch.stack(vocab_parallel_logprobs_and_entropy(
+            logits_RLV, inputs["labels"], tp_group=mesh.tp_group,
+            vocab_start=mesh.tp_rank * logits_RLV.shape[-1], vocab_size=self._vocab_size),
+            dim=-1)
 
-    def _logp_entropy(self, mb, logits_RLV):
-        mesh = self.engine.mesh
-        logp, entropy = vocab_parallel_logprobs_and_entropy(
-            logits_RLV, mb["labels"], tp_group=mesh.tp_group,
-            vocab_start=mesh.tp_rank * logits_RLV.shape[-1], vocab_size=self._vocab_size)
-        return about_token(mb, logp), about_token(mb, entropy)
+    @staticmethod
+    def _logp_entropy(mb, per_position_RL2):
+        return about_token(mb, per_position_RL2[..., 0]), about_token(mb, per_position_RL2[..., 1])
 
     def logprobs(self, batch: SequenceBatch, *, with_entropy: bool = False):
         """log p(token_t | tokens_<t) [B, T] (and entropy [B, T]) on every rank."""
 
-        def keep(mb, logits_BTV):
-            logp, entropy = self._logp_entropy(mb, logits_BTV)
+        def keep(mb, per_position):
+            logp, entropy = self._logp_entropy(mb, per_position)
             zero = torch.zeros((), device=logp.device)
             return zero, torch.ones((), dtype=torch.int), {"logp": logp.detach(),
                                                            "entropy": entropy.detach()}
 
         mbs = microbatches(self.engine, self.batching, batch)
-        out = self.engine.forward(mbs, keep)
+        out = self.engine.forward(mbs, Loss(closure=keep, per_position=self._per_position))
         logp = to_global(mbs, out, "logp", batch.shape, self.engine)
         return (logp, to_global(mbs, out, "entropy", batch.shape, self.engine)) \
             if with_entropy else logp
@@ -183,16 +182,16 @@ class PolicyRole:
                              f"{kl_coef} and {'no ' if ref_logp is None else ''}ref_logp")
         scale = ptx_scale(cfg, batch, ptx)
 
-        def ptx_loss(mb, logits_BTV):
+        def ptx_loss(mb, per_position):
             mask = mb["response_mask"]
-            nll = -(self._logp(mb, logits_BTV) * mask).sum()
+            nll = -(self._logp_entropy(mb, per_position)[0] * mask).sum()
             no_tokens = mask.bool().sum() * 0
             return scale * nll, no_tokens.to(torch.int), _step_metrics(
                 loss_sum=(scale * nll).detach(), num_tokens=no_tokens, ptx_sum=nll.detach(),
                 ptx_tokens=mask.bool().sum())
 
-        def ppo_loss(mb, logits_BTV):
-            logp, entropy = self._logp_entropy(mb, logits_BTV)
+        def ppo_loss(mb, per_position):
+            logp, entropy = self._logp_entropy(mb, per_position)
             mask = mb["response_mask"]
             m = mask.bool()
             pg_BT, stats = policy_loss(logp, mb["old_logp"], mb["advantages"], mask,
@@ -214,8 +213,8 @@ class PolicyRole:
                 clipped=stats["clipped"][m].sum(), approx_kl=stats["approx_kl"][m].sum(),
                 entropy=entropy.detach()[m].sum())
 
-        def loss_fn(mb, logits_BTV):
-            return (ptx_loss if bool(mb["is_ptx"][0, 0]) else ppo_loss)(mb, logits_BTV)
+        def loss_fn(mb, per_position):
+            return (ptx_loss if bool(mb["is_ptx"][0, 0]) else ppo_loss)(mb, per_position)
 
         zeros = torch.zeros(batch.shape)
         mbs = self._microbatches(batch, old_logp, advantages, is_ptx=False,
@@ -226,7 +225,8 @@ class PolicyRole:
             zeros = torch.zeros(ptx.shape)
             mbs += self._microbatches(ptx, zeros, zeros, is_ptx=True, ref_logp=zeros,
                                       is_weight=zeros)
-        step = self.engine.train_step(mbs, loss_fn)
+        step = self.engine.train_step(mbs, Loss(closure=loss_fn,
+                                                per_position=self._per_position))
         s = step.sums
         metrics = {"policy_loss": s["pg_sum"] / s["num_tokens"],
                    "kl_loss": s["kl_sum"] / s["num_tokens"],

@@ -261,9 +261,10 @@ class WeightBridge:
             del buffer
 
     def send(self, channel: "Channel") -> None:
-        """Disaggregated: DP replica 0 sends every bucket over `channel` (see `open_channel`);
-        its other TP ranks only help assemble. Other DP replicas return at once."""
-        if self.mesh.dp_rank != 0:
+        """Disaggregated: DP replica 0 (its CP rank 0) sends every bucket over `channel` (see
+        `open_channel`); its other TP ranks only help assemble. Other DP replicas and CP ranks,
+        which hold the same weights, return at once."""
+        if self.mesh.dp_rank != 0 or self.mesh.cp_rank != 0:
             return
         sender = self.mesh.tp_rank == 0
         if sender:  # every channel member takes part in every broadcast

@@ -25,7 +25,7 @@ from megarlhf.data.tokenizer import Tokenizer, is_tokenizer, load_tokenizer
 from megarlhf.engine.checkpoint import (COMPLETE_MARKER, HF_SIDECAR, load_checkpoint, read_meta,
                                         save_checkpoint)
 from megarlhf.engine.run_checkpoints import RunCheckpoints
-from megarlhf.engine.schedule import Batch, LossFn, rank_microbatches
+from megarlhf.engine.schedule import Batch, LossFn, pad_to_multiple, rank_microbatches
 from megarlhf.engine.train import TrainEngine
 from megarlhf.metrics import MetricsLog
 from megarlhf.models.config import ModelConfig
@@ -146,7 +146,8 @@ def _train(cfg: SFTConfig | RMConfig, p: Plan, mesh: Mesh, log: MetricsLog) -> d
 
     loss_fn = stage.loss_fn(mesh, p.model)
     stream = EpochStream(p.examples.train, seed=cfg.data.seed, arrange=stage.arrange)
-    eval_batches = _eval_batches(p.examples.eval, stage, train.global_batch_size)
+    eval_batches = _eval_batches(p.examples.eval, stage, train.global_batch_size,
+                                 cfg.parallel.sequence_multiple)
     history, final = [], p.resume_from
     while step < train.steps:
         items, epoch = stream.take(consumed, train.global_batch_size)
@@ -154,7 +155,9 @@ def _train(cfg: SFTConfig | RMConfig, p: Plan, mesh: Mesh, log: MetricsLog) -> d
         step += 1
         t0 = time.perf_counter()
         m = engine.train_step(
-            rank_microbatches(stage.to_batch(items), mesh, num_microbatches), loss_fn)
+            rank_microbatches(pad_to_multiple(stage.to_batch(items),
+                                              cfg.parallel.sequence_multiple),
+                              mesh, num_microbatches), loss_fn)
         record = {"step": step, "split": "train", **stage.metrics(m.sums),
                   "grad_norm": m.grad_norm, "lr": m.lr, "epoch": round(epoch, 4),
                   "step_s": round(time.perf_counter() - t0, 4)}
@@ -192,9 +195,11 @@ def evaluate(engine: TrainEngine, mesh: Mesh, batches: list[Batch], loss_fn: Los
     return metrics(totals)
 
 
-def _eval_batches(examples: list[Example], stage: Stage, batch_items: int) -> list[Batch]:
-    """All eval examples in global batches of `batch_items`; the last one is filled up with
-    copies of its first item whose `filler_key` is zero, so they count for nothing."""
+def _eval_batches(examples: list[Example], stage: Stage, batch_items: int,
+                  multiple: int) -> list[Batch]:
+    """All eval examples in global batches of `batch_items` (widths padded to `multiple`);
+    the last one is filled up with copies of its first item whose `filler_key` is zero, so
+    they count for nothing."""
     if not examples:
         return []
     items = stage.arrange(examples)
@@ -204,7 +209,7 @@ def _eval_batches(examples: list[Example], stage: Stage, batch_items: int) -> li
         real = len(chunk)
         batch = stage.to_batch(chunk + [chunk[0]] * (batch_items - real))
         batch[stage.filler_key][real * stage.rows_per_item:] = 0
-        batches.append(batch)
+        batches.append(pad_to_multiple(batch, multiple))
     return batches
 
 
