@@ -54,6 +54,7 @@ def test_presets_have_the_published_parameter_counts():
     assert total_params(preset("llama3-8b")) == 8_030_261_248
     assert total_params(preset("llama3-70b")) == 70_553_706_496
     assert total_params(preset("qwen2.5-72b")) == 72_706_203_648
+    assert total_params(preset("qwen2.5-7b")) == 7_615_616_512
 
 
 @contextlib.contextmanager
@@ -295,6 +296,36 @@ def test_activation_terms_count_the_tensors_a_llama_layer_keeps():
         == 16 * 2048 * vocab // t * (4 + 8)
 
 
+def test_context_parallel_splits_the_per_token_terms_and_keeps_the_gathered_keys():
+    """Llama-3-70B at TP8 x CP2 with SP, 2 rows of 2048 tokens, bf16: each rank holds 1024
+    positions of every row; attention also keeps the other rank's keys and values."""
+    model, P = preset("llama3-70b"), 2
+    cp2 = ParallelConfig(tensor_parallel=8, sequence_parallel=True, context_parallel=2)
+    h, f, q, k, t, d = 8192, 28672, 64 * 128, 8 * 128, 8, 128
+    local = 2 * 1024  # rows x positions per rank
+    lse = local * 64 // t * 4
+    rope = 4 * 1024 * d * P
+    gathered = 2 * 2 * 1024 * k // t * P  # K and V of the other rank's 1024 positions
+    layer = local * P * (4 * h // t + (3 * q + 3 * k) // t + 3 * f // t) + lse + rope + gathered
+    assert memory.layer_activations(model, cp2, 2, 2048, P) == layer
+    assert memory.kept_per_layer(model, cp2, 2, 2048, P, "full") == local * h * P // t
+    # One micro-batch in flight at PP1: 80 layers, the mask's rows of this rank's queries
+    # (against every key), the final norm's input and output.
+    assert memory.train_activations(model, cp2, 0, rows=2, seq=2048, microbatches=4,
+                                    param_bytes=P) \
+        == 80 * layer + 2 * 1024 * 2048 + 2 * local * h * P // t
+    # The logits and their workspace are this rank's positions' (log-probabilities are what
+    # the CP ranks gather).
+    vocab = 129024
+    assert memory.backward_peak(model, cp2, 2, 2048, P, recompute="none", logits=True) \
+        == local * vocab // t * (P + 12)
+    assert memory.forward_pass(model, cp2, 2, 2048, P, logits=True) \
+        == local * vocab // t * (P + 12)
+    # CP1 is the same arithmetic on whole rows (every term doubles), without gathered keys.
+    cp1 = dataclasses.replace(cp2, context_parallel=1)
+    assert memory.layer_activations(model, cp1, 2, 2048, P) == 2 * (layer - gathered)
+
+
 def layer_saved_bytes(dtype: torch.dtype, recompute: str, rows: int = 4, seq: int = 128):
     """(bytes of the tensors layer 1 of a 2-layer CPU model saves for backward, the model):
     every storage a saved tensor sits on, but the parameters and the model's input mask."""
@@ -501,7 +532,7 @@ def run_cli(args: list[str], capsys) -> tuple[int, str, str]:
     return exit_.value.code, out.out, out.err
 
 
-SMALL = ["llama3-8b-ppo.yaml", "llama3-8b-grpo.yaml"]
+SMALL = ["llama3-8b-ppo.yaml", "llama3-8b-grpo.yaml", "qwen2.5-7b-grpo-long.yaml"]
 LARGE = ["llama3-70b-grpo.yaml", "llama3-70b-ppo.yaml", "qwen2.5-72b-ppo.yaml"]
 
 
@@ -656,6 +687,20 @@ def test_a_job_that_does_not_fit_names_the_largest_term_and_fixes_that_fit(capsy
     for fix in switches_found(err):
         code, out, _ = run_cli(args + fix, capsys)
         assert code == 0 and ": fits" in out
+
+
+def test_long_rows_need_context_parallelism_and_the_plan_says_so(capsys):
+    """The 32k-token recipe at CP1 does not fit; context_parallel=2 is among the fixes, and
+    the plan it names fits."""
+    args = recipe_plan_command("qwen2.5-7b-grpo-long.yaml")
+    code, out, err = run_cli(args, capsys)
+    assert code == 0 and "TP4 x PP1 x CP2 x DP1" in out, err
+    code, out, err = run_cli(args + ["context_parallel=1"], capsys)
+    assert code == 1 and "DOES NOT FIT" in out and "largest term: actor activations" in err
+    fixes = re.findall(r"(\w+=\d+)(?: on --nodes (\d+))? \(peak", err)
+    assert "context_parallel=2" in [f[0] for f in fixes], err
+    code, out, _ = run_cli(args + ["context_parallel=1", "context_parallel=2"], capsys)
+    assert code == 0 and ": fits" in out
 
 
 def test_disaggregated_placement_gives_each_group_its_own_gpus():

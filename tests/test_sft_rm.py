@@ -281,18 +281,26 @@ def _assert_same_run(a: dict, b: dict):
                 assert ra[k] == pytest.approx(rb[k], rel=0, abs=1e-5), f"{ra['step']} {k}"
 
 
-@pytest.mark.slow
-def test_sft_tp2pp2_equals_tp1(corpus, lm_ref, tmp_path):
-    ref = launch_local(run_sft, 1, sft_config(corpus, tmp_path / "tp1", lm_ref,
+@pytest.fixture(scope="module")
+def sft_tp1(corpus, lm_ref, tmp_path_factory):
+    ref = launch_local(run_sft, 1, sft_config(corpus, tmp_path_factory.mktemp("tp1"), lm_ref,
                                               micro_batch_size=1))[0]
     losses = [r["loss"] for r in _train(ref["history"])]
     assert losses[-1] < losses[0]  # the run learns, so equal curves mean equal updates
     assert ref["history"][-1]["split"] == "eval" and ref["history"][-1]["tokens"] > 0
-    outs = launch_local(run_sft, 4, sft_config(corpus, tmp_path / "tp2pp2", lm_ref,
-                                               P(tensor_parallel=2, pipeline_parallel=2),
+    return ref
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallel", [P(tensor_parallel=2, pipeline_parallel=2),
+                                      # rows padded to a multiple of 4, split over 2 ranks
+                                      P(context_parallel=2, pipeline_parallel=2)],
+                         ids=["TP2xPP2", "CP2xPP2"])
+def test_sft_layout_equals_tp1(corpus, lm_ref, tmp_path, sft_tp1, parallel):
+    outs = launch_local(run_sft, 4, sft_config(corpus, tmp_path / "run", lm_ref, parallel,
                                                micro_batch_size=1))
     for out in outs:  # every rank reports the same metrics
-        _assert_same_run(out, ref)
+        _assert_same_run(out, sft_tp1)
 
 
 @pytest.mark.slow
@@ -307,20 +315,32 @@ def test_packed_and_unpacked_documents_give_the_same_loss(corpus, lm_ref):
     assert packed["loss_after"] < packed["loss"] - 1e-3
 
 
-@pytest.mark.slow
-def test_rm_tp2pp2_equals_tp1(corpus, value_refs, tmp_path):
-    """lr 3e-4: at 1e-3 a fresh head's first steps are so sharp (grad norm x5 per step) that
-    they amplify rounding to 3e-6 by step 3, which says nothing about the layout; at 3e-4
-    everything stays within 3e-7 (measured)."""
+# lr 3e-4: at 1e-3 a fresh head's first steps are so sharp (grad norm x5 per step) that they
+# amplify rounding to 3e-6 by step 3, which says nothing about the layout; at 3e-4 everything
+# stays within 3e-7 (measured).
+RM_OPTIM = dataclasses.replace(OPTIM, lr=3e-4)
+
+
+@pytest.fixture(scope="module")
+def rm_tp1(corpus, value_refs, tmp_path_factory):
     model = ModelSource(checkpoint=value_refs[False][1], layer_spec="local")
-    optim = dataclasses.replace(OPTIM, lr=3e-4)
-    ref = launch_local(run_rm, 1, rm_config(corpus, tmp_path / "tp1", model, optim=optim))[0]
-    outs = launch_local(run_rm, 4, rm_config(corpus, tmp_path / "tp2pp2", model,
-                                             P(tensor_parallel=2, pipeline_parallel=2),
-                                             optim=optim, micro_batch_size=1))
+    ref = launch_local(run_rm, 1, rm_config(corpus, tmp_path_factory.mktemp("rm_tp1"), model,
+                                            optim=RM_OPTIM))[0]
     assert ref["history"][-1] == {**ref["history"][-1], "split": "eval", "pairs": 20}
+    return ref
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallel", [P(tensor_parallel=2, pipeline_parallel=2),
+                                      P(tensor_parallel=2, context_parallel=2)],
+                         ids=["TP2xPP2", "TP2xCP2"])
+def test_rm_layout_equals_tp1(corpus, value_refs, tmp_path, rm_tp1, parallel):
+    """Under CP the score is read at each row's last real token of the gathered rows."""
+    model = ModelSource(checkpoint=value_refs[False][1], layer_spec="local")
+    outs = launch_local(run_rm, 4, rm_config(corpus, tmp_path / "run", model, parallel,
+                                             optim=RM_OPTIM, micro_batch_size=1))
     for out in outs:
-        _assert_same_run(out, ref)
+        _assert_same_run(out, rm_tp1)
 
 
 @pytest.mark.slow

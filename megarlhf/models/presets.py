@@ -33,6 +33,12 @@ PRESETS = {
         num_attention_heads=64, num_kv_heads=8, max_position_embeddings=8192,
         rope_theta=500000.0, norm_eps=1e-5,
     ),
+    # Qwen/Qwen2.5-7B (base; 131072 positions, as the long-response recipe needs).
+    "qwen2.5-7b": ModelConfig(
+        vocab_size=152064, hidden_size=3584, ffn_hidden_size=18944, num_layers=28,
+        num_attention_heads=28, num_kv_heads=4, max_position_embeddings=131072,
+        rope_theta=1000000.0, norm_eps=1e-6, qkv_bias=True,
+    ),
     # Qwen/Qwen2.5-72B (base; the Instruct model has norm_eps=1e-6 and a 32768 context).
     # Sliding window is off in its config (use_sliding_window=false), so attention is full.
     "qwen2.5-72b": ModelConfig(

@@ -76,9 +76,9 @@ before its matmul, so the logits are the whole sequence's, vocab-split.
 Context parallelism (models/context_parallel.py) gives each rank s/c of every row: every
 per-token term above and the mask's rows divide by c. Attention gathers every rank's K and V
 and keeps them for backward: 2 b s k/t P per layer for the whole sequence, of which the
-count above already holds this rank's b (s/c) k/t P in its 3k. The logits are gathered to the
-whole sequence on every CP rank (the loss sees whole rows), so they do not divide: this
-rank's own logits, b (s/c) V/t P, come on top.
+count above already holds this rank's b (s/c) k/t P in its 3k. The logits and their
+workspace are this rank's positions' too (s/c): they become per-position log-probabilities
+before the gather to whole rows (engine/schedule.py), which are a few bytes per token.
 
 A forward-only pass (experience) keeps nothing: it holds one layer's tensors at a time (the
 count above) or, on the last stage of an LM, the logits, whichever is larger.
@@ -213,18 +213,8 @@ def backward_peak(model: ModelConfig, parallel: ParallelConfig, rows: int, seq: 
         + layer_gradients(model, parallel, rows, seq, param_bytes)
     if not logits:
         return layer
-    return max(layer, lm_logits(model, parallel.tensor_parallel, rows, seq, param_bytes)
-               + local_logits(model, parallel, rows, seq, param_bytes))
-
-
-def local_logits(model: ModelConfig, parallel: ParallelConfig, rows: int, seq: int,
-                 param_bytes: int) -> int:
-    """Bytes of this CP rank's own logits, kept beside the whole rows' log-probabilities
-    and workspace (0 at CP1)."""
-    if parallel.context_parallel == 1:
-        return 0
-    t = parallel.tensor_parallel
-    return rows * _local(seq, parallel) * (model.padded_vocab_size(t) // t) * param_bytes
+    return max(layer, lm_logits(model, parallel.tensor_parallel, rows,
+                                _local(seq, parallel), param_bytes))
 
 
 def forwards_in_flight(parallel: ParallelConfig, pp_rank: int, microbatches: int) -> int:
@@ -276,9 +266,8 @@ def forward_pass(model: ModelConfig, parallel: ParallelConfig, rows: int, seq: i
     layer = layer_activations(model, parallel, rows, seq, param_bytes)
     if not logits:
         return layer
-    return max(layer, lm_logits(model, parallel.tensor_parallel, rows, seq, param_bytes,
-                                backward=False)
-               + local_logits(model, parallel, rows, seq, param_bytes))
+    return max(layer, lm_logits(model, parallel.tensor_parallel, rows,
+                                _local(seq, parallel), param_bytes, backward=False))
 
 
 def inference_layer(model: ModelConfig, tp: int, rows: int, seq: int, param_bytes: int) -> int:
