@@ -488,9 +488,12 @@ def test_context_parallel_equals_cp1_through_the_controller(base, tmp_path):
     short = dict(prompts=str(prompts), steps=2, prompts_per_step=4, nproc=2,
                  tensor_parallel=1, placement="disaggregated")
     cp1 = run(dataclasses.replace(base, out_dir=str(tmp_path / "cp1"), **short))
-    cp2 = run(dataclasses.replace(base, out_dir=str(tmp_path / "cp2"), context_parallel=2,
-                                  layout=Layout(critic=RoleLayout(context_parallel=1)),
-                                  **short))
+    config = dataclasses.replace(base, out_dir=str(tmp_path / "cp2"), context_parallel=2,
+                                 layout=Layout(critic=RoleLayout(context_parallel=1)), **short)
+    assert [(g.name, g.parallel.context_parallel, g.parallel.data_parallel_size(g.nproc))
+            for g in group_specs(config)] == [("actor", 2, 1), ("critic", 1, 2), ("ref", 2, 1),
+                                              ("rollout", 1, 1)]
+    cp2 = run(config)
     for step, (ours, theirs) in enumerate(zip(cp2, cp1), start=1):
         strip = {k: v for k, v in _without_timings(theirs).items()
                  if not k.startswith("memory/")}  # bytes per rank: the layouts differ
@@ -936,6 +939,16 @@ CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="checks made on 
     ([[5] * 30], {"max_tokens_per_micro_batch": 40},
      r"max_tokens_per_micro_batch=40 cannot hold the longest prompt \(30 tokens\) \+ "
      r"max_new_tokens=16; raise it to at least 46"),
+    # Under CP2 a row is padded to a multiple of 2 x CP = 4: 47 tokens take 48 positions.
+    ([[5] * 31], {"max_tokens_per_micro_batch": 47, "context_parallel": 2, "nproc": 2,
+                  "placement": "disaggregated"},
+     r"max_tokens_per_micro_batch=47 cannot hold the longest prompt \(31 tokens\) \+ "
+     r"max_new_tokens=16; raise it to at least 48"),
+    # The colocated Megatron engine generates at the actor's layout, which has no CP.
+    ([[5]], {"context_parallel": 2, "nproc": 2},
+     r"the colocated Megatron rollout backend runs at PP=1 and CP=1"),
+    ([[5]], {"context_parallel": 2, "nproc": 3},
+     r"nproc=3 is not a multiple of tensor_parallel x pipeline_parallel x context_parallel = 2"),
     pytest.param([[5]], {"rollout_backend": "vllm", "vllm_model_dir": "hf"},
                  r"vLLM's CPU attention cannot serve the actor's head_dim 16", marks=CPU_ONLY),
     pytest.param([[5]], {"rollout_backend": "vllm", "vllm_model_dir": "hf",

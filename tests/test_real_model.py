@@ -4,7 +4,8 @@ path, with the commands the README's "Bring your own model" section gives.
 1. Convert at TP3 x PP2 (a non-power-of-two TP, with pipeline stages, tied embeddings), verify
    logits against HF transformers (tolerance 1e-4, the converter's default: fp32 over 30
    layers, measured ~6e-5), export back to HF bitwise equal to the source.
-2. GRPO, 2 steps, vLLM rollouts on 2 colocated ranks, on chat-message prompt rows with ground
+2. GRPO, 2 steps, vLLM rollouts on 2 colocated ranks that split every row by context
+   parallelism (CP2: each rank runs 2 of 4 chunks), on chat-message prompt rows with ground
    truth (capital cities), templated by the run with the checkpoint's own tokenizer, scored by
    a batched text reward, validated on held-out rows before step 1 and after the last: the
    trainer-vs-engine logprob gap below 1e-4 (max, fp32, 30 layers; the guard would stop the
@@ -120,9 +121,10 @@ def grpo_run(hf_dir, actor, work):
         # tied embedding through offload, the staged wake and the re-sync.
         "offload_params: true\noffload_grads: true\noffload_optimizer: true\n"
         "rollout_sleep: true\n"
-        # Every role on packed token-budget micro-batches: the trainer's logprobs of packed
-        # rows against vLLM's of the same samples (the gap check below).
-        "max_tokens_per_micro_batch: 256\npack_sequences: true\n")
+        # Every role on packed token-budget micro-batches, each packed row split over the two
+        # ranks (CP2): the trainer's logprobs of packed rows, computed in halves, against
+        # vLLM's of the same samples (the gap check below).
+        "max_tokens_per_micro_batch: 256\npack_sequences: true\ncontext_parallel: 2\n")
     preview = _run(sys.executable, "-m", "megarlhf.cli", "data", "--config", str(recipe))
     print(preview)
     assert f"{len(real_tasks.TRAIN)} prompts kept, 0 skipped; format chat" in preview, preview
