@@ -838,7 +838,7 @@ def test_sft_dry_run_checks_data_and_layout_and_starts_nothing(tmp_path, monkeyp
     path.write_text(yaml.safe_dump(to_dict(cfg)))
     code, out, _ = run_cli(["sft", "--config", str(path), "--nproc", "4", "--dry-run"], capsys)
     assert code == 0 and "dry run: would train sft for 3 steps (from step 0) on 4 rank(s) at " \
-        "TP2 x PP1 x DP2, 2 micro-batch(es) of 2 per step; 20 training examples" in out
+        "TP2 x PP1 x CP1 x DP2, 2 micro-batch(es) of 2 per step; 20 training examples" in out
     code, _, err = run_cli(["sft", "--config", str(path), "--nproc", "3", "--dry-run"], capsys)
     assert code == 2 and "world size 3 is not divisible" in err
 

@@ -86,7 +86,7 @@ class RoleLayout(LayoutOverride):
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """The per-role layout section. A model role's fields left unset take the run's
-    top-level tensor_parallel / pipeline_parallel. Roles that share ranks (every role when
+    top-level tensor_parallel / pipeline_parallel / context_parallel. Roles that share ranks (every role when
     colocated; reference and reward when disaggregated) must resolve to one layout."""
 
     actor: RoleLayout = dataclasses.field(default_factory=RoleLayout)

@@ -44,7 +44,7 @@ def describe(stage: str, cfg: SFTConfig | RMConfig, checked: Plan, nproc: int | 
     start = f"resuming from {checked.resume_from}" if checked.resume_from else "from step 0"
     return (f"dry run: would train {stage} for {cfg.train.steps} steps ({start}) on {world} "
             f"rank(s) at TP{cfg.parallel.tensor_parallel} x PP{cfg.parallel.pipeline_parallel}"
-            f" x DP{dp}, {micro} micro-batch(es) of {cfg.train.micro_batch_size} per step; "
+            f" x CP{cfg.parallel.context_parallel} x DP{dp}, {micro} micro-batch(es) of {cfg.train.micro_batch_size} per step; "
             f"{len(checked.examples.train)} training examples; model "
             f"{checked.model.num_layers} layers, hidden {checked.model.hidden_size}; outputs in "
             f"{cfg.train.output_dir}")
