@@ -15,6 +15,7 @@ import types
 import pytest
 import torch
 
+from megarlhf.data.packing import document_mask
 from megarlhf.roles.batching import (
     Batching, about_token, at_last_token, balance, fit, microbatches, spans,
 )
@@ -36,7 +37,7 @@ def _stand_in_model(mb: dict) -> torch.Tensor:
     """[R, L] int64: per query, a sum over the keys it may see of a hash of their (token,
     position), plus its own: a wrong mask, position or token changes it."""
     pair = mb["tokens"] * 1009 + mb["position_ids"] * 7 + 1  # [R, L]
-    visible = ~mb["attention_mask"][:, 0]  # [R, Lq, Lk]
+    visible = ~document_mask(mb["document_ids"])[:, 0]  # [R, Lq, Lk]
     return (visible * (pair * (mb["position_ids"] + 3))[:, None, :]).sum(-1) * 31 + pair * 17
 
 
@@ -103,7 +104,7 @@ def test_packed_micro_batch_layout():
     assert mb["tokens"].tolist() == [[5, 6, 7, 8, 9, 0]]
     assert mb["position_ids"].tolist() == [[0, 1, 2, 0, 1, 0]]
     assert mb["labels"].tolist() == [[6, 7, 0, 9, 0, 0]]  # no label across sequences
-    allowed = ~mb["attention_mask"][0, 0]
+    allowed = ~document_mask(mb["document_ids"])[0, 0]
     assert allowed[4].tolist() == [False, False, False, True, True, False]
     assert allowed[5].tolist() == [False] * 5 + [True]  # padding sees only itself
     # Columns 0-3 of the batch: column 4 is padding in both rows.

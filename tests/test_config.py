@@ -142,9 +142,14 @@ def test_the_megatron_engine_refuses_a_sequence_parallel_model():
     from megarlhf.rollout.megatron_engine import _check_layout
 
     tiny, tp2 = preset("tiny"), ParallelConfig(tensor_parallel=2)
-    mesh = types.SimpleNamespace(pp=1, tp=2, config=tp2)
+    mesh = types.SimpleNamespace(pp=1, tp=2, cp=1, config=tp2)
     _check_layout(model_spec(tiny, tp2, on_gpu=False), mesh)
     with pytest.raises(ValueError, match="sequence_parallel=True: megatron-core's static KV "
                                          "cache does not support it"):
         _check_layout(model_spec(tiny, dataclasses.replace(tp2, sequence_parallel=True),
                                  on_gpu=False), mesh)
+    # Nor does its KV cache split sequences over CP ranks.
+    cp2 = dataclasses.replace(tp2, context_parallel=2)
+    with pytest.raises(ValueError, match="context_parallel=2: the engine's KV cache holds"):
+        _check_layout(model_spec(tiny, cp2, on_gpu=False),
+                      types.SimpleNamespace(pp=1, tp=2, cp=2, config=cp2))

@@ -15,7 +15,7 @@ from megarlhf.data.config import DataConfig, DatasetSource
 from megarlhf.data.dataset import load_examples
 from megarlhf.data.encode import Example, encode_records, fit
 from megarlhf.data.order import EpochStream, shuffled, split_eval
-from megarlhf.data.packing import one_per_row, pack, sft_batch
+from megarlhf.data.packing import document_mask, one_per_row, pack, sft_batch
 from megarlhf.data.pairs import pair_batch
 from megarlhf.data.prompts import load_prompts, write_prompt_cache
 from megarlhf.data.records import read_records
@@ -275,7 +275,7 @@ def test_packed_rows_keep_documents_apart():
     # Labels never cross a document boundary; loss only where the label is a response token.
     assert batch["labels"][0].tolist() == [12, 13, 14, 15, 0, 22, 0]
     assert batch["loss_mask"].tolist() == [[0, 1, 1, 1, 0, 1, 0], [0, 0, 1, 0, 0, 0, 0]]
-    allowed = ~batch["attention_mask"][:, 0]
+    allowed = ~document_mask(batch["document_ids"])[:, 0]
     assert allowed[0, 6].tolist() == [False] * 5 + [True, True]  # doc 2 sees only itself
     assert allowed[0, 4].tolist() == [True] * 5 + [False, False]
     assert allowed[1, 5].tolist() == [False] * 5 + [True, False]  # padding sees itself

@@ -66,7 +66,7 @@ def fake_rank(parallel: ParallelConfig, rank: int):
     from megarlhf.compat.megatron import apply_cpu_compat
 
     apply_cpu_compat()
-    world = parallel.model_parallel_size
+    world = parallel.replica_size
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
         # gloo side-groups cannot be made on the fake backend, and building needs none.
@@ -208,8 +208,9 @@ def one_step_state(dtype: torch.dtype, parallel: ParallelConfig = ParallelConfig
     engine = TrainEngine(spec, mesh, OptimConfig(use_distributed_optimizer=True))
     batch = make_batch(model, batch=2 * mesh.dp_size, seq=8, seed=0)
     engine.train_step(rank_microbatches(batch, mesh, 1), lm_loss(mesh, model.vocab_size))
+    # The optimizer shards over DP x CP, as plan/job.py passes it.
     planned = memory.model_state(rank_params(model, parallel, mesh.pp_rank),
-                                 dtype.itemsize, trained=True, dp=mesh.dp_size)
+                                 dtype.itemsize, trained=True, dp=mesh.dp_size * mesh.cp)
     return planned, allocated_model_state(engine)
 
 
@@ -234,15 +235,17 @@ def test_planned_model_state_matches_what_a_cpu_step_allocates(dtype):
 
 
 def one_step_state_at(parallel: ParallelConfig):
-    """One rank of the DP2 run (spawned)."""
+    """One rank of the two-rank run (spawned)."""
     return one_step_state(torch.bfloat16, parallel)
 
 
 @pytest.mark.slow
-def test_planned_optimizer_shards_match_allocation_at_dp2():
+@pytest.mark.parametrize("parallel", [ParallelConfig(), ParallelConfig(context_parallel=2)],
+                         ids=["DP2", "CP2"])
+def test_planned_optimizer_shards_match_allocation_on_two_ranks(parallel):
     from megarlhf.parallel import launch_local
 
-    results = launch_local(one_step_state_at, 2, ParallelConfig())
+    results = launch_local(one_step_state_at, 2, parallel)
     for planned, allocated in results:
         assert_within_10_percent(planned, allocated)
         # Sharded: about half of the 12 bytes per parameter a DP1 run holds (fp32 grads are

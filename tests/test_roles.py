@@ -21,6 +21,7 @@ import statistics
 import pytest
 import torch
 
+from megarlhf.data.packing import document_mask
 from megarlhf.parallel import launch_local
 from megarlhf.parallel.mesh import ParallelConfig as P
 from megarlhf.roles.policy import PolicyLossConfig, ptx_scale
@@ -37,7 +38,7 @@ def test_sequence_batch_positions_and_mask():
                           attention_mask=torch.tensor([[0, 1, 1, 1, 0]]),
                           response_mask=torch.tensor([[0, 0, 0, 1, 0]]))
     assert batch.position_ids().tolist() == [[0, 0, 1, 2, 2]]
-    allowed = ~batch.attention_bias()[0, 0]
+    allowed = ~document_mask(batch.document_ids())[0, 0]
     assert allowed[3].tolist() == [False, True, True, True, False]  # causal, no padding keys
     assert allowed[0].tolist() == [True, False, False, False, False]  # padding sees itself
     # Sequence parallelism's padding: masked columns no real token sees; the last real
@@ -46,8 +47,12 @@ def test_sequence_batch_positions_and_mask():
     assert padded.shape == (1, 8) and padded.response_mask[0, 5:].tolist() == [0, 0, 0]
     inputs, ours = padded.model_inputs(), batch.model_inputs()
     assert torch.equal(inputs["position_ids"][:, :5], ours["position_ids"])
-    assert torch.equal(inputs["attention_mask"][..., :5, :5], ours["attention_mask"])
-    assert inputs["attention_mask"][0, 0, :5, 5:].all()  # real rows never see padding
+    mask, ours_mask = document_mask(inputs["document_ids"]), document_mask(ours["document_ids"])
+    assert torch.equal(mask[..., :5, :5], ours_mask)
+    assert mask[0, 0, :5, 5:].all()  # real rows never see padding
+    # The rows of some queries only (a context-parallel rank's): those rows of the whole.
+    rows = torch.tensor([0, 3, 6])
+    assert torch.equal(document_mask(inputs["document_ids"], rows), mask[:, :, rows])
 
 
 @pytest.mark.parametrize("change,match", [

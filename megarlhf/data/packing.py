@@ -64,13 +64,18 @@ def sft_batch(rows: list[list[Example]], pad_id: int) -> dict[str, torch.Tensor]
             doc[b, start:end] = d
             start = end
     return {"tokens": tokens, "labels": labels, "loss_mask": loss_mask,
-            "position_ids": positions, "attention_mask": document_mask(doc)}
+            "position_ids": positions, "document_ids": doc}
 
 
-def document_mask(doc: torch.Tensor) -> torch.Tensor:
-    """[B, 1, T, T] bool, True = masked, from document ids [B, T]: causal within a document,
-    nothing across. Give padding positions distinct ids of their own (no softmax row is then
-    empty)."""
+def document_mask(doc: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """[B, 1, Q, T] bool, True = masked, from document ids [B, T]: causal within a document,
+    nothing across, for the query positions `rows` [Q] (all T when None). Give padding
+    positions distinct ids of their own (no softmax row is then empty).
+
+    Batches carry the ids [B, T] and the mask is made where the model runs (engine/schedule.py):
+    the mask grows with T^2, the ids with T."""
     T = doc.shape[1]
-    causal = torch.ones(T, T, dtype=torch.bool, device=doc.device).tril()
-    return ~((doc[:, :, None] == doc[:, None, :]) & causal)[:, None]
+    keys = torch.arange(T, device=doc.device)
+    rows = keys if rows is None else rows
+    causal = rows[:, None] >= keys[None, :]
+    return ~((doc[:, rows, None] == doc[:, None, :]) & causal)[:, None]

@@ -189,7 +189,7 @@ def save_checkpoint(path: str, engine, mesh: Mesh, *, extra: dict | None = None,
                                            with_optimizer=with_optimizer), tmp)
     dist.barrier()
     if mesh.rank == 0:
-        layout = {"tp": mesh.tp, "pp": mesh.pp, "dp": mesh.dp_size,
+        layout = {"tp": mesh.tp, "pp": mesh.pp, "cp": mesh.cp, "dp": mesh.dp_size,
                   "vpp": mesh.config.virtual_pipeline_parallel}
         spec = engine.spec
         _write_hf_files(os.path.join(tmp, HF_SIDECAR), engine.provenance["hf_files"])

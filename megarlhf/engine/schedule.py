@@ -1,8 +1,10 @@
 """Micro-batched forward(/backward) through megatron-core's pipeline schedules.
 
 A micro-batch is a dict of tensors with the same keys for every micro-batch of a call;
-`tokens` [B, T] is required, `position_ids` [B, T] and `attention_mask` [B, 1, T, T]
-(True = masked out) are optional. Shapes may differ between micro-batches (token-budget
+`tokens` [B, T] is required, `position_ids` [B, T] and `document_ids` [B, T] are optional:
+with document ids each token attends causally to the earlier tokens of its own id
+(data/packing.document_mask, made on the device for the positions this rank runs), without
+them attention is causal. Shapes may differ between micro-batches (token-budget
 micro-batches, roles/batching.py): the pipeline stages then send each activation's shape
 ahead of it. Every pipeline stage receives the whole dict: later stages
 need the mask and positions, and the loss closure on the last stage needs labels.
@@ -149,20 +151,18 @@ def gather_rows(out: list[dict], key: str, mesh: Mesh) -> torch.Tensor:
 
 def pad_to_multiple(batch: Batch, multiple: int) -> Batch:
     """`batch` with its sequence dimension padded on the right to a multiple of `multiple`
-    (sequence and context parallelism split it): [B, T] tensors with 0, the attention mask
-    [B, 1, T, T] with masked-out keys, a padding query seeing only itself (no empty softmax
-    row). Per-row tensors [B] are kept; nothing reads the padded positions' outputs."""
+    (sequence and context parallelism split it): [B, T] tensors with 0, document ids with
+    new ids of their own (no real token sees a padding key, a padding query sees only
+    itself). Per-row tensors [B] are kept; nothing reads the padded positions' outputs."""
     T = batch["tokens"].shape[1]
     pad = -T % multiple
     if pad == 0:
         return batch
     out = {}
     for key, value in batch.items():
-        if key == "attention_mask":
-            mask = torch.nn.functional.pad(value, (0, pad, 0, pad), value=True)
-            new = torch.arange(T, T + pad)
-            mask[..., new, new] = False
-            out[key] = mask
+        if key == "document_ids":
+            fresh = value.min() - torch.arange(1, pad + 1)
+            out[key] = torch.cat([value, fresh.expand(value.shape[0], pad)], dim=1)
         elif value.dim() == 2 and value.shape[1] == T:
             out[key] = torch.nn.functional.pad(value, (0, pad))
         else:

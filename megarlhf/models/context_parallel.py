@@ -7,7 +7,8 @@ it): a sequence of length T is cut into 2 x CP equal chunks and rank r holds chu
 attend to few keys, late chunks to many).
 
 - `local_inputs`: a micro-batch's model inputs and labels for this CP rank (tokens, labels,
-  positions and the attention mask's rows of its queries, all key columns);
+  positions, and the attention mask's rows of its queries over all key columns, made from the
+  batch's document ids);
 - `ContextParallelAttention`: core attention over this rank's queries and every rank's keys
   and values (gathered in sequence order; their gradients are summed back to the owners);
 - `gather_sequence`: per-position outputs (engine/schedule.py: after the loss's own
@@ -25,6 +26,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.transformer.module import MegatronModule
 
+from megarlhf.data.packing import document_mask
 from megarlhf.parallel.mesh import Mesh
 
 
@@ -95,21 +97,22 @@ def gather_sequence(local: torch.Tensor, dim: int, mesh: Mesh) -> torch.Tensor:
     return _GatherOutputs.apply(local, dim, mesh.cp_group)
 
 
-MODEL_LAYOUT = ("tokens", "labels", "position_ids", "attention_mask")
+MODEL_LAYOUT = ("tokens", "labels", "position_ids")
 """A micro-batch's tensors laid out as the model's positions (the others may be in another
 frame, roles/batching.py)."""
 
 
 def local_inputs(batch: dict, mesh: Mesh) -> dict:
     """The micro-batch's model-layout tensors (MODEL_LAYOUT, those it has) at this CP rank's
-    positions: [B, T / CP], and the attention mask's rows of these queries [B, 1, T / CP, T]
-    (without a mask the attention masks causally)."""
-    inputs = {k: batch[k] for k in MODEL_LAYOUT if k in batch}
-    if mesh.cp == 1:
-        return inputs
-    mine = positions(batch["tokens"].shape[1], mesh.cp, mesh.cp_rank, batch["tokens"].device)
-    return {k: v.index_select(2 if k == "attention_mask" else 1, mine)
-            for k, v in inputs.items()}
+    positions, [B, T / CP], and from its `document_ids` the attention mask's rows of these
+    queries, [B, 1, T / CP, T] (no document ids: no mask, the attention masks causally)."""
+    T = batch["tokens"].shape[1]
+    mine = None if mesh.cp == 1 else positions(T, mesh.cp, mesh.cp_rank, batch["tokens"].device)
+    inputs = {k: batch[k] if mine is None else batch[k].index_select(1, mine)
+              for k in MODEL_LAYOUT if k in batch}
+    if "document_ids" in batch:
+        inputs["attention_mask"] = document_mask(batch["document_ids"], mine)
+    return inputs
 
 
 class ContextParallelAttention(MegatronModule):

@@ -80,7 +80,10 @@ def to_transformer_config(
         use_cpu_initialization=not on_gpu,
         # Fused kernels exist only on GPU.
         bias_activation_fusion=on_gpu,
-        masked_softmax_fusion=on_gpu,
+        # Off everywhere: the local spec's fused causal softmax ignores the explicit mask our
+        # batches carry (left padding, packed documents, a CP rank's query rows); the GPU
+        # paths are Transformer Engine's and SDPA's attention, which do not use it.
+        masked_softmax_fusion=False,
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,

@@ -57,7 +57,7 @@ class ParallelConfig:
             raise ValueError("sequence_parallel=True needs tensor_parallel > 1")
 
     @property
-    def model_parallel_size(self) -> int:
+    def replica_size(self) -> int:
         """Ranks that together run one data-parallel replica: TP x PP x CP."""
         return self.tensor_parallel * self.pipeline_parallel * self.context_parallel
 
@@ -82,14 +82,14 @@ class ParallelConfig:
                                             if v is not None and k in mine})
 
     def data_parallel_size(self, world_size: int) -> int:
-        if world_size % self.model_parallel_size:
+        if world_size % self.replica_size:
             raise ValueError(
                 f"world size {world_size} is not divisible by tensor_parallel x pipeline_parallel "
                 f"x context_parallel = {self.tensor_parallel} x {self.pipeline_parallel} x "
-                f"{self.context_parallel} = {self.model_parallel_size}; use a world size that "
-                f"is a multiple of {self.model_parallel_size}"
+                f"{self.context_parallel} = {self.replica_size}; use a world size that "
+                f"is a multiple of {self.replica_size}"
             )
-        return world_size // self.model_parallel_size
+        return world_size // self.replica_size
 
 
 @dataclasses.dataclass(frozen=True)

@@ -414,7 +414,10 @@ def _stage(config: PPOConfig, spec: GroupSpec, models: dict[str, ModelSource],
         lm = not models[role].value_head
         n = rank_params(model, parallel, pp_rank, value_head=not lm)
         terms += [Term(role, what, b, **residency(config, role, what))
-                  for what, b in memory.model_state(n, nbytes, trained=trained, dp=dp).items()]
+                  # The distributed optimizer shards over DP x CP (CP ranks hold the
+                  # same weights).
+                  for what, b in memory.model_state(n, nbytes, trained=trained,
+                                                    dp=dp * mesh.context_parallel).items()]
         terms.append(Term(role, "forward pass", memory.forward_pass(
             model, parallel, exp_rows, mb_seq, nbytes, logits=lm and last), running=experience))
         if trained:

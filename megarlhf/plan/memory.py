@@ -14,7 +14,9 @@ grad_reduce_in_fp32=True and the distributed optimizer over torch Adam):
     grads      N x 4                 fp32 main-grad buffer, whatever the param dtype
     optimizer  N x (8 + 4m) / DP     Adam exp_avg + exp_avg_sq in fp32, plus fp32 master
                                      weights (m = 1) when params are 16-bit; fp32 params are
-                                     their own master weights (m = 0). Sharded over DP.
+                                     their own master weights (m = 0). Sharded over DP
+                                     (x CP: megatron-core's distributed optimizer shards
+                                     over the DP x CP ranks, which hold the same weights).
 
 A frozen role (no optimizer) holds its weights only. Offloading (plan.job) moves weights and
 optimizer states to pinned host memory (the same bytes) and drops grads.
@@ -108,7 +110,8 @@ RECOMPUTE = ("none", "selective", "full")
 
 
 def model_state(params: int, param_bytes: int, *, trained: bool, dp: int) -> dict[str, int]:
-    """{'weights', 'grads', 'optimizer'} bytes of one role on one rank (frozen: weights only)."""
+    """{'weights', 'grads', 'optimizer'} bytes of one role on one rank (frozen: weights only);
+    `dp`: the ranks the optimizer states are sharded over (DP x CP)."""
     state = {"weights": params * param_bytes}
     if trained:
         per_param = ADAM_STATE_BYTES + (MASTER_WEIGHT_BYTES if param_bytes < FP32_BYTES else 0)
@@ -178,8 +181,9 @@ def kept_per_layer(model: ModelConfig, parallel: ParallelConfig, rows: int, seq:
     if recompute == "full":
         return layer_input(model, parallel, rows, seq, param_bytes)
     layer = layer_activations(model, parallel, rows, seq, param_bytes)
-    if recompute == "selective":
-        return layer - attention_lse(model, parallel, rows, seq)
+    if recompute == "selective":  # the core attention keeps its local inputs only
+        return layer - attention_lse(model, parallel, rows, seq) \
+            - gathered_kv(model, parallel, rows, seq, param_bytes)
     if recompute == "none":
         return layer
     raise ValueError(f"recompute must be one of {RECOMPUTE}, got {recompute!r}")
@@ -193,7 +197,8 @@ def rebuilt(model: ModelConfig, parallel: ParallelConfig, rows: int, seq: int,
     if recompute == "full":
         return layer_activations(model, parallel, rows, seq, param_bytes)
     if recompute == "selective":
-        return attention_lse(model, parallel, rows, seq)
+        return attention_lse(model, parallel, rows, seq) \
+            + gathered_kv(model, parallel, rows, seq, param_bytes)
     return 0
 
 

@@ -43,7 +43,7 @@ def header(plan: Plan, recipe: str) -> list[str]:
         f"({_gib(cluster.usable_host_bytes)} GiB usable for pinned memory)",
         f"job: {c.algorithm}, {c.placement} placement, {plan.gpus_needed} of {cluster.gpus} "
         f"GPUs; params {_bits(nbytes)}, fp32 grads, Adam states (+ fp32 master "
-        f"weights for 16-bit params) sharded over DP by the distributed optimizer",
+        f"weights for 16-bit params) sharded over DP (x CP) by the distributed optimizer",
         f"batch: {c.prompts_per_step} prompts x {c.samples_per_prompt} samples, sequences of "
         f"{plan.prompt_len} prompt + {c.max_new_tokens} response tokens, {c.mini_batches} "
         f"mini-batch(es) x {c.micro_batches} micro-batch(es) per DP rank; rollout: {rollout}",

@@ -458,7 +458,7 @@ class PPOConfig:
             problems.append("max_tokens_per_micro_batch sets the number of micro-batches: "
                             "leave micro_batches at 1")
         # At least 1: a model-parallel size above nproc is reported above, not divided by.
-        for dp in sorted({max(1, self.nproc // p.model_parallel_size)
+        for dp in sorted({max(1, self.nproc // p.replica_size)
                           for p in self._valid_layouts().values()}):
             if budget is not None:  # any rows per DP rank, at least one
                 if rows % self.mini_batches or rows // self.mini_batches < dp:
@@ -610,10 +610,10 @@ class PPOConfig:
             except ValueError as e:
                 problems.append(f"layout.{key}: {e}")
                 continue
-            if self.nproc % parallel.model_parallel_size:
+            if self.nproc % parallel.replica_size:
                 problems.append(f"layout.{key}: nproc={self.nproc} is not a multiple of "
                                 f"tensor_parallel x pipeline_parallel x context_parallel = "
-                                f"{parallel.model_parallel_size}")
+                                f"{parallel.replica_size}")
         layouts = self._valid_layouts()
         # Roles that share ranks share one mesh: megatron-core's parallel state is one per
         # process.

@@ -38,7 +38,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megarlhf.data.packing import document_mask
 from megarlhf.engine.schedule import rank_rows
 from megarlhf.engine.train import TrainEngine
 from megarlhf.parallel.mesh import ParallelConfig
@@ -211,7 +210,7 @@ def _microbatch(batch: SequenceBatch, rows: list[int], first: torch.Tensor, end:
         inputs = sub.right_padded(L - W).model_inputs()
         token_index = torch.where(real, torch.arange(b * L).view(b, L)[:, :W], -1)
     return {"tokens": inputs["tokens"], "labels": inputs["labels"],
-            "position_ids": inputs["position_ids"], "attention_mask": inputs["attention_mask"],
+            "position_ids": inputs["position_ids"], "document_ids": inputs["document_ids"],
             "rows": r, "col0": torch.tensor(c0), "token_index": token_index,
             **{name: value[r, c0:c1] for name, value in per_token.items()}}
 
@@ -233,7 +232,7 @@ def _packed_inputs(tokens: torch.Tensor, lengths: torch.Tensor, multiple: int
     return ({"tokens": F.pad(tokens.long(), (0, pad))[None],
              "labels": F.pad(labels.long(), (0, pad))[None],
              "position_ids": F.pad(positions, (0, pad))[None],
-             "attention_mask": document_mask(doc[None])}, torch.arange(n))
+             "document_ids": doc[None]}, torch.arange(n))
 
 
 def about_token(mb: dict, per_position: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,6 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from megarlhf.data.packing import document_mask
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,16 +68,18 @@ class SequenceBatch:
         """Positions counted over real tokens only, so left padding does not shift them."""
         return (self.attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)
 
-    def attention_bias(self) -> torch.Tensor:
-        """[B, 1, T, T] bool, True = masked: causal, no padding keys. A padding query sees only
-        itself, so no softmax row is empty (its output is never used)."""
+    def document_ids(self) -> torch.Tensor:
+        """[B, T] for data/packing.document_mask: 0 on a row's real tokens, a negative id of
+        its own on each padding position. The mask is then causal without padding keys, and
+        a padding query sees only itself, so no softmax row is empty (its output is never
+        used)."""
         _, T = self.shape
-        padding = -torch.arange(1, T + 1).expand(self.shape)  # an id of its own per position
-        return document_mask(torch.where(self.attention_mask.bool(), 0, padding))
+        padding = -torch.arange(1, T + 1).expand(self.shape)
+        return torch.where(self.attention_mask.bool(), 0, padding)
 
     def model_inputs(self) -> dict[str, torch.Tensor]:
         """The model's inputs for this batch, one row per sequence (roles/batching.py lays
         micro-batches out)."""
         labels = torch.cat([self.tokens[:, 1:], torch.zeros_like(self.tokens[:, :1])], dim=1)
         return {"tokens": self.tokens.long(), "labels": labels.long(),
-                "position_ids": self.position_ids(), "attention_mask": self.attention_bias()}
+                "position_ids": self.position_ids(), "document_ids": self.document_ids()}

@@ -315,6 +315,9 @@ def _check_layout(spec: ModelSpec, mesh: Mesh) -> None:
         problems.append(f"pipeline_parallel={mesh.pp} (virtual "
                         f"{mesh.config.virtual_pipeline_parallel}): the engine generates at "
                         f"PP=1 only; give it a mesh with tensor parallelism alone")
+    if mesh.cp > 1:
+        problems.append(f"context_parallel={mesh.cp}: the engine's KV cache holds whole "
+                        f"sequences; give it a mesh without context parallelism")
     if mesh.config.sequence_parallel or spec.transformer.sequence_parallel:
         problems.append("sequence_parallel=True: megatron-core's static KV cache does not "
                         "support it; use an inference mesh and model spec without it (the "
