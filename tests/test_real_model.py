@@ -2,8 +2,11 @@
 path, with the commands the README's "Bring your own model" section gives.
 
 1. Convert at TP3 x PP2 (a non-power-of-two TP, with pipeline stages, tied embeddings), verify
-   logits against HF transformers (tolerance 1e-4, the converter's default: fp32 over 30
-   layers, measured ~6e-5), export back to HF bitwise equal to the source.
+   logits against HF transformers, export back to HF bitwise equal to the source. Tolerance
+   3e-4 on logits of magnitude ~34 (fp32 over 30 layers): with transformers 5.19 HF's own fp32
+   forward is 1.7e-4 from a float64 forward of the same weights, ours at TP3 x PP2 8.5e-5, so
+   the two fp32 results differ by 1.4e-4 (6e-5 with earlier transformers); the bound is twice
+   HF's own rounding, and top-1 agreement must be 1.0. A misplaced tensor shows at > 1e-1.
 2. GRPO, 2 steps, vLLM rollouts on 2 colocated ranks that split every row by context
    parallelism (CP2: each rank runs 2 of 4 chunks), on chat-message prompt rows with ground
    truth (capital cities), templated by the run with the checkpoint's own tokenizer, scored by
@@ -77,7 +80,7 @@ def _tensors(directory: str) -> dict[str, torch.Tensor]:
 
 def test_convert_at_tp3_pp2_verifies_and_exports_bitwise(hf_dir, actor, work):
     report = _run(sys.executable, "-m", "tools.convert_hf.verify", "--hf", hf_dir, "--ckpt",
-                  actor, "--tp", "3", "--pp", "2")  # exits 1 above its 1e-4 tolerance
+                  actor, "--tp", "3", "--pp", "2", "--tolerance", "3e-4")  # exits 1 above
     print(report)
     assert "PASS logits at TP3xPP2" in report and "top-1 agreement 1.0000" in report, report
     out = str(work / "exported")
