@@ -13,14 +13,15 @@ attend to few keys, late chunks to many).
   and values (gathered in sequence order; their gradients are summed back to the owners);
 - `gather_sequence`: per-position outputs (engine/schedule.py: after the loss's own
   per-position step, an LM's log-probabilities rather than its logits) over the whole
-  sequence on every CP rank. Every CP rank then computes the same loss from the same outputs, and its backward
-  keeps only the gradient of its own positions, so the parameter gradients of the CP ranks
+  sequence on every CP rank. Every CP rank then computes the same loss from the same
+  outputs, and its backward keeps only the gradient of its own positions, so the parameter gradients of the CP ranks
   add up to the gradient of the loss (megatron-core's DDP sums them over DP x CP).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 import torch.distributed as dist
@@ -40,10 +41,11 @@ def positions(length: int, cp: int, rank: int, device=None) -> torch.Tensor:
     return torch.cat([idx[rank], idx[2 * cp - 1 - rank]])
 
 
-def _all_positions(length: int, group) -> torch.Tensor:
-    """The positions every rank of `group` holds, rank after rank: the order of a gather."""
-    cp = dist.get_world_size(group)
-    return torch.cat([positions(length, cp, r) for r in range(cp)])
+@functools.lru_cache(maxsize=64)
+def _sequence_order(length: int, cp: int) -> torch.Tensor:
+    """Where each position of the sequence sits among the CP ranks' parts laid rank after
+    rank (a gather's order); cached: every layer's keys and values need it."""
+    return torch.argsort(torch.cat([positions(length, cp, r) for r in range(cp)]))
 
 
 def _gather(local: torch.Tensor, dim: int, group) -> torch.Tensor:
@@ -52,8 +54,7 @@ def _gather(local: torch.Tensor, dim: int, group) -> torch.Tensor:
     parts = [torch.empty_like(local) for _ in range(cp)]
     dist.all_gather(parts, local.contiguous(), group=group)
     stacked = torch.cat(parts, dim=dim)
-    order = torch.argsort(_all_positions(stacked.shape[dim], group)).to(local.device)
-    return stacked.index_select(dim, order)
+    return stacked.index_select(dim, _sequence_order(stacked.shape[dim], cp).to(local.device))
 
 
 class _GatherOutputs(torch.autograd.Function):
@@ -62,7 +63,7 @@ class _GatherOutputs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, local, dim, group):
-        ctx.dim, ctx.group, ctx.length = dim, group, local.shape[dim]
+        ctx.dim, ctx.group = dim, group
         return _gather(local, dim, group)
 
     @staticmethod
@@ -138,10 +139,10 @@ class ContextParallelAttention(MegatronModule):
                                       "sequences nor an attention bias")
         key = _GatherKeys.apply(key, 0, self.group)
         value = _GatherKeys.apply(value, 0, self.group)
-        if attention_mask is None:
+        if attention_mask is None:  # causal: the whole sequence is one document
             length = key.shape[0]
             mine = positions(length, dist.get_world_size(self.group),
                              dist.get_rank(self.group), query.device)
-            attention_mask = (mine[:, None] < torch.arange(length, device=query.device))
-            attention_mask = attention_mask[None, None]
+            one_document = torch.zeros(1, length, dtype=torch.long, device=query.device)
+            attention_mask = document_mask(one_document, mine)
         return self.inner(query, key, value, attention_mask, attn_mask_type=attn_mask_type)

@@ -6,7 +6,9 @@ from __future__ import annotations
 import functools
 import math
 
+from megarlhf.models.specs import resolve_layer_spec
 from megarlhf.parallel import launch_local
+from megarlhf.parallel.device import accelerator_available
 from megarlhf.parallel.mesh import started_by_launcher
 from megarlhf.parallel.mesh import DistEnv
 from megarlhf.sft.config import RMConfig, SFTConfig
@@ -54,5 +56,8 @@ def check_layout(cfg: SFTConfig | RMConfig, checked: Plan, world: int) -> tuple[
     """(DP size, micro-batches per step) of the layout on `world` ranks; ValueError if the
     model's heads, layers or vocabulary, the world size or the batch do not divide."""
     checked.model.check_parallel(cfg.parallel)
+    # The layer spec the ranks will resolve (te needs a GPU and runs without CP).
+    resolve_layer_spec(cfg.model.layer_spec, on_gpu=accelerator_available(),
+                       context_parallel=cfg.parallel.context_parallel)
     dp = cfg.parallel.data_parallel_size(world)
     return dp, cfg.train.num_microbatches(dp)
