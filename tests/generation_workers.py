@@ -11,7 +11,7 @@ import dataclasses
 
 import torch
 
-from megarlhf.models.arch import architecture
+from megarlhf.models.arch import architecture_for_model
 from megarlhf.models.config import ModelConfig
 from megarlhf.models.gpt import build_model, model_spec
 from megarlhf.parallel.mesh import ParallelConfig, init_mesh
@@ -29,9 +29,9 @@ def random_hf_weights(model: ModelConfig, seed: int) -> list[tuple[str, torch.Te
     that next-token distributions are peaked and greedy choices are far from ties."""
     g = torch.Generator().manual_seed(seed)
     weights = []
-    for rule in architecture("llama").rules(model, lm_head=True, value_head=False):
-        for layer in range(model.num_layers) if rule.per_layer else [None]:
-            for name, shape in zip(rule.hf_names(layer), rule.hf_shapes):
+    for rule in architecture_for_model(model).rules(model, lm_head=True, value_head=False):
+        for index in rule.indices(model):
+            for name, shape in zip(rule.hf_names(index), rule.hf_shapes):
                 noise = torch.randn(shape, generator=g)
                 weights.append((name, 1 + 0.1 * noise if len(shape) == 1 else 0.15 * noise))
     return weights
@@ -45,12 +45,12 @@ def model_hf_weights(chunk: torch.nn.Module, model: ModelConfig) -> list[tuple[s
         target = full.setdefault(piece.unit, piece.data.new_zeros(piece.full_shape))
         piece.region(target).copy_(piece.data)
     weights = []
-    for rule in architecture("llama").rules(model, lm_head=True, value_head=False):
-        for layer in range(model.num_layers) if rule.per_layer else [None]:
-            tensors = rule.split(full[rule.mcore, layer])
+    for rule in architecture_for_model(model).rules(model, lm_head=True, value_head=False):
+        for index in rule.indices(model):
+            tensors = rule.split(full[rule.mcore, index])
             if rule.vocab:
                 tensors = [t[: model.vocab_size] for t in tensors]
-            weights += [(n, t.clone()) for n, t in zip(rule.hf_names(layer), tensors)]
+            weights += [(n, t.clone()) for n, t in zip(rule.hf_names(index), tensors)]
     return weights
 
 

@@ -26,7 +26,15 @@ ARCHS = {
     "qwen2": ("Qwen2", dict(tie_word_embeddings=True)),
     # QK-norm and a head_dim that is not hidden / heads.
     "qwen3": ("Qwen3", dict(head_dim=32)),
+    # Mixture of experts: 4 experts, top-2. Qwen3-MoE's top-k weights kept unnormalised
+    # (softmax over all experts, Qwen2-MoE style), Mixtral's renormalised, so both router
+    # variants are checked against HF.
+    "qwen3_moe": ("Qwen3Moe", dict(head_dim=32, num_experts=4, num_experts_per_tok=2,
+                                   moe_intermediate_size=48, norm_topk_prob=False)),
+    "mixtral": ("Mixtral", dict(num_local_experts=4, num_experts_per_tok=2,
+                                intermediate_size=48, rope_theta=1e6)),
 }
+MOE_ARCHS = ("qwen3_moe", "mixtral")
 
 
 def make_config(arch: str, *, seq_cls: bool = False, **overrides):

@@ -17,7 +17,7 @@ from megarlhf.convert.mcore_to_hf import mcore_to_hf
 from megarlhf.models.presets import preset
 from megarlhf.parallel import launch_local
 from megarlhf.parallel.mesh import ParallelConfig, free_port
-from tests import bridge_workers, workers
+from tests import bridge_workers, hf_models, workers
 
 pytestmark = pytest.mark.slow
 NAMES = ["llama", "qwen2", "qwen3"]  # GQA + Llama-3 RoPE; tied embeddings + bias; QK-norm
@@ -114,6 +114,49 @@ def test_disaggregated_stream_reaches_every_engine_rank(checkpoints):
     for streamed, bucket_bytes in results[4:]:
         assert_bitwise(streamed, exported)
         assert len(bucket_bytes) > 3
+
+
+# Mixture of experts: each EP rank holds its experts, which the EP group's other ranks get by
+# broadcast; under expert-TP an expert's matrices are gathered over its expert-TP group first.
+MOE_LAYOUTS = {
+    "TP2xEP2": ParallelConfig(tensor_parallel=2, sequence_parallel=True, expert_parallel=2),
+    "PP2xEP2": ParallelConfig(pipeline_parallel=2, expert_parallel=2),
+    "EP2xETP2": ParallelConfig(expert_parallel=2, expert_tensor_parallel=2),
+    "EP4": ParallelConfig(expert_parallel=4),
+}
+
+
+@pytest.fixture(scope="module")
+def moe_checkpoints(hf_dirs, tmp_path_factory):
+    root = tmp_path_factory.mktemp("bridge_moe")
+    out = {}
+    for name in hf_models.MOE_ARCHS:
+        ckpt = str(root / name)
+        hf_to_mcore(hf_dirs[name], ckpt, parallel=ParallelConfig())
+        out[name] = (ckpt, _export(ckpt, str(root / f"{name}_hf")))
+    return out
+
+
+def test_moe_colocated_streams_equal_export(moe_checkpoints):
+    names = list(hf_models.MOE_ARCHS)
+    ckpts = [moe_checkpoints[n][0] for n in names]
+    per_rank = launch_local(workers.in_sequence, 4, [
+        (bridge_workers.colocated, (ckpts, parallel, BUCKET), {})
+        for parallel in MOE_LAYOUTS.values()])
+    for rank, per_layout in enumerate(per_rank):
+        for layout, per_ckpt in zip(MOE_LAYOUTS, per_layout):
+            for name, (streamed, _) in zip(names, per_ckpt):
+                assert_bitwise(streamed, moe_checkpoints[name][1])
+
+
+def test_moe_disaggregated_stream_gathers_every_expert(moe_checkpoints):
+    """An EP2 trainer (2 ranks, each holding half the experts) -> a 1-process engine: the
+    replica that sends needs the other replica's experts."""
+    ckpt, exported = moe_checkpoints["mixtral"]
+    results = launch_local(bridge_workers.disaggregated, 3, ckpt,
+                           ParallelConfig(expert_parallel=2), 2, free_port(), free_port(), BUCKET)
+    assert results[:2] == [None] * 2
+    assert_bitwise(results[2][0], exported)
 
 
 def test_stream_peak_memory_within_bound(tmp_path):

@@ -31,10 +31,50 @@ def test_data_parallel_size():
     assert ParallelConfig(tensor_parallel=2, pipeline_parallel=2).data_parallel_size(8) == 2
 
 
+def test_expert_groups_must_divide_each_stage():
+    # EP x expert-TP regroups a stage's TP x CP x DP ranks; it adds no world dimension.
+    assert ParallelConfig(expert_parallel=2).data_parallel_size(2) == 2
+    assert ParallelConfig(tensor_parallel=2, expert_parallel=2).data_parallel_size(2) == 1
+    with pytest.raises(ValueError, match=r"expert_parallel x expert_tensor_parallel = 2 x 2 "
+                                         r"does not divide the 2 ranks of a pipeline stage"):
+        ParallelConfig(expert_parallel=2, expert_tensor_parallel=2).data_parallel_size(2)
+    assert ParallelConfig(expert_parallel=2, expert_tensor_parallel=2).data_parallel_size(4) == 4
+    assert ParallelConfig(expert_parallel=2, expert_tensor_parallel=2).min_data_parallel == 4
+    assert ParallelConfig(tensor_parallel=2, expert_parallel=4).min_data_parallel == 2
+    assert ParallelConfig(tensor_parallel=4, expert_parallel=2).min_data_parallel == 1
+    # Unset, expert-TP is TP without EP (experts split like any MLP) and 1 with it.
+    assert ParallelConfig(tensor_parallel=2).expert_tp == 2
+    assert ParallelConfig(tensor_parallel=2, expert_parallel=2).expert_tp == 1
+
+
+def test_experts_must_divide_over_expert_ranks():
+    moe = dataclasses.replace(preset("tiny"), num_experts=6, moe_ffn_hidden_size=30)
+    with pytest.raises(ValueError, match="expert_parallel=4 does not divide num_experts=6"):
+        moe.check_parallel(ParallelConfig(expert_parallel=4))
+    with pytest.raises(ValueError, match="expert_tensor_parallel=4 does not divide .* "
+                                         "moe_ffn_hidden_size=30"):
+        moe.check_parallel(ParallelConfig(expert_parallel=2, expert_tensor_parallel=4))
+    with pytest.raises(ValueError, match="need a mixture-of-experts model"):
+        preset("tiny").check_parallel(ParallelConfig(expert_parallel=2))
+    # megatron-core's MoE layer trains at TP > 1 only with sequence parallelism.
+    tp2 = ParallelConfig(tensor_parallel=2)
+    moe.check_parallel(tp2)
+    with pytest.raises(ValueError, match="trains at tensor_parallel=2 only with "
+                                         "sequence_parallel=True"):
+        moe.check_parallel(tp2, training=True)
+    with pytest.raises(ValueError, match="moe_router_topk .7. exceeds num_experts .6."):
+        dataclasses.replace(moe, moe_router_topk=7)
+
+
 @pytest.mark.parametrize("kwargs, match", [
     ({"tensor_parallel": 0}, "tensor_parallel must be a positive integer"),
     ({"virtual_pipeline_parallel": 2}, "needs pipeline_parallel >= 2"),
     ({"sequence_parallel": True}, "needs tensor_parallel > 1"),
+    ({"expert_parallel": 0}, "expert_parallel must be a positive integer"),
+    ({"expert_parallel": 2, "expert_tensor_parallel": 0},
+     "expert_tensor_parallel must be a positive integer"),
+    # Without EP, megatron-core reduces expert gradients as dense ones: experts split over TP.
+    ({"tensor_parallel": 2, "expert_tensor_parallel": 1}, "at expert_parallel=1: without EP"),
 ])
 def test_parallel_config_rejects(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -142,7 +182,7 @@ def test_the_megatron_engine_refuses_a_sequence_parallel_model():
     from megarlhf.rollout.megatron_engine import _check_layout
 
     tiny, tp2 = preset("tiny"), ParallelConfig(tensor_parallel=2)
-    mesh = types.SimpleNamespace(pp=1, tp=2, cp=1, config=tp2)
+    mesh = types.SimpleNamespace(pp=1, tp=2, cp=1, ep=1, config=tp2)
     _check_layout(model_spec(tiny, tp2, on_gpu=False), mesh)
     with pytest.raises(ValueError, match="sequence_parallel=True: megatron-core's static KV "
                                          "cache does not support it"):
@@ -152,4 +192,10 @@ def test_the_megatron_engine_refuses_a_sequence_parallel_model():
     cp2 = dataclasses.replace(tp2, context_parallel=2)
     with pytest.raises(ValueError, match="context_parallel=2: the engine's KV cache holds"):
         _check_layout(model_spec(tiny, cp2, on_gpu=False),
-                      types.SimpleNamespace(pp=1, tp=2, cp=2, config=cp2))
+                      types.SimpleNamespace(pp=1, tp=2, cp=2, ep=1, config=cp2))
+    # Nor can expert-parallel ranks, which run every forward together, stop on their own.
+    moe = dataclasses.replace(tiny, num_experts=4, moe_ffn_hidden_size=32)
+    ep2 = dataclasses.replace(tp2, expert_parallel=2)
+    with pytest.raises(ValueError, match="expert_parallel=2: expert-parallel ranks must run"):
+        _check_layout(model_spec(moe, ep2, on_gpu=False),
+                      types.SimpleNamespace(pp=1, tp=2, cp=1, ep=2, config=ep2))

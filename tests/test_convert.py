@@ -4,6 +4,7 @@ trips, dtype, sharded export that transformers loads, and bad input."""
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import io
 import json
 import logging
@@ -19,7 +20,7 @@ from megarlhf.convert.hf_to_mcore import hf_to_mcore
 from megarlhf.convert.mcore_to_hf import mcore_to_hf
 from megarlhf.convert.safetensors_io import SafetensorsReader
 from megarlhf.engine.checkpoint import read_meta
-from megarlhf.models.arch import architecture, architecture_for_hf_class
+from megarlhf.models.arch import architecture, architecture_for_hf_class, architecture_for_model
 from megarlhf.models.config import ModelConfig
 from megarlhf.parallel.mesh import ParallelConfig
 from tests import hf_models
@@ -74,6 +75,10 @@ def test_fused_qkv_is_grouped_by_kv_head():
                    kv_channels=16, theta=10000.0)),
     ("qwen3", dict(rope_scaling_type=None, qkv_bias=False, qk_norm=True, tied=False,
                    kv_channels=32, theta=10000.0)),
+    ("qwen3_moe", dict(rope_scaling_type=None, qkv_bias=False, qk_norm=True, tied=False,
+                       kv_channels=32, theta=10000.0)),
+    ("mixtral", dict(rope_scaling_type=None, qkv_bias=False, qk_norm=False, tied=False,
+                     kv_channels=16, theta=1e6)),
 ])
 def test_config_translation(arch, expect):
     config = hf_models.make_config(arch)
@@ -89,6 +94,28 @@ def test_config_translation(arch, expect):
         s = m.rope_scaling
         assert (s.factor, s.low_freq_factor, s.high_freq_factor,
                 s.original_max_position_embeddings) == (8.0, 1.0, 4.0, 64)
+    moe = {"qwen3_moe": (4, 48, 2, False), "mixtral": (4, 48, 2, True)}.get(arch)
+    assert (m.num_experts, m.moe_ffn_hidden_size, m.moe_router_topk, m.moe_norm_topk) == (
+        moe or (None, None, 2, True))
+    assert m.moe_aux_loss_coeff == 0.0  # HF trains without it unless output_router_logits
+
+
+def test_moe_aux_loss_coefficient_follows_hf_training():
+    config = hf_models.make_config("mixtral", output_router_logits=True,
+                                   router_aux_loss_coef=0.02)
+    assert architecture("mixtral").model_config(config).moe_aux_loss_coeff == 0.02
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_moe_hf_config_of_a_model_without_hf_origin_round_trips(arch):
+    a = architecture(arch)
+    m = a.model_config(hf_models.make_config(arch, output_router_logits=True,
+                                             router_aux_loss_coef=0.01))
+    config = getattr(transformers, hf_models.ARCHS[arch][0] + "Config")(**a.hf_config(m))
+    back = a.model_config(config)
+    assert back.kv_channels == m.kv_channels  # head_dim written out even where HF derives it
+    assert dataclasses.replace(back, head_dim=m.head_dim) == m
+    assert architecture_for_model(m).name == arch  # the MoE look-alike, not the dense base
 
 
 def test_sliding_window_shorter_than_context_caps_the_context(caplog):
@@ -104,6 +131,9 @@ def test_sliding_window_shorter_than_context_caps_the_context(caplog):
     ("llama", dict(hidden_act="gelu"), "hidden_act"),
     ("llama", dict(rope_scaling={"rope_type": "yarn", "factor": 4.0,
                                  "original_max_position_embeddings": 64}), "RoPE type 'yarn'"),
+    ("qwen3_moe", dict(mlp_only_layers=[1]), "mlp_only_layers"),
+    ("qwen3_moe", dict(decoder_sparse_step=2), "decoder_sparse_step"),
+    ("mixtral", dict(router_jitter_noise=0.1), "router_jitter_noise"),
 ])
 def test_unsupported_features_are_refused(arch, overrides, match):
     with pytest.raises(ValueError, match=match):
@@ -115,7 +145,8 @@ def test_unsupported_architecture_lists_the_supported_ones():
         architecture_for_hf_class("GPT2LMHeadModel")
 
 
-@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2", "qwen3", "llama_rm", "qwen2_rm"])
+@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral",
+                                  "llama_rm", "qwen2_rm"])
 def test_round_trip_is_bitwise_with_equal_config(hf_dirs, tmp_path, name):
     role = "reward" if name.endswith("_rm") else "actor"
     meta = hf_to_mcore(hf_dirs[name], str(tmp_path / "mc"), parallel=TP2PP2, role=role)

@@ -19,7 +19,7 @@ from megarlhf.convert.mcore_to_hf import mcore_to_hf
 from megarlhf.convert.verify import compare, hf_outputs, verification_batch
 from megarlhf.parallel import launch_local
 from megarlhf.parallel.mesh import ParallelConfig
-from tests import workers
+from tests import hf_models, workers
 from tests.test_convert import assert_same_tensors, load_json
 
 pytestmark = pytest.mark.slow
@@ -136,3 +136,80 @@ def test_saved_by_training_at_tp2pp2_exports_exactly_and_loads_at_other_layouts(
         report = compare(ref, out, tokens, value_head=value_head, pad_id=pad_id, tolerance=TOL,
                          layout=layout)
         assert report.passed, report
+
+
+# Mixture of experts: the experts split over EP ranks (TP x CP x DP regrouped: EP x
+# expert-TP must divide it, so EP2 at TP1 runs two data-parallel replicas). Converted at
+# TP1; the checkpoint is layout-free, so it loads at every expert layout.
+MOE_LAYOUTS = {
+    "EP2": ParallelConfig(expert_parallel=2),
+    "TP2xEP2": ParallelConfig(tensor_parallel=2, expert_parallel=2),
+    "TP2+SPxEP2": ParallelConfig(tensor_parallel=2, sequence_parallel=True, expert_parallel=2),
+    "PP2xEP2": ParallelConfig(pipeline_parallel=2, expert_parallel=2),
+    "EP2xETP2": ParallelConfig(expert_parallel=2, expert_tensor_parallel=2),
+}
+
+
+def _moe_world(parallel: ParallelConfig) -> int:
+    return parallel.replica_size * parallel.min_data_parallel
+
+
+def _moe_batch():
+    return verification_batch(300, batch=4, seq_len=24, seed=5, pad_id=None)
+
+
+@pytest.fixture(scope="module")
+def moe_converted(hf_dirs, tmp_path_factory):
+    root = tmp_path_factory.mktemp("moe")
+    return {name: hf_to_mcore(hf_dirs[name], str(root / name), parallel=ParallelConfig())
+            and str(root / name) for name in hf_models.MOE_ARCHS}
+
+
+@pytest.fixture(scope="module")
+def moe_outputs(moe_converted):
+    cache: dict = {}
+
+    def get(layout):
+        if layout not in cache:
+            world = _moe_world(MOE_LAYOUTS[layout])
+            group = [n for n in MOE_LAYOUTS if _moe_world(MOE_LAYOUTS[n]) == world]
+            ckpts = [moe_converted[n] for n in hf_models.MOE_ARCHS]
+            outs = launch_local(workers.in_sequence, world, [
+                (workers.outputs_of_checkpoints,
+                 (ckpts, MOE_LAYOUTS[n], [_moe_batch()] * len(ckpts)), {}) for n in group])[0]
+            cache.update(zip(group, outs))
+        return cache[layout]
+    return get
+
+
+@pytest.mark.parametrize("layout", list(MOE_LAYOUTS))
+def test_moe_architectures_match_transformers_under_expert_parallelism(hf_dirs, moe_outputs,
+                                                                       layout):
+    tokens = _moe_batch()
+    for name, out in zip(hf_models.MOE_ARCHS, moe_outputs(layout)):
+        ref = hf_outputs(hf_dirs[name], tokens, value_head=False, pad_id=None)
+        report = compare(ref, out, tokens, value_head=False, pad_id=None, tolerance=TOL,
+                         layout=layout)
+        assert report.passed and report.top1_agreement == 1.0, f"{name}: {report}"
+
+
+def test_moe_verify_command_takes_expert_parallel_sizes(hf_dirs, moe_converted):
+    ok = _verify_cli(hf_dirs["mixtral"], moe_converted["mixtral"], "--tp", "2", "--ep", "2",
+                     "--tolerance", str(TOL))
+    assert ok.returncode == 0, ok.stderr[-3000:]
+    assert "PASS logits at TP2xPP1xEP2" in ok.stdout
+    # EP2 x ETP2 needs 4 data-parallel replicas, so 4 rows at least: one line saying so.
+    bad = _verify_cli(hf_dirs["mixtral"], moe_converted["mixtral"], "--ep", "2", "--etp", "2")
+    assert bad.returncode == 2 and "use a multiple of 4" in bad.stderr, bad.stderr[-3000:]
+
+
+def test_moe_saved_by_training_at_pp2_ep2_exports_exactly(hf_dirs, moe_converted, tmp_path):
+    # Each rank saves its own experts (EP) of its own layers (PP), with the optimizer.
+    parallel = ParallelConfig(pipeline_parallel=2, expert_parallel=2)
+    trained = str(tmp_path / "trained")
+    launch_local(workers.resave_for_training, 4, moe_converted["qwen3_moe"], trained, parallel)
+    assert load_json(f"{trained}/megarlhf_complete.json")["layout"]["ep"] == 2
+    exported = mcore_to_hf(trained, str(tmp_path / "hf"))
+    assert_same_tensors(hf_dirs["qwen3_moe"], exported)
+    assert load_json(f"{exported}/config.json") == load_json(
+        f"{hf_dirs['qwen3_moe']}/config.json")

@@ -42,6 +42,7 @@ from megarlhf.models.presets import preset
 from megarlhf.parallel.mesh import Mesh, ParallelConfig
 from megarlhf.plan import memory
 from megarlhf.plan.params import rank_params, total_params
+from tests import hf_models
 from tests.test_ppo import rollout_tp
 
 RECIPES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes")
@@ -55,18 +56,21 @@ def test_presets_have_the_published_parameter_counts():
     assert total_params(preset("llama3-70b")) == 70_553_706_496
     assert total_params(preset("qwen2.5-72b")) == 72_706_203_648
     assert total_params(preset("qwen2.5-7b")) == 7_615_616_512
+    assert total_params(preset("qwen3-30b-a3b")) == 30_532_122_624
+    assert total_params(preset("mixtral-8x7b")) == 46_702_792_704
 
 
 @contextlib.contextmanager
 def fake_rank(parallel: ParallelConfig, rank: int):
-    """This process as global rank `rank` of a TP x PP world that does no communication."""
+    """This process as global rank `rank` of a TP x PP world (x the DP replicas its expert
+    groups need) that does no communication."""
     from megatron.core import parallel_state as ps
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from megarlhf.compat.megatron import apply_cpu_compat
 
     apply_cpu_compat()
-    world = parallel.replica_size
+    world = parallel.replica_size * parallel.min_data_parallel
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
         # gloo side-groups cannot be made on the fake backend, and building needs none.
@@ -74,11 +78,15 @@ def fake_rank(parallel: ParallelConfig, rank: int):
             tensor_model_parallel_size=parallel.tensor_parallel,
             pipeline_model_parallel_size=parallel.pipeline_parallel,
             virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_parallel,
+            expert_model_parallel_size=parallel.expert_parallel,
+            expert_tensor_parallel_size=parallel.expert_tp,
             create_gloo_process_groups=False)
         yield Mesh(config=parallel, rank=rank, world_size=world, device=torch.device("cpu"),
                    backend="fake", tp_rank=ps.get_tensor_model_parallel_rank(),
                    pp_rank=ps.get_pipeline_model_parallel_rank(), dp_rank=0, dp_size=1,
-                   cp_rank=0, cp_group=ps.get_context_parallel_group(),
+                   cp_rank=0, cp_group=ps.get_context_parallel_group(), ep_rank=0,
+                   ep_group=ps.get_expert_model_parallel_group(),
+                   expert_tp_group=ps.get_expert_tensor_parallel_group(),
                    tp_group=ps.get_tensor_model_parallel_group(),
                    pp_group=ps.get_pipeline_model_parallel_group(),
                    dp_group=ps.get_data_parallel_group(),
@@ -92,8 +100,10 @@ def built_params(model, parallel: ParallelConfig, tp_rank: int, pp_rank: int, *,
                  value_head: bool = False) -> int:
     """Parameters of the chunks megatron-core builds for (tp_rank, pp_rank), on meta."""
     spec = model_spec(model, parallel, value_head=value_head, layer_spec="local", on_gpu=False)
-    # Megatron's default order is tp-cp-ep-dp-pp: with DP=1, rank = pp_rank * TP + tp_rank.
-    with fake_rank(parallel, pp_rank * parallel.tensor_parallel + tp_rank) as mesh:
+    # Megatron's default order is tp-cp-ep-dp-pp: DP replica 0 of stage pp_rank is
+    # rank pp_rank * TP * DP + tp_rank.
+    stage = parallel.tensor_parallel * parallel.min_data_parallel
+    with fake_rank(parallel, pp_rank * stage + tp_rank) as mesh:
         assert (mesh.tp_rank, mesh.pp_rank) == (tp_rank, pp_rank)
         chunks = build_model(spec, mesh, meta=True)
         assert all(p.is_meta for c in chunks for p in c.parameters())
@@ -116,12 +126,19 @@ CASES = [
     # tied embeddings: at PP>1 the last stage holds its own copy of the output weight
     ("llama-1b", ParallelConfig(pipeline_parallel=2, **TP8), (0, 1), False),
     ("llama-1b", ParallelConfig(**TP8), (0,), False),
+    # mixture of experts: router replicated, experts split over EP (and expert-TP)
+    ("qwen3-30b-a3b", ParallelConfig(pipeline_parallel=4, tensor_parallel=2, expert_parallel=8),
+     (0, 3), False),
+    ("mixtral-8x7b", ParallelConfig(pipeline_parallel=2, expert_parallel=4,
+                                    expert_tensor_parallel=2, **TP8), (0, 1), False),
+    ("mixtral-8x7b", ParallelConfig(**TP8), (0,), True),
 ]
 
 
 def case_id(case) -> str:
     name, p, _, value_head = case
     vpp = f"xVPP{p.virtual_pipeline_parallel}" if p.virtual_pipeline_parallel else ""
+    vpp += f"xEP{p.expert_parallel}xETP{p.expert_tp}" if p.expert_parallel > 1 else ""
     return (f"{name}-TP{p.tensor_parallel}xPP{p.pipeline_parallel}{vpp}"
             f"{'-value' if value_head else ''}")
 
@@ -536,7 +553,8 @@ def run_cli(args: list[str], capsys) -> tuple[int, str, str]:
 
 
 SMALL = ["llama3-8b-ppo.yaml", "llama3-8b-grpo.yaml", "qwen2.5-7b-grpo-long.yaml"]
-LARGE = ["llama3-70b-grpo.yaml", "llama3-70b-ppo.yaml", "qwen2.5-72b-ppo.yaml"]
+LARGE = ["llama3-70b-grpo.yaml", "llama3-70b-ppo.yaml", "qwen2.5-72b-ppo.yaml",
+         "qwen3-30b-a3b-grpo.yaml", "mixtral-8x7b-ppo.yaml"]
 
 
 CPU = ["smollm2-135m-grpo-arithmetic.yaml"]
@@ -841,7 +859,7 @@ def test_sft_dry_run_checks_data_and_layout_and_starts_nothing(tmp_path, monkeyp
     path.write_text(yaml.safe_dump(to_dict(cfg)))
     code, out, _ = run_cli(["sft", "--config", str(path), "--nproc", "4", "--dry-run"], capsys)
     assert code == 0 and "dry run: would train sft for 3 steps (from step 0) on 4 rank(s) at " \
-        "TP2 x PP1 x CP1 x DP2, 2 micro-batch(es) of 2 per step; 20 training examples" in out
+        "TP2 x PP1 x DP2, 2 micro-batch(es) of 2 per step; 20 training examples" in out
     code, _, err = run_cli(["sft", "--config", str(path), "--nproc", "3", "--dry-run"], capsys)
     assert code == 2 and "world size 3 is not divisible" in err
     # The layer spec the ranks would resolve is resolved here first.
@@ -856,13 +874,17 @@ def test_large_recipe_preflight_on_checkpoint_metadata_takes_seconds(name, tmp_p
     hold only their metadata: every pre-spawn check runs, without a weight or a GPU."""
     with open(os.path.join(RECIPES, name)) as f:
         recipe = yaml.safe_load(f)
-    shape = preset("qwen2.5-72b" if name.startswith("qwen") else "llama3-70b")
+    presets = dict(a.split("=preset:") for a in recipe_plan_command(name) if "=preset:" in a)
     for field, value_head in (("actor", False), ("critic", True), ("reward_model", True)):
         if recipe.get(field):
-            recipe[field] = fake_checkpoint(tmp_path / field, shape, value_head=value_head)
+            recipe[field] = fake_checkpoint(tmp_path / field, preset(presets[field]),
+                                            value_head=value_head)
     vllm_dir = tmp_path / "hf"
     vllm_dir.mkdir()
     (vllm_dir / "config.json").write_text("{}")
+    if recipe.get("reward_fn"):  # a rule-checked reward decodes responses: a tokenizer
+        hf_models._tokenizer().save_pretrained(str(tmp_path / "tokenizer"))
+        recipe["tokenizer"] = str(tmp_path / "tokenizer")
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt_ids": list(range(1, 513))}) + "\n"
                                for _ in range(4 * recipe["prompts_per_step"])))

@@ -152,8 +152,8 @@ def test_per_role_layouts_resolve_and_roles_sharing_ranks_share_one(prompts_file
     assert apart.parallel_of("ref") == ParallelConfig(tensor_parallel=2, pipeline_parallel=2)
     assert [(g.name, g.parallel.tensor_parallel, g.parallel.pipeline_parallel)
             for g in group_specs(apart)[:3]] == [("actor", 2, 1), ("critic", 1, 1), ("ref", 2, 2)]
-    with pytest.raises(ValueError, match=r"layout.critic \(TP1 x PP1 x CP1\) differs from "
-                                         r"layout.actor \(TP2 x PP1 x CP1\), but they run on "
+    with pytest.raises(ValueError, match=r"layout.critic \(TP1 x PP1\) differs from "
+                                         r"layout.actor \(TP2 x PP1\), but they run on "
                                          r"the same ranks \(placement=colocated\): give them one layout, "
                                          r"or use placement=disaggregated"):
         dataclasses.replace(apart, placement="colocated")
@@ -946,7 +946,18 @@ CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="checks made on 
      r"max_new_tokens=16; raise it to at least 48"),
     # The colocated Megatron engine generates at the actor's layout, which has no CP.
     ([[5]], {"context_parallel": 2, "nproc": 2},
-     r"the colocated Megatron rollout backend runs at PP=1 and CP=1"),
+     r"the colocated Megatron rollout backend runs at PP=1, CP=1 and EP=1"),
+    # Expert parallelism: a dense actor has no experts; EP x ETP must divide a stage's ranks.
+    ([[5]], {"expert_parallel": 2, "nproc": 2, "placement": "disaggregated"},
+     r"actor: expert_parallel=2 / expert_tensor_parallel=None need a mixture-of-experts "
+     r"model"),
+    ([[5]], {"expert_parallel": 4, "nproc": 2, "placement": "disaggregated"},
+     r"actor \(nproc=2\): expert_parallel x expert_tensor_parallel = 4 x 1 does not divide "
+     r"the 2 ranks of a pipeline stage"),
+    ([[5]], {"expert_parallel": 2, "nproc": 2},
+     r"the colocated Megatron rollout backend runs at PP=1, CP=1 and EP=1"),
+    ([[5]], {"tensor_parallel": 2, "expert_tensor_parallel": 1, "nproc": 2},
+     r"expert_tensor_parallel=1 at expert_parallel=1: without EP .* \(the run's layout\)"),
     ([[5]], {"context_parallel": 2, "nproc": 3},
      r"nproc=3 is not a multiple of tensor_parallel x pipeline_parallel x context_parallel = 2"),
     pytest.param([[5]], {"rollout_backend": "vllm", "vllm_model_dir": "hf"},

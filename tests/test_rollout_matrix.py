@@ -99,6 +99,15 @@ def test_tied_llama_at_every_layout_and_engine_tp(models, tp, pp, dp):
         assert kind == "RuntimeError" and "first and last pipeline stage differ" in message
 
 
+@needs_vllm
+def test_moe_trainer_at_ep2_feeds_engines_of_tp1_and_tp2(models):
+    # Each trainer rank holds half the experts; every engine needs all of them.
+    cases = [(arch, False, [1, 2]) for arch in hf_models.MOE_ARCHS]
+    result = _run(models, 2, ParallelConfig(expert_parallel=2), cases)
+    assert len(result) == 4
+    _check(result)
+
+
 def test_megatron_engine_every_architecture_at_tp2_and_tied_at_dp2(models):
     cases = [(arch, tied, []) for arch in architecture_names() for tied in (False, True)]
     result = _run(models, 2, ParallelConfig(tensor_parallel=2), cases, backend="megatron")

@@ -16,6 +16,7 @@ from megarlhf.convert.mcore_to_hf import mcore_to_hf
 from megarlhf.engine.checkpoint import (checkpoint_architecture, engine_from_checkpoint, read_meta,
                                        save_checkpoint)
 from megarlhf.engine.optim import OptimConfig
+from megarlhf.models.config import ModelConfig
 from megarlhf.models.gpt import model_spec
 from megarlhf.parallel.mesh import ParallelConfig, init_mesh
 from megarlhf.roles.policy import PolicyRole
@@ -267,7 +268,12 @@ def logprob_matrix(cases: list[tuple[str, str, str, list[int]]], parallel: Paral
     mesh = None
     for label, hf_dir, ckpt, engine_tps in cases:
         mesh = mesh or init_mesh(parallel)
-        engine_ = engine_from_checkpoint(ckpt, parallel, mesh, OPTIM, on_gpu=False)
+        # megatron-core trains MoE layers at TP > 1 only with sequence parallelism (a flag
+        # of the model, not of the mesh the Megatron engine shares).
+        moe = ModelConfig.from_dict(read_meta(ckpt)["model"]).is_moe
+        train = dataclasses.replace(parallel,
+                                    sequence_parallel=moe and parallel.tensor_parallel > 1)
+        engine_ = engine_from_checkpoint(ckpt, train, mesh, OPTIM, on_gpu=False)
         bridge = WeightBridge(engine_.chunks, mesh, engine_.spec.model,
                               checkpoint_architecture(read_meta(ckpt)),
                               bucket_bytes=BUCKET_BYTES)

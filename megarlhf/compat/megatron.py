@@ -11,6 +11,7 @@
    `apply_cpu_compat(trace=True)`) every redirected megatron-core call site is recorded;
    `traced_sites()` lists them as "file:line what".
 2. `torch_adam_load_fixes`: its distributed optimizer's load over torch's Adam.
+   `bind_missing_te_names`: its MoE router without Transformer Engine.
 3. `PostprocessHook`: a GPTModel subclass replaces the LM head through the private method
    GPTModel.forward ends with.
 
@@ -251,6 +252,16 @@ def apply_cpu_compat(trace: bool | None = None) -> bool:
     _patch_rng_tracker()
     _APPLIED = True
     return True
+
+
+def bind_missing_te_names() -> None:
+    """megatron-core's MoE router gating reads `te_general_gemm`, a name bound only when
+    Transformer Engine imports (0.16.1: NameError in every MoE forward without TE); bound to
+    None it takes its own torch matmul path. Any device; idempotent."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
 
 
 @contextlib.contextmanager

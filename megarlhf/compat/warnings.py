@@ -28,6 +28,13 @@ KNOWN = (
     (FutureWarning, "`torch.distributed.reduce_op` is deprecated,"),
     # torch, when megatron-core's optimizer reads `.grad` of its non-leaf main parameters.
     (UserWarning, "The .grad attribute of a Tensor that is not a leaf Tensor is being accessed."),
+    # megatron-core's config for MoE models: megarlhf refuses to train at TP > 1 without
+    # sequence parallelism before launch (forward-only models do not need it), and routes in
+    # the model's dtype on purpose (as HF and vLLM do, so trainer and engine pick the same
+    # experts).
+    (UserWarning, "When using expert parallelism and tensor parallelism for training, "
+                  "sequence parallelism must be used"),
+    (UserWarning, "Using a large number of experts (e.g. >=32) without fp32 routing."),
     # torch.distributed.checkpoint, when a converter reads or writes without a process group:
     # one process is what the converters are designed to be.
     (UserWarning, "torch.distributed is disabled, unavailable or uninitialized, assuming the "

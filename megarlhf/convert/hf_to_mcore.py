@@ -17,7 +17,7 @@ from megarlhf.convert.outputs import (copy_sidecar, finish_output, prepare_outpu
                                       removed_on_error)
 from megarlhf.convert.safetensors_io import SafetensorsReader
 from megarlhf.engine.checkpoint import HF_SIDECAR, checkpoint_meta, publish
-from megarlhf.models.arch import TensorRule, architecture_for_hf_config
+from megarlhf.models.arch import TensorRule, architecture_for_hf_config, hf_shapes
 from megarlhf.models.config import ModelConfig
 from megarlhf.parallel.mesh import ParallelConfig
 
@@ -72,12 +72,8 @@ def inspect_hf(hf_dir: str, *, role: str = "actor", init_value_head: bool = Fals
 
 
 def _check_tensors(hf_dir, reader, model, rules, *, skip_value_head: bool) -> None:
-    expected = {}
-    for rule in rules:
-        if skip_value_head and rule.mcore.startswith("value_head."):
-            continue
-        for layer in range(model.num_layers) if rule.per_layer else [None]:
-            expected.update(zip(rule.hf_names(layer), rule.hf_shapes))
+    expected = hf_shapes([r for r in rules if not (skip_value_head and
+                                                   r.mcore.startswith("value_head."))], model)
     problems = []
     for name, shape in expected.items():
         if name not in reader:
@@ -111,14 +107,14 @@ def hf_to_mcore(hf_dir: str, out: str, *, parallel: ParallelConfig, role: str = 
     reader = src.reader
     by_key = {rule.mcore: rule for rule in src.rules}
 
-    def source(key: str, layer: int | None, shape: tuple[int, ...]) -> list[torch.Tensor]:
+    def source(key: str, index: tuple[int, ...], shape: tuple[int, ...]) -> list[torch.Tensor]:
         rule = by_key.get(key)
         if rule is None:
             raise ValueError(f"Megatron expects {key!r}, which no {src.arch_name} rule produces")
         if src.init_value_head and key.startswith("value_head."):
             g = torch.Generator().manual_seed(seed)
             return [(torch.randn(shape, generator=g) * src.model.init_std).to(src.dtype)]
-        names = rule.hf_names(layer)
+        names = rule.hf_names(index)
         if rule.vocab and reader.shape(names[0])[0] < shape[0]:
             (name,) = names  # read into the first rows; Megatron's padding rows are zeros
             padded, rows = torch.empty(shape, dtype=src.dtype), reader.shape(name)[0]
@@ -137,7 +133,8 @@ def hf_to_mcore(hf_dir: str, out: str, *, parallel: ParallelConfig, role: str = 
     meta = checkpoint_meta(
         src.model, value_head=src.value_head, dtype=src.dtype,
         layout={"tp": parallel.tensor_parallel, "pp": parallel.pipeline_parallel, "dp": None,
-                "vpp": parallel.virtual_pipeline_parallel},
+                "vpp": parallel.virtual_pipeline_parallel, "ep": parallel.expert_parallel,
+                "etp": parallel.expert_tp},
         with_optimizer=False, architecture=src.arch_name,
         extra={"converted_from": os.path.abspath(hf_dir), "hf_class": src.hf_class,
                "role": role, "fresh_value_head": src.init_value_head})

@@ -49,12 +49,12 @@ from megarlhf.models.config import ModelConfig
 from megarlhf.models.gpt import build_model, model_spec
 from megarlhf.parallel.mesh import DistEnv, ParallelConfig, destroy_mesh, free_port, init_mesh
 
-# Resolves one chunk: (checkpoint key, layer index or None, the key's per-layer global shape)
+# Resolves one chunk: (checkpoint key, (layer[, expert]) index or (), the key's per-layer shape)
 # -> the whole per-layer tensor as row blocks (tensors whose concatenation along dim 0 is the
 # tensor: one block, HF's gate and up projections for the fused MLP, or the query, key and
 # value heads of each KV group for the fused QKV); the writer cuts each chunk out of them and
 # writes the parts it covers one after another, with no copy.
-TensorSource = Callable[[str, "int | None", tuple[int, ...]], list[torch.Tensor]]
+TensorSource = Callable[[str, tuple[int, ...], tuple[int, ...]], list[torch.Tensor]]
 
 
 @contextlib.contextmanager
@@ -116,7 +116,7 @@ class _StreamingSavePlanner(DefaultSavePlanner):
 class _Chunks:
     """Each planned chunk, cut out of the row blocks that `source` gives for its key.
 
-    Chunks of one key and layer (e.g. gate and up of the fused MLP) come one after another,
+    Chunks of one key and index (e.g. gate and up of the fused MLP) come one after another,
     so the last key's blocks are kept rather than rebuilt per chunk."""
 
     def __init__(self, by_index: dict[MetadataIndex, ShardedTensor], source: TensorSource):
@@ -126,11 +126,11 @@ class _Chunks:
     def __call__(self, item: WriteItem) -> RowBlocks:
         sh = self._by_index[item.index]
         prepend = sh.prepend_axis_num
-        layer = sh.global_offset[0] if prepend else None
-        if (sh.key, layer) != self._id:
+        index = tuple(sh.global_offset[:prepend])  # (layer,) or (layer, expert)
+        if (sh.key, index) != self._id:
             self._blocks, first = [], 0  # the last key's blocks freed before the next are read
-            self._id = (sh.key, layer)
-            for block in self._source(sh.key, layer, tuple(sh.global_shape[prepend:])):
+            self._id = (sh.key, index)
+            for block in self._source(sh.key, index, tuple(sh.global_shape[prepend:])):
                 if block.dtype != sh.dtype:
                     raise ValueError(f"{sh.key}: source tensor is {block.dtype}, checkpoint "
                                      f"is {sh.dtype}")

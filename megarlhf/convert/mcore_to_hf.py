@@ -50,23 +50,22 @@ def mcore_to_hf(ckpt: str, out: str, *, dtype: str | None = None, force: bool = 
 
 def _export_weights(ckpt, reader: CheckpointReader, rules, model: ModelConfig, directory: str,
                     max_shard_bytes: int, dtype: torch.dtype) -> None:
-    """Whole tensors, then one layer of each stacked key, one at a time, each written out and
-    freed before the next is read: memory holds the largest of those."""
-    whole = [r for r in rules if not r.per_layer]
-    stacked = [r for r in rules if r.per_layer]
-    order = [(r, None) for r in whole]
-    order += [(r, layer) for layer in range(model.num_layers) for r in stacked]
-    entries = [(name, dtype, shape) for rule, layer in order
-               for name, shape in zip(rule.hf_names(layer), rule.hf_shapes)]
+    """Whole tensors, then each layer's tensors (an MoE layer's one expert at a time), each
+    written out and freed before the next is read: memory holds the largest of those."""
+    per_layer = [[] for _ in range(model.num_layers)]
+    for rule in rules:
+        for index in rule.indices(model) if rule.per_layer else []:
+            per_layer[index[0]].append((rule, index))
+    order = [(r, ()) for r in rules if not r.per_layer]
+    order += [unit for units in per_layer for unit in units]
+    entries = [(name, dtype, shape) for rule, index in order
+               for name, shape in zip(rule.hf_names(index), rule.hf_shapes)]
 
-    def export(rule, layer):
-        shape = reader.shape(rule.mcore)
-        if layer is None:
-            fused = reader.read([(rule.mcore, (0,) * len(shape), shape)])[0]
-        else:
-            slab = (rule.mcore, (layer,) + (0,) * (len(shape) - 1), (1,) + shape[1:])
-            fused = reader.read([slab])[0][0]
-        for name, tensor, shape in zip(rule.hf_names(layer), rule.split(fused), rule.hf_shapes):
+    def export(rule, index):
+        shape, n = reader.shape(rule.mcore), len(index)
+        slab = (rule.mcore, index + (0,) * (len(shape) - n), (1,) * n + shape[n:])
+        fused = reader.read([slab])[0].reshape(shape[n:])
+        for name, tensor, shape in zip(rule.hf_names(index), rule.split(fused), rule.hf_shapes):
             if rule.vocab:
                 tensor = tensor[: model.vocab_size]
             if tuple(tensor.shape) != shape:
@@ -75,11 +74,8 @@ def _export_weights(ckpt, reader: CheckpointReader, rules, model: ModelConfig, d
             writer.add(name, tensor.to(dtype))
 
     with ShardWriter(directory, max_shard_bytes, entries) as writer:
-        for rule in whole:
-            export(rule, None)
-        for layer in range(model.num_layers):
-            for rule in stacked:
-                export(rule, layer)
+        for rule, index in order:
+            export(rule, index)
 
 
 def _write_config(directory: str, arch: Architecture, model: ModelConfig, value_head: bool,

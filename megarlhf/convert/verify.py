@@ -108,11 +108,17 @@ def compare(hf_out: torch.Tensor, ours: torch.Tensor, tokens_BT: torch.Tensor, *
 def verify(hf_dir: str, ckpt: str, parallel: ParallelConfig, *, batch: int = 2,
            seq_len: int = 32, seed: int = 0, dtype: str = "fp32",
            tolerance: float = DEFAULT_TOLERANCE) -> VerifyReport:
-    """Run both models and compare. Launches tp x pp local ranks unless already in a job
-    started by a launcher (torchrun / srun), in which case every rank must call this."""
+    """Run both models and compare. Launches tp x pp local ranks (times the data-parallel
+    replicas expert parallelism needs) unless already in a job started by a launcher
+    (torchrun / srun), in which case every rank must call this."""
     meta = read_meta(ckpt)
     model, value_head = ModelConfig.from_dict(meta["model"]), meta["value_head"]
     model.check_parallel(parallel)
+    if batch % parallel.min_data_parallel:
+        raise ValueError(f"batch={batch} rows do not split over the "
+                         f"{parallel.min_data_parallel} data-parallel replicas that expert_parallel "
+                         f"x expert_tensor_parallel needs at this layout; use a multiple of "
+                         f"{parallel.min_data_parallel}")
     pad_id = None
     if value_head:
         pad_id = transformers.AutoConfig.from_pretrained(hf_dir).pad_token_id
@@ -123,11 +129,14 @@ def verify(hf_dir: str, ckpt: str, parallel: ParallelConfig, *, batch: int = 2,
                                 pad_id=pad_id)
     layout = (f"TP{parallel.tensor_parallel}xPP{parallel.pipeline_parallel}"
               + (f"xVPP{parallel.virtual_pipeline_parallel}"
-                 if parallel.virtual_pipeline_parallel else ""))
+                 if parallel.virtual_pipeline_parallel else "")
+              + (f"xEP{parallel.expert_parallel}" if parallel.expert_parallel > 1 else "")
+              + (f"xETP{parallel.expert_tp}" if parallel.expert_parallel > 1
+                 and parallel.expert_tp > 1 else ""))
     if DistEnv.detect().world_size > 1:  # started by torchrun / srun: we are one of the ranks
         ours = checkpoint_outputs(ckpt, parallel, tokens, dtype=dtype)
     else:
-        world = parallel.tensor_parallel * parallel.pipeline_parallel
+        world = parallel.replica_size * parallel.min_data_parallel
         ours = launch_local(checkpoint_outputs, world, ckpt, parallel, tokens, dtype=dtype)[0]
     reference = hf_outputs(hf_dir, tokens, value_head=value_head, pad_id=pad_id)
     return compare(reference, ours, tokens, value_head=value_head, pad_id=pad_id,

@@ -189,7 +189,7 @@ def save_checkpoint(path: str, engine, mesh: Mesh, *, extra: dict | None = None,
                                            with_optimizer=with_optimizer), tmp)
     dist.barrier()
     if mesh.rank == 0:
-        layout = {"tp": mesh.tp, "pp": mesh.pp, "cp": mesh.cp, "dp": mesh.dp_size,
+        layout = {"tp": mesh.tp, "pp": mesh.pp, "cp": mesh.cp, "ep": mesh.ep, "dp": mesh.dp_size,
                   "vpp": mesh.config.virtual_pipeline_parallel}
         spec = engine.spec
         _write_hf_files(os.path.join(tmp, HF_SIDECAR), engine.provenance["hf_files"])
@@ -202,7 +202,7 @@ def save_checkpoint(path: str, engine, mesh: Mesh, *, extra: dict | None = None,
 
 _SHAPE_FIELDS = ("vocab_size", "hidden_size", "ffn_hidden_size", "num_layers",
                  "num_attention_heads", "kv_heads", "kv_channels", "qkv_bias", "qk_norm",
-                 "tie_embeddings")
+                 "tie_embeddings", "num_experts", "moe_ffn_hidden_size")
 
 
 def _check_same_model(path: str, meta: dict, spec: ModelSpec) -> None:

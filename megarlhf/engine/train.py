@@ -14,6 +14,7 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
 from megarlhf.engine.optim import OptimConfig, build_optimizer, build_scheduler
+from megarlhf.engine.moe_load import ExpertLoad
 from megarlhf.engine.schedule import (
     Batch, Loss, LossFn, forward_backward, from_last_stage, outputs_from_last_stage,
 )
@@ -32,6 +33,9 @@ class StepMetrics:
     """True when the optimizer skipped the update (non-finite gradients)."""
     sums: dict[str, float] = dataclasses.field(default_factory=dict)
     """The loss closure's scalar metrics summed over the global batch."""
+    moe_load: float | None = None
+    """Mixture-of-experts models: the busiest EP rank's routed tokens over the mean, in the
+    worst layer (engine/moe_load.py); None for a dense model."""
 
 
 class TrainEngine:
@@ -64,6 +68,8 @@ class TrainEngine:
             config.no_sync_func = [c.no_sync for c in chunks] if len(chunks) > 1 \
                 else chunks[0].no_sync
         self.chunks = chunks
+        self.expert_load = ExpertLoad(chunks, mesh, spec.model.num_experts) \
+            if spec.model.is_moe and optim is not None else None
         # Where the weights came from (architecture, HF config/tokenizer files), set by
         # load_checkpoint and written again by save_checkpoint so exports keep the source's
         # config and tokenizer.
@@ -90,6 +96,8 @@ class TrainEngine:
             chunk.train()
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
+        if self.expert_load is not None:
+            self.expert_load.reset()
         out = forward_backward(self.chunks, self.mesh, microbatches, loss_fn, forward_only=False)
         ok, grad_norm, _ = self.optimizer.step()
         self.scheduler.step(increment=1)
@@ -103,6 +111,7 @@ class TrainEngine:
             lr=self.optimizer.param_groups[0]["lr"],
             skipped=not ok,
             sums=sums,
+            moe_load=self.expert_load.busiest_over_mean() if self.expert_load else None,
         )
 
     def _check_tied_copies(self) -> None:

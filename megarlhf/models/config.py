@@ -1,5 +1,6 @@
-"""Architecture of a Llama-family decoder (Llama 2/3/3.1, Mistral, Qwen2, Qwen3), independent of
-how it is parallelised, and its checks against a parallel layout."""
+"""Architecture of a Llama-family decoder (Llama 2/3/3.1, Mistral, Qwen2, Qwen3, and the
+mixture-of-experts Qwen3-MoE and Mixtral), independent of how it is parallelised, and its checks
+against a parallel layout."""
 
 from __future__ import annotations
 
@@ -67,6 +68,18 @@ class ModelConfig:
     make_vocab_size_divisible_by: int = 128
     """The embedding is padded to a multiple of this times TP; padding rows are never sampled."""
     init_std: float = 0.02
+    num_experts: int | None = None
+    """Routed experts of every layer's MLP (mixture of experts); None: a dense model."""
+    moe_ffn_hidden_size: int | None = None
+    """Width of each expert's SwiGLU MLP (HF `moe_intermediate_size`; Mixtral's experts are
+    `intermediate_size` wide)."""
+    moe_router_topk: int = 2
+    """Experts each token is sent to."""
+    moe_norm_topk: bool = True
+    """Renormalise the top-k routing weights to sum to 1 (Mixtral; Qwen3-MoE's
+    `norm_topk_prob`); False keeps the softmax over all experts (Qwen2-MoE)."""
+    moe_aux_loss_coeff: float = 0.0
+    """Weight of the load-balancing auxiliary loss in training (HF `router_aux_loss_coef`)."""
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "ffn_hidden_size", "num_layers",
@@ -86,6 +99,22 @@ class ModelConfig:
             )
         if self.kv_channels % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {self.kv_channels}")
+        if self.num_experts is not None:
+            for name in ("num_experts", "moe_ffn_hidden_size", "moe_router_topk"):
+                value = getattr(self, name)
+                if not isinstance(value, int) or value < 1:
+                    raise ValueError(f"ModelConfig.{name} must be a positive integer for a "
+                                     f"mixture-of-experts model, got {value!r}")
+            if self.moe_router_topk > self.num_experts:
+                raise ValueError(f"moe_router_topk ({self.moe_router_topk}) exceeds num_experts "
+                                 f"({self.num_experts})")
+            if self.moe_aux_loss_coeff < 0:
+                raise ValueError(f"moe_aux_loss_coeff must be >= 0, got "
+                                 f"{self.moe_aux_loss_coeff}")
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts is not None
 
     @property
     def kv_heads(self) -> int:
@@ -99,8 +128,9 @@ class ModelConfig:
         multiple = self.make_vocab_size_divisible_by * tensor_parallel
         return math.ceil(self.vocab_size / multiple) * multiple
 
-    def check_parallel(self, parallel: ParallelConfig) -> None:
-        """Raise ValueError if this architecture cannot be split as `parallel` asks."""
+    def check_parallel(self, parallel: ParallelConfig, *, training: bool = False) -> None:
+        """Raise ValueError if this architecture cannot be split as `parallel` asks (to be
+        trained, with `training`)."""
         tp, pp, vpp = parallel.tensor_parallel, parallel.pipeline_parallel, parallel.num_chunks
         if self.num_attention_heads % tp:
             raise ValueError(
@@ -112,10 +142,25 @@ class ModelConfig:
                 f"tensor_parallel={tp} does not divide num_kv_heads={self.kv_heads}; choose a TP "
                 f"that divides the KV heads (KV-head replication is not supported)"
             )
-        if self.ffn_hidden_size % tp:
+        if not self.is_moe and self.ffn_hidden_size % tp:
             raise ValueError(
                 f"tensor_parallel={tp} does not divide ffn_hidden_size={self.ffn_hidden_size}"
             )
+        ep, etp = parallel.expert_parallel, parallel.expert_tp
+        if not self.is_moe and (ep > 1 or parallel.expert_tensor_parallel is not None):
+            raise ValueError(f"expert_parallel={ep} / expert_tensor_parallel="
+                             f"{parallel.expert_tensor_parallel} need a mixture-of-experts "
+                             f"model; this one is dense: leave them unset")
+        if self.is_moe and self.num_experts % ep:
+            raise ValueError(f"expert_parallel={ep} does not divide num_experts="
+                             f"{self.num_experts}; choose an EP that divides it")
+        if training and self.is_moe and tp > 1 and not parallel.sequence_parallel:
+            raise ValueError(f"a mixture-of-experts model trains at tensor_parallel={tp} only "
+                             f"with sequence_parallel=True (megatron-core's MoE layer refuses "
+                             f"otherwise); set it")
+        if self.is_moe and self.moe_ffn_hidden_size % etp:
+            raise ValueError(f"expert_tensor_parallel={etp} does not divide the experts' "
+                             f"width moe_ffn_hidden_size={self.moe_ffn_hidden_size}")
         if self.num_layers % (pp * vpp):
             raise ValueError(
                 f"num_layers={self.num_layers} is not divisible by pipeline_parallel x "

@@ -46,6 +46,20 @@ PRESETS = {
         num_attention_heads=64, num_kv_heads=8, max_position_embeddings=131072,
         rope_theta=1000000.0, norm_eps=1e-5, qkv_bias=True,
     ),
+    # Qwen/Qwen3-30B-A3B: 128 experts of width 768 per layer, 8 per token, renormalised.
+    "qwen3-30b-a3b": ModelConfig(
+        vocab_size=151936, hidden_size=2048, ffn_hidden_size=6144, num_layers=48,
+        num_attention_heads=32, num_kv_heads=4, head_dim=128, max_position_embeddings=40960,
+        rope_theta=1000000.0, norm_eps=1e-6, qk_norm=True, num_experts=128,
+        moe_ffn_hidden_size=768, moe_router_topk=8,
+    ),
+    # mistralai/Mixtral-8x7B-v0.1: 8 experts of width 14336 per layer, 2 per token.
+    "mixtral-8x7b": ModelConfig(
+        vocab_size=32000, hidden_size=4096, ffn_hidden_size=14336, num_layers=32,
+        num_attention_heads=32, num_kv_heads=8, max_position_embeddings=32768,
+        rope_theta=1000000.0, norm_eps=1e-5, num_experts=8, moe_ffn_hidden_size=14336,
+        moe_router_topk=2,
+    ),
 }
 
 

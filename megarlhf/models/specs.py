@@ -52,11 +52,27 @@ def resolve_layer_spec(name: str, on_gpu: bool, context_parallel: int = 1) -> st
     return name
 
 
-def layer_spec(name: str, *, qk_norm: bool, context_parallel: int = 1) -> ModuleSpec:
-    """The ModuleSpec of one transformer layer for a resolved spec name."""
+def layer_spec(name: str, *, qk_norm: bool, context_parallel: int = 1,
+               num_experts: int | None = None) -> ModuleSpec:
+    """The ModuleSpec of one transformer layer for a resolved spec name; with `num_experts`
+    its MLP is megatron-core's MoE layer (router + experts: Transformer Engine's grouped GEMM
+    under 'te', one MLP per expert otherwise; both save the same checkpoint keys)."""
     if name == "te":
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_norm)
-    spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=qk_norm, normalization="RMSNorm")
+        spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=num_experts, moe_grouped_gemm=num_experts is not None,
+            qk_layernorm=qk_norm)
+        if num_experts is None:
+            return spec
+        # TE's MoE layer saves its pre-MLP norm as 'pre_mlp_layernorm.weight', the local
+        # spec (and so our converters) under the dense layer's fused name: one checkpoint
+        # layout for both specs.
+        keys = {**spec.submodules.sharded_state_dict_keys_map,
+                "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
+        return dataclasses.replace(spec, submodules=dataclasses.replace(
+            spec.submodules, sharded_state_dict_keys_map=keys))
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(
+        num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=qk_norm,
+        normalization="RMSNorm")
     attn = spec.submodules.self_attention
     core = SDPAttention if name == "sdpa" else attn.submodules.core_attention
     if context_parallel > 1:
@@ -87,6 +103,7 @@ def block_spec(
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
     return TransformerBlockSubmodules(
         layer_specs=[layer_spec(name, qk_norm=qk_norm,
-                                context_parallel=config.context_parallel_size)] * num_layers,
+                                context_parallel=config.context_parallel_size,
+                                num_experts=config.num_moe_experts)] * num_layers,
         layer_norm=final_norm
     )

@@ -94,4 +94,37 @@ def to_transformer_config(
         recompute_method="uniform" if recompute == "full" else None,
         recompute_num_layers=1 if recompute == "full" else None,
         recompute_modules=["core_attn"] if recompute == "selective" else None,
+        expert_model_parallel_size=parallel.expert_parallel,
+        expert_tensor_parallel_size=parallel.expert_tp,
+        **(_moe_fields(model, parallel, on_gpu) if model.is_moe else {}),
+    )
+
+
+def _moe_fields(model: ModelConfig, parallel: ParallelConfig, on_gpu: bool) -> dict:
+    """The router as HF computes it: top-k of the softmax over all experts, renormalised
+    (= softmax over the top-k logits: megatron-core's default order) or not (softmax first,
+    `moe_router_pre_softmax`); dropless (no capacity factor), so every token reaches its k
+    experts whatever the imbalance."""
+    # With per-token losses megatron-core weights each rank's share of the load-balancing
+    # loss by the tokens that rank holds; when sequence parallelism or CP splits a sequence
+    # over N ranks that is 1/N of the sequence, and the summed gradient 1/N of the unsplit
+    # one (measured at TP2+SP and CP2). Scaling the coefficient by N makes every layout
+    # train with the same loss.
+    split = parallel.context_parallel * (parallel.tensor_parallel
+                                         if parallel.sequence_parallel else 1)
+    return dict(
+        num_moe_experts=model.num_experts,
+        moe_ffn_hidden_size=model.moe_ffn_hidden_size,
+        moe_router_topk=model.moe_router_topk,
+        moe_router_score_function="softmax",
+        moe_router_pre_softmax=not model.moe_norm_topk,
+        moe_router_load_balancing_type="aux_loss" if model.moe_aux_loss_coeff else "none",
+        moe_aux_loss_coeff=model.moe_aux_loss_coeff * split,
+        # The all-to-all dispatcher opens a CUDA stream; on CPU every rank all-gathers the
+        # tokens of its expert-parallel group instead (same routing, same results).
+        moe_token_dispatcher_type="alltoall" if on_gpu else "allgather",
+        moe_grouped_gemm=on_gpu,
+        moe_permute_fusion=False,
+        # moe_router_dtype stays unset: the router's logits in the model's dtype, as HF and
+        # vLLM compute them, so that near-ties pick the same experts in trainer and engine.
     )

@@ -9,19 +9,25 @@ too and the mesh holds the very same group objects.
 Rank order follows megatron-core's default "tp-cp-ep-dp-pp": TP ranks are adjacent (same node),
 then CP, then DP, then PP. CP ranks hold the same weights and split every sequence
 (models/context_parallel.py); gradients are summed over DP x CP.
+
+Expert parallelism (mixture-of-experts models) is no extra world dimension: the TP x CP x DP
+ranks of a pipeline stage are regrouped as expert-TP x EP x expert-DP for the experts' MLPs
+(each EP rank holds num_experts / EP experts, split over expert-TP ranks); everything else
+(attention, router, norms, embeddings) keeps the TP x CP x DP grouping.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime
+import math
 import os
 import socket
 
 import torch
 import torch.distributed as dist
 
-from megarlhf.compat.megatron import apply_cpu_compat
+from megarlhf.compat.megatron import apply_cpu_compat, bind_missing_te_names
 from megarlhf.parallel import device as device_lib
 
 
@@ -38,10 +44,19 @@ class ParallelConfig:
     context_parallel: int = 1
     """CP size: ranks that split every sequence (each holds 2 of 2 x CP chunks) and hold the
     same weights."""
+    expert_parallel: int = 1
+    """EP size (mixture-of-experts models): ranks that split each layer's experts; EP x
+    expert_tensor_parallel must divide TP x CP x DP."""
+    expert_tensor_parallel: int | None = None
+    """Ranks that split each expert's matrices; None: 1 with EP > 1 (experts are narrow, and
+    whole experts per rank need no all-reduce inside the expert MLP), TP at EP 1 (see
+    `expert_tp`)."""
 
     def __post_init__(self):
-        for name in ("tensor_parallel", "pipeline_parallel", "context_parallel"):
+        for name in ("tensor_parallel", "pipeline_parallel", "context_parallel",
+                     "expert_parallel", "expert_tp"):
             value = getattr(self, name)
+            name = "expert_tensor_parallel" if name == "expert_tp" else name
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         vpp = self.virtual_pipeline_parallel
@@ -55,6 +70,12 @@ class ParallelConfig:
                 )
         if self.sequence_parallel and self.tensor_parallel == 1:
             raise ValueError("sequence_parallel=True needs tensor_parallel > 1")
+        if self.expert_parallel == 1 and self.expert_tp != self.tensor_parallel:
+            raise ValueError(
+                f"expert_tensor_parallel={self.expert_tensor_parallel} at expert_parallel=1: "
+                f"without EP the experts are split like any MLP, over the tensor_parallel="
+                f"{self.tensor_parallel} ranks (megatron-core reduces their gradients as "
+                f"dense weights then); leave expert_tensor_parallel unset or set expert_parallel")
 
     @property
     def replica_size(self) -> int:
@@ -81,6 +102,41 @@ class ParallelConfig:
         return dataclasses.replace(self, **{k: v for k, v in dataclasses.asdict(override).items()
                                             if v is not None and k in mine})
 
+    def describe(self, dp: int | None = None) -> str:
+        """'TP2 x PP4' with the CP, EP (and expert-TP) and DP sizes where they apply."""
+        parts = [f"TP{self.tensor_parallel}", f"PP{self.pipeline_parallel}"]
+        if self.context_parallel > 1:
+            parts.append(f"CP{self.context_parallel}")
+        if self.expert_parallel > 1:
+            parts.append(f"EP{self.expert_parallel}")
+        if self.expert_parallel > 1 and self.expert_tp > 1:
+            parts.append(f"ETP{self.expert_tp}")
+        if dp is not None:
+            parts.append(f"DP{dp}")
+        return " x ".join(parts)
+
+    @property
+    def expert_tp(self) -> int:
+        """expert_tensor_parallel, resolved. At EP 1 it is TP: megatron-core then treats the
+        experts as dense weights and reduces their gradients over DP only, so experts split
+        otherwise than over the TP ranks would keep partial gradients (measured: at TP2 + SP
+        with whole experts per rank, each rank's expert gradient held only its tokens')."""
+        if self.expert_tensor_parallel is not None:
+            return self.expert_tensor_parallel
+        return self.tensor_parallel if self.expert_parallel == 1 else 1
+
+    @property
+    def expert_group_size(self) -> int:
+        """expert_parallel x expert_tensor_parallel: must divide each stage's TP x CP x DP."""
+        return self.expert_parallel * self.expert_tp
+
+    @property
+    def min_data_parallel(self) -> int:
+        """The fewest DP replicas whose TP x CP x DP ranks the expert groups divide (1 for a
+        dense layout)."""
+        stage = self.tensor_parallel * self.context_parallel
+        return math.lcm(stage, self.expert_group_size) // stage
+
     def data_parallel_size(self, world_size: int) -> int:
         if world_size % self.replica_size:
             raise ValueError(
@@ -89,7 +145,16 @@ class ParallelConfig:
                 f"{self.context_parallel} = {self.replica_size}; use a world size that "
                 f"is a multiple of {self.replica_size}"
             )
-        return world_size // self.replica_size
+        dp = world_size // self.replica_size
+        stage = self.tensor_parallel * self.context_parallel * dp
+        if stage % self.expert_group_size:
+            raise ValueError(
+                f"expert_parallel x expert_tensor_parallel = {self.expert_parallel} x "
+                f"{self.expert_tp} does not divide the {stage} ranks of a pipeline "
+                f"stage (tensor_parallel x context_parallel x data_parallel = "
+                f"{self.tensor_parallel} x {self.context_parallel} x {dp}); use more ranks or "
+                f"a smaller expert_parallel")
+        return dp
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,6 +166,8 @@ class LayoutOverride:
     pipeline_parallel: int | None = None
     sequence_parallel: bool | None = None
     context_parallel: int | None = None
+    expert_parallel: int | None = None
+    expert_tensor_parallel: int | None = None
 
     @property
     def is_set(self) -> bool:
@@ -209,6 +276,12 @@ class Mesh:
     cp_rank: int
     cp_group: dist.ProcessGroup
     """Ranks splitting the same sequences (one rank when context_parallel is 1)."""
+    ep_rank: int
+    ep_group: dist.ProcessGroup
+    """Ranks holding different experts of the same layers (one rank when expert_parallel is
+    1 or the model is dense)."""
+    expert_tp_group: dist.ProcessGroup
+    """Ranks splitting the same experts' matrices (expert tensor parallel)."""
     tp_group: dist.ProcessGroup
     pp_group: dist.ProcessGroup
     dp_group: dist.ProcessGroup
@@ -232,6 +305,10 @@ class Mesh:
         return self.config.context_parallel
 
     @property
+    def ep(self) -> int:
+        return self.config.expert_parallel
+
+    @property
     def is_first_stage(self) -> bool:
         return self.pp_rank == 0
 
@@ -249,6 +326,7 @@ def init_distributed(env: DistEnv | None = None, *, timeout_s: float = 600.0) ->
     """Start torch.distributed (NCCL on GPU, gloo on CPU) unless it is already running."""
     env = env or DistEnv.detect()
     apply_cpu_compat()
+    bind_missing_te_names()
     if device_lib.accelerator_available():
         torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
     if not dist.is_initialized():
@@ -285,6 +363,8 @@ def init_mesh(config: ParallelConfig, env: DistEnv | None = None, *, seed: int =
         tensor_model_parallel_size=config.tensor_parallel,
         pipeline_model_parallel_size=config.pipeline_parallel,
         context_parallel_size=config.context_parallel,
+        expert_model_parallel_size=config.expert_parallel,
+        expert_tensor_parallel_size=config.expert_tp,
         virtual_pipeline_model_parallel_size=config.virtual_pipeline_parallel,
         distributed_timeout_minutes=10,
     )
@@ -303,6 +383,9 @@ def init_mesh(config: ParallelConfig, env: DistEnv | None = None, *, seed: int =
         dp_size=dp_size,
         cp_rank=ps.get_context_parallel_rank(),
         cp_group=ps.get_context_parallel_group(),
+        ep_rank=ps.get_expert_model_parallel_rank(),
+        ep_group=ps.get_expert_model_parallel_group(),
+        expert_tp_group=ps.get_expert_tensor_parallel_group(),
         tp_group=ps.get_tensor_model_parallel_group(),
         pp_group=ps.get_pipeline_model_parallel_group(),
         dp_group=ps.get_data_parallel_group(),

@@ -43,10 +43,8 @@ def ppo(config: PPOConfig) -> str:
                      else f"  vLLM engines: max_model_len {size.max_model_len}, KV cache "
                           f"{size.gpu_memory_utilization:.0%} of device memory")
     for spec in group_specs(config):
-        p = spec.parallel
-        cp = f" x CP{p.context_parallel}" if p.context_parallel > 1 else ""
         lines.append(f"  group {spec.name}: {spec.nproc} {config.worker_group} rank(s), "
-                     f"TP{p.tensor_parallel} x PP{p.pipeline_parallel}{cp}, roles "
+                     f"{spec.parallel.describe()}, roles "
                      f"{', '.join(sorted(spec.roles))}")
     for role, source in models.items():
         m = source.model

@@ -13,8 +13,8 @@ from megarlhf.plan.job import SWITCHES, Plan, plan
 from megarlhf.ppo.placement import group_specs
 
 MAX_FACTOR = 16
-"""Search up to 16x the pipeline depth, the ranks per group, the micro-batch count and the
-context parallelism."""
+"""Search up to 16x the pipeline depth, the ranks per group, the micro-batch count, the
+context parallelism and the expert parallelism."""
 MAX_SWITCH_SETS = 3
 """Switch settings reported: those with the lowest peaks among the fewest switches."""
 
@@ -47,9 +47,12 @@ def suggest(base: Plan) -> list[tuple[str, Plan]]:
     GPUs (fewer parameters per rank), more ranks per group on more nodes (more data
     parallelism: smaller optimizer shards, fewer rows per micro-batch), more micro-batches
     (smaller activations), context parallelism on the same GPUs (each rank a share of every
-    sequence: for long sequences)."""
+    sequence: for long sequences), expert parallelism on the same GPUs (each rank a share of
+    the experts: mixture-of-experts models only)."""
     found = [_fitting(base, "pipeline_parallel"), _fitting(base, "nproc", grow_cluster=True),
              _fitting(base, "micro_batches"), _fitting(base, "context_parallel")]
+    if any(source.model.is_moe for source in base.models.values()):
+        found.append(_fitting(base, "expert_parallel"))
     return [fix for fix in found if fix is not None]
 
 

@@ -55,7 +55,7 @@ from megarlhf.models.config import ModelConfig
 from megarlhf.models.transformer_config import parse_dtype
 from megarlhf.parallel.mesh import ParallelConfig
 from megarlhf.plan import memory
-from megarlhf.plan.params import rank_params, total_params
+from megarlhf.plan.params import rank_expert_params, rank_params, total_params
 from megarlhf.plan.sources import ModelSource, resolve
 from megarlhf.ppo import residency as phase_needs
 from megarlhf.ppo.config import PPOConfig
@@ -292,7 +292,7 @@ def check_models(config: PPOConfig, models: dict[str, ModelSource], seq: int) ->
         if role == "ref" and "actor" in models and training == config.parallel_of("actor"):
             continue  # the actor's checkpoint at the actor's layout, checked as the actor
         try:
-            source.model.check_parallel(training)
+            source.model.check_parallel(training, training=role in ("actor", "critic"))
         except ValueError as e:
             problems.append(f"{role}: {e}")
         if seq > source.model.max_position_embeddings:
@@ -413,11 +413,14 @@ def _stage(config: PPOConfig, spec: GroupSpec, models: dict[str, ModelSource],
         parallel = config.parallel_of(role)  # the group's mesh, with the role's SP
         lm = not models[role].value_head
         n = rank_params(model, parallel, pp_rank, value_head=not lm)
+        experts = rank_expert_params(model, parallel)
         terms += [Term(role, what, b, **residency(config, role, what))
                   # The distributed optimizer shards over DP x CP (CP ranks hold the
-                  # same weights).
-                  for what, b in memory.model_state(n, nbytes, trained=trained,
-                                                    dp=dp * mesh.context_parallel).items()]
+                  # same weights), experts over the ranks holding the same experts.
+                  for what, b in memory.model_state(
+                      n, nbytes, trained=trained, dp=dp * mesh.context_parallel,
+                      expert_params=experts, expert_dp=parallel.tensor_parallel
+                      * parallel.context_parallel * dp // parallel.expert_group_size).items()]
         terms.append(Term(role, "forward pass", memory.forward_pass(
             model, parallel, exp_rows, mb_seq, nbytes, logits=lm and last), running=experience))
         if trained:

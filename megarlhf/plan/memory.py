@@ -18,6 +18,10 @@ grad_reduce_in_fp32=True and the distributed optimizer over torch Adam):
                                      (x CP: megatron-core's distributed optimizer shards
                                      over the DP x CP ranks, which hold the same weights).
 
+A mixture-of-experts model's expert weights are sharded by the distributed optimizer over the
+expert data-parallel ranks instead (TP x CP x DP / (EP x expert-TP): the ranks holding the same
+experts).
+
 A frozen role (no optimizer) holds its weights only. Offloading (plan.job) moves weights and
 optimizer states to pinned host memory (the same bytes) and drops grads.
 
@@ -42,6 +46,16 @@ memory-efficient attention, which keeps no s x s score tensor):
 plus the padding-aware causal mask (b s^2 bytes, bool) per micro-batch. tests/test_plan.py
 checks this count tensor by tensor against what one layer saves on CPU, where our RMSNorm,
 unfused SwiGLU and SDPA's additive mask keep more (the test counts those separately).
+
+In a mixture-of-experts layer the MLP's 3f/t is replaced by what its dropless experts keep:
+every token goes to k experts, so the experts of a rank receive k x (its tokens) on average,
+and at most MOE_IMBALANCE times that (engine/moe_load.py: the assumption, and the ratio the
+trainer measures each step, with a warning above it). Each routed token keeps its permuted
+input (h) and its expert's fused gate/up output and SwiGLU output (3 f_e / e, e =
+expert-TP, whose ranks also gather each other's tokens: x e); the router keeps its logits
+and probabilities in fp32 (2 x experts x 4 bytes per token):
+
+    b s [ MOE_IMBALANCE k (e h + 3 f_e) P + 8 E ] / x
 
 Recomputation (PPOConfig.recompute, per trained role):
 - 'full' (megatron-core full / uniform / 1 layer): each layer keeps only its input,
@@ -99,6 +113,7 @@ from __future__ import annotations
 
 import math
 
+from megarlhf.engine.moe_load import MOE_IMBALANCE
 from megarlhf.models.config import ModelConfig
 from megarlhf.parallel.mesh import ParallelConfig
 
@@ -109,14 +124,17 @@ FP32_BYTES = 4
 RECOMPUTE = ("none", "selective", "full")
 
 
-def model_state(params: int, param_bytes: int, *, trained: bool, dp: int) -> dict[str, int]:
+def model_state(params: int, param_bytes: int, *, trained: bool, dp: int,
+                expert_params: int = 0, expert_dp: int = 1) -> dict[str, int]:
     """{'weights', 'grads', 'optimizer'} bytes of one role on one rank (frozen: weights only);
-    `dp`: the ranks the optimizer states are sharded over (DP x CP)."""
+    `dp`: the ranks the optimizer states are sharded over (DP x CP); `expert_params` of the
+    `params` are sharded over `expert_dp` ranks instead."""
     state = {"weights": params * param_bytes}
     if trained:
         per_param = ADAM_STATE_BYTES + (MASTER_WEIGHT_BYTES if param_bytes < FP32_BYTES else 0)
         state["grads"] = params * GRAD_BYTES
-        state["optimizer"] = math.ceil(params / dp) * per_param
+        state["optimizer"] = (math.ceil((params - expert_params) / dp)
+                              + math.ceil(expert_params / expert_dp)) * per_param
     return state
 
 
@@ -154,14 +172,27 @@ def gathered_kv(model: ModelConfig, parallel: ParallelConfig, rows: int, seq: in
         * param_bytes if c > 1 else 0
 
 
+def mlp_per_token(model: ModelConfig, parallel: ParallelConfig, param_bytes: int) -> float:
+    """Bytes the MLP keeps for backward per token of a row (dense: 3f/t; mixture of experts:
+    its routed tokens' expert activations and the router's, see the module docstring)."""
+    t, x = _shard(parallel)
+    if not model.is_moe:
+        return param_bytes * 3 * model.ffn_hidden_size / t
+    e = parallel.expert_tp
+    routed = MOE_IMBALANCE * model.moe_router_topk * (
+        e * model.hidden_size + 3 * model.moe_ffn_hidden_size) * param_bytes
+    return (routed + 2 * model.num_experts * FP32_BYTES) / x
+
+
 def layer_activations(model: ModelConfig, parallel: ParallelConfig, rows: int, seq: int,
                       param_bytes: int) -> int:
     """Bytes one layer keeps for backward for one micro-batch (no recomputation)."""
     t, x = _shard(parallel)
-    h, f = model.hidden_size, model.ffn_hidden_size
+    h = model.hidden_size
     q = model.num_attention_heads * model.kv_channels
     k = model.kv_heads * model.kv_channels
-    per_token = param_bytes * (4 * h / x + (3 * q + 3 * k) / t + 3 * f / t)
+    per_token = param_bytes * (4 * h / x + (3 * q + 3 * k) / t) \
+        + mlp_per_token(model, parallel, param_bytes)
     local = _local(seq, parallel)
     return math.ceil(rows * local * per_token) + attention_lse(model, parallel, rows, seq) \
         + rope_tables(model, local, param_bytes) \
@@ -204,9 +235,14 @@ def rebuilt(model: ModelConfig, parallel: ParallelConfig, rows: int, seq: int,
 
 def layer_gradients(model: ModelConfig, parallel: ParallelConfig, rows: int, seq: int,
                     param_bytes: int) -> int:
-    """Bytes of the largest gradient a layer's backward makes: the fused gate/up output's."""
-    t, _ = _shard(parallel)
-    return rows * _local(seq, parallel) * 2 * model.ffn_hidden_size // t * param_bytes
+    """Bytes of the largest gradient a layer's backward makes: the fused gate/up output's
+    (an MoE layer's: of its routed tokens, at the assumed imbalance)."""
+    t, x = _shard(parallel)
+    tokens = rows * _local(seq, parallel)
+    if model.is_moe:
+        return math.ceil(tokens * MOE_IMBALANCE * model.moe_router_topk / x
+                         * 2 * model.moe_ffn_hidden_size * param_bytes)
+    return tokens * 2 * model.ffn_hidden_size // t * param_bytes
 
 
 def backward_peak(model: ModelConfig, parallel: ParallelConfig, rows: int, seq: int,
@@ -281,6 +317,9 @@ def inference_layer(model: ModelConfig, tp: int, rows: int, seq: int, param_byte
     the residual stream and the norm's output (2h), gate and up (2f/t) and SwiGLU's output
     (f/t), per token."""
     h, f = model.hidden_size, model.ffn_hidden_size
+    if model.is_moe:  # every token's k experts (an engine's experts are all on its ranks)
+        return rows * seq * param_bytes * (2 * h + model.moe_router_topk
+                                           * (h + 3 * model.moe_ffn_hidden_size // tp))
     return rows * seq * param_bytes * (2 * h + 3 * f // tp)
 
 
@@ -293,11 +332,13 @@ def kv_cache(model: ModelConfig, tp: int, rows: int, seq: int, param_bytes: int)
 def largest_tensor(model: ModelConfig, tp: int) -> int:
     """Elements of the largest single Megatron tensor in its full (TP-gathered) form: the
     padded embedding / output layer, or a layer's fused QKV, fused gate/up, output or down
-    projection."""
-    h, f = model.hidden_size, model.ffn_hidden_size
+    projection (an MoE layer's: one expert's, or the router)."""
+    h = model.hidden_size
+    f = model.moe_ffn_hidden_size if model.is_moe else model.ffn_hidden_size
     q = model.num_attention_heads * model.kv_channels
     k = model.kv_heads * model.kv_channels
-    return max(model.padded_vocab_size(tp) * h, (q + 2 * k) * h, 2 * f * h, q * h, f * h)
+    return max(model.padded_vocab_size(tp) * h, (q + 2 * k) * h, 2 * f * h, q * h, f * h,
+               (model.num_experts or 0) * h)
 
 
 def largest_bucket(model: ModelConfig, tp: int, *, lm_params: int, rollout_bytes: int,

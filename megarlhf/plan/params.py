@@ -6,7 +6,9 @@ multiple of TP), while norms and the value head are replicated. So a position in
 just (pipeline rank, virtual chunk). The counts follow megarlhf.models.gpt.build_model:
 
 - a layer: fused QKV (+ bias for Qwen2), output projection, fused gate/up, down projection,
-  two RMSNorm weights (+ per-head q/k norms for Qwen3);
+  two RMSNorm weights (+ per-head q/k norms for Qwen3); in a mixture-of-experts layer the MLP
+  is the router ([experts, hidden], replicated on every rank) and this rank's num_experts /
+  EP experts, each a gate/up and down projection split over the expert-TP ranks;
 - the first chunk of pipeline rank 0 holds the (padded) word embedding;
 - the last chunk of the last pipeline rank holds the final norm and either the LM output layer
   or the value head. A tied LM output layer has no weight of its own only where it sits on the
@@ -19,16 +21,26 @@ from megarlhf.models.config import ModelConfig
 from megarlhf.parallel.mesh import ParallelConfig
 
 
-def layer_params(model: ModelConfig, tp: int) -> int:
-    """Parameters of one transformer layer on one TP rank."""
-    h, f = model.hidden_size, model.ffn_hidden_size
+def expert_layer_params(model: ModelConfig, parallel: ParallelConfig) -> int:
+    """Parameters of one layer's experts on one rank (0 for a dense model)."""
+    if not model.is_moe:
+        return 0
+    local = model.num_experts // parallel.expert_parallel
+    return local * 3 * model.moe_ffn_hidden_size * model.hidden_size // parallel.expert_tp
+
+
+def layer_params(model: ModelConfig, parallel: ParallelConfig) -> int:
+    """Parameters of one transformer layer on one rank (experts included)."""
+    h, tp = model.hidden_size, parallel.tensor_parallel
     q = model.num_attention_heads * model.kv_channels
     kv = model.kv_heads * model.kv_channels
-    split = (q + 2 * kv) * h + q * h + 3 * f * h
+    split = (q + 2 * kv) * h + q * h + (0 if model.is_moe else 3 * model.ffn_hidden_size * h)
     if model.qkv_bias:
         split += q + 2 * kv
     replicated = 2 * h + (2 * model.kv_channels if model.qk_norm else 0)
-    return split // tp + replicated
+    if model.is_moe:
+        replicated += model.num_experts * h  # the router
+    return split // tp + replicated + expert_layer_params(model, parallel)
 
 
 def vocab_rows(model: ModelConfig, tp: int) -> int:
@@ -47,7 +59,7 @@ def chunk_params(model: ModelConfig, parallel: ParallelConfig, pp_rank: int, chu
     h = model.hidden_size
     first = pp_rank == 0 and chunk == 0
     last = pp_rank == pp - 1 and chunk == vpp - 1
-    count = model.num_layers // (pp * vpp) * layer_params(model, tp)
+    count = model.num_layers // (pp * vpp) * layer_params(model, parallel)
     if first:
         count += vocab_rows(model, tp) * h
     if last:
@@ -64,6 +76,13 @@ def rank_params(model: ModelConfig, parallel: ParallelConfig, pp_rank: int, *,
     """Parameters held by one rank at pipeline rank `pp_rank` (all its virtual chunks)."""
     return sum(chunk_params(model, parallel, pp_rank, c, value_head=value_head)
                for c in range(parallel.num_chunks))
+
+
+def rank_expert_params(model: ModelConfig, parallel: ParallelConfig) -> int:
+    """Expert parameters held by one rank (every pipeline rank holds as many layers): the
+    part of rank_params the optimizer shards over the expert data-parallel ranks."""
+    layers = model.num_layers // parallel.pipeline_parallel
+    return layers * expert_layer_params(model, parallel)
 
 
 def total_params(model: ModelConfig, *, value_head: bool = False) -> int:

@@ -60,9 +60,8 @@ def group_table(group: GroupPlan) -> list[str]:
     spec, stage = group.spec, group.most_loaded
     tp, pp = spec.parallel.tensor_parallel, spec.parallel.pipeline_parallel
     dp = spec.parallel.data_parallel_size(spec.nproc)
-    cp = spec.parallel.context_parallel
     lines = [f"group {spec.name}: GPUs {group.first_gpu}-{group.first_gpu + spec.nproc - 1}, "
-             f"TP{tp} x PP{pp}{f' x CP{cp}' if cp > 1 else ''} x DP{dp}; most loaded rank: pipeline stage {group.pp_rank} of "
+             f"{spec.parallel.describe(dp)}; most loaded rank: pipeline stage {group.pp_rank} of "
              f"{pp} (GiB per GPU in each phase; * only while its role runs)",
              "  " + f"{'term':24s}" + "".join(f"{p:>11s}" for p in PHASES)]
     rows = []

@@ -76,8 +76,9 @@ class RolloutLayout:
 
 @dataclasses.dataclass(frozen=True)
 class RoleLayout(LayoutOverride):
-    """A model role's layout in the `layout` section: the mesh fields, sequence parallelism,
-    and activation recomputation (a trained role's backward: layout.reference.recompute and
+    """A model role's layout in the `layout` section: the mesh fields (expert_parallel and
+    expert_tensor_parallel for a mixture-of-experts model), sequence parallelism, and
+    activation recomputation (a trained role's backward: layout.reference.recompute and
     layout.reward.recompute may only be 'none', those models are frozen)."""
 
     recompute: str | None = None
@@ -86,8 +87,9 @@ class RoleLayout(LayoutOverride):
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """The per-role layout section. A model role's fields left unset take the run's
-    top-level tensor_parallel / pipeline_parallel / context_parallel. Roles that share ranks (every role when
-    colocated; reference and reward when disaggregated) must resolve to one layout."""
+    top-level tensor_parallel / pipeline_parallel / context_parallel / expert_parallel /
+    expert_tensor_parallel. Roles that share ranks (every role when colocated; reference and
+    reward when disaggregated) must resolve to one layout."""
 
     actor: RoleLayout = dataclasses.field(default_factory=RoleLayout)
     critic: RoleLayout = dataclasses.field(default_factory=RoleLayout)
@@ -173,6 +175,12 @@ class PPOConfig:
     """The layout of every model role (TP x PP x CP x DP = nproc), unless `layout` sets a
     role's. Context parallelism splits every sequence over CP ranks (long responses); the
     token budget and batch widths then round to multiples of 2 x CP."""
+    expert_parallel: int = 1
+    """Mixture-of-experts models: ranks that split each layer's experts (EP x
+    expert_tensor_parallel must divide TP x CP x DP; no extra ranks), unless `layout` sets a
+    role's."""
+    expert_tensor_parallel: int | None = None
+    """Ranks that split each expert's matrices; unset: 1 with expert_parallel > 1, else TP."""
     sequence_parallel: bool = False
     """Sequence parallelism in every model role (activations outside attention and MLP split
     over the TP ranks; needs tensor_parallel > 1), unless `layout` sets a role's. The
@@ -389,6 +397,7 @@ class PPOConfig:
         choice("on_bad_record", BAD_RECORD_POLICIES)
         problems += self._data_problems()
         for name in ("nproc", "tensor_parallel", "pipeline_parallel", "context_parallel",
+                     "expert_parallel",
                      "prompts_per_step",
                      "samples_per_prompt", "max_new_tokens", "steps", "ppo_epochs",
                      "mini_batches", "micro_batches", "keep_last", "rollout_nproc",
@@ -427,11 +436,12 @@ class PPOConfig:
                             f"training ranks")
         if (self.placement == "colocated" and self.rollout_backend == "megatron"
                 and (self._actor_layout().pipeline_parallel > 1
-                     or self._actor_layout().context_parallel > 1)):
-            problems.append("the colocated Megatron rollout backend runs at PP=1 and CP=1 "
-                            "(the actor's layout); use rollout_backend=vllm, or "
-                            "placement=disaggregated, with pipeline_parallel or "
-                            "context_parallel > 1")
+                     or self._actor_layout().context_parallel > 1
+                     or self._actor_layout().expert_parallel > 1)):
+            problems.append("the colocated Megatron rollout backend runs at PP=1, CP=1 and "
+                            "EP=1 (the actor's layout); use rollout_backend=vllm, or "
+                            "placement=disaggregated, with pipeline_parallel, "
+                            "context_parallel or expert_parallel > 1")
         if self.rollout_backend == "vllm" and not self.vllm_model_dir:
             problems.append("rollout_backend=vllm needs vllm_model_dir (an HF dir with the "
                             "actor's config.json, e.g. its mcore_to_hf export)")
@@ -559,7 +569,8 @@ class PPOConfig:
         override = getattr(self.layout, LAYOUT_KEYS[role])
         default = ParallelConfig(
             tensor_parallel=self.tensor_parallel, pipeline_parallel=self.pipeline_parallel,
-            context_parallel=self.context_parallel,
+            context_parallel=self.context_parallel, expert_parallel=self.expert_parallel,
+            expert_tensor_parallel=self.expert_tensor_parallel,
             # A role whose own TP is 1 cannot inherit the run's sequence parallelism.
             sequence_parallel=self.sequence_parallel and (override.tensor_parallel or
                                                           self.tensor_parallel) > 1)
@@ -614,6 +625,19 @@ class PPOConfig:
                 problems.append(f"layout.{key}: nproc={self.nproc} is not a multiple of "
                                 f"tensor_parallel x pipeline_parallel x context_parallel = "
                                 f"{parallel.replica_size}")
+        for role in self.roles:
+            try:
+                parallel = self.parallel_of(role)
+            except ValueError as e:  # the run-wide layout itself (a role's is reported above)
+                if not getattr(self.layout, LAYOUT_KEYS[role]).is_set:
+                    problems.append(f"{e} (the run's layout)")
+                continue
+            if self.nproc % parallel.replica_size == 0:
+                try:
+                    parallel.data_parallel_size(self.nproc)
+                except ValueError as e:  # the expert groups do not divide a stage
+                    problems.append(f"{LAYOUT_KEYS[role]} (nproc={self.nproc}): {e}")
+        problems = list(dict.fromkeys(problems))  # roles sharing the run's layout: once
         layouts = self._valid_layouts()
         # Roles that share ranks share one mesh: megatron-core's parallel state is one per
         # process.
@@ -622,11 +646,9 @@ class PPOConfig:
         fix = ", or use placement=disaggregated" if colocated else ""
         for role in sharing[1:]:
             first, other = layouts[sharing[0]], layouts[role]
-            mesh = lambda p: (f"TP{p.tensor_parallel} x PP{p.pipeline_parallel} x "  # noqa: E731
-                              f"CP{p.context_parallel}")
-            if mesh(first) != mesh(other):
-                problems.append(f"layout.{LAYOUT_KEYS[role]} ({mesh(other)}) differs from "
-                                f"layout.{LAYOUT_KEYS[sharing[0]]} ({mesh(first)}), but they "
+            if first.describe() != other.describe():
+                problems.append(f"layout.{LAYOUT_KEYS[role]} ({other.describe()}) differs from "
+                                f"layout.{LAYOUT_KEYS[sharing[0]]} ({first.describe()}), but they "
                                 f"run on the same ranks (placement={self.placement}): give "
                                 f"them one layout{fix}")
         return problems

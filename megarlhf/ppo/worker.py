@@ -230,11 +230,15 @@ class PPOWorker:
                     m.update({f"actor/{k}": v for k, v in actor.items()})
                     m.update({"actor/grad_norm": step.grad_norm, "actor/lr": step.lr,
                               "actor/skipped": float(step.skipped)})
+                    if step.moe_load is not None:
+                        m["actor/moe_load"] = step.moe_load
                 if self.critic is not None:
                     vstep, critic = self.critic.train_step(part, old_values[rows],
                                                            returns[rows])
                     m.update({f"critic/{k}": v for k, v in critic.items()})
                     m["critic/grad_norm"] = vstep.grad_norm
+                    if vstep.moe_load is not None:
+                        m["critic/moe_load"] = vstep.moe_load
                 metrics.append(m)
         self.residency.note("train")
         return metrics

@@ -16,8 +16,11 @@ HF tensors of some whole Megatron tensors (a layer's fused QKV, an embedding ...
    (`stream(reuse_buffer=True)`), others get a fresh buffer per bucket.
 
 DP replicas hold the same weights, so each replica serves its own ranks in colocated mode and
-only replica 0 sends in disaggregated mode. Extra memory per rank is one bucket plus the
-assembly of the largest single tensor (`BridgePlan.peak_extra_bytes`).
+only replica 0 sends in disaggregated mode. A mixture-of-experts layer's experts are split
+over the EP ranks (which regroup TP x CP x DP ranks of a stage): an expert's tensor is
+assembled on the EP rank holding it (over its expert-TP group) and broadcast over the EP group,
+so every rank that streams has every expert, one tensor at a time. Extra memory per rank is
+one bucket plus the assembly of the largest single tensor (`BridgePlan.peak_extra_bytes`).
 """
 
 from __future__ import annotations
@@ -34,12 +37,9 @@ from megarlhf.models.arch import Architecture
 from megarlhf.models.config import ModelConfig
 from megarlhf.parallel.mesh import Mesh
 from megarlhf.rollout.engine import WeightStream
-from megarlhf.rollout.pieces import Piece, local_pieces
+from megarlhf.rollout.pieces import Piece, Unit, local_pieces
 
 DEFAULT_BUCKET_BYTES = 512 * 1024**2
-
-Unit = tuple[str, "int | None"]
-"""(Megatron key, layer): one Megatron tensor, assembled and split as a whole."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,14 +105,26 @@ class WeightBridge:
 
     # -- planning (collective, once) ------------------------------------------------------
 
+    def _split_group(self, unit: Unit) -> tuple[dist.ProcessGroup, int]:
+        """The ranks whose pieces make up `unit`: the TP group, or for an expert's tensor the
+        expert-TP group (the ranks splitting that expert)."""
+        if _is_expert(unit):
+            return self.mesh.expert_tp_group, self.mesh.config.expert_tp
+        return self.mesh.tp_group, self.mesh.tp
+
     def _exchange_tp_offsets(self) -> dict[Unit, list[list[tuple[int, ...]]]]:
-        """Per unit and local piece, every TP rank's offsets (the gather needs to know where
-        the other ranks' pieces go)."""
-        mine = {unit: [p.offsets for p in pieces] for unit, pieces in self._pieces.items()}
-        everyone = [None] * self.mesh.tp
-        dist.all_gather_object(everyone, mine, group=self.mesh.tp_group)
-        return {unit: [[peer[unit][i] for peer in everyone] for i in range(len(offsets))]
-                for unit, offsets in mine.items()}
+        """Per unit and local piece, every TP (expert-TP) rank's offsets (the gather needs to
+        know where the other ranks' pieces go)."""
+        offsets = {}
+        for experts in (False, True):
+            mine = {unit: [p.offsets for p in pieces] for unit, pieces in self._pieces.items()
+                    if _is_expert(unit) == experts}
+            group = self.mesh.expert_tp_group if experts else self.mesh.tp_group
+            everyone = [None] * dist.get_world_size(group)
+            dist.all_gather_object(everyone, mine, group=group)
+            offsets.update({unit: [[peer[unit][i] for peer in everyone]
+                                   for i in range(len(mine[unit]))] for unit in mine})
+        return offsets
 
     def _check_mappable(self, stages: list[dict]) -> None:
         """Same verdict on every rank (all see every stage), so no rank is left waiting."""
@@ -124,14 +136,20 @@ class WeightBridge:
                              f"architecture?")
 
     def _units_in_order(self) -> list[Unit]:
-        whole = [(r.mcore, None) for r in self._rules.values() if not r.per_layer]
-        layered = [(r.mcore, layer) for layer in range(self.model.num_layers)
-                   for r in self._rules.values() if r.per_layer]
+        whole = [(r.mcore, ()) for r in self._rules.values() if not r.per_layer]
+        per_layer = [[] for _ in range(self.model.num_layers)]
+        for rule in self._rules.values():
+            for index in rule.indices(self.model) if rule.per_layer else []:
+                per_layer[index[0]].append((rule.mcore, index))
+        layered = [unit for units in per_layer for unit in units]
         return whole[:1] + layered + whole[1:]  # embedding, layers, final norm / head
 
     def _make_plan(self, dtype: torch.dtype, bucket_bytes: int,
                    train_dtype: torch.dtype) -> BridgePlan:
         held = {unit: tuple(self._pieces[unit][0].full_shape) for unit in self._pieces}
+        for (key, index), shape in list(held.items()):  # the EP group holds every expert
+            if _is_expert((key, index)):
+                held.update({(key, (index[0], e)): shape for e in range(self.model.num_experts)})
         stages: list[dict] = [None] * self.mesh.pp
         dist.all_gather_object(stages, held, group=self.mesh.pp_group)
         self._check_mappable(stages)
@@ -140,7 +158,7 @@ class WeightBridge:
         for unit in self._units_in_order():
             owners = [s for s, units in enumerate(stages) if unit in units]
             if not owners:
-                raise ValueError(f"no pipeline stage holds {unit[0]} (layer {unit[1]}), which "
+                raise ValueError(f"no pipeline stage holds {unit[0]} {unit[1]}, which "
                                  f"the {self._arch_name} mapping of this config needs; the model "
                                  f"and its config / architecture disagree")
             stage = owners[0]  # a tied embedding is on the first and last stage
@@ -153,7 +171,7 @@ class WeightBridge:
             fits = (full_shape[0] >= shapes[0][0] and full_shape[1:] == shapes[0][1:]) \
                 if rule.vocab else torch.Size(full_shape).numel() == numel
             if not fits:
-                raise ValueError(f"{unit[0]} (layer {unit[1]}) is {full_shape} in the model but "
+                raise ValueError(f"{unit[0]} {unit[1]} is {full_shape} in the model but "
                                  f"the {self._arch_name} mapping expects HF tensors {shapes}; "
                                  f"the model and its config / architecture disagree")
             if current is None or current["stage"] != stage or \
@@ -173,27 +191,45 @@ class WeightBridge:
     # -- streaming ------------------------------------------------------------------------
 
     def _assemble(self, unit: Unit) -> torch.Tensor:
-        """The full per-layer Megatron tensor of `unit` from this TP group's pieces."""
+        """The full per-layer Megatron tensor of `unit`: from this TP group's pieces, or an
+        expert's from the EP rank holding it."""
+        if not _is_expert(unit) or self.mesh.ep == 1:
+            return self._gather(unit)
+        per_rank = self.model.num_experts // self.mesh.ep
+        owner = unit[1][1] // per_rank
+        if owner == self.mesh.ep_rank:
+            full = self._gather(unit).detach().contiguous()
+        else:  # every expert of a key has one shape: take a local one's
+            template = self._pieces[unit[0], (unit[1][0], self.mesh.ep_rank * per_rank)][0]
+            full = torch.empty(template.full_shape, dtype=template.data.dtype,
+                               device=template.data.device)
+        dist.broadcast(full, src=dist.get_global_rank(self.mesh.ep_group, owner),
+                       group=self.mesh.ep_group)
+        return full
+
+    def _gather(self, unit: Unit) -> torch.Tensor:
+        """The full per-layer Megatron tensor of `unit` from this TP (expert-TP) group's
+        pieces."""
         pieces = self._pieces[unit]
-        local = self.mesh.tp == 1 or all(p.is_whole for p in pieces)
+        group, size = self._split_group(unit)
+        local = size == 1 or all(p.is_whole for p in pieces)
         in_place = _tiled_in_place(pieces) if local else None
         if in_place is not None:
             return in_place  # read the parameter itself: no copy before the split
         full = torch.empty(pieces[0].full_shape, dtype=pieces[0].data.dtype,
                            device=pieces[0].data.device)
         # Replicated pieces, and every piece at TP1, are already here.
-        sharded = [i for i, p in enumerate(pieces) if not p.is_whole and self.mesh.tp > 1]
+        sharded = [i for i, p in enumerate(pieces) if not p.is_whole and size > 1]
         for i, p in enumerate(pieces):
             if i not in sharded:
                 p.region(full).copy_(p.data)
         if not sharded:
             return full
         local = torch.cat([pieces[i].data.detach().reshape(-1) for i in sharded])
-        gathered = torch.empty(self.mesh.tp * local.numel(), dtype=local.dtype,
-                               device=local.device)
-        dist.all_gather_into_tensor(gathered, local, group=self.mesh.tp_group)
-        per_rank = gathered.view(self.mesh.tp, -1)
-        for r in range(self.mesh.tp):
+        gathered = torch.empty(size * local.numel(), dtype=local.dtype, device=local.device)
+        dist.all_gather_into_tensor(gathered, local, group=group)
+        per_rank = gathered.view(size, -1)
+        for r in range(size):
             start = 0
             for i in sharded:
                 shape = pieces[i].data.shape
@@ -263,10 +299,12 @@ class WeightBridge:
     def send(self, channel: "Channel") -> None:
         """Disaggregated: DP replica 0 (its CP rank 0) sends every bucket over `channel` (see
         `open_channel`); its other TP ranks only help assemble. Other DP replicas and CP ranks,
-        which hold the same weights, return at once."""
-        if self.mesh.dp_rank != 0 or self.mesh.cp_rank != 0:
+        which hold the same weights, return at once, unless they hold experts (EP > 1): then
+        they take part in assembling too."""
+        replica0 = self.mesh.dp_rank == 0 and self.mesh.cp_rank == 0
+        if not replica0 and self.mesh.ep == 1:
             return
-        sender = self.mesh.tp_rank == 0
+        sender = replica0 and self.mesh.tp_rank == 0
         if sender:  # every channel member takes part in every broadcast
             channel.broadcast_object(self.plan, root=0)
         for bucket in self.plan.buckets:
@@ -276,6 +314,11 @@ class WeightBridge:
                     channel.broadcast(buffer, root=bucket.stage)
             elif sender:
                 channel.broadcast(self._buffer(bucket), root=bucket.stage)
+
+
+def _is_expert(unit: Unit) -> bool:
+    """Whether `unit` is one expert's tensor (indexed by layer and expert)."""
+    return len(unit[1]) == 2
 
 
 def _tiled_in_place(pieces: list[Piece]) -> torch.Tensor | None:

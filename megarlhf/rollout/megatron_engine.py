@@ -34,18 +34,16 @@ import torch.distributed as dist
 from megatron.core.inference.contexts import StaticInferenceContext
 
 from megarlhf.engine.offload import reallocate, release, storages_of
-from megarlhf.models.arch import TensorRule, architecture_for_model
+from megarlhf.models.arch import TensorRule, architecture_for_model, hf_shapes
+from megarlhf.models.config import ModelConfig
 from megarlhf.models.gpt import ModelSpec, build_model
 from megarlhf.parallel.mesh import Mesh
 from megarlhf.parallel.vocab import vocab_parallel_logprobs
 from megarlhf.rollout.engine import (
     ENGINE_PARTS, Completion, EngineError, SamplingParams, WeightStream,
 )
-from megarlhf.rollout.pieces import Piece, local_pieces
-from megarlhf.rollout.weights import WeightCheck, hf_weight_shapes
-
-Unit = tuple[str, int | None]
-"""(Megatron checkpoint key, layer index or None): one full per-layer tensor."""
+from megarlhf.rollout.pieces import Piece, Unit, local_pieces
+from megarlhf.rollout.weights import WeightCheck
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -64,15 +62,16 @@ class MegatronEngineConfig:
 
 @dataclasses.dataclass(frozen=True)
 class _Slot:
-    """Where one HF tensor goes: the rule it belongs to, the layer, its index in `rule.hf`."""
+    """Where one HF tensor goes: the rule it belongs to, the (layer[, expert]) index, its
+    position in `rule.hf`."""
 
     rule: TensorRule
-    layer: int | None
-    index: int
+    index: tuple[int, ...]
+    position: int
 
     @property
     def unit(self) -> Unit:
-        return self.rule.mcore, self.layer
+        return self.rule.mcore, self.index
 
 
 @dataclasses.dataclass
@@ -100,8 +99,8 @@ class MegatronEngine:
         self.model = build_model(spec, mesh)[0].eval().requires_grad_(False)
         arch = architecture_for_model(spec.model, self.config.architecture)
         rules = arch.rules(spec.model, lm_head=True, value_head=False)
-        self._slots = _hf_slots(rules, spec.model.num_layers)
-        self._shapes = hf_weight_shapes(rules, spec.model.num_layers)
+        self._slots = _hf_slots(rules, spec.model)
+        self._shapes = hf_shapes(rules, spec.model)
         self._pieces = _pieces_by_unit(local_pieces([self.model]))
         self._check_rules_cover_model({s.unit for s in self._slots.values()}, arch.name)
         self._weights_ready = False
@@ -256,7 +255,7 @@ class MegatronEngine:
                 check.accept(name, tensor)
                 slot = self._slots[name]
                 parts = pending.setdefault(slot.unit, [None] * len(slot.rule.hf))
-                parts[slot.index] = tensor
+                parts[slot.position] = tensor
                 if all(p is not None for p in parts):
                     self._load_unit(slot, pending.pop(slot.unit))
             # The producer may reuse this bucket's memory (copies_each_bucket).
@@ -318,6 +317,10 @@ def _check_layout(spec: ModelSpec, mesh: Mesh) -> None:
     if mesh.cp > 1:
         problems.append(f"context_parallel={mesh.cp}: the engine's KV cache holds whole "
                         f"sequences; give it a mesh without context parallelism")
+    if mesh.ep > 1:
+        problems.append(f"expert_parallel={mesh.ep}: expert-parallel ranks must run every "
+                        f"forward together, and each rank's generation stops on its own; give "
+                        f"it a mesh without expert parallelism")
     if mesh.config.sequence_parallel or spec.transformer.sequence_parallel:
         problems.append("sequence_parallel=True: megatron-core's static KV cache does not "
                         "support it; use an inference mesh and model spec without it (the "
@@ -334,13 +337,10 @@ def _check_layout(spec: ModelSpec, mesh: Mesh) -> None:
         raise ValueError("MegatronEngine cannot run this model: " + "; ".join(problems))
 
 
-def _hf_slots(rules: list[TensorRule], num_layers: int) -> dict[str, _Slot]:
-    slots = {}
-    for rule in rules:
-        for layer in range(num_layers) if rule.per_layer else [None]:
-            for index, name in enumerate(rule.hf_names(layer)):
-                slots[name] = _Slot(rule, layer, index)
-    return slots
+def _hf_slots(rules: list[TensorRule], model: ModelConfig) -> dict[str, _Slot]:
+    return {name: _Slot(rule, index, position) for rule in rules
+            for index in rule.indices(model)
+            for position, name in enumerate(rule.hf_names(index))}
 
 
 def _pieces_by_unit(pieces: list[Piece]) -> dict[Unit, list[Piece]]:

@@ -16,12 +16,17 @@ from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
 
 
+Unit = tuple[str, tuple[int, ...]]
+"""(Megatron checkpoint key, (layer[, expert]) index or ()): one full per-layer tensor."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Piece:
     key: str
     """Layout-free checkpoint key ('decoder.layers.mlp.linear_fc1.weight')."""
-    layer: int | None
-    """Global layer index for stacked keys, None for whole tensors."""
+    index: tuple[int, ...]
+    """Global (layer,) index for stacked keys, (layer, expert) for an MoE layer's experts,
+    () for whole tensors."""
     data: torch.Tensor
     """A view of the local parameter (writes go to the model)."""
     offsets: tuple[int, ...]
@@ -30,8 +35,8 @@ class Piece:
     """Shape of the full per-layer tensor (vocab rows padded for the model's TP)."""
 
     @property
-    def unit(self) -> tuple[str, int | None]:
-        return self.key, self.layer
+    def unit(self) -> Unit:
+        return self.key, self.index
 
     @property
     def is_whole(self) -> bool:
@@ -57,7 +62,7 @@ def local_pieces(chunks: list[torch.nn.Module]) -> list[Piece]:
             prepend = sh.prepend_axis_num
             pieces.append(Piece(
                 key=sh.key,
-                layer=sh.global_offset[0] if prepend else None,
+                index=tuple(sh.global_offset[:prepend]),
                 data=sh.data,
                 offsets=tuple(sh.global_offset[prepend:]),
                 full_shape=tuple(sh.global_shape[prepend:]),

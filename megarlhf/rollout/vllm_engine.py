@@ -31,8 +31,8 @@ import torch
 import torch.distributed as dist
 import transformers
 
-from megarlhf.models.arch import architecture_for_hf_config
-from megarlhf.rollout.weights import WeightCheck, hf_weight_shapes
+from megarlhf.models.arch import architecture_for_hf_config, hf_shapes
+from megarlhf.rollout.weights import WeightCheck
 from megarlhf.rollout.engine import (
     ENGINE_PARTS, Completion, EngineError, SamplingParams, WeightStream,
 )
@@ -103,6 +103,7 @@ class VLLMEngine:
         self.name = f"vllm engine rank {dist.get_rank()}"
         self._expected = expected_hf_weights(config.model_dir)
         shims.keep_trainer_process_group()
+        shims.prepack_reloaded_experts()
         self._sleep_mode = _sleep_mode_available()
         self._shm_ident = shims.unique_shm_ident(config.tensor_parallel_size)
         memory = {"kv_cache_memory_bytes": config.kv_cache_memory_bytes} \
@@ -269,7 +270,7 @@ def expected_hf_weights(model_dir: str) -> dict[str, tuple[int, ...]]:
         raise ValueError(f"{model_dir} holds {arch.sequence_classification}, a scalar-head "
                          f"model; rollouts need the causal LM ({arch.causal_lm})")
     model = arch.model_config(config)
-    return hf_weight_shapes(arch.rules(model, lm_head=True, value_head=False), model.num_layers)
+    return hf_shapes(arch.rules(model, lm_head=True, value_head=False), model)
 
 
 def _vllm_params(params: SamplingParams, seed: int | None):

@@ -8,18 +8,6 @@ from __future__ import annotations
 
 import torch
 
-from megarlhf.models.arch import TensorRule
-
-
-def hf_weight_shapes(rules: list[TensorRule], num_layers: int) -> dict[str, tuple[int, ...]]:
-    """{HF name: shape} of every tensor the rules describe."""
-    shapes = {}
-    for rule in rules:
-        for layer in range(num_layers) if rule.per_layer else [None]:
-            shapes.update(zip(rule.hf_names(layer), rule.hf_shapes))
-    return shapes
-
-
 class WeightCheck:
     """One update's bookkeeping; `model` describes the receiving model in errors."""
 

@@ -45,8 +45,8 @@ def describe(stage: str, cfg: SFTConfig | RMConfig, checked: Plan, nproc: int | 
     dp, micro = check_layout(cfg, checked, world)
     start = f"resuming from {checked.resume_from}" if checked.resume_from else "from step 0"
     return (f"dry run: would train {stage} for {cfg.train.steps} steps ({start}) on {world} "
-            f"rank(s) at TP{cfg.parallel.tensor_parallel} x PP{cfg.parallel.pipeline_parallel}"
-            f" x CP{cfg.parallel.context_parallel} x DP{dp}, {micro} micro-batch(es) of {cfg.train.micro_batch_size} per step; "
+            f"rank(s) at {cfg.parallel.describe(dp)}, {micro} micro-batch(es) of "
+            f"{cfg.train.micro_batch_size} per step; "
             f"{len(checked.examples.train)} training examples; model "
             f"{checked.model.num_layers} layers, hidden {checked.model.hidden_size}; outputs in "
             f"{cfg.train.output_dir}")
@@ -55,7 +55,7 @@ def describe(stage: str, cfg: SFTConfig | RMConfig, checked: Plan, nproc: int | 
 def check_layout(cfg: SFTConfig | RMConfig, checked: Plan, world: int) -> tuple[int, int]:
     """(DP size, micro-batches per step) of the layout on `world` ranks; ValueError if the
     model's heads, layers or vocabulary, the world size or the batch do not divide."""
-    checked.model.check_parallel(cfg.parallel)
+    checked.model.check_parallel(cfg.parallel, training=True)
     # The layer spec the ranks will resolve (te needs a GPU and runs without CP).
     resolve_layer_spec(cfg.model.layer_spec, on_gpu=accelerator_available(),
                        context_parallel=cfg.parallel.context_parallel)

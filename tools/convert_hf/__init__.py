@@ -1,8 +1,9 @@
 """Command-line converters between HF checkpoints and Megatron dist checkpoints.
 
-    python -m tools.convert_hf.hf_to_mcore --hf DIR --out DIR --tp N --pp M [--vpp V] [--role R]
+    python -m tools.convert_hf.hf_to_mcore --hf DIR --out DIR --tp N --pp M [--vpp V]
+        [--ep E --etp T] [--role R]
     python -m tools.convert_hf.mcore_to_hf --ckpt DIR --out DIR [--dtype bf16|fp16|fp32]
-    python -m tools.convert_hf.verify --hf DIR --ckpt DIR [--tp N --pp M]
+    python -m tools.convert_hf.verify --hf DIR --ckpt DIR [--tp N --pp M --ep E --etp T]
 """
 
 from __future__ import annotations

@@ -16,6 +16,10 @@ def main(argv=None) -> int:
     p.add_argument("--ckpt", required=True, help="Megatron checkpoint directory")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--ep", type=int, default=1,
+                   help="expert parallel size (mixture-of-experts models)")
+    p.add_argument("--etp", type=int, default=None,
+                   help="expert tensor parallel size (default: 1 with --ep > 1, else TP)")
     p.add_argument("--vpp", type=int, default=None)
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq-len", type=int, default=32)
@@ -28,7 +32,8 @@ def main(argv=None) -> int:
     from megarlhf.parallel.mesh import ParallelConfig
 
     parallel = ParallelConfig(tensor_parallel=args.tp, pipeline_parallel=args.pp,
-                              virtual_pipeline_parallel=args.vpp)
+                              virtual_pipeline_parallel=args.vpp, expert_parallel=args.ep,
+                              expert_tensor_parallel=args.etp)
     report = verify(args.hf, args.ckpt, parallel, batch=args.batch, seq_len=args.seq_len,
                     seed=args.seed, tolerance=args.tolerance)
     print(report)

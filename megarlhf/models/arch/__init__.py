@@ -4,7 +4,9 @@ To add an architecture, write one module next to `llama.py` that calls `register
 below.
 """
 
-from megarlhf.models.arch import llama, mistral, qwen2, qwen3  # noqa: F401  (registration)
+from megarlhf.models.arch import (  # noqa: F401  (registration)
+    llama, mistral, mixtral, qwen2, qwen3, qwen3_moe,
+)
 from megarlhf.models.arch.registry import (
     Architecture,
     TensorRule,
@@ -13,9 +15,10 @@ from megarlhf.models.arch.registry import (
     architecture_for_hf_config,
     architecture_for_model,
     architecture_names,
+    hf_shapes,
     register,
     supported_hf_classes,
 )
 
 __all__ = ["Architecture", "TensorRule", "architecture", "architecture_for_hf_class",
-           "architecture_for_hf_config", "architecture_for_model", "architecture_names", "register", "supported_hf_classes"]
+           "architecture_for_hf_config", "architecture_for_model", "architecture_names", "hf_shapes", "register", "supported_hf_classes"]

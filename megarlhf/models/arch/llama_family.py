@@ -1,13 +1,17 @@
-"""What Llama, Mistral, Qwen2 and Qwen3 share: HF config translation and tensor rules.
+"""What Llama, Mistral, Qwen2, Qwen3 and their mixture-of-experts kin (Qwen3-MoE, Mixtral)
+share: HF config translation and tensor rules.
 
 HF keeps Q, K, V and gate, up as separate matrices; Megatron fuses them. Megatron's fused QKV
 is grouped by KV head: for each of the `num_kv_heads` groups, that group's query heads, then its
 key head, then its value head. TP splits this matrix by rows, so each TP rank holds whole groups.
 The fused MLP input is [gate; up]. Both HF and Megatron rotate halves for RoPE (no permutation).
+In an MoE layer the MLP is a router ([experts, hidden]) and one such [gate; up] / down MLP per
+expert, which Megatron's checkpoint stacks on an expert axis after the layer axis.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 
@@ -56,7 +60,58 @@ def _rule(mcore, hf, shapes, fns, **flags) -> TensorRule:
                       split=split, **flags)
 
 
-def llama_family_rules(m: ModelConfig, *, lm_head: bool, value_head: bool) -> list[TensorRule]:
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MoEFormat:
+    """How an HF mixture-of-experts architecture names and configures its experts."""
+
+    block: str
+    """The layer's MoE module: 'mlp' (Qwen3-MoE) or 'block_sparse_moe' (Mixtral)."""
+    gate_up_down: tuple[str, str, str]
+    """Each expert's three projections, in the order gate, up, down."""
+    experts_field: str
+    """Config field of the expert count."""
+    width_field: str
+    """Config field of each expert's MLP width."""
+    norm_field: str | None
+    """Config field saying whether top-k weights are renormalised; None: always are."""
+
+    def from_hf(self, c) -> dict:
+        """Our ModelConfig's MoE fields from an HF config; refuses what we compute otherwise."""
+        name = type(c).__name__
+        if getattr(c, "mlp_only_layers", None) or getattr(c, "decoder_sparse_step", 1) != 1:
+            raise ValueError(f"{name}: dense layers among the MoE layers (mlp_only_layers="
+                             f"{c.mlp_only_layers}, decoder_sparse_step={c.decoder_sparse_step})"
+                             f" are not supported; every layer must be an MoE layer")
+        if getattr(c, "router_jitter_noise", 0.0):
+            raise ValueError(f"{name}: router_jitter_noise={c.router_jitter_noise} (random "
+                             f"router noise in training) is not supported; set it to 0")
+        if getattr(c, "shared_expert_intermediate_size", 0):
+            raise ValueError(f"{name}: shared experts are not supported")
+        return dict(
+            num_experts=getattr(c, self.experts_field),
+            moe_ffn_hidden_size=getattr(c, self.width_field),
+            moe_router_topk=c.num_experts_per_tok,
+            moe_norm_topk=bool(getattr(c, self.norm_field)) if self.norm_field else True,
+            # HF trains with the load-balancing loss only when it returns router logits.
+            moe_aux_loss_coeff=float(c.router_aux_loss_coef)
+            if getattr(c, "output_router_logits", False) else 0.0,
+        )
+
+    def to_hf(self, m: ModelConfig) -> dict:
+        fields = {self.experts_field: m.num_experts, self.width_field: m.moe_ffn_hidden_size,
+                  "num_experts_per_tok": m.moe_router_topk,
+                  "router_aux_loss_coef": m.moe_aux_loss_coeff,
+                  "output_router_logits": m.moe_aux_loss_coeff > 0}
+        if self.norm_field:
+            fields[self.norm_field] = m.moe_norm_topk
+        return fields
+
+    def fits(self, m: ModelConfig) -> bool:
+        return m.is_moe and (self.norm_field is not None or m.moe_norm_topk)
+
+
+def llama_family_rules(m: ModelConfig, *, lm_head: bool, value_head: bool,
+                       moe: MoEFormat | None = None) -> list[TensorRule]:
     h, f, d = m.hidden_size, m.ffn_hidden_size, m.kv_channels
     q_out, kv_out = m.num_attention_heads * d, m.kv_heads * d
     rules = [_rule("embedding.word_embeddings.weight", ["model.embed_tokens.weight"],
@@ -83,9 +138,20 @@ def llama_family_rules(m: ModelConfig, *, lm_head: bool, value_head: bool) -> li
               _same())
     per_layer("mlp.linear_fc1.layer_norm_weight", ["post_attention_layernorm.weight"], [(h,)],
               _same())
-    per_layer("mlp.linear_fc1.weight", ["mlp.gate_proj.weight", "mlp.up_proj.weight"],
-              [(f, h), (f, h)], _fuse_cat())
-    per_layer("mlp.linear_fc2.weight", ["mlp.down_proj.weight"], [(h, f)], _same())
+    if moe is None:
+        per_layer("mlp.linear_fc1.weight", ["mlp.gate_proj.weight", "mlp.up_proj.weight"],
+                  [(f, h), (f, h)], _fuse_cat())
+        per_layer("mlp.linear_fc2.weight", ["mlp.down_proj.weight"], [(h, f)], _same())
+    else:
+        fe, (gate, up, down) = m.moe_ffn_hidden_size, moe.gate_up_down
+        expert = moe.block + ".experts.{e}."
+        per_layer("mlp.router.weight", [moe.block + ".gate.weight"], [(m.num_experts, h)],
+                  _same())
+        per_layer("mlp.experts.experts.linear_fc1.weight",
+                  [expert + gate + ".weight", expert + up + ".weight"], [(fe, h), (fe, h)],
+                  _fuse_cat())
+        per_layer("mlp.experts.experts.linear_fc2.weight", [expert + down + ".weight"],
+                  [(h, fe)], _same())
     rules.append(_rule("decoder.final_layernorm.weight", ["model.norm.weight"], [(h,)], _same()))
     if lm_head and not m.tie_embeddings:
         rules.append(_rule("output_layer.weight", ["lm_head.weight"], [(m.vocab_size, h)],
@@ -119,7 +185,7 @@ def rope_from_hf(c) -> tuple[float, RopeScaling | None]:
     )
 
 
-def model_config_from_hf(c, *, qkv_bias: bool, qk_norm: bool,
+def model_config_from_hf(c, *, qkv_bias: bool, qk_norm: bool, moe: MoEFormat | None = None,
                          make_vocab_size_divisible_by: int = 128) -> ModelConfig:
     """Our ModelConfig for a Llama-family HF config; refuses what we would compute differently."""
     name = type(c).__name__
@@ -157,6 +223,7 @@ def model_config_from_hf(c, *, qkv_bias: bool, qk_norm: bool,
         tie_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
         make_vocab_size_divisible_by=make_vocab_size_divisible_by,
         init_std=getattr(c, "initializer_range", 0.02),
+        **(moe.from_hf(c) if moe else {}),
     )
 
 
@@ -200,20 +267,28 @@ def hf_config_fields(m: ModelConfig) -> dict:
 
 
 def llama_family_architecture(*, name: str, hf_prefix: str, config_class: str, qkv_bias: bool,
-                              qk_norm: bool, hf_overrides: dict | None = None) -> Architecture:
-    """An Architecture for a Llama-family model whose HF classes are `<hf_prefix>For...`."""
+                              qk_norm: bool, hf_overrides: dict | None = None,
+                              moe: MoEFormat | None = None) -> Architecture:
+    """An Architecture for a Llama-family model whose HF classes are `<hf_prefix>For...`;
+    `moe`: its experts' format, for a mixture-of-experts model."""
     import transformers
 
     def hf_config(m: ModelConfig) -> dict:
         cls = getattr(transformers, config_class)
-        return cls(**hf_config_fields(m), **(hf_overrides or {})).to_dict()
+        fields = {**hf_config_fields(m), **(moe.to_hf(m) if moe else {}), **(hf_overrides or {})}
+        return cls(**fields).to_dict()
+
+    def fits(m: ModelConfig) -> bool:
+        same_moe = moe.fits(m) if moe else not m.is_moe
+        return m.qkv_bias == qkv_bias and m.qk_norm == qk_norm and same_moe
 
     return Architecture(
         name=name,
         causal_lm=f"{hf_prefix}ForCausalLM",
         sequence_classification=f"{hf_prefix}ForSequenceClassification",
-        model_config=functools.partial(model_config_from_hf, qkv_bias=qkv_bias, qk_norm=qk_norm),
+        model_config=functools.partial(model_config_from_hf, qkv_bias=qkv_bias, qk_norm=qk_norm,
+                                       moe=moe),
         hf_config=hf_config,
-        rules=llama_family_rules,
-        fits=lambda model: model.qkv_bias == qkv_bias and model.qk_norm == qk_norm,
+        rules=functools.partial(llama_family_rules, moe=moe),
+        fits=fits,
     )

@@ -19,8 +19,9 @@ from megarlhf.models.config import ModelConfig
 class TensorRule:
     """One Megatron tensor and the HF tensors it is made of.
 
-    `mcore` is the layout-free checkpoint key (layers stacked on a leading axis); in `hf`
-    names, `{i}` stands for the layer index. `rows` gives the Megatron tensor of one layer as
+    `mcore` is the layout-free checkpoint key (layers, and a mixture-of-experts layer's
+    experts, stacked on leading axes); in `hf` names, `{i}` stands for the layer index and
+    `{e}` for the expert's. `rows` gives the Megatron tensor of one layer as
     row blocks of the HF tensors (in `hf` order): views whose concatenation along dim 0 is the
     tensor, so a writer can write them one after another without fusing them; `fuse`
     concatenates them and `split` is its exact inverse. A `vocab` tensor has one row per
@@ -39,11 +40,31 @@ class TensorRule:
         return blocks[0].contiguous() if len(blocks) == 1 else torch.cat(blocks)
 
     @property
-    def per_layer(self) -> bool:
-        return "{i}" in self.hf[0]
+    def stacked_axes(self) -> int:
+        """Leading axes of the checkpoint key: 0 (one tensor), 1 (per layer: `{i}` in the HF
+        names), 2 (per layer and expert: `{i}` and `{e}`)."""
+        return ("{i}" in self.hf[0]) + ("{e}" in self.hf[0])
 
-    def hf_names(self, layer: int | None) -> list[str]:
-        return [name.format(i=layer) for name in self.hf]
+    @property
+    def per_layer(self) -> bool:
+        return self.stacked_axes > 0
+
+    def indices(self, model: ModelConfig) -> list[tuple[int, ...]]:
+        """Every (layer[, expert]) index of this key, layer-major; [()] for one tensor."""
+        if self.stacked_axes == 2:
+            return [(i, e) for i in range(model.num_layers) for e in range(model.num_experts)]
+        return [(i,) for i in range(model.num_layers)] if self.per_layer else [()]
+
+    def hf_names(self, index: tuple[int, ...]) -> list[str]:
+        """The HF names at a (layer[, expert]) index (() for a whole tensor)."""
+        fields = dict(zip("ie", index))
+        return [name.format(**fields) for name in self.hf]
+
+
+def hf_shapes(rules: list[TensorRule], model: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """{HF name: shape} of every tensor the rules describe."""
+    return {name: shape for rule in rules for index in rule.indices(model)
+            for name, shape in zip(rule.hf_names(index), rule.hf_shapes)}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
