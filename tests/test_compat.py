@@ -146,6 +146,41 @@ def test_gpt_forward_still_ends_in_the_private_postprocess_hook():
     assert "hidden_states" in inspect.signature(GPTModel._postprocess).parameters
 
 
+def test_moe_router_gating_still_reads_te_general_gemm():
+    """`bind_missing_te_names`: the router's gating picks its matmul by whether
+    `te_general_gemm` is None; 0.16.1 binds that name only when Transformer Engine imports."""
+    from megatron.core.transformer.moe import moe_utils
+
+    mcore_shims.bind_missing_te_names()
+    assert "te_general_gemm is not None" in inspect.getsource(
+        moe_utils.RouterGatingLinearFunction.forward)
+    assert moe_utils.te_general_gemm is None or moe_utils.HAVE_TE
+
+
+def test_moe_aux_loss_is_still_weighted_by_the_tokens_a_rank_holds():
+    """`aux_loss_split_factor`: with per-token losses the router weights its load-balancing
+    loss by its own tokens (times the TP x CP group's size in later versions, which the
+    factor then leaves alone; tests/test_moe.py's TP2+SP and CP2 curves check both)."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    source = inspect.getsource(TopKRouter.attach_and_log_load_balancing_loss)
+    assert "calculate_per_token_loss" in source and "MoEAuxLossAutoScaler.apply" in source
+    scaled = "tp_cp_group.size()" in source
+    assert mcore_shims.aux_loss_split_factor(4) == (1 if scaled else 4)
+
+
+@needs_vllm
+def test_vllm_weight_updates_still_skip_the_cpu_expert_prepack():
+    """`prepack_reloaded_experts`: on a weight update vLLM's unquantized MoE method copies the
+    new weights in but runs the experts' own post-load step (CPU: pad and prepack) only on
+    the first load."""
+    from vllm.model_executor.layers.fused_moe import unquantized_fused_moe_method as method
+
+    source = inspect.getsource(method.UnquantizedFusedMoEMethod._setup_kernel)
+    first_load_only = source[source.index("if not is_weight_update:"):]
+    assert "fused_experts.process_weights_after_loading(layer)" in first_load_only
+
+
 @needs_vllm
 def test_vllm_teardown_still_destroys_the_default_process_group():
     """`keep_trainer_process_group` replaces `destroy_distributed_environment` with its body

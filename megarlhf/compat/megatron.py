@@ -12,6 +12,7 @@
    `traced_sites()` lists them as "file:line what".
 2. `torch_adam_load_fixes`: its distributed optimizer's load over torch's Adam.
    `bind_missing_te_names`: its MoE router without Transformer Engine.
+   `aux_loss_split_factor`: its load-balancing loss's weight when a sequence is split.
 3. `PostprocessHook`: a GPTModel subclass replaces the LM head through the private method
    GPTModel.forward ends with.
 
@@ -252,6 +253,21 @@ def apply_cpu_compat(trace: bool | None = None) -> bool:
     _patch_rng_tracker()
     _APPLIED = True
     return True
+
+
+def aux_loss_split_factor(ranks_splitting_a_sequence: int) -> int:
+    """What the MoE load-balancing loss coefficient must be multiplied by for the loss to
+    weigh the same at every layout. With per-token losses megatron-core weights each rank's
+    share of that loss by the tokens the rank holds; when sequence parallelism or CP splits a
+    sequence over N ranks, 0.16 forgets the factor N (the summed gradient is 1/N of the
+    unsplit one: measured at TP2+SP and CP2), later versions multiply by the TP x CP group's
+    size themselves. Told apart by that multiplication in the router's source."""
+    import inspect
+
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    source = inspect.getsource(TopKRouter.attach_and_log_load_balancing_loss)
+    return 1 if "tp_cp_group.size()" in source else ranks_splitting_a_sequence
 
 
 def bind_missing_te_names() -> None:

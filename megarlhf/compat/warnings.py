@@ -32,8 +32,7 @@ KNOWN = (
     # sequence parallelism before launch (forward-only models do not need it), and routes in
     # the model's dtype on purpose (as HF and vLLM do, so trainer and engine pick the same
     # experts).
-    (UserWarning, "When using expert parallelism and tensor parallelism for training, "
-                  "sequence parallelism must be used"),
+    (UserWarning, "When using expert parallelism and tensor parallelism for training"),
     (UserWarning, "Using a large number of experts (e.g. >=32) without fp32 routing."),
     # torch.distributed.checkpoint, when a converter reads or writes without a process group:
     # one process is what the converters are designed to be.

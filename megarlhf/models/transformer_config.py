@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer import TransformerConfig
 
+from megarlhf.compat.megatron import aux_loss_split_factor
 from megarlhf.models.config import ModelConfig
 from megarlhf.parallel.mesh import ParallelConfig
 
@@ -105,13 +106,9 @@ def _moe_fields(model: ModelConfig, parallel: ParallelConfig, on_gpu: bool) -> d
     (= softmax over the top-k logits: megatron-core's default order) or not (softmax first,
     `moe_router_pre_softmax`); dropless (no capacity factor), so every token reaches its k
     experts whatever the imbalance."""
-    # With per-token losses megatron-core weights each rank's share of the load-balancing
-    # loss by the tokens that rank holds; when sequence parallelism or CP splits a sequence
-    # over N ranks that is 1/N of the sequence, and the summed gradient 1/N of the unsplit
-    # one (measured at TP2+SP and CP2). Scaling the coefficient by N makes every layout
-    # train with the same loss.
-    split = parallel.context_parallel * (parallel.tensor_parallel
-                                         if parallel.sequence_parallel else 1)
+    # The same load-balancing loss weight at every layout, whichever megatron-core version.
+    split = aux_loss_split_factor(parallel.context_parallel * (
+        parallel.tensor_parallel if parallel.sequence_parallel else 1))
     return dict(
         num_moe_experts=model.num_experts,
         moe_ffn_hidden_size=model.moe_ffn_hidden_size,
