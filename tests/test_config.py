@@ -47,6 +47,17 @@ def test_expert_groups_must_divide_each_stage():
     assert ParallelConfig(tensor_parallel=2, expert_parallel=2).expert_tp == 1
 
 
+def test_layouts_that_resolve_alike_share_a_mesh():
+    # Roles on the same ranks: expert-TP compared as resolved (unset = 1 under EP), sequence
+    # parallelism being each model's own flag.
+    ep2 = ParallelConfig(tensor_parallel=2, sequence_parallel=True, expert_parallel=2)
+    assert ep2.same_mesh(dataclasses.replace(ep2, expert_tensor_parallel=1,
+                                             sequence_parallel=False))
+    assert not ep2.same_mesh(dataclasses.replace(ep2, expert_tensor_parallel=2))
+    assert ParallelConfig(tensor_parallel=2).same_mesh(
+        ParallelConfig(tensor_parallel=2, expert_tensor_parallel=2))
+
+
 def test_experts_must_divide_over_expert_ranks():
     moe = dataclasses.replace(preset("tiny"), num_experts=6, moe_ffn_hidden_size=30)
     with pytest.raises(ValueError, match="expert_parallel=4 does not divide num_experts=6"):
@@ -56,6 +67,11 @@ def test_experts_must_divide_over_expert_ranks():
         moe.check_parallel(ParallelConfig(expert_parallel=2, expert_tensor_parallel=4))
     with pytest.raises(ValueError, match="need a mixture-of-experts model"):
         preset("tiny").check_parallel(ParallelConfig(expert_parallel=2))
+    # A dense model on an MoE model's ranks (a reward model beside a Mixtral actor) has no
+    # experts to split: its megatron config runs at EP1.
+    dense = to_transformer_config(preset("tiny"), ParallelConfig(tensor_parallel=2,
+                                                                 expert_parallel=2))
+    assert (dense.expert_model_parallel_size, dense.num_moe_experts) == (1, None)
     # megatron-core's MoE layer trains at TP > 1 only with sequence parallelism.
     tp2 = ParallelConfig(tensor_parallel=2)
     moe.check_parallel(tp2)

@@ -949,8 +949,12 @@ CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="checks made on 
      r"the colocated Megatron rollout backend runs at PP=1, CP=1 and EP=1"),
     # Expert parallelism: a dense actor has no experts; EP x ETP must divide a stage's ranks.
     ([[5]], {"expert_parallel": 2, "nproc": 2, "placement": "disaggregated"},
-     r"actor: expert_parallel=2 / expert_tensor_parallel=None need a mixture-of-experts "
-     r"model"),
+     r"expert_parallel > 1 \(actor 2, ref 2\), but no model of this run is a mixture of "
+     r"experts: set it to 1"),
+    ([[5]], {"expert_parallel": 2, "nproc": 2, "placement": "disaggregated",
+             "max_tokens_per_micro_batch": 64},
+     r"max_tokens_per_micro_batch with expert groups that span data-parallel ranks \(actor, "
+     r"ref: "),
     ([[5]], {"expert_parallel": 4, "nproc": 2, "placement": "disaggregated"},
      r"actor \(nproc=2\): expert_parallel x expert_tensor_parallel = 4 x 1 does not divide "
      r"the 2 ranks of a pipeline stage"),

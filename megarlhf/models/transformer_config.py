@@ -48,6 +48,8 @@ def to_transformer_config(
     """
     if recompute not in RECOMPUTE:
         raise ValueError(f"recompute={recompute!r} is not one of {list(RECOMPUTE)}")
+    if not model.is_moe:  # a dense model sharing an MoE model's ranks: no experts to split
+        parallel = parallel.without_experts()
     model.check_parallel(parallel)
     return TransformerConfig(
         num_layers=model.num_layers,

@@ -102,6 +102,19 @@ class ParallelConfig:
         return dataclasses.replace(self, **{k: v for k, v in dataclasses.asdict(override).items()
                                             if v is not None and k in mine})
 
+    def without_experts(self) -> "ParallelConfig":
+        """This layout for a dense model: expert parallelism regroups ranks only for experts,
+        so a dense model sharing ranks with an MoE one runs as if it were 1."""
+        return dataclasses.replace(self, expert_parallel=1, expert_tensor_parallel=None)
+
+    def same_mesh(self, other: "ParallelConfig") -> bool:
+        """Whether two layouts make the same megatron-core parallel state (sequence
+        parallelism is a flag of each model; expert-TP compared as resolved)."""
+        def key(p: ParallelConfig) -> ParallelConfig:
+            return dataclasses.replace(p, sequence_parallel=False,
+                                       expert_tensor_parallel=p.expert_tp)
+        return key(self) == key(other)
+
     def describe(self, dp: int | None = None) -> str:
         """'TP2 x PP4' with the CP, EP (and expert-TP) and DP sizes where they apply."""
         parts = [f"TP{self.tensor_parallel}", f"PP{self.pipeline_parallel}"]
@@ -109,7 +122,7 @@ class ParallelConfig:
             parts.append(f"CP{self.context_parallel}")
         if self.expert_parallel > 1:
             parts.append(f"EP{self.expert_parallel}")
-        if self.expert_parallel > 1 and self.expert_tp > 1:
+        if self.expert_parallel > 1:
             parts.append(f"ETP{self.expert_tp}")
         if dp is not None:
             parts.append(f"DP{dp}")

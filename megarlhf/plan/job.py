@@ -292,13 +292,20 @@ def check_models(config: PPOConfig, models: dict[str, ModelSource], seq: int) ->
         if role == "ref" and "actor" in models and training == config.parallel_of("actor"):
             continue  # the actor's checkpoint at the actor's layout, checked as the actor
         try:
-            source.model.check_parallel(training, training=role in ("actor", "critic"))
+            source.model.check_parallel(training if source.model.is_moe
+                                        else training.without_experts(),
+                                        training=role in ("actor", "critic"))
         except ValueError as e:
             problems.append(f"{role}: {e}")
         if seq > source.model.max_position_embeddings:
             problems.append(f"{role}: a prompt + response of {seq} tokens exceeds the model's "
                             f"max_position_embeddings={source.model.max_position_embeddings}; "
                             f"lower max_new_tokens or the prompt length")
+    split = [f"{r} {config.parallel_of(r).expert_parallel}" for r in models
+             if config.parallel_of(r).expert_parallel > 1]
+    if split and not any(source.model.is_moe for source in models.values()):
+        problems.append(f"expert_parallel > 1 ({', '.join(split)}), but no model of this run "
+                        f"is a mixture of experts: set it to 1")
     try:
         models["actor"].model.check_parallel(ParallelConfig(tensor_parallel=config.rollout_tp))
     except ValueError as e:

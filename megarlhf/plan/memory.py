@@ -358,7 +358,8 @@ def sync_buffers(model: ModelConfig, parallel: ParallelConfig, *, lm_params: int
     (BridgePlan.peak_extra_bytes). At TP1 without pipeline stages the engines get views of
     the parameters: no bucket is assembled."""
     tp = parallel.tensor_parallel
-    whole = tp == 1 and parallel.pipeline_parallel == 1
+    # Experts held by other EP ranks arrive as fresh copies, bucketed like any tensor.
+    whole = tp == 1 and parallel.pipeline_parallel == 1 and parallel.expert_parallel == 1
     bucket = 0 if whole else largest_bucket(model, tp, lm_params=lm_params,
                                             rollout_bytes=rollout_bytes,
                                             bucket_bytes=bucket_bytes)

@@ -467,6 +467,16 @@ class PPOConfig:
         if budget is not None and self.micro_batches != 1:
             problems.append("max_tokens_per_micro_batch sets the number of micro-batches: "
                             "leave micro_batches at 1")
+        spanning = sorted(role for role, p in self._valid_layouts().items()
+                          if p.expert_group_size > p.tensor_parallel * p.context_parallel)
+        if budget is not None and spanning:
+            # An MoE forward is a collective over the expert group; with token budgets each
+            # DP rank makes its own number and shapes of micro-batches (measured: a crash in
+            # the dispatcher on CPU; on GPU the ranks would wait on each other forever).
+            problems.append(f"max_tokens_per_micro_batch with expert groups that span "
+                            f"data-parallel ranks ({', '.join(spanning)}: expert_parallel x "
+                            f"expert_tensor_parallel > tensor_parallel x context_parallel): "
+                            f"use micro_batches, or keep EP x ETP within TP x CP")
         # At least 1: a model-parallel size above nproc is reported above, not divided by.
         for dp in sorted({max(1, self.nproc // p.replica_size)
                           for p in self._valid_layouts().values()}):
@@ -646,7 +656,7 @@ class PPOConfig:
         fix = ", or use placement=disaggregated" if colocated else ""
         for role in sharing[1:]:
             first, other = layouts[sharing[0]], layouts[role]
-            if first.describe() != other.describe():
+            if not first.same_mesh(other):
                 problems.append(f"layout.{LAYOUT_KEYS[role]} ({other.describe()}) differs from "
                                 f"layout.{LAYOUT_KEYS[sharing[0]]} ({first.describe()}), but they "
                                 f"run on the same ranks (placement={self.placement}): give "

@@ -107,8 +107,7 @@ class PPOWorker:
         state is the group's) and its activation recomputation."""
         optim = OptimConfig(lr=lr, clip_grad=1.0) if lr is not None else None
         parallel = self.config.parallel_of(role)
-        if parallel != dataclasses.replace(self.group.parallel,
-                                           sequence_parallel=parallel.sequence_parallel):
+        if not parallel.same_mesh(self.group.parallel):
             raise ValueError(f"{role}'s layout {parallel} is not its group's mesh "
                              f"{self.group.parallel} (the config's checks should have said)")
         return engine_from_checkpoint(ckpt, parallel, self.mesh, optim, dtype=self.dtype,
