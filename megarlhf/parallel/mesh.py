@@ -267,10 +267,20 @@ def first_host(nodelist: str) -> str:
     return "".join(host)
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port nothing listens on now that this process has not handed out before. Ranks bind
+    their port seconds after it is chosen, so two launches in a row (a PPO job's groups) could
+    otherwise both be given the one the system just offered (seen: EADDRINUSE at start-up)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
