@@ -121,13 +121,7 @@ def test_train_curve_with_distopt_equals_tp1pp1dp2(layout, lm_ref, tiny, train_b
     parallel, nprocs = TRAIN_LAYOUTS[layout]
     out = launch_local(workers.train_curve, nprocs, lm_ref, tiny, parallel, train_batches,
                        microbatches=2)
-    for rank in range(nprocs):
-        for step, (a, b) in enumerate(zip(out[rank], ref_curve)):
-            loss_a, tokens_a, gnorm_a, lr_a, skipped_a = a
-            loss_b, tokens_b, gnorm_b, lr_b, skipped_b = b
-            assert (tokens_a, lr_a, skipped_a) == (tokens_b, lr_b, skipped_b)
-            assert loss_a == pytest.approx(loss_b, rel=1e-5), f"rank {rank} step {step} loss"
-            assert gnorm_a == pytest.approx(gnorm_b, rel=1e-5), f"rank {rank} step {step} gnorm"
+    workers.assert_same_curves(out, ref_curve)
 
 
 @pytest.fixture(scope="module")

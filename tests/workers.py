@@ -82,6 +82,20 @@ def train_curve(ckpt: str, model: ModelConfig, parallel: ParallelConfig, batches
     return curve
 
 
+def assert_same_curves(per_rank: list, ref_curve: list) -> None:
+    """Every rank's train_curve equals the reference: token counts, lr and skips exactly,
+    losses and grad norms at rel 1e-5 (fp32 summation order)."""
+    import pytest
+
+    for rank, curve in enumerate(per_rank):
+        for step, (a, b) in enumerate(zip(curve, ref_curve)):
+            loss_a, tokens_a, gnorm_a, lr_a, skipped_a = a
+            loss_b, tokens_b, gnorm_b, lr_b, skipped_b = b
+            assert (tokens_a, lr_a, skipped_a) == (tokens_b, lr_b, skipped_b)
+            assert loss_a == pytest.approx(loss_b, rel=1e-5), f"rank {rank} step {step} loss"
+            assert gnorm_a == pytest.approx(gnorm_b, rel=1e-5), f"rank {rank} step {step} gnorm"
+
+
 def traced_sites_of_a_step(model: ModelConfig) -> list[str]:
     """One train step + checkpoint save at TP1 with the compat trace on; the redirected sites."""
     import tempfile

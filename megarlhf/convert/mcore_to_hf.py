@@ -12,7 +12,7 @@ from megarlhf.convert.outputs import (copy_sidecar, finish_output, prepare_outpu
 from megarlhf.convert.mcore_io import CheckpointReader
 from megarlhf.convert.safetensors_io import ShardWriter
 from megarlhf.engine.checkpoint import HF_SIDECAR, checkpoint_architecture, read_meta, replace_dir
-from megarlhf.models.arch import Architecture, architecture
+from megarlhf.models.arch import Architecture, architecture, layer_major
 from megarlhf.models.config import ModelConfig
 from megarlhf.models.transformer_config import parse_dtype
 
@@ -52,12 +52,7 @@ def _export_weights(ckpt, reader: CheckpointReader, rules, model: ModelConfig, d
                     max_shard_bytes: int, dtype: torch.dtype) -> None:
     """Whole tensors, then each layer's tensors (an MoE layer's one expert at a time), each
     written out and freed before the next is read: memory holds the largest of those."""
-    per_layer = [[] for _ in range(model.num_layers)]
-    for rule in rules:
-        for index in rule.indices(model) if rule.per_layer else []:
-            per_layer[index[0]].append((rule, index))
-    order = [(r, ()) for r in rules if not r.per_layer]
-    order += [unit for units in per_layer for unit in units]
+    order = [(r, ()) for r in rules if not r.per_layer] + layer_major(rules, model)
     entries = [(name, dtype, shape) for rule, index in order
                for name, shape in zip(rule.hf_names(index), rule.hf_shapes)]
 

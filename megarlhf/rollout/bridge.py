@@ -33,7 +33,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from megarlhf.models.arch import Architecture
+from megarlhf.models.arch import Architecture, layer_major
 from megarlhf.models.config import ModelConfig
 from megarlhf.parallel.mesh import Mesh
 from megarlhf.rollout.engine import WeightStream
@@ -137,11 +137,8 @@ class WeightBridge:
 
     def _units_in_order(self) -> list[Unit]:
         whole = [(r.mcore, ()) for r in self._rules.values() if not r.per_layer]
-        per_layer = [[] for _ in range(self.model.num_layers)]
-        for rule in self._rules.values():
-            for index in rule.indices(self.model) if rule.per_layer else []:
-                per_layer[index[0]].append((rule.mcore, index))
-        layered = [unit for units in per_layer for unit in units]
+        layered = [(rule.mcore, index)
+                   for rule, index in layer_major(list(self._rules.values()), self.model)]
         return whole[:1] + layered + whole[1:]  # embedding, layers, final norm / head
 
     def _make_plan(self, dtype: torch.dtype, bucket_bytes: int,

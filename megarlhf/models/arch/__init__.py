@@ -16,9 +16,10 @@ from megarlhf.models.arch.registry import (
     architecture_for_model,
     architecture_names,
     hf_shapes,
+    layer_major,
     register,
     supported_hf_classes,
 )
 
 __all__ = ["Architecture", "TensorRule", "architecture", "architecture_for_hf_class",
-           "architecture_for_hf_config", "architecture_for_model", "architecture_names", "hf_shapes", "register", "supported_hf_classes"]
+           "architecture_for_hf_config", "architecture_for_model", "architecture_names", "hf_shapes", "layer_major", "register", "supported_hf_classes"]

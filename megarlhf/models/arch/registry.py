@@ -61,6 +61,17 @@ class TensorRule:
         return [name.format(**fields) for name in self.hf]
 
 
+def layer_major(rules: list[TensorRule], model: ModelConfig
+                ) -> list[tuple[TensorRule, tuple[int, ...]]]:
+    """(rule, index) of every stacked tensor, layer by layer (within a layer in rule order, an
+    MoE rule's experts one after another): the order streams write a model in."""
+    per_layer: list[list] = [[] for _ in range(model.num_layers)]
+    for rule in rules:
+        for index in rule.indices(model) if rule.per_layer else []:
+            per_layer[index[0]].append((rule, index))
+    return [unit for units in per_layer for unit in units]
+
+
 def hf_shapes(rules: list[TensorRule], model: ModelConfig) -> dict[str, tuple[int, ...]]:
     """{HF name: shape} of every tensor the rules describe."""
     return {name: shape for rule in rules for index in rule.indices(model)
