@@ -102,7 +102,7 @@ def error_of(fn) -> tuple[str, str]:
 
 
 def as_tuples(completions) -> list[tuple]:
-    return [dataclasses.astuple(c) for c in completions]
+    return [(c.prompt_index, c.token_ids, c.logprobs, c.finish_reason) for c in completions]
 
 
 def _engine(model: ModelConfig, parallel: ParallelConfig, **config):

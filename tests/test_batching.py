@@ -26,7 +26,9 @@ from tests.role_workers import experience_batch
 def _engine(dp_size=1, dp_rank=0, tp=1, sequence_parallel=False, layer_spec="local"):
     return types.SimpleNamespace(
         spec=types.SimpleNamespace(
-            layer_spec=layer_spec, model=types.SimpleNamespace(max_position_embeddings=64),
+            layer_spec=layer_spec, model=types.SimpleNamespace(
+                max_position_embeddings=64, num_layers=3, moe_router_topk=2,
+                num_experts=1024),  # routing codes up to 1023 (test_routing_is_laid_out...)
             transformer=types.SimpleNamespace(tensor_model_parallel_size=tp,
                                               sequence_parallel=sequence_parallel,
                                               context_parallel_size=1)),
@@ -82,6 +84,48 @@ def test_layouts_reproduce_the_padded_batch(batching, dp, engine_kw):
     got_tokens, got_score = _assemble(batch, batching, dp, **engine_kw)
     assert torch.equal(got_tokens, want_tokens)
     assert torch.equal(got_score, want_score)
+
+
+@pytest.mark.parametrize("batching,engine_kw", [
+    (Batching(2), {}),
+    (Batching(max_tokens=40), {}),
+    (Batching(max_tokens=24, pack=True), dict(tp=2, sequence_parallel=True)),
+], ids=["count", "budget-padded", "budget-packed-sp"])
+def test_routing_is_laid_out_as_the_model_positions(batching, engine_kw):
+    """An expert routing [B, T, layers, k] reaches each micro-batch as [R, L, layers, k]:
+    at the model position of every real token, that token's routing (found by its token id
+    and position in the model's inputs, not through token_index); -1 at padding."""
+    batch = experience_batch(300, rows=8, seed=3, columns=17)
+    B, T = batch.shape
+    code = (torch.arange(B)[:, None] * 100 + torch.arange(T)).to(torch.int16)  # (row, col)
+    routing = torch.where(batch.attention_mask.bool(), code, -1)[..., None, None].expand(
+        B, T, 3, 2)
+    positions = batch.position_ids()
+    seen = 0
+    for rank in range(2):
+        for mb in microbatches(_engine(2, rank, **engine_kw), batching, batch, routing):
+            got = mb["routing"]
+            assert got.shape == (*mb["tokens"].shape, 3, 2)
+            assert torch.equal(got, got[..., :1, :1].expand_as(got))  # per token, all layers
+            for (i, j), value in zip(torch.ones_like(mb["tokens"]).nonzero().tolist(),
+                                     got[..., 0, 0].flatten().tolist()):
+                if value == -1:
+                    continue
+                row, col = divmod(value, 100)
+                assert (int(mb["tokens"][i, j]), int(mb["position_ids"][i, j])) == (
+                    int(batch.tokens[row, col]), int(positions[row, col]))
+                seen += 1
+    assert seen == int(batch.attention_mask.sum())  # every real token once
+
+
+def test_a_routing_that_does_not_fit_the_model_is_refused():
+    batch = experience_batch(300, rows=2, seed=3, columns=17)
+    wrong_layers = torch.zeros(2, 17, 2, 2, dtype=torch.int16)
+    with pytest.raises(ValueError, match=r"needs \[B, T, layers, k\] = \[2, 17, 3, 2\]"):
+        microbatches(_engine(), Batching(), batch, wrong_layers)
+    no_such_expert = torch.full((2, 17, 3, 2), 1024, dtype=torch.int16)
+    with pytest.raises(ValueError, match=r"names experts \[1024, 1024\]; this model has 1024"):
+        microbatches(_engine(), Batching(), batch, no_such_expert)
 
 
 def test_micro_batches_by_count_keep_the_batch_width():

@@ -178,81 +178,66 @@ def test_expert_parallel_equals_ep1_through_the_controller(moe, moe_ref, tmp_pat
     assert len(ep2) == 2 and ep2[-1]["actor/grad_norm"] > 0 and ep2[-1]["critic/grad_norm"] > 0
 
 
-def replayed_gaps(ckpt: str, model, parallel, batch: dict, noise: float) -> dict:
-    """Log-probabilities of a model (the engine's stand-in, recording its routing) against the
-    same model with `noise` added to every router weight (the trainer's, drifted), without
-    and with the recorded routing replayed; and which experts each pass used, read from the
-    routers' outputs by a hook of the test's own."""
-    from megatron.core.transformer.moe.router import TopKRouter
-
-    from megarlhf.engine.checkpoint import engine_from_checkpoint
-    from megarlhf.engine.losses import gather_logits
-    from megarlhf.engine.schedule import gather_rows, rank_microbatches
-    from megarlhf.models.routing_replay import RoutingReplay
-    from megarlhf.parallel.mesh import init_mesh
-
-    mesh = init_mesh(parallel)
-    engine = engine_from_checkpoint(ckpt, parallel, mesh, on_gpu=False)
-    replay = RoutingReplay(engine.unwrapped())
-    routers = [m for c in engine.unwrapped() for m in c.modules() if isinstance(m, TopKRouter)]
-    used: list[torch.Tensor] = []
-    for router in routers:
-        router.register_forward_hook(lambda _m, _i, out: used.append(out[1].clone()))
-
-    def logprobs():
-        def keep(mb, out):
-            logits = gather_logits(out, mesh, model.vocab_size).float()
-            return torch.zeros(()), torch.ones((), dtype=torch.int), {
-                "out": torch.log_softmax(logits, dim=-1).detach()}
-        used.clear()
-        out = engine.forward(rank_microbatches(batch, mesh, 2), keep)
-        return gather_rows(out, "out", mesh), list(used)
-
-    with replay.record():
-        reference, reference_used = logprobs()
-    recorded = replay.recorded()
-    g = torch.Generator().manual_seed(7)  # the same noise on every rank: replicated weights
-    with torch.no_grad():
-        for router in routers:
-            router.weight.add_(noise * torch.randn(router.weight.shape, generator=g))
-    free, free_used = logprobs()
-    with replay.replay(recorded):
-        replayed, replayed_used = logprobs()
-    return {"calls": {k: len(v) for k, v in recorded.items()},
-            "free": (free - reference).abs().max().item(),
-            "replayed": (replayed - reference).abs().max().item(),
-            "routes_moved": any(not torch.equal(a, b)
-                                for a, b in zip(free_used, reference_used)),
-            "replayed_routes_equal": len(replayed_used) == len(reference_used) and all(
-                torch.equal(a, b) for a, b in zip(replayed_used, reference_used))}
+HF_PPO_RUNS = {
+    # name: (architecture, rollout backend, placement, expert_parallel); the Megatron engine
+    # runs with routing replay (vLLM's routing is refused, README).
+    "qwen3_moe-vllm-colocated": ("qwen3_moe", "vllm", "colocated", 1),
+    "qwen3_moe-megatron-replay-colocated": ("qwen3_moe", "megatron", "colocated", 1),
+    "mixtral-megatron-replay-disaggregated-ep2": ("mixtral", "megatron", "disaggregated", 2),
+}
 
 
-@pytest.mark.parametrize("layout", ["ep1", "ep2"])
-def test_routing_replay_removes_the_gap_a_drifted_router_makes(moe, moe_ref, layout):
-    """The trainer's routers drift from the engine's by noise of std 1e-4 on their weights
-    (std 0.02): small, but enough to move tokens near a tie to other experts. Without replay
-    the log-probabilities move by those routing decisions (>= 1e-3); with the engine's
-    routing replayed every router uses exactly the recorded experts, and what is left is the
-    drift's first-order effect on the routing weights: within 2e-5 (measured 1.4e-5), twice
-    the trainer-vs-engine tolerance of the dense models in test_rollout_matrix.py, and at
-    least 100x below the gap without replay."""
-    parallel, nprocs = (P(), 1) if layout == "ep1" else (P(expert_parallel=2), 2)
-    batch = workers.make_batch(moe, batch=4, seq=16, seed=5)
-    outs = launch_local(replayed_gaps, nprocs, moe_ref, moe, parallel, batch, 1e-4)
-    assert any(out["routes_moved"] for out in outs)  # on the rank whose rows hold the tie
-    for out in outs:
-        assert set(out["calls"].values()) == {2}  # one routing per micro-batch per layer
-        assert out["replayed_routes_equal"], out
-        assert out["free"] >= 1e-3, out
-        assert out["replayed"] <= 2e-5 and out["replayed"] * 100 <= out["free"], out
+@pytest.mark.parametrize("run_name", list(HF_PPO_RUNS))
+def test_hf_moe_models_run_ppo_steps(hf_dirs, tmp_path, run_name):
+    """Toy HF Qwen3-MoE (unnormalised top-k, expert width 48) and Mixtral, converted, run
+    GRPO steps through the controller with both rollout engines, at EP1 and EP2. The rollout's
+    logprobs match the trainer's at the fp32 level (<= 2e-5, test_ppo's vLLM tolerance).
+    With routing_replay the experience pass replays the engine's routing on the engine's own
+    weights: no routing moved (rollout/routing_replay_moved 0, as
+    test_engine_routing_replays_in_the_trainer measures token by token); the update passes
+    replay it after the actor's first mini-batch update too, when the routers would move some
+    tokens (actor/routing_replay_moved > 0; measured 0.15-0.32 of them: a toy router's logits
+    are small next to an Adam step)."""
+    from megarlhf.convert.hf_to_mcore import hf_to_mcore
+    from megarlhf.ppo.config import PPOConfig
+    from megarlhf.ppo.controller import run
+
+    arch, backend, placement, ep = HF_PPO_RUNS[run_name]
+    if backend == "vllm":
+        pytest.importorskip("vllm")
+    actor = str(tmp_path / "actor")
+    hf_to_mcore(hf_dirs[arch], actor, parallel=P())
+    g = torch.Generator().manual_seed(0)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt_ids": torch.randint(
+        1, 200, (3 + 2 * (i % 2),), generator=g).tolist()}) + "\n" for i in range(16)))
+    replay = backend == "megatron"
+    history = run(PPOConfig(
+        actor=actor, prompts=str(prompts), algorithm="grpo", stop_token_ids=(),
+        reward_fn="tests.ppo_tasks:low_token_fraction", nproc=2, steps=2, prompts_per_step=4,
+        samples_per_prompt=2, max_new_tokens=8, ppo_epochs=2, mini_batches=2, actor_lr=3e-3,
+        placement=placement, expert_parallel=ep, rollout_backend=backend,
+        vllm_model_dir=hf_dirs[arch] if backend == "vllm" else None, routing_replay=replay,
+        out_dir=str(tmp_path / "run")))
+    assert len(history) == 2
+    for step in history:
+        assert step["rollout/logprob_gap_max"] <= 2e-5, step
+        assert step["actor/grad_norm"] > 0 and 1.0 <= step["actor/moe_load"] <= 2.0, step
+        if replay:
+            assert step["rollout/routing_replay_moved"] == 0.0, step
+            assert 0 < step["actor/routing_replay_moved"] < 1, step
+        else:
+            assert "actor/routing_replay_moved" not in step
 
 
 def test_routing_replay_refuses_what_it_cannot_replay(moe, tiny):
     """A dense model has no router; full recomputation would route again in backward; a
-    replay that leaves recorded routings unused ran other micro-batches than were recorded."""
+    second registry on the same routers would silently take them from the first; a replay
+    that leaves routings unused ran other micro-batches than were fed."""
     outs = launch_local(_replay_refusals, 1, moe, tiny)[0]
-    assert "needs a mixture-of-experts model" in outs["dense"]
+    assert "needs a mixture-of-experts model with experts in every layer" in outs["dense"]
     assert "recompute=full" in outs["full"]
+    assert "already has a RoutingReplay" in outs["second"]
     assert "routings left unused" in outs["unused"]
 
 
@@ -262,17 +247,166 @@ def _replay_refusals(moe, tiny) -> dict:
     from megarlhf.parallel.mesh import init_mesh
 
     mesh = init_mesh(P())
+    build = lambda model, **kw: build_model(  # noqa: E731
+        model_spec(model, P(), on_gpu=False, **kw), mesh, meta=True)
     out = {}
-    for name, model, recompute in (("dense", tiny, "none"), ("full", moe, "full")):
+    full = RoutingReplay(build(moe, recompute="full"))
+    chunks = build(moe)
+    replay = RoutingReplay(chunks)
+    for name, fn in (("dense", lambda: RoutingReplay(build(tiny))),
+                     ("full", lambda: full.replay().__enter__()),
+                     ("second", lambda: RoutingReplay(chunks))):
         try:
-            RoutingReplay(build_model(model_spec(model, P(), on_gpu=False,
-                                                 recompute=recompute), mesh, meta=True))
+            fn()
         except ValueError as e:
             out[name] = str(e)
-    replay = RoutingReplay(build_model(model_spec(moe, P(), on_gpu=False), mesh, meta=True))
     try:
-        with replay.replay({k: [torch.zeros(1, 2, dtype=torch.long)] for k in replay.slots}):
-            pass
+        with replay.replay():
+            replay.feed(chunks[0], torch.zeros(1, moe.num_layers, 2, dtype=torch.long))
     except RuntimeError as e:
         out["unused"] = str(e)
     return out
+
+
+# -- the rollout engine's routing replayed through the trainer's micro-batches -------------
+
+
+def generate_with_routing(ckpt: str, prompts: list[list[int]], tp: int = 1) -> list:
+    """The Megatron rollout engine at TP `tp` on the checkpoint's weights (through the weight
+    bridge), asked for its routing; sampled, ragged (stop ids end some samples early)."""
+    from megarlhf.engine.checkpoint import (
+        checkpoint_architecture, engine_from_checkpoint, read_meta,
+    )
+    from megarlhf.models.gpt import model_spec
+    from megarlhf.parallel.mesh import init_mesh
+    from megarlhf.rollout.bridge import WeightBridge
+    from megarlhf.rollout.engine import SamplingParams
+    from megarlhf.rollout.megatron_engine import MegatronEngine, MegatronEngineConfig
+
+    mesh = init_mesh(P(tensor_parallel=tp))
+    trainer = engine_from_checkpoint(ckpt, P(tensor_parallel=tp), mesh, on_gpu=False)
+    arch = checkpoint_architecture(read_meta(ckpt))
+    engine = MegatronEngine(model_spec(trainer.spec.model, P(tensor_parallel=tp),
+                                       on_gpu=False), mesh,
+                            MegatronEngineConfig(architecture=arch.name, return_routing=True))
+    engine.update_weights(WeightBridge(trainer.chunks, mesh, trainer.spec.model, arch).stream())
+    params = SamplingParams(max_new_tokens=12, temperature=1.0, n=2, seed=3,
+                            stop_token_ids=tuple(range(0, trainer.spec.model.vocab_size, 9)))
+    return engine.generate(prompts, params)
+
+
+def replayed_engine_routing(ckpt: str, parallel, batching, prompts, completions,
+                            noise: float) -> dict:
+    """The trainer at `parallel` scores the engine's completions: with its routers as the
+    engine's, free and with the engine's routing replayed; and with `noise` added to the
+    router weights, free and replayed. The log-probability gaps to the engine's, and which
+    experts each pass used (read by a hook of the test's own, in the order the routers see
+    tokens)."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    from megarlhf.engine.checkpoint import engine_from_checkpoint
+    from megarlhf.parallel.mesh import init_mesh
+    from megarlhf.roles.policy import PolicyRole
+    from megarlhf.rollout.experience import rollout_batch
+    from megarlhf.rollout.gap import logprob_gap
+
+    mesh = init_mesh(parallel)
+    engine = engine_from_checkpoint(ckpt, parallel, mesh, on_gpu=False)
+    actor = PolicyRole(engine, batching=batching)
+    rollout = rollout_batch(prompts, completions)
+    routers = [m for c in engine.unwrapped() for m in c.modules() if isinstance(m, TopKRouter)]
+    used: list[torch.Tensor] = []
+    for router in routers:
+        router.register_forward_hook(lambda _m, _i, out: used.append(out[1].clone()))
+
+    def scored(routing):
+        used.clear()
+        logp = actor.logprobs(rollout.sequences, routing=routing)
+        gap = logprob_gap(rollout.engine_logp, logp, rollout.sequences.response_mask)
+        return gap.max_abs, list(used)
+
+    def same(a, b):
+        return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+    def moved_tokens(routes):  # per call, the tokens whose experts differ from free_used
+        return [(x != y).any(1) for x, y in zip(routes, free_used, strict=True)]
+
+    free, free_used = scored(None)
+    replayed, replayed_used = scored(rollout.routing)
+    g = torch.Generator().manual_seed(7)  # the same noise on every rank: replicated weights
+    with torch.no_grad():
+        for router in routers:
+            router.weight.add_(noise * torch.randn(router.weight.shape, generator=g))
+    drifted, drifted_used = scored(None)
+    drifted_replayed, drifted_replayed_used = scored(rollout.routing)
+    return {"free": free, "replayed": replayed, "drifted": drifted,
+            "drifted_replayed": drifted_replayed, "calls": len(used),
+            "moved": actor.routing_moved(),
+            "same_routes": same(free_used, replayed_used),
+            "drift_moved_routes": not same(free_used, drifted_used),
+            # Tokens the engine routed take its experts again; the others (padding, a
+            # response's last token) are the drifted router's own choice, as without replay.
+            "replay_kept_routes": all(
+                bool((kept & ~moved).sum() == 0) and int(kept.sum()) < int(moved.sum())
+                for kept, moved in zip(moved_tokens(drifted_replayed_used),
+                                       moved_tokens(drifted_used)) if moved.any())}
+
+
+REPLAY_LAYOUTS = {
+    # name: (trainer layout, ranks, micro-batching)
+    "tp1": (P(), 1, {"num_microbatches": 2}),
+    "tp2sp_packed": (P(tensor_parallel=2, sequence_parallel=True), 2,
+                     {"max_tokens": 32, "pack": True}),
+    "cp2_ep2": (P(context_parallel=2, expert_parallel=2), 2, {"num_microbatches": 2}),
+    "pp2_budget": (P(pipeline_parallel=2), 2, {"max_tokens": 48}),
+}
+
+
+@pytest.fixture(scope="module")
+def engine_rollout(moe_ref):
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(1, 200, (n,), generator=g).tolist() for n in (5, 2, 9, 4, 7, 3)]
+    return prompts, launch_local(generate_with_routing, 1, moe_ref, prompts)[0]
+
+
+def test_an_engine_at_tp2_returns_the_routing_of_tp1(moe_ref, engine_rollout):
+    """Every TP rank of an engine routes all tokens (no sequence parallelism in generation):
+    the same samples carry the same routing as at TP1, on both ranks."""
+    prompts, tp1 = engine_rollout
+    for tp2 in launch_local(generate_with_routing, 2, moe_ref, prompts, 2):
+        assert [c.token_ids for c in tp2] == [c.token_ids for c in tp1]
+        assert all(torch.equal(a.routing, b.routing) for a, b in zip(tp2, tp1))
+
+
+@pytest.mark.parametrize("layout", list(REPLAY_LAYOUTS))
+def test_engine_routing_replays_in_the_trainer(moe_ref, engine_rollout, layout):
+    """The Megatron engine's routing (prefill, then one token per decode step, samples
+    leaving the batch as they stop) reaches the trainer's routers through rollout_batch and
+    the micro-batches (left-padded rows, packed rows, CP and SP slices, pipeline stages):
+    - on the engine's own weights, replaying changes no token's experts (hook) and the
+      logprob gap stays at the fp32 level (<= 1e-5, as test_rollout_matrix);
+    - with noise 1e-4 on the trainer's router weights (std 0.02) tokens near a tie move to
+      other experts and the free gap grows to >= 1e-3 (measured 1.8e-3); replayed, the
+      tokens the engine routed take its experts again (hook: fewer tokens off their
+      undrifted experts, and no new ones), the replay reports the moved share,
+      and what is left is the drift's first-order effect on the routing weights: <= 2e-5
+      (measured 9e-6, twice the fp32 tolerance) and 100x below the free gap.
+    A routing fed in any other token order sends tokens to other experts: the routes would
+    differ and the replayed gap would be of the free drifted gap's size or larger (measured
+    1.2e-2 with the sequence-major transpose left out)."""
+    from megarlhf.roles.batching import Batching
+
+    prompts, completions = engine_rollout
+    assert len({len(c.token_ids) for c in completions}) > 1  # ragged: samples stopped early
+    parallel, nprocs, batching = REPLAY_LAYOUTS[layout]
+    outs = launch_local(replayed_engine_routing, nprocs, moe_ref, parallel, Batching(**batching),
+                        prompts, completions, 1e-4)
+    # on the ranks whose tokens (CP) or layers (PP) hold a tie
+    assert any(out["drift_moved_routes"] for out in outs)
+    for out in outs:
+        assert out["calls"] > 0 and out["same_routes"] and out["replay_kept_routes"], out
+        assert out["free"] <= 1e-5 and out["replayed"] <= 1e-5, out
+        assert 0 < out["moved"] < 0.1, out
+        assert out["drifted"] >= 1e-3, out
+        assert out["drifted_replayed"] <= 2e-5, out
+        assert out["drifted_replayed"] * 100 <= out["drifted"], out

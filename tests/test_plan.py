@@ -1045,7 +1045,7 @@ def measure_phases(tmp: str, model_name: str, dtype: str, tp: int, fields: dict)
         phase[0] = "rollout"
         batch = rollout_batch(prompts, worker.generate(prompts, params)).sequences
         phase[0] = "experience"
-        exp = worker.experience(batch, frozenset({"actor", "ref", "critic", "reward"}))
+        exp = worker.experience(batch, frozenset({"actor", "ref", "critic", "reward"}), None)
         phase[0] = "train"
         advantages = torch.randn(batch.shape) * batch.response_mask
         worker.train(batch, exp["logp"], advantages, exp["values"], exp["values"] + advantages,

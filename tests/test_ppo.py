@@ -964,6 +964,14 @@ CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="checks made on 
      r"expert_tensor_parallel=1 at expert_parallel=1: without EP .* \(the run's layout\)"),
     ([[5]], {"context_parallel": 2, "nproc": 3},
      r"nproc=3 is not a multiple of tensor_parallel x pipeline_parallel x context_parallel = 2"),
+    # Routing replay: a dense actor has no routing; vLLM's is not verified; full recompute
+    # would route again in backward.
+    ([[5]], {"routing_replay": True},
+     r"routing_replay=true: the actor .* is a dense model"),
+    ([[5]], {"routing_replay": True, "rollout_backend": "vllm", "vllm_model_dir": "hf"},
+     r"routing_replay=true needs rollout_backend=megatron"),
+    ([[5]], {"routing_replay": True, "layout": Layout(actor=RoleLayout(recompute="full"))},
+     r"routing_replay=true with the actor's recompute=full"),
     pytest.param([[5]], {"rollout_backend": "vllm", "vllm_model_dir": "hf"},
                  r"vLLM's CPU attention cannot serve the actor's head_dim 16", marks=CPU_ONLY),
     pytest.param([[5]], {"rollout_backend": "vllm", "vllm_model_dir": "hf",

@@ -14,6 +14,7 @@ step behind) moves them by > 1e-2 (checked below). vLLM against vLLM on bitwise-
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import sys
 
@@ -101,6 +102,34 @@ def test_rollout_batch_left_pads_prompts_and_right_pads_responses():
                                           [0, 0, 0, -1.5, 0, 0],
                                           [0, 0, 0, -2.0, -2.5, -3.0]]
     assert batch.prompt_index.tolist() == [0, 0, 1]
+
+
+def _routed(prompt_index, tokens, fed, layers=2, k=2):
+    """A completion whose routing marks token i of what the engine fed with i + 10 * layer."""
+    codes = torch.arange(fed)[:, None, None] + 10 * torch.arange(layers)[None, :, None]
+    return dataclasses.replace(_completion(prompt_index, tokens),
+                               routing=codes.expand(fed, layers, k).to(torch.int16))
+
+
+def test_rollout_batch_places_each_routing_at_its_token():
+    """Routing covers the prompt and every response token but the last (never fed); the
+    rest is -1 (the trainer's routers choose)."""
+    prompts = [[5, 6, 7], [9]]
+    batch = rollout_batch(prompts, [_routed(0, [1, 2], 4), _routed(1, [4, 5, 6], 3)])
+    assert batch.routing.shape == (2, 6, 2, 2) and batch.routing.dtype == torch.int16
+    assert batch.routing[:, :, 1, 0].tolist() == [[10, 11, 12, 13, -1, -1],
+                                                  [-1, -1, 10, 11, 12, -1]]
+    assert rollout_batch(prompts, [_completion(0, [1])]).routing is None
+
+
+@pytest.mark.parametrize("completions,match", [
+    ([_routed(0, [1, 2], 3)], r"routing is \(3, 2, 2\); every completion needs one of "
+                              r"\[4, layers, k\]"),
+    ([_routed(0, [1, 2], 4), _completion(0, [1])], "routing is None"),
+])
+def test_rollout_batch_refuses_routing_that_does_not_fit(completions, match):
+    with pytest.raises(ValueError, match=match):
+        rollout_batch([[5, 6, 7]], completions)
 
 
 @pytest.mark.parametrize("completions,match", [

@@ -25,6 +25,7 @@ its loss reduces them per position first.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Callable
 
@@ -34,6 +35,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.utils import get_model_config
 
 from megarlhf.models import context_parallel
+from megarlhf.models.routing_replay import RoutingReplay, local_order
 from megarlhf.parallel.mesh import Mesh
 
 Batch = dict[str, torch.Tensor]
@@ -72,12 +74,19 @@ def forward_backward(
     loss_fn: LossFn | Loss,
     *,
     forward_only: bool,
+    replay: RoutingReplay | None = None,
 ) -> list[dict]:
     """Run all micro-batches through the pipeline; return the loss closures' metric dicts.
 
     The list is filled on the last pipeline stage and empty elsewhere (see `from_last_stage`).
+    Micro-batches with `routing` [B, T, layers, k] (model layout, -1: the router chooses)
+    have it fed to `replay`'s routers as each chunk runs them.
     """
     shapes = check_microbatches(microbatches)
+    replaying = "routing" in microbatches[0]
+    if replaying and replay is None:
+        raise ValueError("micro-batches carry an expert routing, but the model has no "
+                         "mixture-of-experts layers")
     micro_batch_size, seq_length = next(iter(shapes))
     # Pipeline stages size their receive buffers from seq_length x micro_batch_size unless
     # told to exchange shapes first (an extra small message per send): set per call, on the
@@ -94,23 +103,28 @@ def forward_backward(
         loss, num_tokens, metrics = closure(batch, context_parallel.gather_sequence(out, 1, mesh))
         return loss, num_tokens if mesh.cp_rank == 0 else num_tokens * 0, metrics
 
+    sequence_parallel = get_model_config(chunks[0]).sequence_parallel
+
     def forward_step(data_iterator, model):
         batch = {k: v.to(device) for k, v in next(data_iterator).items()}
         inputs = context_parallel.local_inputs(batch, mesh)
+        if replaying:
+            replay.feed(model, local_order(inputs.pop("routing"), mesh, sequence_parallel))
         output = model(inputs["tokens"], inputs.get("position_ids"),
                        inputs.get("attention_mask"))
         return output, lambda out: loss_on_whole_rows(batch, inputs, out)
 
     iterators = [iter(microbatches) for _ in chunks]
-    return get_forward_backward_func()(
-        forward_step_func=forward_step,
-        data_iterator=iterators if len(chunks) > 1 else iterators[0],
-        model=chunks if len(chunks) > 1 else chunks[0],
-        num_microbatches=len(microbatches),
-        seq_length=seq_length,
-        micro_batch_size=micro_batch_size,
-        forward_only=forward_only,
-    )
+    with replay.replay() if replaying else contextlib.nullcontext():
+        return get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iterators if len(chunks) > 1 else iterators[0],
+            model=chunks if len(chunks) > 1 else chunks[0],
+            num_microbatches=len(microbatches),
+            seq_length=seq_length,
+            micro_batch_size=micro_batch_size,
+            forward_only=forward_only,
+        )
 
 
 def from_last_stage(obj, mesh: Mesh):

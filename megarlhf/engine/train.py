@@ -19,6 +19,7 @@ from megarlhf.engine.schedule import (
     Batch, Loss, LossFn, forward_backward, from_last_stage, outputs_from_last_stage,
 )
 from megarlhf.models.gpt import ModelSpec, build_model
+from megarlhf.models.routing_replay import RoutingReplay
 from megarlhf.parallel.mesh import Mesh
 
 
@@ -36,6 +37,9 @@ class StepMetrics:
     moe_load: float | None = None
     """Mixture-of-experts models: the busiest EP rank's routed tokens over the mean, in the
     worst layer (engine/moe_load.py); None for a dense model."""
+    routing_moved: float | None = None
+    """With an expert routing replayed: the fraction of replayed token routings that differ
+    from the router's own choice (models/routing_replay.py); None without one."""
 
 
 class TrainEngine:
@@ -70,6 +74,8 @@ class TrainEngine:
         self.chunks = chunks
         self.expert_load = ExpertLoad(chunks, mesh, spec.model.num_experts) \
             if spec.model.is_moe and optim is not None else None
+        self.routing_replay = RoutingReplay(chunks) if spec.model.is_moe else None
+        """Replays the `routing` micro-batches carry (models/routing_replay.py)."""
         # Where the weights came from (architecture, HF config/tokenizer files), set by
         # load_checkpoint and written again by save_checkpoint so exports keep the source's
         # config and tokenizer.
@@ -81,7 +87,7 @@ class TrainEngine:
             chunk.eval()
         with torch.no_grad():
             out = forward_backward(self.chunks, self.mesh, microbatches, loss_fn,
-                                   forward_only=True)
+                                   forward_only=True, replay=self.routing_replay)
         return outputs_from_last_stage(out, self.mesh)
 
     def train_step(self, microbatches: list[Batch], loss_fn: LossFn | Loss) -> StepMetrics:
@@ -98,7 +104,8 @@ class TrainEngine:
         self.optimizer.zero_grad()
         if self.expert_load is not None:
             self.expert_load.reset()
-        out = forward_backward(self.chunks, self.mesh, microbatches, loss_fn, forward_only=False)
+        out = forward_backward(self.chunks, self.mesh, microbatches, loss_fn,
+                               forward_only=False, replay=self.routing_replay)
         ok, grad_norm, _ = self.optimizer.step()
         self.scheduler.step(increment=1)
         self._check_tied_copies()
@@ -112,6 +119,8 @@ class TrainEngine:
             skipped=not ok,
             sums=sums,
             moe_load=self.expert_load.busiest_over_mean() if self.expert_load else None,
+            routing_moved=self.routing_replay.moved_fraction(self.mesh.device)
+            if "routing" in microbatches[0] else None,
         )
 
     def _check_tied_copies(self) -> None:

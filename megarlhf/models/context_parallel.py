@@ -98,9 +98,10 @@ def gather_sequence(local: torch.Tensor, dim: int, mesh: Mesh) -> torch.Tensor:
     return _GatherOutputs.apply(local, dim, mesh.cp_group)
 
 
-MODEL_LAYOUT = ("tokens", "labels", "position_ids")
+MODEL_LAYOUT = ("tokens", "labels", "position_ids", "routing")
 """A micro-batch's tensors laid out as the model's positions (the others may be in another
-frame, roles/batching.py)."""
+frame, roles/batching.py); `routing` is an expert routing to replay
+(models/routing_replay.py)."""
 
 
 def local_inputs(batch: dict, mesh: Mesh) -> dict:

@@ -245,6 +245,13 @@ class PPOConfig:
     rollout_cuda_graphs: bool = False
     """vLLM engines: capture CUDA graphs for decoding (GPU: slower start, faster decode).
     False runs eagerly (CPU always does)."""
+    routing_replay: bool = False
+    """Mixture-of-experts actor: the rollout engine returns the experts it sent each token
+    to, and the actor's logprob and update passes send the token to the same experts (its
+    router still weighs them, so its gradients flow). A near-tie in the router then cannot
+    put a token through other experts in the trainer than in sampling. The reference and
+    critic route freely. Megatron rollout backend only: vLLM returns its routing only with
+    its V2 model runner, which needs Triton (not on CPU); not verified here."""
     prompts_per_step: int = 8
     samples_per_prompt: int = 1
     max_new_tokens: int = 16
@@ -442,6 +449,14 @@ class PPOConfig:
                             "EP=1 (the actor's layout); use rollout_backend=vllm, or "
                             "placement=disaggregated, with pipeline_parallel, "
                             "context_parallel or expert_parallel > 1")
+        if self.routing_replay and self.rollout_backend != "megatron":
+            problems.append("routing_replay=true needs rollout_backend=megatron: vLLM returns "
+                            "its expert routing only with its V2 model runner (Triton), which "
+                            "megarlhf has not verified")
+        if self.routing_replay and self.recompute_of("actor") == "full":
+            problems.append("routing_replay=true with the actor's recompute=full: the "
+                            "recomputed layers would route again in backward; use "
+                            "recompute=selective or none")
         if self.rollout_backend == "vllm" and not self.vllm_model_dir:
             problems.append("rollout_backend=vllm needs vllm_model_dir (an HF dir with the "
                             "actor's config.json, e.g. its mcore_to_hf export)")

@@ -137,7 +137,10 @@ def ppo_step(config: PPOConfig, data: RunInputs, workers: Placement,
 
     log.phase("experience")
     t = time.perf_counter()
-    exp = workers.experience(batch, EXPERIENCE - {"reward"})  # scored with the rollout
+    routing = rollout.routing if config.routing_replay else None
+    if config.routing_replay and routing is None:
+        raise RuntimeError("routing_replay=true, but the rollout engine returned no routing")
+    exp = workers.experience(batch, EXPERIENCE - {"reward"}, routing)  # scored with the rollout
     gap = logprob_gap(rollout.engine_logp, exp["logp"], batch.response_mask)
     # Before training on samples from another policy. Samples of older weights (async
     # rollouts) differ by the updates since, which the rollout correction weighs: the guard
@@ -150,7 +153,7 @@ def ppo_step(config: PPOConfig, data: RunInputs, workers: Placement,
 
     values = exp.get("values")
     advantages, returns = compute_advantages(config, score, exp, mask, kl_ctl.value)
-    policy, correction = PolicyInputs(), {}
+    policy, correction = PolicyInputs(routing=routing), {}
     if o.kl_in == "loss" and kl_ctl.value > 0:
         policy = dataclasses.replace(policy, ref_logp=exp["ref_logp"], kl_coef=kl_ctl.value)
     if config.rollout_correction != "none":
@@ -195,6 +198,10 @@ def ppo_step(config: PPOConfig, data: RunInputs, workers: Placement,
     return {**metrics, **drawn.metrics, **correction, "rollout/stopped_fraction": stopped,
             "rollout/weight_version": float(drawn.weight_version),
             "rollout/policy_lag": float(lag), **memory, **span,
+            # The experience pass's share of the engine's routings the actor would have
+            # chosen otherwise: ~0 on the engine's own weights, the drift since on older ones.
+            **({"rollout/routing_replay_moved": float(exp["routing_moved"])}
+               if "routing_moved" in exp else {}),
             **{f"time/ahead/{k}": v for k, v in drawn.seconds.items() if drawn.busy},
             **{f"time/worker_ahead/{k}": v for k, v in drawn.busy.items()},
             **overhead_metrics(time.perf_counter() - start, workers.take_busy())}

@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from megarlhf.ppo.config import PPOConfig
 from megarlhf.ppo.groups import WorkerError
@@ -30,11 +30,15 @@ from megarlhf.rollout.sizing import EngineSize
 from megarlhf.roles.policy import PolicyInputs
 from megarlhf.roles.sequences import SequenceBatch
 
+if TYPE_CHECKING:
+    import torch
+
 ROLLOUT, EXPERIENCE, TRAIN, SYNC = (frozenset({"rollout"}),
                                     frozenset({"actor", "ref", "critic", "reward"}),
                                     frozenset({"actor", "critic"}),
                                     frozenset({"actor", "rollout"}))
 """The roles each phase needs: the groups holding any of them take part."""
+_NOTHING = object()
 
 
 def _backend(config: PPOConfig, total_ranks: int):
@@ -85,10 +89,12 @@ class Placement:
         self.busy["rollout"] = self.busy.get("rollout", 0.0) + seconds  # a step may take rounds
         return completions
 
-    def experience(self, batch: SequenceBatch, roles: frozenset[str]) -> dict:
-        """What `roles` (of EXPERIENCE) add to the batch: logp and entropy (actor), ref_logp,
-        values (critic), rm_scores (reward)."""
-        parts, seconds = self._run(WorkerAPI.experience, roles, batch, roles)
+    def experience(self, batch: SequenceBatch, roles: frozenset[str],
+                   routing: torch.Tensor | None = None) -> dict:
+        """What `roles` (of EXPERIENCE) add to the batch: logp, entropy (and routing_moved,
+        with a `routing`) from the actor, ref_logp, values (critic), rm_scores (reward)."""
+        parts, seconds = self._run(WorkerAPI.experience, roles, batch, roles,
+                                   for_actor=routing)
         self.busy["experience"] = self.busy.get("experience", 0.0) + seconds
         return {key: value for part in parts for key, value in part.items()}
 
@@ -96,7 +102,8 @@ class Placement:
               policy: PolicyInputs) -> list[dict]:
         """Metrics of every optimizer step (actor and critic steps of one mini-batch merged)."""
         parts, self.busy["train"] = self._run(WorkerAPI.train, TRAIN, batch, old_logp,
-                                              advantages, old_values, returns, policy)
+                                              advantages, old_values, returns,
+                                              for_actor=policy)
         return [{k: v for step in steps for k, v in step.items()} for steps in zip(*parts)]
 
     def sync(self) -> None:
@@ -147,17 +154,25 @@ class Placement:
 
     # -- plumbing ----------------------------------------------------------------------------
 
-    def _run(self, method: Callable, roles: set[str], *args) -> tuple[list, float]:
+    def _run(self, method: Callable, roles: set[str], *args,
+             for_actor=_NOTHING) -> tuple[list, float]:
         """`method(*args)` (a WorkerAPI method) on every rank of the groups holding any of
-        `roles`, concurrently: (rank 0's result per group, the slowest rank's seconds in it)."""
+        `roles`, concurrently: (rank 0's result per group, the slowest rank's seconds in it).
+        `for_actor`: a last argument the actor's group gets and the others get as None (they
+        would only receive and drop it: an expert routing is gigabytes at scale)."""
         chosen = [i for i, spec in enumerate(self.specs) if spec.roles & roles]
         with contextlib.ExitStack() as held:
             for i in chosen:
                 held.enter_context(self._locks[i])
-            per_call = self._wait([self._groups[i].async_call(method.__name__, *args)
-                                   for i in chosen])
+            per_call = self._wait([self._groups[i].async_call(
+                method.__name__, *args, *self._last_argument(i, for_actor)) for i in chosen])
         return ([ranks[0][0] for ranks in per_call],
                 max(seconds for ranks in per_call for _, seconds in ranks))
+
+    def _last_argument(self, group: int, for_actor) -> tuple:
+        if for_actor is _NOTHING:
+            return ()
+        return (for_actor if "actor" in self.specs[group].roles else None,)
 
     def _wait(self, calls: list) -> list[list[tuple]]:
         try:

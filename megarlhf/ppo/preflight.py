@@ -84,6 +84,9 @@ def preflight(config: PPOConfig, prompts: list[list[int]],
     if problems:  # what follows reads the actor's checkpoint
         raise ValueError("the run cannot start:\n  " + "\n  ".join(problems))
     model = models["actor"].model
+    if config.routing_replay and not model.is_moe:
+        problems.append(f"routing_replay=true: the actor {config.actor} is a dense model (no "
+                        f"experts to route); set routing_replay=false")
     outside = [i for i, p in enumerate(prompts) if max(p) >= model.vocab_size]
     if outside:
         first = outside[0]

@@ -167,9 +167,12 @@ class Rollouts:
 def settings(config: PPOConfig) -> dict:
     """What a rollout drawn ahead was sampled and scored with: a resumed run with other
     values draws its first rollout again."""
-    return json.loads(json.dumps({name: getattr(config, name) for name in (
+    drawn = {name: getattr(config, name) for name in (
         "prompts_per_step", "samples_per_prompt", "max_new_tokens", "temperature", "top_p",
-        "top_k", "stop_token_ids", "reward_fn", "reward_model", "async_rollout")}))
+        "top_k", "stop_token_ids", "reward_fn", "reward_model", "async_rollout")}
+    if config.routing_replay:  # the rollout must carry its routing; named only when on, so
+        drawn["routing_replay"] = True  # checkpoints from before the field still match
+    return json.loads(json.dumps(drawn))
 
 
 def sampling(config: PPOConfig, data: RunInputs, *, n: int, temperature: float, seed: int

@@ -144,7 +144,8 @@ class PPOWorker:
         from megarlhf.rollout.megatron_engine import MegatronEngine, MegatronEngineConfig
 
         return MegatronEngine(model_spec(model, self.group.parallel, dtype=self.dtype),
-                              self.mesh, MegatronEngineConfig(architecture=arch_name))
+                              self.mesh, MegatronEngineConfig(architecture=arch_name,
+                                                              return_routing=c.routing_replay))
 
     def open_channel(self, host: str, port: int) -> None:
         """Disaggregated: join the weight channel. Its members are the actor's senders (TP
@@ -187,10 +188,12 @@ class PPOWorker:
                                f"{len(prompts)} prompts x {params.n} samples")
         return sorted(merged, key=lambda c: c.prompt_index)  # stable: samples keep order
 
-    def experience(self, batch: SequenceBatch, roles: frozenset[str]
-                   ) -> dict[str, torch.Tensor]:
+    def experience(self, batch: SequenceBatch, roles: frozenset[str],
+                   routing: torch.Tensor | None) -> dict[str, torch.Tensor]:
         """What this group's roles among `roles` add to the rollout batch: old logprobs and
-        entropy (actor), ref logprobs, values (critic), reward-model scores (reward)."""
+        entropy (actor; through the engine's expert `routing` when given, with the fraction
+        of it the actor's routers would have chosen otherwise), ref logprobs, values
+        (critic), reward-model scores (reward)."""
         self._engine_sleeps()
         out = {}
         for role, model in self._models().items():
@@ -199,7 +202,10 @@ class PPOWorker:
             # One role's weights at a time, when they are offloaded.
             self.residency.keep("experience", residency.forward_of(role))
             if role == "actor":
-                out["logp"], out["entropy"] = model.logprobs(batch, with_entropy=True)
+                out["logp"], out["entropy"] = model.logprobs(batch, with_entropy=True,
+                                                             routing=routing)
+                if routing is not None:
+                    out["routing_moved"] = torch.tensor(model.routing_moved())
             elif role == "ref":
                 out["ref_logp"] = model.logprobs(batch)
             elif role == "critic":
@@ -210,9 +216,9 @@ class PPOWorker:
 
     def train(self, batch: SequenceBatch, old_logp: torch.Tensor, advantages: torch.Tensor,
               old_values: torch.Tensor | None, returns: torch.Tensor | None,
-              policy: PolicyInputs) -> list[dict]:
+              policy: PolicyInputs | None) -> list[dict]:
         """PPO epochs over mini-batches for this group's actor and/or critic; metrics of every
-        optimizer step."""
+        optimizer step. `policy`: the actor's inputs (None in a group without the actor)."""
         c = self.config
         self._engine_sleeps()
         self.residency.keep("train", residency.TRAIN)
@@ -231,6 +237,8 @@ class PPOWorker:
                               "actor/skipped": float(step.skipped)})
                     if step.moe_load is not None:
                         m["actor/moe_load"] = step.moe_load
+                    if step.routing_moved is not None:
+                        m["actor/routing_replay_moved"] = step.routing_moved
                 if self.critic is not None:
                     vstep, critic = self.critic.train_step(part, old_values[rows],
                                                            returns[rows])

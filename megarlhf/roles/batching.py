@@ -26,7 +26,9 @@ attention_mask) and, in the global batch's terms, `rows` [b] (which rows), `col0
 column), `token_index` [b, W] (where the token at (row, col0 + w) sits in the model's output
 flattened to R * L; -1 on padding) and the per-token tensors [b, W] (response_mask, old_logp,
 ...). Loss closures read the model's per-position outputs through `about_token` and
-`at_last_token`, which give [b, W] and [b] in that frame for either layout.
+`at_last_token`, which give [b, W] and [b] in that frame for either layout. An expert
+routing to replay is the one per-token tensor laid out as the model's positions instead
+(`routing` [R, L, layers, k]): the routers read it as they run, not the closures.
 """
 
 from __future__ import annotations
@@ -77,9 +79,13 @@ def sequence_multiple(engine: TrainEngine) -> int:
 
 
 def microbatches(engine: TrainEngine, batching: Batching, batch: SequenceBatch,
-                 **per_token: torch.Tensor) -> list[dict]:
-    """This rank's micro-batches of `batch` with `per_token` tensors [B, T] added."""
+                 routing: torch.Tensor | None = None, **per_token: torch.Tensor) -> list[dict]:
+    """This rank's micro-batches of `batch` with `per_token` tensors [B, T] added, and with
+    the expert `routing` [B, T, layers, k] (-1: none) to replay laid out as the model's
+    positions (`routing` [R, L, layers, k], -1 on padding)."""
     batch.check_length(engine.spec.model.max_position_embeddings)
+    if routing is not None:
+        _check_routing(routing, batch, engine.spec.model)
     if batching.pack and engine.spec.layer_spec == "te":
         # Its attention runs with a causal mask type and ignores the mask given: packed
         # sequences would see each other. Its packed-sequence (THD) layout is not wired up.
@@ -96,7 +102,7 @@ def microbatches(engine: TrainEngine, batching: Batching, batch: SequenceBatch,
         everything = (torch.zeros(batch.shape[0], dtype=torch.long),
                       torch.full((batch.shape[0],), T))
         return [_microbatch(batch, list(rows), *everything, pack=False, multiple=multiple,
-                            per_token=per_token)
+                            per_token=per_token, routing=routing)
                 for rows in rank_rows(batch.shape[0], mesh.dp_size, mesh.dp_rank,
                                       batching.num_microbatches)]
     first, end = spans(batch)
@@ -111,8 +117,21 @@ def microbatches(engine: TrainEngine, batching: Batching, batch: SequenceBatch,
                          f"response")
     mine = balance(end - first, mesh.dp_size)[mesh.dp_rank]
     return [_microbatch(batch, rows, first, end, pack=batching.pack, multiple=multiple,
-                        per_token=per_token)
+                        per_token=per_token, routing=routing)
             for rows in fit(mine, first, end, batching.max_tokens, cost)]
+
+
+def _check_routing(routing: torch.Tensor, batch: SequenceBatch, model) -> None:
+    """Here rather than in the routers: one check on the host instead of a device sync at
+    every routing."""
+    want = (*batch.shape, model.num_layers, model.moe_router_topk)
+    if not model.num_experts or tuple(routing.shape) != want:
+        raise ValueError(f"routing has shape {tuple(routing.shape)}; this model needs "
+                         f"[B, T, layers, k] = {list(want)} and experts "
+                         f"(num_experts={model.num_experts})")
+    if int(routing.max()) >= model.num_experts or int(routing.min()) < -1:
+        raise ValueError(f"routing names experts [{int(routing.min())}, {int(routing.max())}]"
+                         f"; this model has {model.num_experts} (-1: none)")
 
 
 def spans(batch: SequenceBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -193,7 +212,8 @@ def fit(rows: list[int], first: torch.Tensor, end: torch.Tensor, budget: int,
 
 
 def _microbatch(batch: SequenceBatch, rows: list[int], first: torch.Tensor, end: torch.Tensor,
-                *, pack: bool, multiple: int, per_token: dict) -> dict:
+                *, pack: bool, multiple: int, per_token: dict,
+                routing: torch.Tensor | None) -> dict:
     r = torch.tensor(rows)
     c0, c1 = int(first[r].min()), int(end[r].max())
     sub = SequenceBatch(tokens=batch.tokens[r, c0:c1],
@@ -209,10 +229,16 @@ def _microbatch(batch: SequenceBatch, rows: list[int], first: torch.Tensor, end:
         L = _round_up(W, multiple)
         inputs = sub.right_padded(L - W).model_inputs()
         token_index = torch.where(real, torch.arange(b * L).view(b, L)[:, :W], -1)
-    return {"tokens": inputs["tokens"], "labels": inputs["labels"],
-            "position_ids": inputs["position_ids"], "document_ids": inputs["document_ids"],
-            "rows": r, "col0": torch.tensor(c0), "token_index": token_index,
-            **{name: value[r, c0:c1] for name, value in per_token.items()}}
+    out = {"tokens": inputs["tokens"], "labels": inputs["labels"],
+           "position_ids": inputs["position_ids"], "document_ids": inputs["document_ids"],
+           "rows": r, "col0": torch.tensor(c0), "token_index": token_index,
+           **{name: value[r, c0:c1] for name, value in per_token.items()}}
+    if routing is not None:
+        R, L = inputs["tokens"].shape
+        model_layout = torch.full((R * L, *routing.shape[2:]), -1, dtype=routing.dtype)
+        model_layout[token_index[real]] = routing[r, c0:c1][real]
+        out["routing"] = model_layout.view(R, L, *routing.shape[2:])
+    return out
 
 
 def _packed_inputs(tokens: torch.Tensor, lengths: torch.Tensor, multiple: int

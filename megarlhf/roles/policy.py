@@ -79,12 +79,18 @@ class PolicyInputs:
     ref_logp: torch.Tensor | None = None
     kl_coef: float = 0.0
     is_weight: torch.Tensor | None = None
+    routing: torch.Tensor | None = None
+    """[B, T, layers, k]: the rollout engine's expert routing to replay (None: the routers
+    choose)."""
 
     def rows(self, rows: slice) -> dict:
         """train_step's keyword arguments for the mini-batch `rows`."""
-        return {"ref_logp": None if self.ref_logp is None else self.ref_logp[rows],
-                "kl_coef": self.kl_coef,
-                "is_weight": None if self.is_weight is None else self.is_weight[rows]}
+        return {"ref_logp": _part(self.ref_logp, rows), "kl_coef": self.kl_coef,
+                "is_weight": _part(self.is_weight, rows), "routing": _part(self.routing, rows)}
+
+
+def _part(t: torch.Tensor | None, rows: slice) -> torch.Tensor | None:
+    return None if t is None else t[rows]
 
 
 def ptx_scale(cfg: PolicyLossConfig, batch: SequenceBatch, ptx: SequenceBatch | None) -> float:
@@ -137,8 +143,10 @@ class PolicyRole:
     def _logp_entropy(mb, per_position_RL2):
         return about_token(mb, per_position_RL2[..., 0]), about_token(mb, per_position_RL2[..., 1])
 
-    def logprobs(self, batch: SequenceBatch, *, with_entropy: bool = False):
-        """log p(token_t | tokens_<t) [B, T] (and entropy [B, T]) on every rank."""
+    def logprobs(self, batch: SequenceBatch, *, with_entropy: bool = False,
+                 routing: torch.Tensor | None = None):
+        """log p(token_t | tokens_<t) [B, T] (and entropy [B, T]) on every rank; with
+        `routing` [B, T, layers, k] the tokens go through those experts."""
 
         def keep(mb, per_position):
             logp, entropy = self._logp_entropy(mb, per_position)
@@ -146,16 +154,21 @@ class PolicyRole:
             return zero, torch.ones((), dtype=torch.int), {"logp": logp.detach(),
                                                            "entropy": entropy.detach()}
 
-        mbs = microbatches(self.engine, self.batching, batch)
+        mbs = microbatches(self.engine, self.batching, batch, routing)
         out = self.engine.forward(mbs, Loss(closure=keep, per_position=self._per_position))
         logp = to_global(mbs, out, "logp", batch.shape, self.engine)
         return (logp, to_global(mbs, out, "entropy", batch.shape, self.engine)) \
             if with_entropy else logp
 
+    def routing_moved(self) -> float:
+        """Of the last pass given a routing, the fraction of its token routings the routers
+        would have chosen otherwise (collective; see RoutingReplay.moved_fraction)."""
+        return self.engine.routing_replay.moved_fraction(self.engine.mesh.device)
+
     def train_step(self, batch: SequenceBatch, old_logp: torch.Tensor,
                    advantages: torch.Tensor, ptx: SequenceBatch | None = None, *,
                    ref_logp: torch.Tensor | None = None, kl_coef: float = 0.0,
-                   is_weight: torch.Tensor | None = None
+                   is_weight: torch.Tensor | None = None, routing: torch.Tensor | None = None
                    ) -> tuple[StepMetrics, dict[str, float]]:
         """One optimizer step over the global batch of
 
@@ -164,7 +177,8 @@ class PolicyRole:
 
         each aggregated as `self.loss.aggregation` says (the KL term, estimator
         `kl_estimator`, needs `ref_logp` when kl_coef > 0), plus `ptx_coef` times the
-        token-mean NLL of `ptx` (tokens under its response_mask).
+        token-mean NLL of `ptx` (tokens under its response_mask). With `routing` [B, T,
+        layers, k] the batch's tokens go through those experts (ptx tokens are routed freely).
 
         The PPO and ptx terms are means over different token sets, and the engine divides the
         sum of all micro-batches' numerators by one global denominator. Both denominators are
@@ -220,11 +234,13 @@ class PolicyRole:
         mbs = self._microbatches(batch, old_logp, advantages, is_ptx=False,
                                  ref_logp=zeros if ref_logp is None else ref_logp,
                                  is_weight=torch.ones(batch.shape) if is_weight is None
-                                 else is_weight)
+                                 else is_weight, routing=routing)
         if ptx is not None:
             zeros = torch.zeros(ptx.shape)
+            free = None if routing is None else torch.full(
+                (*ptx.shape, *routing.shape[2:]), -1, dtype=routing.dtype)
             mbs += self._microbatches(ptx, zeros, zeros, is_ptx=True, ref_logp=zeros,
-                                      is_weight=zeros)
+                                      is_weight=zeros, routing=free)
         step = self.engine.train_step(mbs, Loss(closure=loss_fn,
                                                 per_position=self._per_position))
         s = step.sums
@@ -238,8 +254,8 @@ class PolicyRole:
         return step, metrics
 
     def _microbatches(self, batch: SequenceBatch, old_logp, advantages, *, is_ptx: bool,
-                      ref_logp, is_weight):
-        return microbatches(self.engine, self.batching, batch,
+                      ref_logp, is_weight, routing):
+        return microbatches(self.engine, self.batching, batch, routing,
                             response_mask=batch.response_mask.float(),
                             old_logp=old_logp.float(), advantages=advantages.float(),
                             ref_logp=ref_logp.float(), is_weight=is_weight.float(),

@@ -60,6 +60,10 @@ class Completion:
     """log p(token) under the unprocessed model distribution, one per token."""
     finish_reason: str
     """'stop' (a stop token) or 'length' (max_new_tokens)."""
+    routing: torch.Tensor | None = None
+    """int16 [prompt + response - 1 tokens, layers, k]: the experts each token the engine fed
+    went to (mixture-of-experts models, when asked for); the last response token was never
+    fed."""
 
 
 WeightStream = Iterable[list[tuple[str, torch.Tensor]]]

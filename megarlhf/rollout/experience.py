@@ -23,6 +23,9 @@ class RolloutBatch:
     (aligned with the trainer's `PolicyRole.logprobs`)."""
     prompt_index: torch.Tensor
     """[B] long: the prompt each row answers (the groups of GRPO / RLOO)."""
+    routing: torch.Tensor | None = None
+    """[B, T, layers, k] int16: the experts the engine sent each token to, -1 where it sent
+    none (padding, a response's last token); None when the completions carry no routing."""
 
 
 def rollout_batch(prompts: list[list[int]], completions: list[Completion], *,
@@ -44,7 +47,20 @@ def rollout_batch(prompts: list[list[int]], completions: list[Completion], *,
     return RolloutBatch(
         sequences=SequenceBatch(tokens=tokens, attention_mask=attention, response_mask=response),
         engine_logp=logp,
-        prompt_index=torch.tensor([c.prompt_index for c in completions], dtype=torch.long))
+        prompt_index=torch.tensor([c.prompt_index for c in completions], dtype=torch.long),
+        routing=_routing(prompts, completions, P, T))
+
+
+def _routing(prompts: list[list[int]], completions: list[Completion], P: int, T: int
+             ) -> torch.Tensor | None:
+    if completions[0].routing is None:
+        return None
+    out = torch.full((len(completions), T, *completions[0].routing.shape[1:]), -1,
+                     dtype=torch.int16)
+    for row, c in enumerate(completions):
+        start = P - len(prompts[c.prompt_index])
+        out[row, start:start + len(c.routing)] = c.routing
+    return out
 
 
 def _check(prompts: list[list[int]], completions: list[Completion]) -> None:
@@ -62,3 +78,11 @@ def _check(prompts: list[list[int]], completions: list[Completion]) -> None:
         if len(c.logprobs) != len(c.token_ids):
             raise ValueError(f"completion {row} has {len(c.token_ids)} tokens but "
                              f"{len(c.logprobs)} logprobs")
+        fed = len(prompts[c.prompt_index]) + len(c.token_ids) - 1
+        if (c.routing is None) != (completions[0].routing is None) or (
+                c.routing is not None and (len(c.routing) != fed or c.routing.shape[1:]
+                                           != completions[0].routing.shape[1:])):
+            raise ValueError(f"completion {row}'s routing is "
+                             f"{None if c.routing is None else tuple(c.routing.shape)}; every "
+                             f"completion needs one of [{fed}, layers, k] (its prompt and "
+                             f"response but the last token), or none does")

@@ -37,6 +37,7 @@ from megarlhf.engine.offload import reallocate, release, storages_of
 from megarlhf.models.arch import TensorRule, architecture_for_model, hf_shapes
 from megarlhf.models.config import ModelConfig
 from megarlhf.models.gpt import ModelSpec, build_model
+from megarlhf.models.routing_replay import RoutingReplay
 from megarlhf.parallel.mesh import Mesh
 from megarlhf.parallel.vocab import vocab_parallel_logprobs
 from megarlhf.rollout.engine import (
@@ -54,6 +55,9 @@ class MegatronEngineConfig:
     architecture: str | None = None
     """Registry name that gives the HF weight names ('llama', 'qwen2', ...); None infers it
     from the model config (the Llama family shares one naming)."""
+    return_routing: bool = False
+    """Return each completion's expert routing (Completion.routing; mixture-of-experts models
+    only), for the trainer to replay."""
 
     def __post_init__(self):
         if self.max_batch_size < 1:
@@ -79,6 +83,7 @@ class _Sample:
     token_ids: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
     finish_reason: str = "length"
+    routing: torch.Tensor | None = None
 
 
 class MegatronEngine:
@@ -103,6 +108,10 @@ class MegatronEngine:
         self._shapes = hf_shapes(rules, spec.model)
         self._pieces = _pieces_by_unit(local_pieces([self.model]))
         self._check_rules_cover_model({s.unit for s in self._slots.values()}, arch.name)
+        if self.config.return_routing and not spec.model.is_moe:
+            raise ValueError("return_routing needs a mixture-of-experts model; this one is "
+                             "dense")
+        self._routing = RoutingReplay([self.model]) if self.config.return_routing else None
         self._weights_ready = False
         self._asleep = False
         self._freed: list[tuple[torch.UntypedStorage, int]] = []
@@ -128,7 +137,8 @@ class MegatronEngine:
                                   ) from e
             completions += [
                 Completion(prompt_index=start + i // params.n, token_ids=s.token_ids,
-                           logprobs=s.logprobs, finish_reason=s.finish_reason)
+                           logprobs=s.logprobs, finish_reason=s.finish_reason,
+                           routing=s.routing)
                 for i, s in enumerate(samples)
             ]
         return completions
@@ -162,13 +172,25 @@ class MegatronEngine:
                            group=self.mesh.tp_group)
         return int(seed.item())
 
-    @torch.no_grad()
     def _generate_batch(self, prompts: list[list[int]], params: SamplingParams,
                         generator: torch.Generator) -> list[_Sample]:
+        if self._routing is None:
+            samples, _ = self._sample(prompts, params, generator)
+            return samples
+        with self._routing.record():
+            samples, fed = self._sample(prompts, params, generator)
+        _attach_routing(samples, prompts, params.n, fed, self._routing.take_recorded())
+        return samples
+
+    @torch.no_grad()
+    def _sample(self, prompts: list[list[int]], params: SamplingParams,
+                generator: torch.Generator) -> tuple[list[_Sample], list[list[int]]]:
+        """The samples, and the samples each decode step fed (in batch-row order)."""
         ctx, logits_BV, real_BL, seen_BV = self._prefill(prompts, params)
         stop_ids = torch.tensor(params.stop_token_ids, dtype=torch.long, device=self.mesh.device)
         samples = [_Sample() for _ in range(len(real_BL))]
         alive = list(range(len(samples)))  # the sample each batch row extends
+        fed = []
         for step in range(params.max_new_tokens):
             token_B, logp_B = self._choose(logits_BV, seen_BV, params, generator)
             stopped_B = torch.isin(token_B, stop_ids)
@@ -185,8 +207,9 @@ class MegatronEngine:
             if seen_BV is not None:
                 seen_BV.scatter_(1, token_B[:, None], True)
             real_BL = torch.cat([real_BL, torch.ones_like(real_BL[:, :1])], dim=1)
+            fed.append(list(alive))
             logits_BV = self._step(token_B[:, None], real_BL, ctx)
-        return samples
+        return samples, fed
 
     def _prefill(self, prompts: list[list[int]], params: SamplingParams):
         """Encode the prompts once, then give each of its n samples a copy of its cache rows:
@@ -385,6 +408,26 @@ def _record(samples: list[_Sample], alive: list[int], token_B: torch.Tensor,
         samples[row].logprobs.append(logp)
         if stopped:
             samples[row].finish_reason = "stop"
+
+
+def _attach_routing(samples: list[_Sample], prompts: list[list[int]], n: int,
+                    fed: list[list[int]], calls: list[torch.Tensor]) -> None:
+    """Each sample's routing [tokens it was routed for, layers, k] from the recorded calls:
+    the prefill's [P * prompts] tokens (sequence-major, as megatron-core's activations are;
+    left padding dropped), then one token per decode step the sample took part in: its prompt
+    and every response token but the last, which no step fed."""
+    calls = [call.cpu() for call in calls]  # one copy each, not one per sample
+    prefill, decodes = calls[0], calls[1:]
+    P = max(map(len, prompts))
+    prefill = prefill.view(P, len(prompts), *prefill.shape[1:])
+    steps: list[list[torch.Tensor]] = [[] for _ in samples]
+    for rows, call in zip(fed, decodes, strict=True):
+        for row, sample in enumerate(rows):
+            steps[sample].append(call[row])
+    for i, sample in enumerate(samples):
+        prompt = prefill[P - len(prompts[i // n]):, i // n]
+        routing = torch.cat([prompt, torch.stack(steps[i])]) if steps[i] else prompt
+        sample.routing = routing.clone()  # not a view that would keep the whole call
 
 
 def _select_rows(ctx: StaticInferenceContext, rows: torch.Tensor) -> None:
