@@ -353,8 +353,8 @@ def replayed_engine_routing(ckpt: str, parallel, batching, prompts, completions,
 
 
 REPLAY_LAYOUTS = {
-    # name: (trainer layout, ranks, micro-batching)
-    "tp1": (P(), 1, {"num_microbatches": 2}),
+    # name: (trainer layout, ranks, micro-batching): packed rows under SP, count-mode rows
+    # under CP and EP, token-budget padded rows over pipeline stages
     "tp2sp_packed": (P(tensor_parallel=2, sequence_parallel=True), 2,
                      {"max_tokens": 32, "pack": True}),
     "cp2_ep2": (P(context_parallel=2, expert_parallel=2), 2, {"num_microbatches": 2}),
@@ -393,7 +393,7 @@ def test_engine_routing_replays_in_the_trainer(moe_ref, engine_rollout, layout):
       (measured 9e-6, twice the fp32 tolerance) and 100x below the free gap.
     A routing fed in any other token order sends tokens to other experts: the routes would
     differ and the replayed gap would be of the free drifted gap's size or larger (measured
-    1.2e-2 with the sequence-major transpose left out)."""
+    1.2e-2 at TP1 with the sequence-major transpose left out)."""
     from megarlhf.roles.batching import Batching
 
     prompts, completions = engine_rollout
