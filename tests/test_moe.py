@@ -184,29 +184,35 @@ HF_PPO_RUNS = {
     "qwen3_moe-vllm-colocated": ("qwen3_moe", "vllm", "colocated", 1),
     "qwen3_moe-megatron-replay-colocated": ("qwen3_moe", "megatron", "colocated", 1),
     "mixtral-megatron-replay-disaggregated-ep2": ("mixtral", "megatron", "disaggregated", 2),
+    "mixtral-vllm-disaggregated-ep2": ("mixtral", "vllm", "disaggregated", 2),
 }
 
 
 @pytest.mark.parametrize("run_name", list(HF_PPO_RUNS))
-def test_hf_moe_models_run_ppo_steps(hf_dirs, tmp_path, run_name):
+def test_hf_moe_models_run_ppo_steps(tmp_path, run_name):
     """Toy HF Qwen3-MoE (unnormalised top-k, expert width 48) and Mixtral, converted, run
-    GRPO steps through the controller with both rollout engines, at EP1 and EP2. The rollout's
+    GRPO steps through the controller with both rollout engines, colocated at EP1 and
+    disaggregated at EP2 (the bridge gathers the experts for the engine's rank). The rollout's
     logprobs match the trainer's at the fp32 level (<= 2e-5, test_ppo's vLLM tolerance).
     With routing_replay the experience pass replays the engine's routing on the engine's own
     weights: no routing moved (rollout/routing_replay_moved 0, as
     test_engine_routing_replays_in_the_trainer measures token by token); the update passes
     replay it after the actor's first mini-batch update too, when the routers would move some
-    tokens (actor/routing_replay_moved > 0; measured 0.15-0.32 of them: a toy router's logits
+    tokens (actor/routing_replay_moved > 0; measured 0.26-0.35 of them: a toy router's logits
     are small next to an Adam step)."""
     from megarlhf.convert.hf_to_mcore import hf_to_mcore
     from megarlhf.ppo.config import PPOConfig
     from megarlhf.ppo.controller import run
+    from tests import hf_models
 
     arch, backend, placement, ep = HF_PPO_RUNS[run_name]
     if backend == "vllm":
         pytest.importorskip("vllm")
+    # head_dim 32: one vLLM's CPU attention serves (hf_models' Mixtral has 16)
+    hf_dir = hf_models.save_model(str(tmp_path / "hf"), arch, hidden_size=128,
+                                  num_attention_heads=4, num_key_value_heads=2)
     actor = str(tmp_path / "actor")
-    hf_to_mcore(hf_dirs[arch], actor, parallel=P())
+    hf_to_mcore(hf_dir, actor, parallel=P())
     g = torch.Generator().manual_seed(0)
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt_ids": torch.randint(
@@ -217,7 +223,7 @@ def test_hf_moe_models_run_ppo_steps(hf_dirs, tmp_path, run_name):
         reward_fn="tests.ppo_tasks:low_token_fraction", nproc=2, steps=2, prompts_per_step=4,
         samples_per_prompt=2, max_new_tokens=8, ppo_epochs=2, mini_batches=2, actor_lr=3e-3,
         placement=placement, expert_parallel=ep, rollout_backend=backend,
-        vllm_model_dir=hf_dirs[arch] if backend == "vllm" else None, routing_replay=replay,
+        vllm_model_dir=hf_dir if backend == "vllm" else None, routing_replay=replay,
         out_dir=str(tmp_path / "run")))
     assert len(history) == 2
     for step in history:
