@@ -37,9 +37,6 @@ class StepMetrics:
     moe_load: float | None = None
     """Mixture-of-experts models: the busiest EP rank's routed tokens over the mean, in the
     worst layer (engine/moe_load.py); None for a dense model."""
-    routing_moved: float | None = None
-    """With an expert routing replayed: the fraction of replayed token routings that differ
-    from the router's own choice (models/routing_replay.py); None without one."""
 
 
 class TrainEngine:
@@ -119,8 +116,6 @@ class TrainEngine:
             skipped=not ok,
             sums=sums,
             moe_load=self.expert_load.busiest_over_mean() if self.expert_load else None,
-            routing_moved=self.routing_replay.moved_fraction(self.mesh.device)
-            if "routing" in microbatches[0] else None,
         )
 
     def _check_tied_copies(self) -> None:

@@ -237,8 +237,6 @@ class PPOWorker:
                               "actor/skipped": float(step.skipped)})
                     if step.moe_load is not None:
                         m["actor/moe_load"] = step.moe_load
-                    if step.routing_moved is not None:
-                        m["actor/routing_replay_moved"] = step.routing_moved
                 if self.critic is not None:
                     vstep, critic = self.critic.train_step(part, old_values[rows],
                                                            returns[rows])

@@ -188,7 +188,8 @@ class PolicyRole:
 
         Returns the engine's step metrics and global means: policy loss, KL loss (the
         aggregated KL estimate, before kl_coef), clip fraction, approximate KL (k3, to
-        pi_old) and entropy over response tokens (and ptx loss).
+        pi_old) and entropy over response tokens (and ptx loss; with a `routing`, the share of
+        its token routings the routers would have chosen otherwise).
         """
         cfg = self.loss
         if kl_coef < 0 or (kl_coef > 0 and ref_logp is None):
@@ -251,6 +252,8 @@ class PolicyRole:
                    "entropy": s["entropy"] / s["tokens"]}
         if ptx is not None:
             metrics["ptx_loss"] = s["ptx_sum"] / s["ptx_tokens"]
+        if routing is not None:
+            metrics["routing_replay_moved"] = self.routing_moved()
         return step, metrics
 
     def _microbatches(self, batch: SequenceBatch, old_logp, advantages, *, is_ptx: bool,

@@ -79,9 +79,12 @@ def _check(prompts: list[list[int]], completions: list[Completion]) -> None:
             raise ValueError(f"completion {row} has {len(c.token_ids)} tokens but "
                              f"{len(c.logprobs)} logprobs")
         fed = len(prompts[c.prompt_index]) + len(c.token_ids) - 1
-        if (c.routing is None) != (completions[0].routing is None) or (
-                c.routing is not None and (len(c.routing) != fed or c.routing.shape[1:]
-                                           != completions[0].routing.shape[1:])):
+        first = completions[0].routing
+        if c.routing is None or first is None:
+            fits = c.routing is first  # both None
+        else:
+            fits = len(c.routing) == fed and c.routing.shape[1:] == first.shape[1:]
+        if not fits:
             raise ValueError(f"completion {row}'s routing is "
                              f"{None if c.routing is None else tuple(c.routing.shape)}; every "
                              f"completion needs one of [{fed}, layers, k] (its prompt and "
