@@ -36,16 +36,22 @@ class Prompt:
     ground_truth: Any = None
     data_source: str | None = None
     metadata: dict = dataclasses.field(default_factory=dict)
+    text: str | tuple[tuple[str, str], ...] | None = dataclasses.field(default=None,
+                                                                        compare=False)
+    """The prompt before rendering (text, or (role, content) messages); None for a
+    pre-tokenized row. An environment's episode starts from it. Not part of a prompt's
+    identity (its ids are): a prompt cache keeps only the ids."""
 
 
 def load_prompts(source: DatasetSource, tokenizer: Callable[[], Tokenizer] | None, *,
                  tokenizer_path: str | None = None, template: str = "auto",
-                 on_bad_record: str = "error", bad_field: str = "on_bad_record"
-                 ) -> tuple[list[Prompt], dict]:
+                 on_bad_record: str = "error", bad_field: str = "on_bad_record",
+                 format_options: dict | None = None) -> tuple[list[Prompt], dict]:
     """The usable prompts of `source` and the read report (kept, skipped by reason, prompt
     format). `tokenizer` builds the tokenizer (called only if some row holds text);
     `tokenizer_path` is checked against a cache's sidecar; `bad_field` is the config field
-    named in a bad record's error."""
+    named in a bad record's error; `format_options`: PromptFormat's keyword arguments (tools,
+    a chat template)."""
     _verify_cache(source.path, tokenizer_path)
     bad = BadRecords(on_bad_record, field=bad_field)
     fmt, prompts = None, []
@@ -55,13 +61,14 @@ def load_prompts(source: DatasetSource, tokenizer: Callable[[], Tokenizer] | Non
             if tokenizer is None:
                 raise ValueError(f"{rec.where}: the prompt is text, but no tokenizer is known "
                                  f"to tokenize it; set tokenizer=HF_DIR")
-            fmt = fmt or PromptFormat(tokenizer(), template)
+            fmt = fmt or PromptFormat(tokenizer(), template, **(format_options or {}))
             ids = tuple(fmt.prompt(rec.prompt))
             if not ids:
                 bad.add(rec.where, "empty prompt", "no tokens")
                 continue
         prompts.append(Prompt(ids=ids, where=rec.where, ground_truth=rec.ground_truth,
-                              data_source=rec.data_source, metadata=rec.metadata))
+                              data_source=rec.data_source, metadata=rec.metadata,
+                              text=rec.prompt if rec.prompt_ids is None else None))
     report = {"path": source.path, "kept": len(prompts),
               "template": fmt.name if fmt else "pre-tokenized", **bad.summary()}
     if not prompts:

@@ -33,8 +33,12 @@ class Tokenizer(abc.ABC):
     def decode(self, ids: Sequence[int], *, skip_special: bool = False) -> str:
         """`ids` as text; `skip_special` drops special tokens (a response's stop token)."""
 
-    def render_chat(self, messages: Sequence[tuple[str, str]], *,
-                    add_generation_prompt: bool) -> str:
+    def render_chat(self, messages: Sequence[tuple[str, str] | dict], *,
+                    add_generation_prompt: bool, tools: list[dict] | None = None,
+                    chat_template: str | None = None) -> str:
+        """`messages` ((role, content) pairs, or message dicts with tool calls and names)
+        through the chat template (`chat_template`'s Jinja text instead of the tokenizer's
+        when given), with the JSON schemas of `tools` for templates that take them."""
         raise ValueError(f"{self} has no chat template; use template: plain")
 
     @abc.abstractmethod
@@ -92,12 +96,14 @@ class HFTokenizer(Tokenizer):
     def decode(self, ids: Sequence[int], *, skip_special: bool = False) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=skip_special)
 
-    def render_chat(self, messages, *, add_generation_prompt: bool) -> str:
-        if not self.has_chat_template:
+    def render_chat(self, messages, *, add_generation_prompt: bool,
+                    tools: list[dict] | None = None, chat_template: str | None = None) -> str:
+        if not self.has_chat_template and chat_template is None:
             return super().render_chat(messages, add_generation_prompt=add_generation_prompt)
         return self.tok.apply_chat_template(
-            [{"role": role, "content": content} for role, content in messages],
-            add_generation_prompt=add_generation_prompt, tokenize=False)
+            [m if isinstance(m, dict) else {"role": m[0], "content": m[1]} for m in messages],
+            add_generation_prompt=add_generation_prompt, tokenize=False, tools=tools,
+            chat_template=chat_template)
 
     def files(self) -> dict[str, bytes]:
         # What save_pretrained writes is exactly the tokenizer, whatever else the source

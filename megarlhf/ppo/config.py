@@ -12,6 +12,8 @@ import os
 
 from megarlhf.data.config import BAD_RECORD_POLICIES, TEMPLATES
 from megarlhf.data.records import KIND_FIELDS, OPTIONAL_FIELDS
+from megarlhf.envs.episodes import ENV_ERROR_POLICIES
+from megarlhf.envs.tools import PARSERS
 from megarlhf.metrics import missing_dashboards
 from megarlhf.models.config import ModelConfig
 from megarlhf.parallel.mesh import LayoutOverride, ParallelConfig
@@ -31,6 +33,11 @@ WORKER_GROUPS = ("local", "ray")
 PLACEMENTS = ("colocated", "disaggregated")
 PROMPT_FIELDS = KIND_FIELDS["prompt"] + OPTIONAL_FIELDS["prompt"]
 RESUME_INPUTS = ("actor", "critic", "reward_model", "prompts", "seed", "algorithm")
+EPISODE_FIELDS = {"env_args": {}, "max_turns": 8, "max_turn_tokens": None,
+                  "max_observation_tokens": None, "on_env_error": "stop", "tools": (),
+                  "tool_parser": "hermes", "tool_timeout": 30.0, "tool_workers": 2,
+                  "tool_memory_mb": 1024}
+"""The fields that only an environment reads, with their defaults."""
 """What a resumed run must share with its checkpoint, unless named in resume_allow_changes."""
 
 
@@ -62,6 +69,7 @@ _RANGES = (  # (field, low, high, low included?); high is included, values must 
     ("seed", 0, 2**31 - 1, True),
     ("save_every", 0, math.inf, True),
     ("reward_timeout", 0.0, math.inf, False),
+    ("tool_timeout", 0.0, math.inf, False),
     ("reward_max_timeout_fraction", 0.0, 1.0, True),
 )
 
@@ -262,6 +270,46 @@ class PPOConfig:
     """Tokens that end a sample (kept as its last token). None: the actor's EOS ids, from the
     config, generation config and tokenizer files its checkpoint carries (a chat model's
     end-of-turn too); () never stops before max_new_tokens."""
+    # -- multi-turn episodes (megarlhf/envs) --
+    environment: str | None = None
+    """Train on multi-turn episodes: the environment that answers the model's turns, a
+    built-in (`tools`; `arithmetic_retry`) or 'module:Class' (a megarlhf.envs.Environment).
+    A sample is then an episode: the model's turns and the environment's observations
+    between them, only the model's tokens trained on. None: one answer per sample."""
+    env_args: dict = dataclasses.field(default_factory=dict)
+    """Keyword arguments the environment is constructed with (one instance per episode)."""
+    max_turns: int = 8
+    """Model turns per episode, at most."""
+    max_turn_tokens: int | None = None
+    """New tokens of one model turn, at most (None: max_new_tokens). max_new_tokens bounds
+    the whole episode after the prompt: an episode ends when its next observation would
+    leave no room for a model token, and a turn takes at most what is left."""
+    max_observation_tokens: int | None = None
+    """An observation (the environment's messages with their template tokens) longer than
+    this is cut, its text shortened, and counted (env/observations_cut). None:
+    max_new_tokens."""
+    on_env_error: str = "stop"
+    """An environment that raises in reset or step: 'stop' the run naming it, the row and
+    the turn; 'zero_reward' ends that episode with reward 0 and counts it (env/errors)."""
+    tools: tuple[str, ...] = ()
+    """environment=tools: the functions the model may call, 'module:function' each (type
+    hints and a docstring Args: section give its JSON schema), or `python` (the built-in
+    sandboxed interpreter)."""
+    tool_parser: str = "hermes"
+    """How tool calls are found in a turn: 'hermes' (<tool_call>{"name", "arguments"}
+    </tool_call>, Qwen2.5/Qwen3/Hermes), 'llama3_json' ({"name", "parameters"}), or
+    'module:function' (text -> [{"name", "arguments"}, ...])."""
+    tool_timeout: float = 30.0
+    """Seconds a tool call may take (the python tool's CPU and wall time too); a call past it
+    is answered with an error message."""
+    tool_workers: int = 2
+    """Worker processes that run tool functions (calls of a turn run in parallel)."""
+    tool_memory_mb: int = 1024
+    """The python tool's address-space limit."""
+    chat_template: str | None = None
+    """A Jinja chat template file used instead of the tokenizer's for prompts and
+    observations (e.g. one that renders earlier turns unchanged where the model's own does
+    not)."""
     # -- algorithm --
     algorithm: str = "ppo"
     """ppo, grpo, rloo, reinforce++, reinforce++_baseline, dapo, dr_grpo, gspo or cispo: an
@@ -403,6 +451,7 @@ class PPOConfig:
         choice("template", TEMPLATES)
         choice("on_bad_record", BAD_RECORD_POLICIES)
         problems += self._data_problems()
+        problems += self._episode_problems()
         for name in ("nproc", "tensor_parallel", "pipeline_parallel", "context_parallel",
                      "expert_parallel",
                      "prompts_per_step",
@@ -423,9 +472,10 @@ class PPOConfig:
                             "or a role's layout)")
         if self.algorithm in ALGORITHMS:
             problems += self._algorithm_problems()
-        if self.reward_model is None and self.reward_fn is None and not self.reward_fn_by_source:
+        if self.reward_model is None and self.reward_fn is None and \
+                not self.reward_fn_by_source and self.environment is None:
             problems.append("no reward: set reward_model=CKPT and/or reward_fn=math|exact_match|"
-                            "module:function")
+                            "module:function, or an environment that gives rewards")
         if self.placement != "colocated":
             problems += [f"{name}=true applies to placement=colocated (a disaggregated group "
                          f"holds only the roles it runs, none idle); set it false"
@@ -566,6 +616,47 @@ class PPOConfig:
                 problems.append(f"reward_fn_by_source.{source} must name a reward function, "
                                 f"got {spec!r}")
         return problems
+
+    def _episode_problems(self) -> list[str]:
+        problems = []
+        if self.on_env_error not in ENV_ERROR_POLICIES:
+            problems.append(f"on_env_error={self.on_env_error!r} is not one of "
+                            f"{list(ENV_ERROR_POLICIES)}")
+        if self.tool_parser not in PARSERS and ":" not in self.tool_parser:
+            problems.append(f"tool_parser={self.tool_parser!r} is not one of {list(PARSERS)} "
+                            f"or 'module:function'")
+        for name in ("max_turns", "tool_workers"):
+            if getattr(self, name) < 1:
+                problems.append(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.tool_memory_mb < 64:
+            problems.append(f"tool_memory_mb must be >= 64 (a Python interpreter needs it), "
+                            f"got {self.tool_memory_mb}")
+        for name in ("max_turn_tokens", "max_observation_tokens"):
+            value = getattr(self, name)
+            if value is not None and not 1 <= value <= self.max_new_tokens:
+                problems.append(f"{name}={value} must be in [1, max_new_tokens="
+                                f"{self.max_new_tokens}] (max_new_tokens bounds the whole "
+                                f"episode after the prompt)")
+        if self.environment is None:
+            unused = [name for name, default in EPISODE_FIELDS.items()
+                      if getattr(self, name) != default]
+            if unused:
+                problems.append(f"{', '.join(unused)} apply to multi-turn episodes; set "
+                                f"environment=... or leave them unset")
+        elif (self.environment == "tools") != bool(self.tools):
+            problems.append("environment=tools needs tools=[module:function, ...] (or python), "
+                            "and tools need environment=tools")
+        return problems
+
+    @property
+    def turn_tokens(self) -> int:
+        """max_turn_tokens with its default resolved."""
+        return self.max_turn_tokens or self.max_new_tokens
+
+    @property
+    def observation_tokens(self) -> int:
+        """max_observation_tokens with its default resolved."""
+        return self.max_observation_tokens or self.max_new_tokens
 
     def _range_problems(self) -> list[str]:
         """Numeric fields outside the values that mean something (NaN and inf fail too)."""
@@ -714,7 +805,7 @@ class PPOConfig:
         field checks so a recipe can be planned (megarlhf plan) before its checkpoints exist."""
         missing = [f"{name}: {getattr(self, name)} does not exist"
                    for name in ("actor", "critic", "reward_model", "prompts", "val_prompts",
-                                "tokenizer")
+                                "tokenizer", "chat_template")
                    if getattr(self, name) is not None and not os.path.exists(getattr(self, name))]
         if missing:
             raise ValueError("invalid PPO config:\n  " + "\n  ".join(missing))

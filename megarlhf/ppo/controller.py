@@ -24,6 +24,7 @@ import time
 
 import torch
 
+from megarlhf.envs.episodes import Episode
 from megarlhf.metrics import MetricsLog
 from megarlhf.ppo import checkpoints, rollouts, run_dir
 from megarlhf.ppo.config import PPOConfig
@@ -66,8 +67,7 @@ def _run_claimed(config: PPOConfig) -> list[dict]:
     try:
         return _train(config, data)
     finally:
-        if data.reward is not None:
-            data.reward.close()
+        data.close()
 
 
 def _train(config: PPOConfig, data: RunInputs) -> list[dict]:
@@ -127,13 +127,17 @@ def ppo_step(config: PPOConfig, data: RunInputs, workers: Placement,
     lag = step - 1 - drawn.weight_version  # actor updates the sampling weights missed
     # Wall-clock bounds of experience + train, and of the rollout drawn beside them.
     span = {"time/learn_start": time.time()}
-    rollout = rollout_batch([list(p.ids) for p in drawn.prompts], drawn.completions)
+    episodes = drawn.episodes
+    rollout = rollout_batch([list(p.ids) for p in drawn.prompts], drawn.completions,
+                            rewards_at=[list(e.rewards_at) for e in episodes]
+                            if episodes is not None else None)
     batch, score = rollout.sequences, drawn.score
     mask = batch.response_mask.float()
     # A rollout drawn ahead ran during the step before: its seconds are not this step's.
     timer = {} if drawn.busy else dict(drawn.seconds)
     log.samples(step, [{**row, "weight_version": drawn.weight_version} for row in
-                       sample_rows(drawn.samples, score, config.log_samples, "train")])
+                       sample_rows(drawn.samples, score, config.log_samples, "train",
+                                   episodes)])
 
     log.phase("experience")
     t = time.perf_counter()
@@ -152,7 +156,8 @@ def ppo_step(config: PPOConfig, data: RunInputs, workers: Placement,
     timer["experience"], t = time.perf_counter() - t, time.perf_counter()
 
     values = exp.get("values")
-    advantages, returns = compute_advantages(config, score, exp, mask, kl_ctl.value)
+    advantages, returns = compute_advantages(config, score, exp, mask, kl_ctl.value,
+                                             rollout.rewards_at)
     policy, correction = PolicyInputs(routing=routing), {}
     if o.kl_in == "loss" and kl_ctl.value > 0:
         policy = dataclasses.replace(policy, ref_logp=exp["ref_logp"], kl_coef=kl_ctl.value)
@@ -208,25 +213,30 @@ def ppo_step(config: PPOConfig, data: RunInputs, workers: Placement,
 
 
 def compute_advantages(config: PPOConfig, score: torch.Tensor, exp: dict, mask: torch.Tensor,
-                       kl_coef: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+                       kl_coef: float, rewards_at: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(advantages_BT, returns_BT or None) of the global batch for the run's algorithm
     (`config.options`); with kl_in='reward', the KL penalty (kl_coef x the estimator's
-    per-token KL) is part of the reward:
+    per-token KL) is part of the reward. `rewards_at` [B, T]: the part of each score given
+    at its own tokens (multi-turn episodes: each turn's reward at its last model token).
 
-    - gae (ppo): KL-shaped token rewards, GAE against the critic's values.
+    - gae (ppo): KL-shaped token rewards, GAE against the critic's values; the score's part
+      in rewards_at is placed at its tokens, the rest (clipped to clip_reward) at the last.
     - reinforce++ / reinforce++_baseline: KL-shaped token rewards, discounted returns and a
       whitening over the batch are the estimator itself (so whitened exactly once).
     - group estimators (grpo, rloo): the score clipped to clip_reward, a sample's summed KL
       penalty off it (verl's in-reward KL), then the estimator (grpo with or without the
-      group's std).
+      group's std). These and reinforce++ score a sample as a whole (an episode's summed
+      rewards at its end).
     Then whitening over the batch when whiten_advantages. The controller holds the whole
     batch, so batch statistics need no process group."""
     o = config.options
     in_reward = kl_coef if o.kl_in == "reward" else 0.0
     kl = dict(kind=o.kl_estimator, clip_reward=config.clip_reward, kl_clamp=config.kl_clamp)
     if o.estimator == "gae":
-        rewards = kl_shaped_rewards(score, exp["logp"], exp["ref_logp"], mask,
-                                    kl_coef=in_reward, **kl)
+        placed = rewards_at if rewards_at is not None else torch.zeros_like(mask)
+        rewards = kl_shaped_rewards(score - placed.sum(dim=1), exp["logp"], exp["ref_logp"],
+                                    mask, kl_coef=in_reward, **kl) + placed
         advantages, returns = gae(rewards, exp["values"], mask, gamma=config.gamma,
                                   lam=config.lam)
     elif o.estimator.startswith("reinforce++"):
@@ -264,27 +274,31 @@ def overhead_metrics(wall: float, busy: dict[str, float]) -> dict[str, float]:
 
 def validate(config: PPOConfig, data: RunInputs, workers: Placement, step: int,
              log: MetricsLog) -> dict[str, float]:
-    """The policy's answers to the validation prompts, scored by the reward function: greedy
-    (val/reward_mean), and with val_samples > 0 that many samples per prompt at the run's
-    temperature (val/sampled_reward_mean, val/pass@k: the mean over prompts of the best of k
-    rewards, pass@k for 0/1 rewards); each also per data source (val/<source>/...)."""
+    """The policy's answers to the validation prompts (episodes, with an environment), scored
+    by the reward function and the environment: greedy (val/reward_mean, and the
+    environment's metrics as val/env/...), and with val_samples > 0 that many samples per
+    prompt at the run's temperature (val/sampled_reward_mean, val/pass@k: the mean over
+    prompts of the best of k rewards, pass@k for 0/1 rewards); each also per data source
+    (val/<source>/...)."""
     log.phase("validation")
     t = time.perf_counter()
-    ids = [list(p.ids) for p in data.val]
     runs = [("", 1, 0.0)] + ([("sampled_", config.val_samples, config.temperature)]
                              if config.val_samples else [])
     out = {}
     for prefix, n, temperature in runs:
         params = rollouts.sampling(config, data, n=n, temperature=temperature,
                                    seed=config.seed * 1_000_003 + step + 500_009)
-        completions = workers.rollout(ids, params)
-        samples = data.samples(data.val, completions)
-        score, _ = data.reward.score(step, samples)
+        answers = rollouts.answer(data, workers, data.val, params)
+        samples = data.samples(answers.prompts, answers.completions, answers.episodes)
+        score, metrics = rollouts.score_answers(config, data, workers, answers, samples, step,
+                                                validation=True)
         if not prefix:
-            log.samples(step, sample_rows(samples, score, config.log_samples, "val"))
-            out["val/response_length"] = sum(len(c.token_ids) for c in completions) / \
-                len(completions)
-        per_prompt = score.view(len(ids), n)
+            log.samples(step, sample_rows(samples, score, config.log_samples, "val",
+                                          answers.episodes))
+            out["val/response_length"] = sum(len(c.token_ids) for c in answers.completions) / \
+                len(answers.completions)
+            out.update({f"val/{k}": v for k, v in metrics.items() if k.startswith("env/")})
+        per_prompt = score.view(len(data.val), n)
         sources = [p.data_source for p in data.val]
         for source in [None] + sorted({s for s in sources if s is not None}):
             rows = [i for i, s in enumerate(sources) if source is None or s == source]
@@ -297,15 +311,24 @@ def validate(config: PPOConfig, data: RunInputs, workers: Placement, step: int,
     return out
 
 
-def sample_rows(samples: list[Sample], score: torch.Tensor, count: int, phase: str
-                ) -> list[dict]:
-    """`count` of the samples, spread over the batch, as samples.jsonl rows."""
+def sample_rows(samples: list[Sample], score: torch.Tensor, count: int, phase: str,
+                episodes: list[Episode] | None = None) -> list[dict]:
+    """`count` of the samples, spread over the batch, as samples.jsonl rows; an episode's
+    with its turns in order (role, text, tokens, trained on or not)."""
     picked = sorted({i * len(samples) // count for i in range(count)}) if count else []
-    return [{"phase": phase, "prompt": s.prompt if s.prompt is not None else s.prompt_ids,
-             "response": s.response if s.response is not None else s.response_ids,
-             "reward": float(score[i]), "ground_truth": s.ground_truth,
-             "data_source": s.data_source}
-            for i in picked for s in [samples[i]]]
+    rows = []
+    for i in picked:
+        s = samples[i]
+        row = {"phase": phase, "prompt": s.prompt if s.prompt is not None else s.prompt_ids,
+               "response": s.response if s.response is not None else s.response_ids,
+               "reward": float(score[i]), "ground_truth": s.ground_truth,
+               "data_source": s.data_source}
+        if episodes is not None:
+            row["turns"] = [dataclasses.asdict(part) for part in episodes[i].parts]
+            if episodes[i].error is not None:
+                row["env_error"] = episodes[i].error
+        rows.append(row)
+    return rows
 
 
 def _finite(*tensors: torch.Tensor) -> bool:

@@ -38,7 +38,31 @@ def read_run_prompts(config, which: str = "prompts") -> tuple[list[Prompt], dict
                            fields=dict(config.prompt_fields))
     return load_prompts(source, (lambda: run_tokenizer(path)) if path else None,
                         tokenizer_path=path, template=config.template,
-                        on_bad_record=config.on_bad_record)
+                        on_bad_record=config.on_bad_record,
+                        format_options=format_options(config))
+
+
+def format_options(config) -> dict:
+    """PromptFormat's keyword arguments for the run: the tools' schemas and the system
+    message that describes them (environment=tools), the chat_template file's text."""
+    from megarlhf.envs.tools import tool_instructions, tool_schema
+
+    options = {}
+    if config.tools:
+        schemas = [tool_schema(spec) for spec in config.tools]
+        options.update(tools=schemas,
+                       tool_instructions=tool_instructions(schemas, config.tool_parser))
+    if config.chat_template:
+        with open(config.chat_template, encoding="utf-8") as f:
+            options["chat_template"] = f.read()
+    return options
+
+
+def run_format(config, tokenizer: Tokenizer):
+    """The run's PromptFormat (what its prompts were rendered with)."""
+    from megarlhf.data.templates import PromptFormat
+
+    return PromptFormat(tokenizer, config.template, **format_options(config))
 
 
 class PromptSampler:

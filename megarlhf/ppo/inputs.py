@@ -9,8 +9,11 @@ import dataclasses
 
 from megarlhf.data.prompts import Prompt
 from megarlhf.data.tokenizer import Tokenizer
+from megarlhf.envs.episodes import Episode, EpisodeLimits, EpisodeRunner
+from megarlhf.envs.loading import environment_factory
+from megarlhf.envs.tools import Toolbox
 from megarlhf.ppo.config import PPOConfig
-from megarlhf.ppo.data import read_run_prompts, run_tokenizer, tokenizer_path
+from megarlhf.ppo.data import read_run_prompts, run_format, run_tokenizer, tokenizer_path
 from megarlhf.ppo.preflight import Preflight, preflight
 from megarlhf.ppo.rewards import RewardFunction
 from megarlhf.rewards.calls import Sample
@@ -26,23 +29,40 @@ class RunInputs:
     tokenizer: Tokenizer | None
     report: dict
     """Per dataset: rows kept and skipped (by reason), prompt format; and what was dropped."""
+    episodes: EpisodeRunner | None = None
+    """With an environment: runs the multi-turn episodes."""
+    toolbox: Toolbox | None = None
 
-    def samples(self, prompts: list[Prompt], completions) -> list[Sample]:
+    def samples(self, prompts: list[Prompt], completions,
+                episodes: list[Episode] | None = None) -> list[Sample]:
         """The reward function's view of `completions` of `prompts`: token ids, and texts when
-        the run has a tokenizer."""
+        the run has a tokenizer. Of an episode: its last model turn as the response, the
+        whole episode as the `conversation` column."""
         tok, decoded = self.tokenizer, {}
         out = []
-        for c in completions:
+        for row, c in enumerate(completions):
             p = prompts[c.prompt_index]
             if tok is not None and c.prompt_index not in decoded:
                 decoded[c.prompt_index] = tok.decode(p.ids)
-            out.append(Sample(prompt=decoded.get(c.prompt_index),
-                              response=tok.decode(c.token_ids, skip_special=True)
-                              if tok is not None else None,
-                              prompt_ids=list(p.ids), response_ids=list(c.token_ids),
+            if episodes is None:
+                response = tok.decode(c.token_ids, skip_special=True) \
+                    if tok is not None else None
+                ids, metadata = c.token_ids, p.metadata
+            else:
+                e = episodes[row]
+                response, ids = e.final_response, e.final_ids
+                metadata = {**p.metadata, "conversation": list(e.conversation)}
+            out.append(Sample(prompt=decoded.get(c.prompt_index), response=response,
+                              prompt_ids=list(p.ids), response_ids=list(ids),
                               ground_truth=p.ground_truth, data_source=p.data_source,
-                              metadata=p.metadata))
+                              metadata=metadata))
         return out
+
+    def close(self) -> None:
+        """End the reward and tool worker processes."""
+        for pool in (self.reward, self.toolbox):
+            if pool is not None:
+                pool.close()
 
 
 def read_inputs(config: PPOConfig) -> RunInputs:
@@ -58,7 +78,11 @@ def read_inputs(config: PPOConfig) -> RunInputs:
         raise ValueError(f"the reward function reads text, but no tokenizer is known to "
                          f"decode responses (the actor checkpoint has no {config.actor}/hf "
                          f"tokenizer); set tokenizer=HF_DIR")
-    if config.val_prompts and reward is None:
+    if config.environment is not None and path is None:
+        raise ValueError(f"environment: episodes are rendered as text, but no tokenizer is "
+                         f"known (the actor checkpoint has no {config.actor}/hf tokenizer); "
+                         f"set tokenizer=HF_DIR")
+    if config.val_prompts and reward is None and config.environment is None:
         raise ValueError("val_prompts: validation scores answers with the reward function; "
                          "set reward_fn (the reward model does not score validation)")
     train, train_report = read_run_prompts(config, "prompts")
@@ -77,6 +101,46 @@ def read_inputs(config: PPOConfig) -> RunInputs:
     if val and not kept_val:
         raise ValueError(f"val_prompts {config.val_prompts}: skip_overlong drops every "
                          f"validation prompt")
+    tokenizer = run_tokenizer(path) if path else None
+    toolbox = runner = None
+    if config.environment is not None:
+        toolbox, runner = _environment(config, tokenizer, kept_train[0])
     return RunInputs(train=kept_train, val=kept_val,
-                     checked=checked, reward=reward,
-                     tokenizer=run_tokenizer(path) if path else None, report=report)
+                     checked=checked, reward=reward, tokenizer=tokenizer, report=report,
+                     episodes=runner, toolbox=toolbox)
+
+
+def _environment(config: PPOConfig, tokenizer: Tokenizer, first: Prompt
+                 ) -> tuple[Toolbox | None, EpisodeRunner]:
+    """The episode runner, checked: the environment constructs and resets on the first
+    prompt row, and the chat template renders what it answers as tokens of their own."""
+    from megarlhf.envs.python_tool import PYTHON, check_sandbox
+
+    toolbox = None
+    if config.environment == "tools":
+        if PYTHON in config.tools:
+            check_sandbox()
+        toolbox = Toolbox(tuple(config.tools), parser=config.tool_parser,
+                          timeout=config.tool_timeout, workers=config.tool_workers,
+                          memory_mb=config.tool_memory_mb)
+    make_env = environment_factory(config.environment, dict(config.env_args),
+                                   toolbox=toolbox)
+    fmt = run_format(config, tokenizer)
+    limits = EpisodeLimits(max_turns=config.max_turns, max_turn_tokens=config.turn_tokens,
+                           max_new_tokens=config.max_new_tokens,
+                           max_observation_tokens=config.observation_tokens,
+                           on_env_error=config.on_env_error)
+    runner = EpisodeRunner(make_env, fmt, limits, name=config.environment)
+    runner.check(first)
+    roles = ("user", "tool") if toolbox is not None else ("user",)
+    for role in roles:
+        try:
+            frame = len(fmt.observation([{"role": role, "content": ""}], after=None))
+        except Exception as e:  # the template's own error, or ours
+            raise ValueError(f"the chat template cannot render an environment's {role} "
+                             f"message after a model turn: {e}") from None
+        if frame >= config.observation_tokens:
+            raise ValueError(f"max_observation_tokens={config.observation_tokens} cannot hold "
+                             f"an empty {role} message with its template tokens ({frame}); "
+                             f"raise it")
+    return toolbox, runner

@@ -84,8 +84,11 @@ class Placement:
 
     # -- the loop's phases -------------------------------------------------------------------
 
-    def rollout(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
-        (completions,), seconds = self._run(WorkerAPI.generate, ROLLOUT, prompts, params)
+    def rollout(self, prompts: list[list[int]], params: SamplingParams,
+                keys: list[int] | None = None) -> list[Completion]:
+        """params.n completions per prompt, a prompt's consecutive; `keys`: see
+        WorkerAPI.generate (PPOWorker.generate)."""
+        (completions,), seconds = self._run(WorkerAPI.generate, ROLLOUT, prompts, params, keys)
         self.busy["rollout"] = self.busy.get("rollout", 0.0) + seconds  # a step may take rounds
         return completions
 

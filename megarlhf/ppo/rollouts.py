@@ -4,6 +4,9 @@ teaches nothing (its group advantages are 0): such groups are dropped and furthe
 prompts generated, up to dynamic_sampling_rounds, until the step has prompts_per_step groups.
 The batch keeps its shape, so it still splits into mini-batches x DP x micro-batches: when
 the rounds run out, dropped groups complete it (counted in rollout/dynamic_sampling_short).
+
+With an environment each sample is a multi-turn episode (megarlhf/envs/episodes.py), scored
+with the sum of its turns' rewards (plus the reward function and reward model, when set).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from megarlhf.data.prompts import Prompt
+from megarlhf.envs.episodes import Episode
 from megarlhf.ppo.config import PPOConfig
 from megarlhf.ppo.inputs import RunInputs
 from megarlhf.ppo.placement import Placement
@@ -33,12 +37,44 @@ step's seed)."""
 
 
 @dataclasses.dataclass
+class Answers:
+    """samples_per_prompt answers to each of some prompts, a prompt's consecutive."""
+
+    prompts: list[Prompt]
+    """One per answer: the prompt it answers (an episode's, with what its environment's reset
+    added)."""
+    completions: list[Completion]
+    """prompt_index: the answer's own row."""
+    episodes: list[Episode] | None
+    """With an environment: the episodes the completions are."""
+    metrics: dict[str, float]
+    """The environment's (env/...)."""
+
+    def rows(self, rows: slice) -> "Answers":
+        return Answers(self.prompts[rows], self.completions[rows],
+                       self.episodes[rows] if self.episodes is not None else None, {})
+
+
+def answer(data: RunInputs, workers: Placement, prompts: list[Prompt],
+           params: SamplingParams) -> Answers:
+    """params.n answers per prompt from the rollout engines: one completion each, or with an
+    environment an episode each."""
+    if data.episodes is None:
+        completions = workers.rollout([list(p.ids) for p in prompts], params)
+        return Answers([prompts[c.prompt_index] for c in completions],
+                       [dataclasses.replace(c, prompt_index=row)
+                        for row, c in enumerate(completions)], None, {})
+    episodes, metrics = data.episodes.run(prompts, params, workers.rollout)
+    return Answers([e.prompt for e in episodes], [e.completion for e in episodes], episodes,
+                   metrics)
+
+
+@dataclasses.dataclass
 class Group:
-    """One prompt's samples: its completions, the reward function's view of them, and their
+    """One prompt's samples: its answers, the reward function's view of them, and their
     scores."""
 
-    prompt: Prompt
-    completions: list[Completion]
+    answers: Answers
     samples: list[Sample]
     score: torch.Tensor
 
@@ -59,6 +95,9 @@ class StepRollout:
     weight sync)."""
     busy: dict[str, float] = dataclasses.field(default_factory=dict)
     """Drawn ahead (async_rollout): the workers' seconds of each phase it called."""
+    episodes: list[Episode] | None = None
+    """With an environment: the episodes the completions are (their transcripts, and the
+    turns' rewards at their tokens)."""
 
 
 def draw(config: PPOConfig, data: RunInputs, workers: Placement, sampler, step: int,
@@ -73,17 +112,17 @@ def draw(config: PPOConfig, data: RunInputs, workers: Placement, sampler, step: 
         params = sampling(config, data, n=n, temperature=config.temperature,
                           seed=config.seed * 1_000_003 + step + round_ * _ROUND_SEED)
         t = time.perf_counter()
-        completions = workers.rollout([list(p.ids) for p in prompts], params)
+        answers = answer(data, workers, prompts, params)
         seconds["rollout"] += time.perf_counter() - t
         t = time.perf_counter()
-        samples = data.samples(prompts, completions)
-        score, metrics = _score(config, data, workers, prompts, completions, samples, step)
+        samples = data.samples(answers.prompts, answers.completions, answers.episodes)
+        score, metrics = score_answers(config, data, workers, answers, samples, step)
         seconds["reward"] += time.perf_counter() - t
         scored.append((len(samples), metrics))
         varied = varied_groups(score, n) if o.dynamic_sampling else [True] * len(prompts)
-        for g, prompt in enumerate(prompts):
+        for g in range(len(prompts)):
             rows = slice(g * n, (g + 1) * n)
-            group = Group(prompt, completions[rows], samples[rows], score[rows])
+            group = Group(answers.rows(rows), samples[rows], score[rows])
             (kept if varied[g] else dropped).append(group)
         if len(kept) >= config.prompts_per_step:
             break
@@ -94,13 +133,15 @@ def draw(config: PPOConfig, data: RunInputs, workers: Placement, sampler, step: 
         metrics.update({"rollout/dynamic_sampling_rounds": float(round_),
                         "rollout/dynamic_sampling_dropped": float(len(dropped)),
                         "rollout/dynamic_sampling_short": float(short)})
+    chosen = [g.answers for g in groups]
     return StepRollout(
-        prompts=[g.prompt for g in groups],
-        completions=[dataclasses.replace(c, prompt_index=i)
-                     for i, g in enumerate(groups) for c in g.completions],
+        prompts=[p for a in chosen for p in a.prompts],
+        completions=[dataclasses.replace(c, prompt_index=row) for row, c in
+                     enumerate(c for a in chosen for c in a.completions)],
         samples=[s for g in groups for s in g.samples],
         score=torch.cat([g.score for g in groups]), metrics=metrics, seconds=seconds,
-        weight_version=weight_version)
+        weight_version=weight_version,
+        episodes=[e for a in chosen for e in a.episodes] if data.episodes else None)
 
 
 class Rollouts:
@@ -172,6 +213,10 @@ def settings(config: PPOConfig) -> dict:
         "top_k", "stop_token_ids", "reward_fn", "reward_model", "async_rollout")}
     if config.routing_replay:  # the rollout must carry its routing; named only when on, so
         drawn["routing_replay"] = True  # checkpoints from before the field still match
+    if config.environment is not None:  # likewise
+        drawn.update({name: getattr(config, name) for name in (
+            "environment", "env_args", "max_turns", "max_turn_tokens", "max_observation_tokens",
+            "on_env_error", "tools", "tool_parser", "chat_template")})
     return json.loads(json.dumps(drawn))
 
 
@@ -183,22 +228,28 @@ def sampling(config: PPOConfig, data: RunInputs, *, n: int, temperature: float, 
                           stop_token_ids=data.checked.stop_token_ids, seed=seed)
 
 
-def _score(config: PPOConfig, data: RunInputs, workers: Placement, prompts: list[Prompt],
-           completions: list[Completion], samples: list[Sample], step: int
-           ) -> tuple[torch.Tensor, dict[str, float]]:
-    """[B] scores of one round: the reward model's, plus the reward function's, plus the
-    overlong penalty; and the reward function's metrics."""
+def score_answers(config: PPOConfig, data: RunInputs, workers: Placement, answers: Answers,
+                  samples: list[Sample], step: int, *, validation: bool = False
+                  ) -> tuple[torch.Tensor, dict[str, float]]:
+    """[B] scores of one round: the episodes' rewards, plus the reward model's, plus the
+    reward function's, plus the overlong penalty; and the reward function's and the
+    environment's metrics. Validation scores with the episodes' rewards and the reward
+    function only."""
     score = torch.zeros(len(samples))
-    if config.reward_model:
-        batch = rollout_batch([list(p.ids) for p in prompts], completions).sequences
+    metrics = dict(answers.metrics)
+    if answers.episodes is not None:
+        score += torch.tensor([e.reward for e in answers.episodes])
+    if config.reward_model and not validation:
+        batch = rollout_batch([list(p.ids) for p in answers.prompts],
+                              answers.completions).sequences
         score += workers.experience(batch, frozenset({"reward"}))["rm_scores"].float()
-    metrics = {}
     if data.reward is not None:
-        fn_score, metrics = data.reward.score(step, samples)
+        fn_score, fn_metrics = data.reward.score(step, samples)
         score += fn_score
+        metrics.update(fn_metrics)
     buffer = config.options.overlong_buffer
-    if buffer:
-        lengths = torch.tensor([len(c.token_ids) for c in completions])
+    if buffer and not validation:
+        lengths = torch.tensor([len(c.token_ids) for c in answers.completions])
         penalty = overlong_penalty(lengths, max_len=config.max_new_tokens, buffer=buffer,
                                    factor=config.overlong_penalty)
         score += penalty
@@ -206,15 +257,22 @@ def _score(config: PPOConfig, data: RunInputs, workers: Placement, prompts: list
     return score, metrics
 
 
+_COUNTS = ("reward/timeouts", "env/errors", "env/tool_errors", "env/observations_cut",
+           "env/seconds")
+"""Metrics of a round that are totals (the step's is their sum over rounds)."""
+
+
 def _merge(scored: list[tuple[int, dict[str, float]]]) -> dict[str, float]:
-    """The reward metrics of every sample scored this step (all rounds, dropped groups too):
-    timeouts add up; the others are means over the rounds that reported them, weighted by
-    their samples."""
+    """The reward and environment metrics of every sample scored this step (all rounds,
+    dropped groups too): totals add up, the longest episode is the longest of any round; the
+    others are means over the rounds that reported them, weighted by their samples."""
     out = {}
     for key in sorted({key for _, metrics in scored for key in metrics}):
         rounds = [(count, m[key]) for count, m in scored if key in m]
-        if key == "reward/timeouts":
+        if key in _COUNTS:
             out[key] = sum(value for _, value in rounds)
+        elif key == "env/turns_max":
+            out[key] = max(value for _, value in rounds)
         else:
             out[key] = sum(c * v for c, v in rounds) / sum(c for c, _ in rounds)
     return out

@@ -134,6 +134,7 @@ class PPOWorker:
                     gpu_memory_utilization=size.gpu_memory_utilization,
                     block_size=sizing.BLOCK_TOKENS,
                     enforce_eager=not c.rollout_cuda_graphs,
+                    prefix_caching=c.environment is not None,
                     dtype=str(self.dtype).removeprefix("torch.")))
             except EngineError as e:
                 raise EngineError(f"{e} [started with rollout_max_model_len="
@@ -161,11 +162,14 @@ class PPOWorker:
 
     # -- the loop's phases -----------------------------------------------------------------
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
-        """Completions of all prompts, on every rank. Prompts are dealt round-robin over the
-        engines, every rank of an engine generating the same share, and each engine's results
-        gathered once: vLLM engines of rollout_tp consecutive ranks, or one Megatron engine
-        per DP replica (it spans the replica's TP group)."""
+    def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 keys: list[int] | None) -> list[Completion]:
+        """Completions of all prompts, on every rank. Prompts are dealt over the engines by
+        their `keys` (default: their positions) modulo the engines, every rank of an engine
+        generating the same share, and each engine's results gathered once: vLLM engines of
+        rollout_tp consecutive ranks, or one Megatron engine per DP replica (it spans the
+        replica's TP group). The turns of a multi-turn episode keep one key, so they reach
+        the engine that holds the episode's earlier turns in its prefix cache."""
         if self.config.rollout_backend == "vllm":
             tp = self.config.rollout_tp
             share, count, group = self.rank // tp, self.mesh.world_size // tp, None
@@ -175,8 +179,10 @@ class PPOWorker:
             share, count, group = self.mesh.dp_rank, self.mesh.dp_size, self.mesh.dp_group
             speaks = True  # dp_group holds one rank of each engine
         self.residency.keep("rollout", residency.ROLLOUT)
-        mine = list(range(share, len(prompts), count))
-        local = self.engine.generate([prompts[i] for i in mine], params) if mine else []
+        keys = keys if keys is not None else range(len(prompts))
+        mine = [i for i, key in enumerate(keys) if key % count == share]
+        local = self.engine.generate([prompts[i] for i in mine], params.for_prompts(mine)) \
+            if mine else []
         local = [dataclasses.replace(c, prompt_index=mine[c.prompt_index])
                  for c in local if speaks]
         parts = [None] * dist.get_world_size(group)

@@ -28,6 +28,10 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     seed: int | None = None
     """Same seed, prompts and weights -> same samples."""
+    max_new_tokens_each: tuple[int, ...] | None = None
+    """Per prompt, the new tokens it may take (each in [1, max_new_tokens]); None:
+    max_new_tokens for every prompt. The turns of multi-turn episodes each get what is left
+    of their episode's budget."""
 
     def __post_init__(self):
         problems = []
@@ -43,12 +47,32 @@ class SamplingParams:
             problems.append(f"n must be >= 1, got {self.n}")
         if self.repetition_penalty <= 0:
             problems.append(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        each = self.max_new_tokens_each
+        if each is not None and not all(1 <= m <= self.max_new_tokens for m in each):
+            problems.append(f"max_new_tokens_each must lie in [1, max_new_tokens="
+                            f"{self.max_new_tokens}], got {min(each)}..{max(each)}")
         if problems:
             raise ValueError("invalid sampling params: " + "; ".join(problems))
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    def limits(self, prompts: int) -> list[int]:
+        """The new tokens each of `prompts` prompts may take."""
+        if self.max_new_tokens_each is None:
+            return [self.max_new_tokens] * prompts
+        if len(self.max_new_tokens_each) != prompts:
+            raise ValueError(f"max_new_tokens_each has {len(self.max_new_tokens_each)} limits "
+                             f"for {prompts} prompts")
+        return list(self.max_new_tokens_each)
+
+    def for_prompts(self, indices: list[int]) -> "SamplingParams":
+        """These params for the prompts at `indices` of the call (an engine's share)."""
+        if self.max_new_tokens_each is None:
+            return self
+        return dataclasses.replace(
+            self, max_new_tokens_each=tuple(self.max_new_tokens_each[i] for i in indices))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +88,10 @@ class Completion:
     """int16 [prompt + response - 1 tokens, layers, k]: the experts each token the engine fed
     went to (mixture-of-experts models, when asked for); the last response token was never
     fed."""
+    sampled: tuple[bool, ...] | None = None
+    """Per token: True where the engine sampled it (trained on; `logprobs` holds its
+    logprob), False where an environment put it (an observation of a multi-turn episode:
+    masked, logprob 0). None: the engine sampled every token."""
 
 
 WeightStream = Iterable[list[tuple[str, torch.Tensor]]]

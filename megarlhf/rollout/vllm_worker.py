@@ -48,8 +48,8 @@ class WeightSyncExtension:
 
     def restore_kv_cache(self) -> None:
         """Allocate the KV cache again, zeroed. Its old contents are gone, which is safe
-        because the engine runs without prefix caching: no token's keys are read before they
-        are written. But the CPU attention reads a partly written block whole and masks the
+        because a weight update comes between a sleep and the next generation, and it resets
+        the prefix cache (when on): no token's keys are read before they are written. But the CPU attention reads a partly written block whole and masks the
         rest, and fresh memory may hold NaN bit patterns, which survive a mask (measured: NaN
         logprobs after a wake); zeros do not."""
         reallocate(getattr(self, "_released_kv", []), zero=True)
