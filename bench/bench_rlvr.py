@@ -66,6 +66,21 @@ def recipe_inputs(tmp: str) -> tuple[str, list[dict], list[str]]:
         f"val_prompts={synthetic.write_jsonl(val, os.path.join(tmp, 'val.jsonl'))}"]
 
 
+def train_and_export(tmp: str, recipe: str, inputs: list[str], steps: int | None
+                     ) -> tuple[PPOConfig, list[dict], str]:
+    """Run `recipe` with `inputs` (recipe_inputs' overrides) in `tmp`, for `steps` (None: the
+    recipe's); (its config, its step metrics, its last actor exported to HF)."""
+    overrides = [*inputs, f"out_dir={os.path.join(tmp, 'run')}",
+                 "save_every=0"]  # the last step is saved (and exported below)
+    if steps:
+        overrides.append(f"steps={steps}")
+    config = load_config(PPOConfig, recipe, overrides)
+    history = run(config)
+    exported = os.path.join(tmp, "exported")
+    mcore_to_hf(os.path.join(checkpoints.of_run(config.out_dir).latest(), "actor"), exported)
+    return config, history, exported
+
+
 def hf_accuracy(hf_dir: str, val: list[dict], max_new_tokens: int) -> float:
     """Greedy accuracy of the HF model in `hf_dir` on `val` (chat template, math checker)."""
     import torch
@@ -94,16 +109,8 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         hf_dir, val, inputs = recipe_inputs(tmp)
-        overrides = [*inputs, f"out_dir={os.path.join(tmp, 'run')}",
-                     "save_every=0"]  # the last step is saved (and exported below)
-        if args.steps:
-            overrides.append(f"steps={args.steps}")
-        config = load_config(PPOConfig, RECIPE, overrides)
-        history = run(config)
+        config, history, exported = train_and_export(tmp, RECIPE, inputs, args.steps)
         curve = [m for m in read_metrics(config.out_dir) if "val/reward_mean" in m]
-        exported = os.path.join(tmp, "exported")
-        mcore_to_hf(os.path.join(checkpoints.of_run(config.out_dir).latest(), "actor"),
-                    exported)
         check = {"before": hf_accuracy(hf_dir, val, config.max_new_tokens),
                  "after": hf_accuracy(exported, val, config.max_new_tokens)}
     first, last = curve[0], curve[-1]

@@ -114,6 +114,17 @@ def sleep_for(seconds: float) -> str:
     return "done"
 
 
+def window(seconds: float) -> str:
+    """Wait, and say when the wait began and ended (wall-clock seconds).
+
+    Args:
+        seconds: How long to wait.
+    """
+    start = time.time()
+    time.sleep(seconds)
+    return f"{start} {time.time()}"
+
+
 def explode(reason: str) -> str:
     """Always fails.
 
@@ -130,18 +141,6 @@ def untyped(x):
         x: Something.
     """
     return x
-
-
-def calculator(expression: str) -> str:
-    """Evaluate an arithmetic expression of numbers and + - * / ( ).
-
-    Args:
-        expression: The expression, e.g. "3 * (4 + 5)".
-    """
-    if not set(expression) <= set("0123456789+-*/(). "):
-        raise ValueError(f"only numbers and + - * / ( ) are allowed, got {expression!r}")
-    value = eval(expression, {"__builtins__": {}})  # noqa: S307 - checked characters only
-    return str(int(value) if float(value).is_integer() else value)
 
 
 def bracket_parser(text: str) -> list[dict]:

@@ -141,6 +141,10 @@ def tp1_checks(model: ModelConfig, prompts: list[list[int]]) -> dict:
         prompts, dataclasses.replace(GREEDY, stop_token_ids=(stop,))))
     out["sampled_stopped"] = as_tuples(engine.generate(
         prompts, dataclasses.replace(SAMPLED, stop_token_ids=(stop, 7, 8, 9))))
+    limits = tuple(1 + 3 * i for i in range(len(prompts)))  # each prompt its own budget
+    out["limits"] = limits
+    out["greedy_limited"] = as_tuples(engine.generate(
+        prompts, dataclasses.replace(GREEDY, max_new_tokens_each=limits)))
 
     out.update(_vocab_padding_checks(engine, model))
     out.update(_weight_stream_checks(engine, spec, mesh, model, prompts))

@@ -142,6 +142,24 @@ CONFIG_CASES = [  # (overrides, what the message must name)
     (["logprob_gap_limit=-1"], "logprob_gap_limit must be > 0"),
     (["rollout_backend=vllm"], "needs vllm_model_dir"),
     (["rollout_gpu_memory_utilization=1.5"], "rollout_gpu_memory_utilization must be in"),
+    # multi-turn episodes (megarlhf/envs)
+    (["environment=tests.env_fns:Missing"], "environment 'tests.env_fns:Missing' cannot be "
+                                            "loaded: AttributeError"),
+    (["environment=tests.env_fns:WrongStep"], "step(self) cannot be called as step(self, "
+                                              "response)"),
+    (["environment=tests.env_fns:Scripted", "env_args={turn: 3}"],
+     "env_args ['turn'] do not fit environment"),
+    (["environment=tests.env_fns:Failing", "env_args={at: 0}"],
+     "failed in reset() at"),
+    (["environment=arithmetic_retry", "max_turn_tokens=100"],
+     "max_turn_tokens=100 must be in [1, max_new_tokens=16]"),
+    (["max_turns=3"], "max_turns apply to multi-turn episodes; set environment="),
+    (["environment=tools"], "environment=tools needs tools=[module:function, ...]"),
+    (["environment=tools", "tools=[tests.env_fns:untyped]"],
+     "no JSON schema for tests.env_fns:untyped: Argument x is missing a type hint"),
+    (["environment=arithmetic_retry", "on_env_error=ignore"],
+     "on_env_error='ignore' is not one of ['stop', 'zero_reward']"),
+    (["tool_parser=nope"], "tool_parser='nope' is not one of"),
 ]
 
 

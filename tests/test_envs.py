@@ -17,7 +17,6 @@ import torch
 from megarlhf.data.prompts import Prompt
 from megarlhf.data.templates import PromptFormat
 from megarlhf.data.tokenizer import load_tokenizer
-from megarlhf.envs import Turn
 from megarlhf.envs.episodes import EpisodeError, EpisodeLimits, EpisodeRunner
 from megarlhf.envs.loading import environment_factory
 from megarlhf.envs.python_tool import PythonSandbox
@@ -98,6 +97,9 @@ def test_consecutive_tool_messages_are_masked_and_the_row_is_the_templates_rende
     # The whole row is byte for byte the chat template's rendering of the conversation (the
     # model's last end-of-turn is its last token; the template adds a newline after it).
     assert tok.decode(list(episode.prompt.ids) + c.token_ids) == _full_render(tok, episode)[:-1]
+    # The transcript (samples.jsonl) pieces it together exactly.
+    assert tok.decode(episode.prompt.ids) + "".join(p.text for p in episode.parts) == \
+        _full_render(tok, episode)[:-1]
     observations = [p.text for p in episode.parts if not p.trained]
     assert observations == [
         "\n<|im_start|>user\n<tool_response>5</tool_response>\n<tool_response>7</tool_response>\n"
@@ -207,6 +209,29 @@ def test_turns_of_live_episodes_are_one_call_each_and_keep_their_keys(tok):
     assert metrics["env/turns_max"] == 3.0
 
 
+def test_an_episode_carries_the_expert_routing_of_its_last_turn(tok):
+    """The last turn's prefill routed every token before it (the Megatron engine records a
+    call's prompt and response): that is the episode's routing, of the row's length."""
+    import torch
+
+    from tests.env_fns import Scripted
+
+    class Routing(ScriptedEngine):
+        def __call__(self, contexts, params, keys):
+            out = super().__call__(contexts, params, keys)
+            return [dataclasses.replace(c, routing=torch.full(
+                (len(ctx) + len(c.token_ids) - 1, 2, 1), len(self.calls), dtype=torch.int16))
+                for ctx, c in zip(contexts, out)]
+
+    engine = Routing(tok, lambda key, turn: "12")
+    (episode,), _ = _runner(tok, Scripted(turns=3)).run([_prompt(tok)], PARAMS, engine)
+    c = episode.completion
+    assert c.routing.shape[0] == len(episode.prompt.ids) + len(c.token_ids) - 1
+    assert set(c.routing.flatten().tolist()) == {3}  # the third (last) call's
+    batch = rollout_batch([list(episode.prompt.ids)], [c])  # fits the row
+    assert batch.routing.shape[:2] == batch.sequences.shape
+
+
 def test_reset_messages_extend_the_prompt_and_the_row_reaches_reset(tok):
     from tests.env_fns import Scripted
 
@@ -220,6 +245,12 @@ def test_reset_messages_extend_the_prompt_and_the_row_reaches_reset(tok):
         [{"role": "user", "content": QUESTION}, {"role": "user", "content": "Think first."}],
         tokenize=False, add_generation_prompt=True)
     assert engine.calls[0][0][0] == list(episode.prompt.ids)
+    # Reset messages that make the prompt longer than the engines hold next to the budget.
+    with pytest.raises(EpisodeError, match=r"make the prompt at p.jsonl:1 \d+ tokens; next to "
+                                           r"max_new_tokens the models and engines hold "
+                                           r"prompts of 20: raise rollout_max_model_len"):
+        _runner(tok, Scripted(turns=1, reset_messages=[{"role": "user", "content": "x"}]),
+                max_prompt_tokens=20).run([prompt], PARAMS, ScriptedEngine(tok, lambda k, t: "1"))
     pretokenized = Prompt(ids=prompt.ids, where="c.jsonl:4")
     with pytest.raises(EpisodeError, match="c.jsonl:4 is pre-tokenized"):
         _runner(tok, Scripted(turns=1, reset_messages=[{"role": "user", "content": "x"}])).run(
@@ -268,7 +299,7 @@ def test_async_steps_of_a_turn_run_together(tok):
 def test_environments_are_loaded_and_checked_by_name():
     from megarlhf.envs.arithmetic import RetryArithmetic
 
-    make = environment_factory("arithmetic_retry", {"max_tries": 2})
+    make = environment_factory("arithmetic_retry", {"max_tries": 2}, toolbox=None)
     assert isinstance(make(), RetryArithmetic) and make().max_tries == 2
     for spec, args, match in [
         ("tests.env_fns:Missing", {}, r"environment 'tests.env_fns:Missing' cannot be loaded: "
@@ -319,7 +350,8 @@ def test_tool_call_parsers():
     custom = load_parser("tests.env_fns:bracket_parser")
     assert custom("[[add 1 2]] and [[add 3 -4]]") == [ToolCall("add", {"a": 1, "b": 2}),
                                                       ToolCall("add", {"a": 3, "b": -4})]
-    with pytest.raises(ValueError, match="tool_parser 'nope' must be one of"):
+    with pytest.raises(ValueError, match=r"tool_parser 'nope' must be a built-in \(hermes, "
+                                         r"llama3_json\) or 'module:function'"):
         load_parser("nope")
 
 
@@ -331,14 +363,14 @@ def test_tool_schemas_come_from_signatures_and_docstrings():
     with pytest.raises(ValueError, match=r"tools: no JSON schema for tests.env_fns:untyped: "
                                          r"Argument x is missing a type hint"):
         tool_schema("tests.env_fns:untyped")
-    with pytest.raises(ValueError, match="must be 'module:function' or the built-in"):
+    with pytest.raises(ValueError, match="tools: 'math' must be 'module:function'"):
         tool_schema("math")
     assert tool_schema("python")["function"]["parameters"]["required"] == ["code"]
 
 
 def test_the_tools_environment_runs_calls_and_answers_errors(tok):
-    box = Toolbox(("tests.env_fns:add", "tests.env_fns:sleep_for", "tests.env_fns:explode"),
-                  timeout=2.0, workers=2)
+    box = Toolbox(("tests.env_fns:add", "tests.env_fns:sleep_for", "tests.env_fns:explode",
+                   "tests.env_fns:window"), timeout=2.0, workers=2)
     try:
         env = ToolEnvironment(box)
         turn = asyncio.run(env.step(
@@ -358,18 +390,39 @@ def test_the_tools_environment_runs_calls_and_answers_errors(tok):
         assert "not valid JSON" in contents[5]
         assert turn.metrics == {"tool_calls": 6.0, "tool_errors": 5.0} and not turn.done
         assert asyncio.run(env.step("It is 5.")).done
-        # Episodes of a turn call together: 4 calls of 1 s on 2 workers take 2 s, not 4.
+        # Episodes of a turn call together: their calls (on 2 workers) overlap in time.
         async def four():
             envs = [ToolEnvironment(box) for _ in range(4)]
-            call = '<tool_call>{"name": "sleep_for", "arguments": {"seconds": 1}}</tool_call>'
+            call = '<tool_call>{"name": "window", "arguments": {"seconds": 0.5}}</tool_call>'
             return await asyncio.gather(*(e.step(call) for e in envs))
 
-        start = time.perf_counter()
-        turns = asyncio.run(four())
-        assert all(t.messages[0]["content"] == "done" for t in turns)
-        assert time.perf_counter() - start < 3.5
+        windows = sorted(tuple(map(float, t.messages[0]["content"].split()))
+                         for t in asyncio.run(four()))
+        assert any(later[0] < earlier[1] for earlier, later in zip(windows, windows[1:]))
     finally:
         box.close()
+
+
+@pytest.mark.parametrize("parser,call", [
+    ("llama3_json", '{"name": "add", "parameters": {"a": 2, "b": 3}}'),
+    ("hermes", 'Adding. <tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>')])
+def test_episodes_of_the_tools_environment_with_each_parser(tok, parser, call):
+    """The model calls add, the tool worker answers, the model answers with the result: the
+    tool message between the turns is masked and holds the result."""
+    box = Toolbox(("tests.env_fns:add",), parser=parser, timeout=30.0, workers=1)
+    try:
+        make = environment_factory("tools", {}, toolbox=box)
+        engine = ScriptedEngine(tok, lambda key, turn: [call, "It is 5."][turn])
+        (episode,), metrics = _runner(tok, make, max_turn_tokens=100).run(
+            [_prompt(tok)], PARAMS, engine)
+    finally:
+        box.close()
+    assert [(p.role, p.trained) for p in episode.parts] == [
+        ("assistant", True), ("tool", False), ("assistant", True)]
+    assert episode.parts[1].text == "\n<|im_start|>user\n<tool_response>5</tool_response>\n" \
+                                    "<|im_end|>\n<|im_start|>assistant\n"
+    assert metrics["env/tool_calls_mean"] == 1.0 and metrics["env/tool_errors"] == 0.0
+    assert metrics["env/truncated_fraction"] == 0.0  # a turn without a call ended it
 
 
 def test_tools_in_the_prompt_template_or_a_system_message(tok, tmp_path):
@@ -400,7 +453,9 @@ def test_a_template_that_rewrites_earlier_turns_is_refused_naming_the_way_out(tm
 # -- the python tool -------------------------------------------------------------------------
 
 def test_the_python_sandbox_holds_its_limits(tmp_path):
-    sandbox = PythonSandbox(timeout=2.0, memory_mb=256, output_bytes=2000)
+    # A generous limit for what must finish (a loaded machine starts interpreters slowly),
+    # a short one for what must not.
+    sandbox = PythonSandbox(timeout=30.0, memory_mb=256, output_bytes=2000)
     run = lambda code: asyncio.run(sandbox.run({"code": code}))  # noqa: E731
     assert run("print(6 * 7)") == ("42\n", False)
     # Its own directory is writable; nothing else is, not even a directory the caller owns.
@@ -414,7 +469,9 @@ def test_the_python_sandbox_holds_its_limits(tmp_path):
     text, failed = run("x = bytearray(512 * 1024 * 1024)")
     assert failed and "MemoryError" in text
     start = time.perf_counter()
-    assert run("while True: pass") == ("Error: the program did not finish within 2 s", True)
+    short = PythonSandbox(timeout=2.0, memory_mb=256)
+    assert asyncio.run(short.run({"code": "while True: pass"})) == (
+        "Error: the program did not finish within 2 s", True)
     assert time.perf_counter() - start < 4
     text, failed = run("print('a' * 10000)")
     assert failed and text == "a" * 2000 + "\n[output cut at 2000 bytes]"

@@ -95,6 +95,16 @@ def test_stop_tokens_end_a_sample_and_leave_the_others_unchanged(tp1):
     assert {c[3] for c in tp1["greedy_stopped"]} == {"stop", "length"}
 
 
+def test_each_prompt_takes_its_own_number_of_new_tokens(tp1):
+    # Rows leave the batch at their own limits; the others go on as without limits.
+    assert [len(c[1]) for c in tp1["greedy_limited"]] == list(tp1["limits"])
+    for (_, tokens, logprobs, reason), (_, full, full_logprobs, _) in zip(
+            tp1["greedy_limited"], tp1["greedy"]):
+        assert tokens == full[:len(tokens)] and reason == "length"
+        torch.testing.assert_close(torch.tensor(logprobs),
+                                   torch.tensor(full_logprobs[:len(tokens)]), atol=TOL, rtol=0)
+
+
 def test_sampled_rows_stop_independently(tp1):
     stops = {tp1["stop_token"], 7, 8, 9}
     reasons = set()

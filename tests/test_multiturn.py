@@ -23,9 +23,9 @@ from megarlhf.convert.hf_to_mcore import hf_to_mcore
 from megarlhf.metrics import read_steps
 from megarlhf.parallel.mesh import ParallelConfig
 from megarlhf.ppo import checkpoints
-from megarlhf.ppo.config import Layout, PPOConfig, RoleLayout
+from megarlhf.ppo.config import PPOConfig
 from megarlhf.ppo.controller import run
-from tests import chat_tokenizer, env_fns, role_workers
+from tests import chat_tokenizer, role_workers
 
 pytestmark = pytest.mark.slow
 GAP = 1e-5
@@ -83,9 +83,11 @@ def _samples(out_dir: str) -> list[dict]:
 
 
 def _low_ids_reward(row: dict) -> float:
-    """LowIds' reward of a logged episode, recomputed from its model turns' text."""
-    return sum(sum(c in "abcdefgh" for c in t["text"]) / max(1, len(t["text"]))
-               for t in row["turns"] if t["role"] == "assistant")
+    """LowIds' reward of a logged episode, recomputed from its model turns' text (which keeps
+    an end-of-turn token the model emitted; the environment was given the text without)."""
+    texts = [t["text"].replace("<|im_end|>", "") for t in row["turns"]
+             if t["role"] == "assistant"]
+    return sum(sum(c in "abcdefgh" for c in t) / max(1, len(t)) for t in texts)
 
 
 def _check_episodes(history: list[dict], out_dir: str, *, turns: int, gap_steps=None):
@@ -158,10 +160,10 @@ def test_vllm_engines_at_tp2_packed_with_tool_calls_and_dynamic_sampling(chat_mo
         assert [p["role"] for p in parts] == ["assistant", "tool"] * 2 + ["assistant"]
         assert [p["trained"] for p in parts] == [True, False] * 2 + [True]
         for model, tool in zip(parts[0::2], parts[1::2]):  # add(characters of the turn, 1)
-            result = len(model["text"]) + 1
+            result = len(model["text"].replace("<|im_end|>", "")) + 1
             assert f"<tool_response>{result}</tool_response>" in tool["text"], (model, tool)
         # The reward function saw the last turn as the response and the whole episode.
-        assert row["response"] == parts[-1]["text"]
+        assert row["response"] == parts[-1]["text"].replace("<|im_end|>", "")
         # DAPO's overlong penalty reads the episode's length (its last fifth of 100 tokens).
         length = sum(p["tokens"] for p in parts)
         penalty = -max(0, length - 80) / 20
@@ -199,16 +201,13 @@ def test_megatron_engine_disaggregated_at_pp2_and_cp2(chat_model, prompts, tmp_p
 
 
 def test_resumed_episodes_equal_a_straight_run(chat_model, prompts, tmp_path, monkeypatch):
-    """4 steps straight, and the same job resumed from its step-2 checkpoint: steps 3-4 and
-    the final actor bitwise equal. The tools environment with llama3_json calls (a toy model
-    writes none: its episodes end at the first turn) and zero_reward errors."""
+    """4 steps of 3-turn episodes straight, and the same job resumed from its step-2
+    checkpoint: steps 3-4 and the final actor bitwise equal (on_env_error=zero_reward)."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     config = _config(chat_model, prompts, tmp_path / "straight", nproc=1, steps=4,
-                     save_every=2, environment="tools", env_args={},
-                     tools=("tests.env_fns:add",), tool_parser="llama3_json",
-                     on_env_error="zero_reward")
+                     save_every=2, on_env_error="zero_reward")
     straight = run(config)
-    assert all(m["env/turns_mean"] == 1.0 for m in straight)
+    assert all(m["env/turns_mean"] == 3.0 and m["env/errors"] == 0.0 for m in straight)
     resumed = dataclasses.replace(config, out_dir=str(tmp_path / "resumed"))
     shutil.copytree(f"{checkpoints.of_run(config.out_dir).root}/step_2",
                     f"{checkpoints.of_run(resumed.out_dir).root}/step_2")

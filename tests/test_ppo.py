@@ -728,6 +728,14 @@ RUN_ELSEWHERE = {
     "on_bad_record": {
         "skip": "test_grpo_on_text_prompts_with_ground_truth_validation_and_samples",
         "error": "test_grpo_on_text_prompts_with_ground_truth_validation_and_samples"},
+    # Multi-turn episodes (tests/test_multiturn.py, and the real-model tier).
+    "on_env_error": {
+        "stop": "test_multiturn.py::test_megatron_engine_at_tp2_packed_with_a_critic_and_validation",
+        "zero_reward": "test_multiturn.py::test_resumed_episodes_equal_a_straight_run"},
+    "tool_parser": {"hermes": "test_real_model.py::test_tool_calls_on_the_real_model",
+                    # through the episode loop and a tool worker, the model scripted
+                    "llama3_json": "test_envs.py::test_episodes_of_the_tools_environment_with_"
+                                   "each_parser"},
     # Set per role there (layout.actor / layout.critic), each also in tests/test_roles.py.
     "recompute": {"full": "test_sequence_parallel_recompute_and_packing_equal_tp1",
                   "selective": "test_sequence_parallel_recompute_and_packing_equal_tp1"},
@@ -801,6 +809,8 @@ def test_grpo_on_text_prompts_with_ground_truth_validation_and_samples(
 def test_every_enum_value_and_placement_backend_pair_has_a_run():
     """A new value of an enum-like field fails here until a test runs a step with it."""
     from megarlhf.data.config import BAD_RECORD_POLICIES, TEMPLATES
+    from megarlhf.envs.episodes import ENV_ERROR_POLICIES
+    from megarlhf.envs.tools import PARSERS
     from megarlhf.models.transformer_config import DTYPES
     from megarlhf.ppo import config as ppo_config
     from megarlhf.rl import AGGREGATION_MODES, KL_ESTIMATORS
@@ -817,6 +827,7 @@ def test_every_enum_value_and_placement_backend_pair_has_a_run():
                 "logprob_gap_policy": GAP_POLICIES, "worker_group": ppo_config.WORKER_GROUPS,
                 "template": TEMPLATES, "on_bad_record": BAD_RECORD_POLICIES,
                 "recompute": ppo_config.RECOMPUTE,
+                "on_env_error": ENV_ERROR_POLICIES, "tool_parser": PARSERS,
                 ("placement", "rollout_backend"): tuple(
                     (p, b) for p in ppo_config.PLACEMENTS for b in ppo_config.ROLLOUT_BACKENDS)}
     def exists(name: str) -> bool:

@@ -247,6 +247,13 @@ def test_seeded_sampling_is_reproducible_and_samples_are_independent(colocated):
 
 @needs_vllm
 @pytest.mark.slow
+def test_many_seeded_prompts_each_with_its_own_budget(colocated):
+    assert [len(c[1]) for c in colocated["many_seeded"]] == list(colocated["many_limits"])
+    assert [c[0] for c in colocated["many_seeded"]] == list(range(100))
+
+
+@needs_vllm
+@pytest.mark.slow
 def test_greedy_with_n_samples_repeats_the_greedy_one(colocated):
     assert colocated["greedy_n2"] == [c for c in colocated["greedy"] for _ in range(2)]
 
@@ -291,8 +298,8 @@ def test_failures_inside_generation_name_the_engine(colocated):
     assert colocated["out_of_vocab"][0] == "EngineError"
     assert colocated["out_of_vocab"][1].startswith("vllm engine rank 0: generation failed:")
     assert colocated["too_long"] == (
-        "ValueError", "vllm engine rank 0: the longest prompt (53 tokens) plus "
-                      "max_new_tokens=12 exceeds max_model_len=64")
+        "ValueError", "vllm engine rank 0: prompt 0 (53 tokens) plus its 12 new tokens "
+                      "exceeds max_model_len=64")
     assert colocated["after_shutdown"] == ("EngineError", "vllm engine rank 0: shut down")
 
 

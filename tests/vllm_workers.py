@@ -74,6 +74,13 @@ def colocated(hf_dir: str, ckpt: str, out_dir: str, prompts: list[list[int]]) ->
     out["sampled"] = [as_tuples(s) for s in sampled]
     out["sampled_scored"] = _scored(actor, prompts, sampled[0])
     out["greedy_n2"] = as_tuples(engine.generate(prompts, dataclasses.replace(GREEDY, n=2)))
+    # More prompt tokens than vLLM schedules in a step (4096), sampled with a seed: prefilled in
+    # chunks, a seeded request's generator would be rewound, which CPU generators refuse.
+    many = [[5 + i % 200] * 50 for i in range(100)]
+    limits = tuple(1 + i % 3 for i in range(100))  # and each prompt its own budget
+    out["many_seeded"] = as_tuples(engine.generate(many, dataclasses.replace(
+        SAMPLED, max_new_tokens=3, n=1, max_new_tokens_each=limits)))
+    out["many_limits"] = limits
     stop = greedy[0].token_ids[3]
     out["stop_token"] = stop
     out["greedy_stopped"] = as_tuples(engine.generate(

@@ -31,7 +31,8 @@ OPTIONAL_FIELDS = {"prompt": ("ground_truth", "data_source"), "sft": (),
                    "pairwise": ("margin",)}
 PROMPT_IDS = "prompt_ids"
 MESSAGES = "messages"
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
+"""Roles of prompt messages ('tool': a tool's result, as in few-shot tool-calling prompts)."""
 
 Message = tuple[str, str]
 """(role, content)."""

@@ -119,3 +119,32 @@ def write_jsonl(records: list[dict], path: str) -> str:
         for rec in records:
             f.write(json.dumps(rec) + "\n")
     return path
+
+
+TOOL_SHOTS = ((12, 34), (56, 7), (81, 9))
+"""Worked examples in every tool-arithmetic prompt: a question, the calculator call, its
+result, the answer."""
+
+
+def tool_arithmetic_records(*, rows: int, held_out: int, seed: int = 5
+                            ) -> tuple[list[dict], list[dict]]:
+    """Two-digit multiplications a small model cannot do in its head, as chat rows for the
+    built-in tools environment with megarlhf.envs.calculator: each prompt holds three worked
+    examples (question, a hermes-format calculator call, the tool's result, the answer), then
+    the question; ground truth the product. (train, held-out) with distinct questions."""
+    rng = random.Random(seed)
+    pairs = rng.sample([(a, b) for a in range(11, 100) for b in range(11, 100)],
+                       rows + held_out)
+    out = []
+    for a, b in pairs:
+        messages = []
+        for x, y in TOOL_SHOTS:
+            call = json.dumps({"name": "calculator", "arguments": {"expression": f"{x} * {y}"}})
+            messages += [{"role": "user", "content": f"What is {x} times {y}?"},
+                         {"role": "assistant", "content": f"<tool_call>{call}</tool_call>"},
+                         {"role": "tool", "content": str(x * y)},
+                         {"role": "assistant", "content": str(x * y)}]
+        messages.append({"role": "user", "content": f"What is {a} times {b}?"})
+        out.append({"prompt": messages, "ground_truth": str(a * b),
+                    "data_source": "tool_multiplication"})
+    return out[:rows], out[rows:]

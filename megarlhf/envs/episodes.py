@@ -95,6 +95,9 @@ class EpisodeLimits:
     max_new_tokens: int
     max_observation_tokens: int
     on_env_error: str = "stop"
+    max_prompt_tokens: int | None = None
+    """The longest prompt an episode may start from (the engines' length less
+    max_new_tokens): reset messages must keep within it."""
 
 
 Generate = Callable[[list[list[int]], SamplingParams, list[int]], list[Completion]]
@@ -111,14 +114,14 @@ class EpisodeRunner:
                              f"{limits.on_env_error!r}")
         self.make_env, self.fmt, self.limits, self.name = make_env, fmt, limits, name
         self.tokenizer = fmt.tokenizer
+        self._checking = False
 
     def check(self, prompt: Prompt) -> None:
         """EpisodeError (a ValueError) when the environment cannot start an episode on
         `prompt`: it is constructed, reset and closed, and what reset adds rendered, before
         any rank starts."""
-        strict = EpisodeRunner(self.make_env, self.fmt,
-                               dataclasses.replace(self.limits, on_env_error="stop"),
-                               name=self.name)
+        strict = EpisodeRunner(self.make_env, self.fmt, self.limits, name=self.name)
+        strict._checking = True  # any failure stops, whatever on_env_error says
 
         async def probe():
             s = _State(prompt, key=0)
@@ -149,8 +152,6 @@ class EpisodeRunner:
                         if self._answered(s, answer, turn)]
                 if not live:
                     break
-            for s in live:  # max_turns reached with the environment still going
-                s.truncated = True
         finally:
             await self._timed(clock, [self._close(s) for s in states])
         return [s.episode(self.tokenizer) for s in states], self._metrics(states, clock["env"])
@@ -248,6 +249,13 @@ class EpisodeRunner:
             conversation = _prompt_messages(s.prompt.text) + [dict(m) for m in added]
             s.prompt = dataclasses.replace(s.prompt, ids=tuple(self.fmt.prompt(conversation)))
             s.conversation = conversation
+            most = self.limits.max_prompt_tokens
+            if most is not None and len(s.prompt.ids) > most:
+                raise EpisodeError(
+                    f"environment {self.name} added messages at reset that make the prompt "
+                    f"at {s.prompt.where} {len(s.prompt.ids)} tokens; next to max_new_tokens "
+                    f"the models and engines hold prompts of {most}: raise "
+                    f"rollout_max_model_len (vLLM) or shorten the messages")
 
     async def _step(self, s: "_State", turn: int) -> Turn | None:
         if s.error is not None:  # its reset failed: one turn from the row's prompt, scored 0
@@ -275,6 +283,9 @@ class EpisodeRunner:
     def _failed(self, s: "_State", e: Exception, where: str, turn: int) -> None:
         message = (f"environment {self.name} failed in {where}() at {s.prompt.where}, turn "
                    f"{turn}: {type(e).__name__}: {_last_line(e)}")
+        if self._checking:
+            raise EpisodeError(message + " (checked on the first prompt row before "
+                                         "launch)") from e
         if self.limits.on_env_error == "stop":
             raise EpisodeError(message + " (on_env_error=zero_reward scores such episodes 0 "
                                          "and goes on)") from e
@@ -346,7 +357,9 @@ class _State:
         self.finish_reason, self.routing, self.last_ids = c.finish_reason, c.routing, c.token_ids
         text = tokenizer.decode(c.token_ids, skip_special=True)
         self.texts.append(text)
-        self.parts.append(EpisodePart("assistant", text, len(c.token_ids), True))
+        # The transcript keeps the end-of-turn token the model emitted: it was trained on.
+        self.parts.append(EpisodePart("assistant", tokenizer.decode(c.token_ids),
+                                      len(c.token_ids), True))
         self.conversation.append({"role": "assistant", "content": text})
 
     def add_observation(self, ids: list[int], messages: list[dict], tokenizer) -> None:

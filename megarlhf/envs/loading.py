@@ -6,9 +6,10 @@ each, before any rank starts."""
 from __future__ import annotations
 
 import functools
-import importlib
 import inspect
 from typing import Any, Callable
+
+from megarlhf import named
 
 BUILTINS = {
     "tools": "megarlhf.envs.tools:ToolEnvironment",
@@ -21,16 +22,7 @@ _METHODS = {"reset": ("row",), "step": ("response",), "close": ()}
 
 def environment_class(spec: str) -> type:
     """The class `spec` names (a built-in's name, or 'module:Class')."""
-    path = BUILTINS.get(spec, spec)
-    module, sep, name = path.partition(":")
-    if not sep or not module or not name:
-        raise ValueError(f"environment {spec!r} must be a built-in ({', '.join(BUILTINS)}) or "
-                         f"'module:Class'")
-    try:
-        cls = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"environment {spec!r} cannot be loaded: {type(e).__name__}: "
-                         f"{e}") from None
+    cls = named.load(spec, "environment", BUILTINS, what="Class")
     if not inspect.isclass(cls):
         raise ValueError(f"environment {spec!r} is not a class (it is a "
                          f"{type(cls).__name__}); environments are classes with reset, step "
@@ -52,9 +44,10 @@ def environment_class(spec: str) -> type:
 def environment_factory(spec: str, env_args: dict[str, Any], **builtin_args
                         ) -> Callable[[], Any]:
     """Makes one environment per episode: the class constructed with `env_args` (and, for a
-    built-in, the run's objects it needs in `builtin_args`, e.g. the tools)."""
+    built-in, those of the run's objects in `builtin_args` it takes, e.g. the tools)."""
     cls = environment_class(spec)
-    args = {**(builtin_args if spec in BUILTINS else {}), **env_args}
+    takes = inspect.signature(cls).parameters if spec in BUILTINS else {}
+    args = {**{k: v for k, v in builtin_args.items() if k in takes}, **env_args}
     try:
         inspect.signature(cls).bind(**args)
     except TypeError as e:

@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import importlib
 import json
 import re
 from typing import Any, Callable
 
+from megarlhf import named
 from megarlhf.envs.base import Environment, Turn
 from megarlhf.envs.python_tool import PYTHON, PythonSandbox, python_schema
 from megarlhf.rewards.pool import CallPool, Outcome
@@ -102,15 +102,7 @@ _BUILTIN_PARSERS = {"hermes": parse_hermes, "llama3_json": parse_llama3_json}
 def load_parser(spec: str) -> Callable[[str], Parsed]:
     if spec in _BUILTIN_PARSERS:
         return _BUILTIN_PARSERS[spec]
-    module, sep, name = spec.partition(":")
-    if not sep or not module or not name:
-        raise ValueError(f"tool_parser {spec!r} must be one of {list(PARSERS)} or "
-                         f"'module:function'")
-    try:
-        fn = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"tool_parser {spec!r} cannot be loaded: {type(e).__name__}: "
-                         f"{e}") from None
+    fn = named.load(spec, "tool_parser", _BUILTIN_PARSERS)
 
     def parse(text: str) -> Parsed:
         try:
@@ -124,22 +116,22 @@ def load_parser(spec: str) -> Callable[[str], Parsed]:
     return parse
 
 
+def load(spec: str) -> Callable:
+    """The tool function `spec` names ('module:function'; the built-in python runs apart)."""
+    fn = named.load(spec, "tools:", {})
+    if not callable(fn):
+        raise ValueError(f"tools: {spec!r} is not callable")
+    return fn
+
+
 def tool_schema(spec: str) -> dict:
     """The JSON schema of the tool `spec` names ('module:function' or 'python'); ValueError
     naming what is missing (a type hint, a parameter's description)."""
     if spec == PYTHON:
         return python_schema()
-    if ":" not in spec:
-        raise ValueError(f"tools: {spec!r} must be 'module:function' or the built-in "
-                         f"{PYTHON!r}")
     from transformers.utils import get_json_schema
 
-    from megarlhf.rewards.calls import load
-
-    try:
-        fn = load(spec)
-    except ValueError as e:
-        raise ValueError(str(e).replace("reward_fn", "tools:")) from None
+    fn = load(spec)
     try:
         return get_json_schema(fn)
     except Exception as e:  # transformers' own parsing errors

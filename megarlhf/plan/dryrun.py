@@ -36,6 +36,13 @@ def ppo(config: PPOConfig) -> str:
              f"  prompts: {data.report['prompts']['template']} format, "
              f"{data.report['prompts']['skipped']} row(s) skipped"
              + (f"; {len(data.val)} validation prompts" if data.val else "")]
+    if config.environment is not None:
+        tools = (f"; tools {sorted(data.toolbox.by_name)} ({config.tool_parser} calls)"
+                 if data.toolbox is not None else "")
+        lines.append(f"  episodes: environment {config.environment}, up to {config.max_turns} "
+                     f"turns of <= {config.turn_tokens} tokens, <= {config.max_new_tokens} "
+                     f"tokens after the prompt, observations <= {config.observation_tokens}"
+                     f"{tools}")
     if checked.engine_size is not None:
         size = checked.engine_size
         lines.append(f"  vLLM engines: max_model_len {size.max_model_len}, KV cache "

@@ -104,14 +104,15 @@ def read_inputs(config: PPOConfig) -> RunInputs:
     tokenizer = run_tokenizer(path) if path else None
     toolbox = runner = None
     if config.environment is not None:
-        toolbox, runner = _environment(config, tokenizer, kept_train[0])
+        toolbox, runner = _environment(config, tokenizer, kept_train[0],
+                                       checked.max_prompt_tokens)
     return RunInputs(train=kept_train, val=kept_val,
                      checked=checked, reward=reward, tokenizer=tokenizer, report=report,
                      episodes=runner, toolbox=toolbox)
 
 
-def _environment(config: PPOConfig, tokenizer: Tokenizer, first: Prompt
-                 ) -> tuple[Toolbox | None, EpisodeRunner]:
+def _environment(config: PPOConfig, tokenizer: Tokenizer, first: Prompt,
+                 max_prompt_tokens: int | None) -> tuple[Toolbox | None, EpisodeRunner]:
     """The episode runner, checked: the environment constructs and resets on the first
     prompt row, and the chat template renders what it answers as tokens of their own."""
     from megarlhf.envs.python_tool import PYTHON, check_sandbox
@@ -129,7 +130,8 @@ def _environment(config: PPOConfig, tokenizer: Tokenizer, first: Prompt
     limits = EpisodeLimits(max_turns=config.max_turns, max_turn_tokens=config.turn_tokens,
                            max_new_tokens=config.max_new_tokens,
                            max_observation_tokens=config.observation_tokens,
-                           on_env_error=config.on_env_error)
+                           on_env_error=config.on_env_error,
+                           max_prompt_tokens=max_prompt_tokens)
     runner = EpisodeRunner(make_env, fmt, limits, name=config.environment)
     runner.check(first)
     roles = ("user", "tool") if toolbox is not None else ("user",)

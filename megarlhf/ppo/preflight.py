@@ -34,6 +34,10 @@ class Preflight:
     """The vLLM engines' length and KV cache (None with Megatron rollouts)."""
     overlong: tuple[int, ...] = ()
     """Indices of the prompts skip_overlong drops."""
+    max_prompt_tokens: int | None = None
+    """The longest prompt a sample may start from next to max_new_tokens (the models'
+    positions, the vLLM engines' length): an environment's reset messages must keep within
+    it."""
 
 
 def preflight(config: PPOConfig, prompts: list[list[int]],
@@ -116,7 +120,9 @@ def preflight(config: PPOConfig, prompts: list[list[int]],
             problems.append(str(e))
     if problems:
         raise ValueError("the run cannot start:\n  " + "\n  ".join(problems))
+    room = min(limit, size.max_model_len) if size is not None else limit
     return Preflight(stop_token_ids=tuple(stop_ids), engine_size=size,
+                     max_prompt_tokens=room - config.max_new_tokens,
                      overlong=tuple(overlong) if config.skip_overlong else ())
 
 

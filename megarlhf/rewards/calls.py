@@ -16,10 +16,10 @@ No torch here: the reward worker processes import only this and the user's modul
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import inspect
 from typing import Any, Callable
 
+from megarlhf import named
 from megarlhf.rewards.builtin import BUILTINS
 
 BATCH, SAMPLE, IDS = "batch", "sample", "ids"
@@ -39,20 +39,11 @@ class Sample:
     metadata: dict = dataclasses.field(default_factory=dict)
 
 
-def load(spec: str) -> Callable:
+def load(spec: str, field: str = "reward_fn") -> Callable:
     """The function `spec` names: a built-in's bare name, or 'module:function'."""
-    if spec in BUILTINS:
-        return BUILTINS[spec]
-    module, sep, name = spec.partition(":")
-    if not sep or not module or not name:
-        raise ValueError(f"reward_fn {spec!r} must be a built-in ({', '.join(BUILTINS)}) or "
-                         f"'module:function'")
-    try:
-        fn = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"cannot load reward_fn {spec!r}: {e}") from None
+    fn = named.load(spec, field, BUILTINS)
     if not callable(fn):
-        raise ValueError(f"reward_fn {spec!r} is not callable")
+        raise ValueError(f"{field} {spec!r} is not callable")
     return fn
 
 

