@@ -86,7 +86,7 @@ def _plot(curve: list[dict], path: str) -> None:
     ax.plot(steps, [m["val/env/turns_mean"] / 3 for m in curve], linestyle="--", alpha=0.7,
             label="turns / 3")
     ax.set_xlabel("GRPO step")
-    ax.set_title("SmolLM2-135M-Instruct, arithmetic with retries, greedy validation (64)")
+    ax.set_title("SmolLM2-135M-Instruct, arithmetic with retries (64 held out)")
     ax.set_ylim(0, 1)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
