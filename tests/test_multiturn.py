@@ -82,11 +82,17 @@ def _samples(out_dir: str) -> list[dict]:
         return [json.loads(line) for line in f]
 
 
+def _plain(text: str) -> str:
+    """A logged model turn as the environment was given it: without special tokens (the log
+    keeps them: a toy model emits any token)."""
+    for special in chat_tokenizer.SPECIALS:
+        text = text.replace(special, "")
+    return text
+
+
 def _low_ids_reward(row: dict) -> float:
-    """LowIds' reward of a logged episode, recomputed from its model turns' text (which keeps
-    an end-of-turn token the model emitted; the environment was given the text without)."""
-    texts = [t["text"].replace("<|im_end|>", "") for t in row["turns"]
-             if t["role"] == "assistant"]
+    """LowIds' reward of a logged episode, recomputed from its model turns' text."""
+    texts = [_plain(t["text"]) for t in row["turns"] if t["role"] == "assistant"]
     return sum(sum(c in "abcdefgh" for c in t) / max(1, len(t)) for t in texts)
 
 
@@ -160,10 +166,10 @@ def test_vllm_engines_at_tp2_packed_with_tool_calls_and_dynamic_sampling(chat_mo
         assert [p["role"] for p in parts] == ["assistant", "tool"] * 2 + ["assistant"]
         assert [p["trained"] for p in parts] == [True, False] * 2 + [True]
         for model, tool in zip(parts[0::2], parts[1::2]):  # add(characters of the turn, 1)
-            result = len(model["text"].replace("<|im_end|>", "")) + 1
+            result = len(_plain(model["text"])) + 1
             assert f"<tool_response>{result}</tool_response>" in tool["text"], (model, tool)
         # The reward function saw the last turn as the response and the whole episode.
-        assert row["response"] == parts[-1]["text"].replace("<|im_end|>", "")
+        assert row["response"] == _plain(parts[-1]["text"])
         # DAPO's overlong penalty reads the episode's length (its last fifth of 100 tokens).
         length = sum(p["tokens"] for p in parts)
         penalty = -max(0, length - 80) / 20

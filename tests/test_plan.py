@@ -557,31 +557,41 @@ LARGE = ["llama3-70b-grpo.yaml", "llama3-70b-ppo.yaml", "qwen2.5-72b-ppo.yaml",
          "qwen3-30b-a3b-grpo.yaml", "mixtral-8x7b-ppo.yaml"]
 
 
-CPU = ["smollm2-135m-grpo-arithmetic.yaml"]
-"""Recipes that run on this machine: bench/bench_rlvr.py runs it end to end (its result is in
-BENCHMARKS.md); here it must load, and its header's data command must make what it reads."""
+CPU = ["smollm2-135m-grpo-arithmetic.yaml", "smollm2-135m-grpo-multiturn.yaml",
+       "smollm2-135m-grpo-tools.yaml"]
+"""Recipes that run on this machine: bench/bench_rlvr.py and bench/bench_multiturn.py run the
+first two end to end (their results are in BENCHMARKS.md), tests/test_real_model.py the third
+for a step; here each must load, and its header's data command must make what it reads."""
 
 
 def test_every_recipe_is_tested():
     assert sorted(os.listdir(RECIPES)) == sorted(SMALL + LARGE + CPU)
 
 
-def test_the_cpu_recipe_loads_and_its_data_command_makes_its_prompts(tmp_path, monkeypatch):
+@pytest.mark.parametrize("name", CPU)
+def test_a_cpu_recipe_loads_and_its_data_command_makes_its_prompts(tmp_path, monkeypatch,
+                                                                   name):
     from megarlhf.configio import load_config
+    from megarlhf.envs.tools import tool_schema
     from megarlhf.ppo.config import PPOConfig
 
-    name = CPU[0]
     with open(os.path.join(RECIPES, name)) as f:
-        (command,) = re.findall(r'^#\s+(python -c ".*")$', f.read(), re.MULTILINE)
+        (command,) = re.findall(r'^#\s+(?:\d\. The data: )?(python -c ".*")$', f.read(),
+                                re.MULTILINE)
     monkeypatch.chdir(tmp_path)
-    os.makedirs("data/arithmetic")
+    config = load_config(PPOConfig, os.path.join(RECIPES, name), [])
+    os.makedirs(os.path.dirname(config.prompts))
     subprocess.run([sys.executable, "-c", shlex.split(command)[2]], check=True,
                    env={**os.environ, "PYTHONPATH": os.path.dirname(RECIPES)})
-    config = load_config(PPOConfig, os.path.join(RECIPES, name), [])
     with open(config.prompts) as f, open(config.val_prompts) as g:
         train, val = [json.loads(x) for x in f], [json.loads(x) for x in g]
-    assert len(val) == 64 and not {r["prompt"] for r in val} & {r["prompt"] for r in train}
-    assert config.reward_fn == "math" and config.val_every and config.algorithm == "grpo"
+    asked = lambda rows: {json.dumps(r["prompt"]) for r in rows}  # noqa: E731
+    assert len(val) in (32, 64) and not asked(val) & asked(train)
+    assert all(r["ground_truth"] for r in train + val)
+    assert config.val_every and config.algorithm == "grpo"
+    assert config.reward_fn == "math" or config.environment == "arithmetic_retry"
+    for spec in config.tools:  # the tools' schemas build
+        assert tool_schema(spec)["function"]["name"]
 
 
 @pytest.mark.parametrize("name", SMALL + LARGE)
@@ -1043,7 +1053,7 @@ def measure_phases(tmp: str, model_name: str, dtype: str, tp: int, fields: dict)
     for step in range(2):  # the second step's numbers: Adam's moments exist after a step
         calls.clear()
         phase[0] = "rollout"
-        batch = rollout_batch(prompts, worker.generate(prompts, params)).sequences
+        batch = rollout_batch(prompts, worker.generate(prompts, params, None)).sequences
         phase[0] = "experience"
         exp = worker.experience(batch, frozenset({"actor", "ref", "critic", "reward"}), None)
         phase[0] = "train"

@@ -220,12 +220,25 @@ def _episode_rows(out_dir: str) -> list[dict]:
         return [json.loads(line) for line in f]
 
 
+def _model_text(tokenizer, part: dict, *, end: bool) -> str:
+    """A logged model turn without the special tokens the model may have emitted inside it
+    (the environment and the conversation get its text without them); with `end`, the
+    end-of-turn it ended on kept."""
+    text = part["text"]
+    ended = text.endswith("<|im_end|>")
+    if ended:
+        text = text[:-len("<|im_end|>")]
+    for special in tokenizer.all_special_tokens:
+        text = text.replace(special, "")
+    return text + ("<|im_end|>" if ended and end else "")
+
+
 def _is_rendering(tokenizer, row: dict, conversation: list[dict]) -> bool:
     """The logged prompt and turns, joined, are HF's chat template rendering of the episode's
     conversation (up to what the template adds after the last turn)."""
-    # A special token inside a turn (not an end-of-turn) is text to the template: dropped.
-    ours = row["prompt"] + "".join(part["text"] for part in row["turns"]).replace(
-        "<|endoftext|>", "")
+    ours = row["prompt"] + "".join(
+        _model_text(tokenizer, part, end=True) if part["trained"] else part["text"]
+        for part in row["turns"])
     theirs = tokenizer.apply_chat_template(conversation, tokenize=False)
     return theirs.startswith(ours) and theirs[len(ours):] in ("\n", "<|im_end|>\n")
 
@@ -272,7 +285,7 @@ def test_multiturn_grpo_with_vllm_on_the_real_model(hf_dir, actor, work):
         for part in row["turns"]:
             assert part["trained"] == (part["role"] == "assistant"), row
             if part["role"] == "assistant":  # the text the environment was given
-                text = part["text"].replace("<|im_end|>", "").replace("<|endoftext|>", "")
+                text = _model_text(tokenizer, part, end=False)
                 reward += env.step(text).reward
                 conversation.append({"role": "assistant", "content": text})
             else:
