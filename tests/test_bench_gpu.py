@@ -9,6 +9,7 @@ once per module and is not marked slow.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -67,6 +68,9 @@ def test_dry_run_runs_each_measurement_at_tiny_size(dry_run):
     bridge = [line for line in table.splitlines() if line.startswith("| 4. weight bridge")]
     assert len(bridge) == 3 and all("GB/s" in line for line in bridge)
     assert "weights verified: True" in bridge[0]
+    grpo = table.split("5. GRPO through the controller, one rank |")[1].splitlines()[0]
+    gap, guard = re.search(r"logprob gap mean <= (\S+) \(guard (\S+)\)", grpo).groups()
+    assert "s/step" in grpo and float(gap) < float(guard), grpo
 
 
 def test_mfu_formula_by_hand():
@@ -94,7 +98,8 @@ def test_gpu_plan_skips_what_is_missing():
     bare = plan.Machine(cuda=True, gpu_name="NVIDIA H100 80GB HBM3", te=False, vllm=False)
     reasons = {item.key: plan.gpu_skip(item, bare) for item in plan.ITEMS}
     assert reasons == {"mfu-sdpa": None, "mfu-te": plan.NO_TE, "parity": None,
-                       "gen-megatron": None, "gen-vllm": plan.NO_VLLM, "bridge": None}
+                       "gen-megatron": None, "gen-vllm": plan.NO_VLLM, "bridge": None,
+                       "ppo": None}
     full = plan.Machine(cuda=True, gpu_name="NVIDIA H200", te=True, vllm=True)
     assert all(plan.gpu_skip(item, full) is None for item in plan.ITEMS)
     cpu = plan.Machine(cuda=False, gpu_name=None, te=True, vllm=True)

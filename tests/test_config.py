@@ -9,6 +9,7 @@ import pytest
 from megarlhf.engine.optim import OptimConfig
 from megarlhf.models.config import ModelConfig, RopeScaling
 from megarlhf.models.presets import preset
+from megarlhf.models import specs
 from megarlhf.models.specs import resolve_layer_spec
 from megarlhf.models.transformer_config import parse_dtype, to_transformer_config
 from megarlhf.parallel.mesh import DistEnv, ParallelConfig, init_mesh
@@ -114,12 +115,17 @@ def test_layers_must_divide_across_pp_and_vpp():
                                                    virtual_pipeline_parallel=4))
 
 
-def test_unknown_layer_spec_and_dtype():
+def test_unknown_layer_spec_and_dtype(monkeypatch):
     with pytest.raises(ValueError, match="unknown layer spec 'flash'"):
         resolve_layer_spec("flash", on_gpu=False)
     with pytest.raises(ValueError, match="needs a GPU and Transformer Engine"):
         resolve_layer_spec("te", on_gpu=False)
     assert resolve_layer_spec("auto", on_gpu=False) == "local"
+    # auto never picks Transformer Engine, installed or not: its attention ignores the padding
+    # and block-diagonal masks that PPO's rows and SFT's packed rows need.
+    monkeypatch.setattr(specs, "te_available", lambda: True)
+    assert resolve_layer_spec("auto", on_gpu=True) == "sdpa"
+    assert resolve_layer_spec("te", on_gpu=True) == "te"  # by name, where rows allow it
     # Context parallelism runs our gathered-KV attention, never Transformer Engine's.
     assert resolve_layer_spec("auto", on_gpu=True, context_parallel=2) == "sdpa"
     assert resolve_layer_spec("auto", on_gpu=False, context_parallel=2) == "local"
@@ -133,6 +139,26 @@ def test_unknown_layer_spec_and_dtype():
     assert ParallelConfig(tensor_parallel=2, sequence_parallel=True).sequence_multiple == 2
     with pytest.raises(ValueError, match="unknown dtype 'fp8'"):
         parse_dtype("fp8")
+
+
+def test_transformer_engine_is_refused_where_rows_need_a_mask(tmp_path):
+    from megarlhf.data.config import DataConfig, DatasetSource
+    from megarlhf.ppo.config import PPOConfig
+    from megarlhf.sft.config import LoopConfig, ModelSource, SFTConfig
+
+    with pytest.raises(ValueError, match="layer_spec='te': PPO's rows are left-padded"):
+        PPOConfig(actor="a", prompts="p", out_dir="o", reward_fn="m:f", layer_spec="te")
+    with pytest.raises(ValueError, match=r"layer_spec='flash' is not one of \['auto', 'local'"):
+        PPOConfig(actor="a", prompts="p", out_dir="o", reward_fn="m:f", layer_spec="flash")
+    data = tmp_path / "sft.jsonl"
+    data.write_text('{"prompt": "a", "response": "b"}\n')
+    sft = dict(data=DataConfig(train=DatasetSource(path=str(data)), max_length=16),
+               train=LoopConfig(output_dir=str(tmp_path / "out"), steps=1,
+                                global_batch_size=1, micro_batch_size=1))
+    te = ModelSource(preset="tiny", layer_spec="te")
+    with pytest.raises(ValueError, match="'te' with pack: true would let packed documents"):
+        SFTConfig(model=te, **sft)
+    assert SFTConfig(model=te, pack=False, **sft).model.layer_spec == "te"
 
 
 def test_model_config_rejects():

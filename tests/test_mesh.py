@@ -9,6 +9,10 @@ import pytest
 from megarlhf.parallel.launcher import RankError, launch_local
 from megarlhf.parallel.mesh import DistEnv, first_host
 
+_MARK_AT_IMPORT = os.environ.get("MEGARLHF_LAUNCH_MARK")
+"""Read when a rank imports this module, which it does to find its function, before that
+function runs: as CUDA reads CUDA_VISIBLE_DEVICES and torch OMP_NUM_THREADS."""
+
 
 @pytest.mark.parametrize("nodelist, host", [
     ("n1", "n1"),
@@ -75,6 +79,17 @@ def _dies_on_rank0():
 
 def test_launcher_returns_per_rank_results():
     assert launch_local(_rank_value, 2, 10) == [10, 11]
+
+
+def _mark_at_import():
+    return _MARK_AT_IMPORT
+
+
+def test_a_rank_has_its_environment_from_its_start():
+    # A rank given its environment only once its function ran saw the GPU that
+    # CUDA_VISIBLE_DEVICES="" hid (device count 0, is_available() true) on an H200.
+    assert launch_local(_mark_at_import, 1, env={"MEGARLHF_LAUNCH_MARK": "7"}) == ["7"]
+    assert "MEGARLHF_LAUNCH_MARK" not in os.environ  # the launching process's is restored
 
 
 def test_launcher_reports_failing_rank_with_traceback():

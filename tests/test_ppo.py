@@ -707,8 +707,9 @@ VALUE_RUNS = {
     "dapo_tis": dict(algorithm="dapo", rollout_correction="tis"),
     "dr_grpo_mis": dict(algorithm="dr_grpo", rollout_correction="mis",
                         rollout_correction_level="sequence"),
-    "gspo": dict(algorithm="gspo"),
-    "cispo_seq_sum": dict(algorithm="cispo", aggregation="seq_mean_token_sum", kl_in="reward"),
+    "gspo": dict(algorithm="gspo", layer_spec="sdpa"),
+    "cispo_seq_sum": dict(algorithm="cispo", aggregation="seq_mean_token_sum", kl_in="reward",
+                          layer_spec="local"),
 }
 RUN_ELSEWHERE = {
     # field: {value: the test above that runs a step with it}
@@ -718,6 +719,7 @@ RUN_ELSEWHERE = {
     "dtype": {"fp32": "test_grpo_reward_rises",
               "bf16": "test_bf16_ppo_with_a_tp2_vllm_engine_over_two_ranks"},
     "nan_policy": {"stop": "test_grpo_reward_rises"},
+    "layer_spec": {"auto": "test_grpo_reward_rises"},
     "logprob_gap_policy": {"stop": "test_gap_over_the_limit_stops_before_training"},
     "worker_group": {"local": "test_grpo_reward_rises",
                      "ray": "test_ppo_reward_rises_at_tp2_dp2_under_ray"},
@@ -826,7 +828,7 @@ def test_every_enum_value_and_placement_backend_pair_has_a_run():
                 "nan_policy": ppo_config.NAN_POLICIES,
                 "logprob_gap_policy": GAP_POLICIES, "worker_group": ppo_config.WORKER_GROUPS,
                 "template": TEMPLATES, "on_bad_record": BAD_RECORD_POLICIES,
-                "recompute": ppo_config.RECOMPUTE,
+                "recompute": ppo_config.RECOMPUTE, "layer_spec": ppo_config.LAYER_SPECS,
                 "on_env_error": ENV_ERROR_POLICIES, "tool_parser": PARSERS,
                 ("placement", "rollout_backend"): tuple(
                     (p, b) for p in ppo_config.PLACEMENTS for b in ppo_config.ROLLOUT_BACKENDS)}

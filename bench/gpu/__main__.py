@@ -75,7 +75,7 @@ def _peak(args, machine: plan.Machine):
 
 
 def _measure(item: plan.Item, sizes: plan.Sizes, run, peak, no_peak: str):
-    from bench.gpu import bridge, mfu, parity, rollout
+    from bench.gpu import bridge, mfu, parity, ppo, rollout
 
     if item.key == "mfu-sdpa":
         return mfu.measure(sizes, run, "sdpa", peak, no_peak)
@@ -87,6 +87,8 @@ def _measure(item: plan.Item, sizes: plan.Sizes, run, peak, no_peak: str):
         return rollout.measure(sizes, run, "megatron")
     if item.key == "gen-vllm":
         return rollout.measure(sizes, run, "vllm")
+    if item.key == "ppo":
+        return ppo.measure(sizes, run)
     return bridge.measure(sizes, run)
 
 
@@ -145,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as e:  # noqa: BLE001 - one broken measurement must not hide the rest
             traceback.print_exc()
             failed = True
-            new = [(item.title, "", f"FAILED: {_summary(e)}")]
+            new = [("", "", f"FAILED: {_summary(e)}")]
         measured = True
         failed |= any(r.startswith("FAIL") for _, _, r in new)
         rows += [(f"{item.title}: {part}" if part else item.title, setting, result)

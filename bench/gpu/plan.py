@@ -71,6 +71,9 @@ class Sizes:
     sync_preset: str
     bucket_bytes: int
     sync_rounds: int
+    ppo_preset: str
+    ppo_steps: int
+    ppo_new_tokens: int
 
     def gen_model(self) -> ModelConfig:
         model = preset(self.gen_preset)
@@ -90,6 +93,7 @@ FULL = Sizes(
     gen_new_tokens=128, gen_calls=2,
     kv_cache_bytes=4 * 1024**3,
     sync_preset="llama-1b", bucket_bytes=512 * 1024**2, sync_rounds=5,
+    ppo_preset="tiny", ppo_steps=3, ppo_new_tokens=32,
 )
 DRY = Sizes(
     dtype=torch.float32, train_preset="tiny", train_seq=32, micro_batch=2, microbatches=1,
@@ -99,6 +103,7 @@ DRY = Sizes(
     gen_calls=1,
     kv_cache_bytes=64 * 1024**2,
     sync_preset="tiny", bucket_bytes=64 * 1024, sync_rounds=1,
+    ppo_preset="tiny", ppo_steps=1, ppo_new_tokens=4,
 )
 
 
@@ -117,6 +122,7 @@ ITEMS = (
     Item("gen-megatron", "3a. generation, Megatron engine"),
     Item("gen-vllm", "3b. generation, vLLM engine", needs_vllm=True),
     Item("bridge", "4. weight bridge sync vs device copy_"),
+    Item("ppo", "5. GRPO through the controller, one rank"),
 )
 
 

@@ -178,7 +178,7 @@ def save_checkpoint(path: str, engine, mesh: Mesh, *, extra: dict | None = None,
     # An optimizer that has not stepped has no state to save (and megatron-core cannot describe
     # it); such a checkpoint is marked as model-only.
     if with_optimizer:
-        flag = torch.tensor([int(_has_state(engine.optimizer))])
+        flag = torch.tensor([int(_has_state(engine.optimizer))], device=mesh.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # every rank must take the same path
         with_optimizer = bool(flag.item())
     if mesh.rank == 0:

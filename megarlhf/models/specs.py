@@ -3,7 +3,13 @@
 - "local": megatron-core's own modules + our RMSNorm (CPU, and the reference for tests);
 - "sdpa": as local, with attention through torch SDPA (flash kernels on a plain PyTorch GPU);
 - "te": Transformer Engine modules (fused kernels; needs `transformer_engine` installed);
-- "auto": te on GPU when TE imports, sdpa on GPU without it, local on CPU.
+- "auto": sdpa on GPU, local on CPU.
+
+"auto" never picks te: TE's attention runs with a causal mask type and ignores the mask it
+is given, so rows with padding before their tokens (PPO's left-padded rows) or packed
+documents (block-diagonal masks) would attend where they must not, and its packed-sequence
+(THD) layout is not wired up. te is used only where asked for by name, and the stages refuse
+it before launch where their rows need a mask (SFT packing, every PPO role).
 
 Under context parallelism (CP > 1) the local and sdpa attentions run inside
 ContextParallelAttention (models/context_parallel.py); Transformer Engine's own CP attention
@@ -38,8 +44,7 @@ def resolve_layer_spec(name: str, on_gpu: bool, context_parallel: int = 1) -> st
     if name not in LAYER_SPECS:
         raise ValueError(f"unknown layer spec {name!r}; choose one of {LAYER_SPECS}")
     if name == "auto":
-        te = te_available() and context_parallel == 1
-        return ("te" if te else "sdpa") if on_gpu else "local"
+        return "sdpa" if on_gpu else "local"
     if name == "te" and context_parallel > 1:
         raise ValueError(f"context_parallel={context_parallel} runs with the 'sdpa' or "
                          f"'local' layer spec (or 'auto'); Transformer Engine's CP attention "

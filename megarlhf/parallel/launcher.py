@@ -11,6 +11,7 @@ are terminated and a `RankError` carries the failing rank's traceback; a run tha
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import pickle
@@ -44,22 +45,33 @@ def spawn_ranks(target: Callable, rank_args: list[tuple], *, name: str,
                     "RANK": str(rank), "WORLD_SIZE": str(nprocs), "LOCAL_RANK": str(rank),
                     "LOCAL_WORLD_SIZE": str(nprocs), "MASTER_ADDR": "127.0.0.1",
                     "MASTER_PORT": str(port)}
-        proc = ctx.Process(target=_rank_main, args=(target, rank_env, args),
-                           name=f"{name}-rank{rank}")
-        proc.start()
+        proc = ctx.Process(target=_rank_main, args=(target, args), name=f"{name}-rank{rank}")
+        # The rank's interpreter starts with this environment: the modules it imports before
+        # `target` runs (torch's thread pool, CUDA's device list) read it at import.
+        with _environment(rank_env):
+            proc.start()
         procs.append(proc)
     return procs
 
 
-def _rank_main(target: Callable, env: dict[str, str], args: tuple) -> None:
+@contextlib.contextmanager
+def _environment(env: dict[str, str]):
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _rank_main(target: Callable, args: tuple) -> None:
     # A terminal's Ctrl-C reaches every rank too: the launching process alone handles it (it
     # stops the ranks), so a rank neither dies mid-collective nor prints a traceback.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    os.environ.update(env)
-    import torch
-
-    # torch read OMP_NUM_THREADS when `target`'s module was imported, before the update.
-    torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
     target(*args)
 
 

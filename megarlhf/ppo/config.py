@@ -31,6 +31,10 @@ ROLLOUT_BACKENDS = ("megatron", "vllm")
 NAN_POLICIES = ("stop", "skip")
 WORKER_GROUPS = ("local", "ray")
 PLACEMENTS = ("colocated", "disaggregated")
+LAYER_SPECS = ("auto", "local", "sdpa")
+"""Megatron layer specs of every role and of the Megatron rollout engine (models/specs.py).
+'te' is refused: PPO's rows are left-padded, and Transformer Engine's attention ignores
+padding masks (its packed-sequence layout is not wired up)."""
 PROMPT_FIELDS = KIND_FIELDS["prompt"] + OPTIONAL_FIELDS["prompt"]
 RESUME_INPUTS = ("actor", "critic", "reward_model", "prompts", "seed", "algorithm")
 EPISODE_FIELDS = {"env_args": {}, "max_turns": 8, "max_turn_tokens": None,
@@ -236,6 +240,9 @@ class PPOConfig:
     train with fp32 main grads and fp32 master weights (the distributed optimizer's). A
     checkpoint saved in another dtype is cast on load, so fp32 or bf16 conversions of an HF
     model train in any of them."""
+    layer_spec: str = "auto"
+    """Megatron layer spec of every role and of the Megatron rollout engine: auto (sdpa on
+    GPU, local on CPU), local or sdpa."""
     # -- rollout --
     rollout_backend: str = "megatron"
     vllm_model_dir: str | None = None
@@ -448,6 +455,11 @@ class PPOConfig:
         choice("recompute", RECOMPUTE)
         choice("rollout_correction_level", CORRECTION_LEVELS)
         choice("dtype", DTYPES)
+        if self.layer_spec == "te":
+            problems.append("layer_spec='te': PPO's rows are left-padded and Transformer "
+                            "Engine's attention ignores padding masks; use auto, sdpa or local")
+        else:
+            choice("layer_spec", LAYER_SPECS)
         choice("template", TEMPLATES)
         choice("on_bad_record", BAD_RECORD_POLICIES)
         problems += self._data_problems()

@@ -50,10 +50,12 @@ _NUMPY_DTYPES = {torch.float64, torch.float32, torch.float16, torch.int64, torch
 
 
 def _reduce_tensor(t: torch.Tensor):
-    """CPU tensors travel as numpy arrays: torch's own pickling costs ~0.15 ms per tensor
-    (it writes a small torch.save archive each), 15x what the array takes."""
-    if t.device.type != "cpu" or t.requires_grad or t.layout != torch.strided \
-            or t.dtype not in _NUMPY_DTYPES:
+    """Tensors travel as host numpy arrays: the controller holds no device (a CUDA tensor
+    would arrive on a GPU it never chose, or fail where it has none), and torch's own pickling
+    costs ~0.15 ms per tensor (it writes a small torch.save archive each), 15x the array."""
+    if t.device.type != "cpu":
+        t = t.detach().cpu()
+    if t.requires_grad or t.layout != torch.strided or t.dtype not in _NUMPY_DTYPES:
         return t.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
     return torch.from_numpy, (t.numpy(),)
 

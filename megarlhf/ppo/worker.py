@@ -115,6 +115,7 @@ class PPOWorker:
             raise ValueError(f"{role}'s layout {parallel} is not its group's mesh "
                              f"{self.group.parallel} (the config's checks should have said)")
         return engine_from_checkpoint(ckpt, parallel, self.mesh, optim, dtype=self.dtype,
+                                      layer_spec=self.config.layer_spec,
                                       recompute=self.config.recompute_of(role))
 
     def _actor_model(self):
@@ -148,7 +149,8 @@ class PPOWorker:
                                   ) from e
         from megarlhf.rollout.megatron_engine import MegatronEngine, MegatronEngineConfig
 
-        return MegatronEngine(model_spec(model, self.group.parallel, dtype=self.dtype),
+        return MegatronEngine(model_spec(model, self.group.parallel, dtype=self.dtype,
+                                         layer_spec=c.layer_spec),
                               self.mesh, MegatronEngineConfig(architecture=arch_name,
                                                               return_routing=c.routing_replay))
 

@@ -31,7 +31,8 @@ class ModelSource:
     dtype: str = "fp32"
     """Parameter dtype: fp32, bf16 or fp16."""
     layer_spec: str = "auto"
-    """Megatron layer spec: auto (local on CPU, TE or SDPA on GPU), local, sdpa, te."""
+    """Megatron layer spec: auto (local on CPU, SDPA on GPU), local, sdpa, te (Transformer
+    Engine, by name only: SFT without packing and RM, whose rows pad after their tokens)."""
 
     def __post_init__(self):
         if (self.preset is None) == (self.checkpoint is None):
@@ -131,6 +132,14 @@ class SFTConfig(StageConfig):
     pack: bool = True
     """Pack several documents into each row of data.max_length tokens (block-diagonal
     attention, positions restarting per document) instead of one padded document per row."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.pack and self.model.layer_spec == "te":
+            # Its attention ignores the block-diagonal mask: documents would see each other.
+            raise ValueError("model.layer_spec 'te' with pack: true would let packed documents "
+                             "attend to each other (Transformer Engine ignores the mask); set "
+                             "pack: false, or layer_spec: sdpa")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
