@@ -140,6 +140,7 @@ CONFIG_CASES = [  # (overrides, what the message must name)
     (["samples_per_prompt=1"], "samples_per_prompt >= 2"),
     (["resume_allow_changes=[bogus]"], "resume_allow_changes: 'bogus'"),
     (["logprob_gap_limit=-1"], "logprob_gap_limit must be > 0"),
+    (["logprob_gap_max_limit=0"], "logprob_gap_max_limit must be > 0"),
     (["rollout_backend=vllm"], "needs vllm_model_dir"),
     (["rollout_gpu_memory_utilization=1.5"], "rollout_gpu_memory_utilization must be in"),
     # multi-turn episodes (megarlhf/envs)

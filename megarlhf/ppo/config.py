@@ -18,7 +18,7 @@ from megarlhf.metrics import missing_dashboards
 from megarlhf.models.config import ModelConfig
 from megarlhf.parallel.mesh import LayoutOverride, ParallelConfig
 from megarlhf.rollout import sizing
-from megarlhf.rollout.gap import DEFAULT_GAP_LIMITS, GAP_POLICIES
+from megarlhf.rollout.gap import DEFAULT_GAP_LIMITS, DEFAULT_GAP_MAX_LIMITS, GAP_POLICIES
 from megarlhf.rollout.sizing import EngineSize
 from megarlhf.models.transformer_config import DTYPES, RECOMPUTE
 from megarlhf.ppo.algorithms import ALGORITHMS, PRESETS, AlgorithmOptions, resolve
@@ -416,8 +416,12 @@ class PPOConfig:
     logprob_gap_limit: float | None = None
     """Largest mean |engine - trainer| logprob gap per response token a step accepts. None:
     the dtype's default (rollout/gap.py: fp32 1e-3, bf16 and fp16 5e-2)."""
+    logprob_gap_max_limit: float | None = None
+    """Largest |engine - trainer| logprob gap of any single response token a step accepts
+    (catches a few corrupted tokens that leave the mean small). None: the dtype's default
+    (rollout/gap.py: fp32 5e-2, bf16 and fp16 2.0)."""
     logprob_gap_policy: str = "stop"
-    """Above the limit: 'stop' the run before the step trains, or 'warn' and go on."""
+    """Above either limit: 'stop' the run before the step trains, or 'warn' and go on."""
     nan_policy: str = "stop"
     """Non-finite reward or loss: 'stop' the run, or 'skip' the step's update."""
     # -- dashboards (metrics.jsonl and the console always) --
@@ -438,8 +442,9 @@ class PPOConfig:
         choice("rollout_backend", ROLLOUT_BACKENDS)
         choice("nan_policy", NAN_POLICIES)
         choice("logprob_gap_policy", GAP_POLICIES)
-        if self.logprob_gap_limit is not None and self.logprob_gap_limit <= 0:
-            problems.append(f"logprob_gap_limit must be > 0, got {self.logprob_gap_limit}")
+        for name in ("logprob_gap_limit", "logprob_gap_max_limit"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                problems.append(f"{name} must be > 0, got {getattr(self, name)}")
         choice("worker_group", WORKER_GROUPS)
         for name in self.resume_allow_changes:
             if name not in RESUME_INPUTS:
@@ -859,6 +864,11 @@ class PPOConfig:
     def gap_limit(self) -> float:
         """logprob_gap_limit with its dtype default resolved."""
         return self.logprob_gap_limit or DEFAULT_GAP_LIMITS[self.dtype]
+
+    @property
+    def gap_max_limit(self) -> float:
+        """logprob_gap_max_limit with its dtype default resolved."""
+        return self.logprob_gap_max_limit or DEFAULT_GAP_MAX_LIMITS[self.dtype]
 
     @property
     def rows_per_step(self) -> int:

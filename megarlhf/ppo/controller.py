@@ -149,7 +149,8 @@ def ppo_step(config: PPOConfig, data: RunInputs, workers: Placement,
     # Before training on samples from another policy. Samples of older weights (async
     # rollouts) differ by the updates since, which the rollout correction weighs: the guard
     # holds for samples of the actor's own weights (the first step, and after a resume).
-    warning = check_gap(gap, limit=config.gap_limit, policy=config.logprob_gap_policy,
+    warning = check_gap(gap, limit=config.gap_limit, max_limit=config.gap_max_limit,
+                        policy=config.logprob_gap_policy,
                         step=step) if lag == 0 else None
     if warning:
         _log.warning(warning)
