@@ -524,6 +524,9 @@ def test_async_rollout_overlaps_training_and_resumes_exactly(base, value_refs, t
         assert m["time/rollout_ahead_end"] > m["time/learn_start"], m
     assert "time/rollout_ahead_start" not in straight[3]
     assert all(m["rollout/is_ratio_mean"] != 1.0 for m in straight[1:])  # weights moved
+    # The probe after each sync held the fresh weights' samples to the actor: fp32 noise.
+    assert all(m["rollout/probe_logprob_gap_max"] < 1e-5 and m["time/gap_probe"] > 0
+               for m in straight), [m["rollout/probe_logprob_gap_max"] for m in straight]
     with open(os.path.join(config.out_dir, "samples.jsonl")) as f:
         assert {json.loads(line)["weight_version"] for line in f} == {0, 1, 2}
 
@@ -878,6 +881,25 @@ def test_each_config_value_runs_a_step(base, tmp_path, name):
                 "rollout/dynamic_sampling_short"} <= set(metrics), metrics
     if config.options.kl_in == "loss":
         assert (metrics["actor/kl_loss"] > 0) == (config.options.kl_coef > 0), metrics
+
+
+@pytest.mark.slow
+def test_a_broken_sync_in_an_async_run_is_stopped_by_its_probe(base, tmp_path, monkeypatch):
+    """The rollout rank's syncs after the first scale the final norm (tests/broken_sync).
+    Step 1 trains on samples of the initial weights, so its guard passes; without the probe
+    every later step would train on lag-1 samples that no guard judges. The probe after step
+    1's sync stops the run before any checkpoint."""
+    from megarlhf.rollout.gap import LogprobGapError
+
+    broken = os.path.join(os.path.dirname(__file__), "broken_sync")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([broken, os.environ.get("PYTHONPATH", "")]))
+    config = dataclasses.replace(base, out_dir=str(tmp_path), nproc=1, tensor_parallel=1,
+                                 steps=3, placement="disaggregated", async_rollout=True,
+                                 rollout_correction="tis")
+    with pytest.raises(LogprobGapError, match=r"step 1's weight-sync probe: the rollout "
+                                              r"engine's logprobs .* on average"):
+        run(config)
+    assert checkpoints.of_run(config.out_dir).latest() is None
 
 
 @pytest.mark.slow

@@ -26,7 +26,7 @@ import torch
 
 from megarlhf.envs.episodes import Episode
 from megarlhf.metrics import MetricsLog
-from megarlhf.ppo import checkpoints, rollouts, run_dir
+from megarlhf.ppo import checkpoints, gap_probe, rollouts, run_dir
 from megarlhf.ppo.config import PPOConfig
 from megarlhf.ppo.data import PromptSampler
 from megarlhf.ppo.inputs import RunInputs, read_inputs
@@ -188,6 +188,11 @@ def ppo_step(config: PPOConfig, data: RunInputs, workers: Placement,
     workers.sync()
     steps.synced(step)
     timer["sync"] = time.perf_counter() - t
+    probed = {}
+    if config.async_rollout:  # the guard above saw samples of older weights
+        probed, warning = gap_probe.probe(config, data, workers, drawn.prompts, step)
+        if warning:
+            _log.warning(warning)
     if steps.pending is not None:  # when the next step's rollout ran (async_rollout)
         span["time/rollout_ahead_start"], span["time/rollout_ahead_end"] = steps.ahead_span
 
@@ -201,7 +206,8 @@ def ppo_step(config: PPOConfig, data: RunInputs, workers: Placement,
     stopped = sum(c.finish_reason == "stop" for c in drawn.completions) / len(drawn.completions)
     memory = {f"memory/{phase}_state_mib": nbytes / 2**20
               for phase, nbytes in workers.take_memory().items()}
-    return {**metrics, **drawn.metrics, **correction, "rollout/stopped_fraction": stopped,
+    return {**metrics, **drawn.metrics, **correction, **probed,
+            "rollout/stopped_fraction": stopped,
             "rollout/weight_version": float(drawn.weight_version),
             "rollout/policy_lag": float(lag), **memory, **span,
             # The experience pass's share of the engine's routings the actor would have

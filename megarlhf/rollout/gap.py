@@ -63,17 +63,18 @@ class LogprobGapError(RuntimeError):
 
 
 def check_gap(gap: LogprobGap, *, limit: float, max_limit: float, policy: str,
-              step: int) -> str | None:
+              step: int, probe: bool = False) -> str | None:
     """None when the mean gap is within `limit` and no token's within `max_limit`; else raise
     LogprobGapError ('stop') or return the warning ('warn'). The message says what the gap
-    means and where to look."""
+    means and where to look; `probe`: the samples were a probe's after the step's sync."""
     if gap.mean_abs <= limit and gap.max_abs <= max_limit:
         return None
     over = (f"{gap.mean_abs:.3g} nats per token on average (max {gap.max_abs:.3g}; "
             f"logprob_gap_limit={limit:g})" if gap.mean_abs > limit else
             f"{gap.max_abs:.3g} nats on one token (mean {gap.mean_abs:.3g}; "
             f"logprob_gap_max_limit={max_limit:g})")
-    message = (f"step {step}: the rollout engine's logprobs of its own samples differ from the "
+    when = f"step {step}'s weight-sync probe" if probe else f"step {step}"
+    message = (f"{when}: the rollout engine's logprobs of its own samples differ from the "
                f"trainer's by {over}: the engine is not sampling "
                f"from the policy being trained. Likely causes: a weight sync that missed or "
                f"mangled tensors (tied embeddings, a new architecture's names), a tokenizer or "
