@@ -15,6 +15,12 @@ def truth_reward(responses, ground_truths, data_sources, **columns):
             "source_a": [float(s == "a") for s in data_sources]}
 
 
+def odd_words(responses, **_):
+    """1.0 for a response of an odd number of words: a toy policy's samples differ, so the
+    validation figures built from them are not constants."""
+    return [float(len(r.split()) % 2) for r in responses]
+
+
 def length_reward(responses, prompts):
     """Characters of the response (named arguments only: no ground truth asked for)."""
     return [float(len(r)) for r in responses]

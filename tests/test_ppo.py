@@ -772,8 +772,9 @@ def _text_prompts(path, rows: int, *, bad: bool = False) -> str:
 def test_grpo_on_text_prompts_with_ground_truth_validation_and_samples(
         base, hf_chat_dir, tmp_path, template, on_bad_record):
     """Text rows mapped by prompt_fields, rendered and tokenized with the run's tokenizer; a
-    batched text reward gets ground truths and columns, rows of source b go to exact_match;
-    validation (greedy and sampled) before the first step and after each, per data source;
+    batched text reward gets ground truths and columns, rows of source b go to another
+    function; validation (greedy and sampled) before the first step and after each, per data
+    source, equal to the figures recomputed from every logged validation answer;
     samples.jsonl holds decoded prompts and responses."""
     skip = on_bad_record == "skip"
     config = dataclasses.replace(
@@ -783,8 +784,9 @@ def test_grpo_on_text_prompts_with_ground_truth_validation_and_samples(
         val_prompts=_text_prompts(tmp_path / "val.jsonl", 4),
         prompt_fields={"prompt": "question", "ground_truth": "answer"},
         tokenizer=hf_chat_dir, template=template, on_bad_record=on_bad_record,
-        reward_fn="tests.reward_fns:truth_reward", reward_fn_by_source={"b": "exact_match"},
-        val_every=1, val_samples=2, log_samples=2)
+        reward_fn="tests.reward_fns:truth_reward",
+        reward_fn_by_source={"b": "tests.reward_fns:odd_words"},
+        val_every=1, val_samples=2, log_samples=8)
     run(config)
     records = read_metrics(config.out_dir)
     (data,) = [r for r in records if r.get("event") == "data"]
@@ -792,20 +794,38 @@ def test_grpo_on_text_prompts_with_ground_truth_validation_and_samples(
     assert data["prompts"]["template"] == template and data["val_prompts"]["kept"] == 4
     steps = [r for r in records if "step" in r]
     assert [r["step"] for r in steps] == [0, 1, 2]
-    for r in steps:
-        for key in ("val/reward_mean", "val/a/reward_mean", "val/b/reward_mean",
-                    "val/sampled_reward_mean", "val/pass@2", "val/a/pass@2"):
-            assert 0.0 <= r[key] <= 1.0, (key, r)
-        # source a: truth_reward scores 1 for a row with a ground truth
-        assert r["val/a/reward_mean"] == 1.0 and r["val/a/pass@2"] == 1.0
     for r in steps[1:]:
         assert r["reward/saw_level"] == 1.0 and r["reward/source_a"] == 1.0, r
         assert r["reward/timeouts"] == 0.0 and r["actor/skipped"] == 0.0
     with open(os.path.join(config.out_dir, "samples.jsonl")) as f:
         samples = [json.loads(line) for line in f]
-    assert {(s["step"], s["phase"]) for s in samples} == {
-        (0, "val"), (1, "train"), (1, "val"), (2, "train"), (2, "val")}
-    assert len(samples) == 10
+    logged = {}
+    for s in samples:
+        logged.setdefault((s["step"], s["phase"]), []).append(s)
+    assert {key: len(rows) for key, rows in logged.items()} == {
+        **{(step, "val"): 4 for step in (0, 1, 2)},
+        **{(step, "val_sampled"): 8 for step in (0, 1, 2)},
+        (1, "train"): 8, (2, "train"): 8}
+    # Every validation figure, recomputed from the logged answers: each reward from the
+    # source's rule on the logged text, means per source over greedy answers, pass@2 as the
+    # mean over prompts of the better of their two samples (rows are in prompt order).
+    for r in steps:
+        greedy, sampled = logged[(r["step"], "val")], logged[(r["step"], "val_sampled")]
+        for s in greedy + sampled:
+            assert s["reward"] == (1.0 if s["data_source"] == "a"
+                                   else len(s["response"].split()) % 2), s
+        pairs = [sampled[i:i + 2] for i in range(0, len(sampled), 2)]
+        for source, head in ((None, "val/"), ("a", "val/a/"), ("b", "val/b/")):
+            mine = [s["reward"] for s in greedy if source in (None, s["data_source"])]
+            best = [max(s["reward"] for s in pair) for pair in pairs
+                    if source in (None, pair[0]["data_source"])]
+            assert r[f"{head}reward_mean"] == pytest.approx(sum(mine) / len(mine)), (head, r)
+            assert r[f"{head}pass@2"] == pytest.approx(sum(best) / len(best)), (head, r)
+            every = [s["reward"] for s in sampled if source in (None, s["data_source"])]
+            assert r[f"{head}sampled_reward_mean"] == pytest.approx(sum(every) / len(every))
+    # Source b's rule scores both ways, so no constant reward could satisfy the checks above.
+    assert {s["reward"] for rows in logged.values() for s in rows
+            if s["data_source"] == "b"} == {0.0, 1.0}
     for s in samples:  # a question starts with its answer's word
         assert s["ground_truth"] in s["prompt"] and isinstance(s["response"], str), s
         assert ("<|user|>" in s["prompt"]) == (template == "chat"), s

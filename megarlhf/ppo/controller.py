@@ -289,19 +289,21 @@ def validate(config: PPOConfig, data: RunInputs, workers: Placement, step: int,
     (val/<source>/...)."""
     log.phase("validation")
     t = time.perf_counter()
-    runs = [("", 1, 0.0)] + ([("sampled_", config.val_samples, config.temperature)]
-                             if config.val_samples else [])
+    # Greedy answers are logged as phase "val", sampled ones as "val_sampled": with
+    # log_samples at least their number, every figure here can be recomputed from the log.
+    runs = [("", 1, 0.0, "val")] + ([("sampled_", config.val_samples, config.temperature,
+                                      "val_sampled")] if config.val_samples else [])
     out = {}
-    for prefix, n, temperature in runs:
+    for prefix, n, temperature, phase in runs:
         params = rollouts.sampling(config, data, n=n, temperature=temperature,
                                    seed=config.seed * 1_000_003 + step + 500_009)
         answers = rollouts.answer(data, workers, data.val, params)
         samples = data.samples(answers.prompts, answers.completions, answers.episodes)
         score, metrics = rollouts.score_answers(config, data, workers, answers, samples, step,
                                                 validation=True)
+        log.samples(step, sample_rows(samples, score, config.log_samples, phase,
+                                      answers.episodes))
         if not prefix:
-            log.samples(step, sample_rows(samples, score, config.log_samples, "val",
-                                          answers.episodes))
             out["val/response_length"] = sum(len(c.token_ids) for c in answers.completions) / \
                 len(answers.completions)
             out.update({f"val/{k}": v for k, v in metrics.items() if k.startswith("env/")})
