@@ -71,6 +71,8 @@ def test_dry_run_runs_each_measurement_at_tiny_size(dry_run):
     grpo = table.split("5. GRPO through the controller, one rank |")[1].splitlines()[0]
     gap, guard = re.search(r"logprob gap mean <= (\S+) \(guard (\S+)\)", grpo).groups()
     assert "s/step" in grpo and float(gap) < float(guard), grpo
+    offload = table.split("6. offload round trip, pinned host memory |")[1].splitlines()[0]
+    assert "GB/s" in offload and "bytes equal after the round trip: True" in offload, offload
 
 
 def test_mfu_formula_by_hand():
@@ -99,7 +101,7 @@ def test_gpu_plan_skips_what_is_missing():
     reasons = {item.key: plan.gpu_skip(item, bare) for item in plan.ITEMS}
     assert reasons == {"mfu-sdpa": None, "mfu-te": plan.NO_TE, "parity": None,
                        "gen-megatron": None, "gen-vllm": plan.NO_VLLM, "bridge": None,
-                       "ppo": None}
+                       "ppo": None, "offload": None}
     full = plan.Machine(cuda=True, gpu_name="NVIDIA H200", te=True, vllm=True)
     assert all(plan.gpu_skip(item, full) is None for item in plan.ITEMS)
     cpu = plan.Machine(cuda=False, gpu_name=None, te=True, vllm=True)

@@ -30,3 +30,4 @@ def test_offload_releases_every_storage_and_restores_it_bitwise(lm_ref, tiny, dt
     assert out["bitwise"] == {"params": True, "optimizer": True}
     assert out["grads_zero"]
     assert all(math.isfinite(v) for v in out["step_after"])
+    assert out["buffers_reused"] and out["bitwise_again"]

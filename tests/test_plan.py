@@ -872,10 +872,15 @@ def test_sft_dry_run_checks_data_and_layout_and_starts_nothing(tmp_path, monkeyp
         "TP2 x PP1 x DP2, 2 micro-batch(es) of 2 per step; 20 training examples" in out
     code, _, err = run_cli(["sft", "--config", str(path), "--nproc", "3", "--dry-run"], capsys)
     assert code == 2 and "world size 3 is not divisible" in err
-    # The layer spec the ranks would resolve is resolved here first.
+    # The layer spec the ranks would resolve is resolved here first; packed rows refuse
+    # Transformer Engine (it ignores their block-diagonal mask) on any machine.
+    code, _, err = run_cli(["sft", "--config", str(path), "--nproc", "4", "--dry-run",
+                            "model.layer_spec=te", "pack=false"], capsys)
+    assert code == 2 and "layer spec 'te' needs a GPU" in err, err
     code, _, err = run_cli(["sft", "--config", str(path), "--nproc", "4", "--dry-run",
                             "model.layer_spec=te"], capsys)
-    assert code == 2 and "layer spec 'te' needs a GPU" in err, err
+    assert code == 2 and "'te' with pack: true would let packed documents" in err, err
+    assert len(err.strip().splitlines()) <= 2, err  # no traceback
 
 
 @pytest.mark.parametrize("name", LARGE)

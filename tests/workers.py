@@ -180,6 +180,8 @@ def offload_round_trip(ckpt: str, model: ModelConfig, parallel: ParallelConfig,
                                  if h is not None) for kind in KINDS},
         "storage_bytes": {kind: sum(n for _, n, _ in offloader._host[kind]) for kind in KINDS},
     }
+    # Held here, so no new buffer can take a freed one's id.
+    hosts = [h for kind in KINDS for _, _, h in offloader._host[kind] if h is not None]
     offloader.reload(KINDS)
     out["bitwise"] = {kind: all(torch.equal(t, b) for t, b in zip(tensors[kind], before[kind]))
                       for kind in ("params", "optimizer")}
@@ -187,4 +189,12 @@ def offload_round_trip(ckpt: str, model: ModelConfig, parallel: ParallelConfig,
     # The engine trains on after the round trip (every view still points at live memory).
     m = engine.train_step(rank_microbatches(batch, mesh, 1), lm_loss(mesh, model.vocab_size))
     out["step_after"] = (m.loss, m.grad_norm)
+    # A second round trip copies into the first one's host buffers (no new pinned memory).
+    trained = {kind: [t.detach().clone() for t in ts] for kind, ts in tensors.items()}
+    offloader.offload(KINDS)
+    out["buffers_reused"] = {id(h) for kind in KINDS for _, _, h in offloader._host[kind]
+                             if h is not None} == set(map(id, hosts))
+    offloader.reload(KINDS)
+    out["bitwise_again"] = all(torch.equal(t, b) for kind in ("params", "optimizer")
+                               for t, b in zip(tensors[kind], trained[kind]))
     return out

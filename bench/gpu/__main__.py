@@ -1,6 +1,6 @@
 """The command: print the plan, run what this machine can, print (and append) one table.
 
-    python -m bench.gpu [--dry-run] [--append BENCHMARKS.md] [--peak-tflops T]
+    python -m bench.gpu [--dry-run] [--only KEYS] [--append BENCHMARKS.md] [--peak-tflops T]
 
 A GPU run gives every measurement a fresh process (launch_local, one rank): its own CUDA
 context and allocator, so one measurement's memory and warm caches never bias the next; the
@@ -33,6 +33,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                              "tiny size on CPU")
     parser.add_argument("--append", metavar="FILE",
                         help="append the results as one entry to this markdown file")
+    parser.add_argument("--only", metavar="KEYS",
+                        help="comma-separated measurements to run (of: "
+                             + ", ".join(item.key for item in plan.ITEMS) + "); default all")
     parser.add_argument("--peak-tflops", type=float,
                         help="the GPU's peak dense bf16 TFLOPs for MFU (default: from the "
                              "GPU's name: H100 SXM and H200 989)")
@@ -75,7 +78,7 @@ def _peak(args, machine: plan.Machine):
 
 
 def _measure(item: plan.Item, sizes: plan.Sizes, run, peak, no_peak: str):
-    from bench.gpu import bridge, mfu, parity, ppo, rollout
+    from bench.gpu import bridge, mfu, offload, parity, ppo, rollout
 
     if item.key == "mfu-sdpa":
         return mfu.measure(sizes, run, "sdpa", peak, no_peak)
@@ -89,6 +92,8 @@ def _measure(item: plan.Item, sizes: plan.Sizes, run, peak, no_peak: str):
         return rollout.measure(sizes, run, "vllm")
     if item.key == "ppo":
         return ppo.measure(sizes, run)
+    if item.key == "offload":
+        return offload.measure(sizes, run)
     return bridge.measure(sizes, run)
 
 
@@ -108,6 +113,15 @@ def _table(rows) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
+    chosen = plan.ITEMS
+    if args.only:
+        keys = args.only.split(",")
+        unknown = sorted(set(keys) - {item.key for item in plan.ITEMS})
+        if unknown:
+            print(f"--only: unknown measurement(s) {unknown}; choose from "
+                  f"{[item.key for item in plan.ITEMS]}", file=sys.stderr)
+            return 2
+        chosen = tuple(item for item in plan.ITEMS if item.key in keys)
     machine = plan.Machine.detect()
     sizes = plan.DRY if args.dry_run else plan.FULL
     skip = plan.dry_skip if args.dry_run else plan.gpu_skip
@@ -117,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.dry_run and not machine.cuda:
         print("nothing here needs measuring without a GPU; --dry-run checks the setup on CPU")
     print("plan:")
-    for item in plan.ITEMS:
+    for item in chosen:
         on_gpu = plan.gpu_skip(item, machine)
         line = f"  {item.title}: GPU run here: {'runs' if on_gpu is None else 'skip: ' + on_gpu}"
         if args.dry_run:
@@ -136,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     run = _runner(args.dry_run)
     rows, failed, measured = [], False, False
     started = time.perf_counter()
-    for item in plan.ITEMS:
+    for item in chosen:
         reason = skip(item, machine)
         if reason is not None:
             rows.append((item.title, "", f"skipped: {reason}"))

@@ -74,6 +74,8 @@ class Sizes:
     ppo_preset: str
     ppo_steps: int
     ppo_new_tokens: int
+    offload_preset: str
+    offload_seq: int
 
     def gen_model(self) -> ModelConfig:
         model = preset(self.gen_preset)
@@ -94,6 +96,7 @@ FULL = Sizes(
     kv_cache_bytes=4 * 1024**3,
     sync_preset="llama-1b", bucket_bytes=512 * 1024**2, sync_rounds=5,
     ppo_preset="tiny", ppo_steps=3, ppo_new_tokens=32,
+    offload_preset="llama-1b", offload_seq=512,
 )
 DRY = Sizes(
     dtype=torch.float32, train_preset="tiny", train_seq=32, micro_batch=2, microbatches=1,
@@ -104,6 +107,7 @@ DRY = Sizes(
     kv_cache_bytes=64 * 1024**2,
     sync_preset="tiny", bucket_bytes=64 * 1024, sync_rounds=1,
     ppo_preset="tiny", ppo_steps=1, ppo_new_tokens=4,
+    offload_preset="tiny", offload_seq=32,
 )
 
 
@@ -123,6 +127,7 @@ ITEMS = (
     Item("gen-vllm", "3b. generation, vLLM engine", needs_vllm=True),
     Item("bridge", "4. weight bridge sync vs device copy_"),
     Item("ppo", "5. GRPO through the controller, one rank"),
+    Item("offload", "6. offload round trip, pinned host memory"),
 )
 
 
