@@ -21,6 +21,7 @@ import time
 import torch
 
 from bench.report import append_entry
+from megarlhf.data.sequences import SequenceBatch
 from megarlhf.engine.optim import OptimConfig
 from megarlhf.engine.train import TrainEngine
 from megarlhf.models.config import ModelConfig
@@ -28,7 +29,6 @@ from megarlhf.models.gpt import model_spec
 from megarlhf.parallel import ParallelConfig, init_mesh, launch_local
 from megarlhf.roles.batching import Batching
 from megarlhf.roles.policy import PolicyRole
-from megarlhf.roles.sequences import SequenceBatch
 from tests.live_bytes import LiveBytes
 
 MIB = 2**20

@@ -21,6 +21,7 @@ import time
 import torch
 
 from bench.report import append_entry
+from megarlhf.data.sequences import SequenceBatch
 from megarlhf.engine.optim import OptimConfig
 from megarlhf.engine.train import TrainEngine
 from megarlhf.models.config import ModelConfig
@@ -28,7 +29,6 @@ from megarlhf.models.gpt import model_spec
 from megarlhf.parallel import ParallelConfig, init_mesh, launch_local
 from megarlhf.roles.batching import Batching
 from megarlhf.roles.policy import PolicyRole
-from megarlhf.roles.sequences import SequenceBatch
 
 MODEL = ModelConfig(num_layers=4, hidden_size=512, ffn_hidden_size=1408,
                     num_attention_heads=8, num_kv_heads=8, vocab_size=32000,

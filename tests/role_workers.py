@@ -7,12 +7,12 @@ import dataclasses
 import torch
 
 from megarlhf.convert.mcore_io import CheckpointReader
+from megarlhf.data.sequences import SequenceBatch
 from megarlhf.engine.checkpoint import engine_from_checkpoint, save_checkpoint
 from megarlhf.engine.optim import OptimConfig
 from megarlhf.parallel.mesh import ParallelConfig, init_mesh
 from megarlhf.roles.batching import Batching
 from megarlhf.roles.policy import PolicyLossConfig, PolicyRole
-from megarlhf.roles.sequences import SequenceBatch
 from megarlhf.roles.value import ValueLossConfig, ValueRole
 
 # No warmup: the one step under test must move the weights. Adam's first step is

@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from megarlhf.data.packing import document_mask
+from megarlhf.data.sequences import SequenceBatch
 from megarlhf.roles.batching import (
     Batching, about_token, at_last_token, balance, fit, microbatches, spans,
 )
-from megarlhf.roles.sequences import SequenceBatch
 from tests.role_workers import experience_batch
 
 

@@ -13,10 +13,10 @@ import zipfile
 import pytest
 import torch
 
-from megarlhf.convert.chunk_file import ArchiveWindow, data_record, record_start
-from megarlhf.convert.integrity import read_metadata, verify_checkpoint
+from megarlhf.convert.chunk_file import data_record
 from megarlhf.convert.mcore_io import single_rank_mesh
 from megarlhf.errors import CorruptFileError
+from megarlhf.integrity import ArchiveWindow, read_metadata, record_start, verify_checkpoint
 from megarlhf.parallel.mesh import ParallelConfig
 from tests.role_workers import checkpoint_tensors
 

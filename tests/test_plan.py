@@ -411,7 +411,7 @@ def config_of(**fields):
 
 
 def tiny_models():
-    from megarlhf.plan.sources import ModelSource
+    from megarlhf.ppo.sources import ModelSource
 
     return {role: ModelSource(preset("tiny"), role in ("critic", "reward"), "preset")
             for role in ("actor", "ref", "critic", "reward")}
@@ -511,7 +511,7 @@ def test_pinned_host_memory_per_node_sums_its_ranks_offloaded_state():
     distributed-optimizer shard: half); grads are dropped, not pinned."""
     from megarlhf.configio import load_config
     from megarlhf.plan.job import Cluster, plan
-    from megarlhf.plan.sources import ModelSource
+    from megarlhf.ppo.sources import ModelSource
     from megarlhf.ppo.config import PPOConfig
 
     config = load_config(PPOConfig, os.path.join(RECIPES, "llama3-70b-ppo.yaml"), [])
@@ -780,7 +780,7 @@ def fake_checkpoint(path, model, *, value_head: bool) -> str:
 
 def test_model_shapes_come_from_checkpoints_hf_configs_and_presets(tmp_path):
     from megarlhf.models.arch import architecture
-    from megarlhf.plan.sources import resolve
+    from megarlhf.ppo.sources import resolve
 
     qwen = preset("qwen2.5-72b")
     hf = tmp_path / "hf"
@@ -1102,7 +1102,7 @@ def live_case_id(case) -> str:
 def test_planned_phases_match_a_workers_live_bytes(case, tmp_path):
     from megarlhf.parallel import launch_local
     from megarlhf.plan.job import PHASES, Cluster, plan
-    from megarlhf.plan.sources import ModelSource
+    from megarlhf.ppo.sources import ModelSource
 
     name, dtype, tp, fields = case
     model = LIVE_MODELS[name]

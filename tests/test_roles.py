@@ -22,10 +22,10 @@ import pytest
 import torch
 
 from megarlhf.data.packing import document_mask
+from megarlhf.data.sequences import SequenceBatch
 from megarlhf.parallel import launch_local
 from megarlhf.parallel.mesh import ParallelConfig as P
 from megarlhf.roles.policy import PolicyLossConfig, ptx_scale
-from megarlhf.roles.sequences import SequenceBatch
 from megarlhf.roles.batching import Batching
 from tests import role_workers
 

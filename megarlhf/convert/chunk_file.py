@@ -11,7 +11,8 @@ byte for byte except for the random serialization id torch gives every save.
 
 The bytes can come as row blocks (`RowBlocks`), e.g. views of an HF file's pages in Megatron's
 row order, and are written block after block: a chunk is never assembled in memory. Readers
-find a chunk's bytes (and their CRC32) in its archive with `ArchiveWindow` and `data_record`.
+find a chunk's bytes (and their CRC32) in its archive with `data_record`, within an
+`ArchiveWindow` (megarlhf/integrity.py, where every reader's checks live).
 """
 
 from __future__ import annotations
@@ -33,9 +34,9 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from megarlhf.convert.safetensors_io import tensor_bytes
+from megarlhf.integrity import ReadOnlyFile, is_storage, record_start
 
 _DESCRIPTOR = b"PK\x07\x08"
-_LOCAL_HEADER = struct.Struct("<4s22xHH")  # signature, ..., name length, extra field length
 _DATA_RECORD = "/data/0"  # torch.save names a tensor's only storage data/0
 _MAX_WRITE = 1 << 30  # one pwrite at most; Linux writes at most ~2 GiB per call
 
@@ -218,68 +219,7 @@ def data_record(archive: io.RawIOBase, nbytes: int, key: str) -> tuple[int, int]
     return record_start(archive, records[0]), records[0].CRC
 
 
-def is_storage(record: zipfile.ZipInfo) -> bool:
-    """Whether a torch.save archive's record holds a storage's bytes (data/<n>), not a small
-    record that describes them (data.pkl, byteorder, version, ...)."""
-    return "/data/" in record.filename
-
-
-def record_start(archive: io.RawIOBase, record: zipfile.ZipInfo) -> int:
-    """Where the bytes of `record` begin within the archive: after its local header (which
-    zipfile's directory listing does not read). BadZipFile unless a header is there naming
-    the record as the directory does (torch looks records up by the directory's names)."""
-    archive.seek(record.header_offset)
-    header = archive.read(_LOCAL_HEADER.size)
-    if len(header) < _LOCAL_HEADER.size or not header.startswith(b"PK\x03\x04"):
-        raise zipfile.BadZipFile(f"record {record.filename!r} has no local header at byte "
-                                 f"{record.header_offset}")
-    _, name_length, extra_length = _LOCAL_HEADER.unpack(header)
-    name = archive.read(name_length)
-    if name != record.orig_filename.encode("utf-8" if record.flag_bits & 0x800 else "cp437"):
-        raise zipfile.BadZipFile(f"the directory's record {record.filename!r} is named "
-                                 f"{name.decode('cp437')!r} in its local header")
-    return record.header_offset + _LOCAL_HEADER.size + name_length + extra_length
-
-
-class _Range(io.RawIOBase):
-    """A read-only file of `size` bytes; subclasses read from position `_pos`."""
-
-    def __init__(self, size: int):
-        super().__init__()
-        self._size, self._pos = size, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, pos: int, whence: int = os.SEEK_SET) -> int:
-        base = {os.SEEK_SET: 0, os.SEEK_CUR: self._pos, os.SEEK_END: self._size}[whence]
-        self._pos = min(max(base + pos, 0), self._size)
-        return self._pos
-
-
-class ArchiveWindow(_Range):
-    """Bytes [offset, offset + length) of an open file as a file of their own: the
-    torch.save archive of one chunk, among the many back to back in a torch_dist file."""
-
-    def __init__(self, file, offset: int, length: int):
-        super().__init__(length)
-        self._file, self._offset = file, offset
-
-    def readinto(self, buffer) -> int:
-        view = memoryview(buffer).cast("B")[:max(0, self._size - self._pos)]
-        self._file.seek(self._offset + self._pos)
-        n = self._file.readinto(view)
-        self._pos += n
-        return n
-
-
-class _SparseArchive(_Range):
+class _SparseArchive(ReadOnlyFile):
     """head + `hole` zero bytes + tail, readable without the hole in memory (zipfile reads
     only the directory in the tail)."""
 

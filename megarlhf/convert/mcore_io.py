@@ -41,10 +41,10 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from megarlhf.convert.chunk_file import ArchiveWindow, ChunkFileWriter, RowBlocks, data_record
-from megarlhf.convert.integrity import check_archive, check_crc, check_extent, read_metadata
+from megarlhf.convert.chunk_file import ChunkFileWriter, RowBlocks, data_record
 from megarlhf.convert.pages import map_tensor
 from megarlhf.errors import CorruptFileError
+from megarlhf.integrity import ArchiveWindow, check_archive, check_crc, check_extent, read_metadata
 from megarlhf.models.config import ModelConfig
 from megarlhf.models.gpt import build_model, model_spec
 from megarlhf.parallel.mesh import DistEnv, ParallelConfig, destroy_mesh, free_port, init_mesh

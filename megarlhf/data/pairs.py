@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from megarlhf.data.encode import Example
-from megarlhf.roles.sequences import SequenceBatch
+from megarlhf.data.sequences import SequenceBatch
 
 
 def pair_sequences(pairs: list[Example], pad_id: int) -> SequenceBatch:

@@ -17,12 +17,12 @@ import json
 import os
 from typing import Any, Callable
 
-from megarlhf.convert.integrity import file_sha256
 from megarlhf.data.config import DatasetSource
 from megarlhf.data.records import PROMPT_IDS, read_records
 from megarlhf.data.report import BadRecords
 from megarlhf.data.templates import PromptFormat
 from megarlhf.data.tokenizer import Tokenizer, tokenizer_fingerprint
+from megarlhf.integrity import file_sha256
 
 CACHE_SIDECAR = ".megarlhf.json"
 """Appended to a prompt cache's path: its checksum and the tokenizer it was made with."""

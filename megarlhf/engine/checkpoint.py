@@ -19,11 +19,11 @@ from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedBase, ShardedTensorFactory
 
 from megarlhf.compat.megatron import torch_adam_load_fixes
-from megarlhf.convert.integrity import read_json, verify_checkpoint_collectively
 from megarlhf.models.arch import Architecture, architecture_for_model
 from megarlhf.models.config import ModelConfig
 from megarlhf.engine.optim import OptimConfig
 from megarlhf.engine.train import TrainEngine
+from megarlhf.integrity import read_json, verify_checkpoint_collectively
 from megarlhf.models.gpt import ModelSpec, model_spec
 from megarlhf.models.transformer_config import dtype_name
 from megarlhf.parallel.mesh import Mesh, ParallelConfig

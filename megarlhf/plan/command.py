@@ -10,11 +10,12 @@ import os
 import sys
 
 from megarlhf.plan.fixes import suggest, switches
-from megarlhf.plan.job import Cluster, check, plan, resolve_models
+from megarlhf.plan.job import Cluster, check, plan
 from megarlhf.plan.report import render, refusal
 from megarlhf.configio import load_config
 from megarlhf.ppo.config import PPOConfig
 from megarlhf.ppo.data import read_run_prompts
+from megarlhf.ppo.sources import resolve_models
 
 
 def prompt_length(config: PPOConfig, given: int | None) -> int:

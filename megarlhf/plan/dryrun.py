@@ -6,12 +6,12 @@ module; builds no model and starts no process.
 
 from __future__ import annotations
 
-from megarlhf.plan.job import resolve_models
 from megarlhf.ppo import run_dir
 from megarlhf.ppo.algorithms import describe
 from megarlhf.ppo.config import PPOConfig
 from megarlhf.ppo.inputs import read_inputs
 from megarlhf.ppo.placement import group_specs
+from megarlhf.ppo.sources import resolve_models
 
 
 def ppo(config: PPOConfig) -> str:

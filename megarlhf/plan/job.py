@@ -56,19 +56,16 @@ from megarlhf.models.transformer_config import parse_dtype
 from megarlhf.parallel.mesh import ParallelConfig
 from megarlhf.plan import memory
 from megarlhf.plan.params import rank_expert_params, rank_params, total_params
-from megarlhf.plan.sources import ModelSource, resolve
 from megarlhf.ppo import residency as phase_needs
 from megarlhf.ppo.config import PPOConfig
 from megarlhf.ppo.layout import GroupSpec, group_specs
+from megarlhf.ppo.sources import MODEL_ROLES, ModelSource, check_models, resolve_models
 from megarlhf.rollout.bridge import DEFAULT_BUCKET_BYTES
 from megarlhf.rollout.megatron_engine import MegatronEngineConfig
 
 GIB = 1024**3
 PHASES = ("rollout", "experience", "train", "sync", "checkpoint")
 EVERY = frozenset(PHASES)
-MODEL_ROLES = {"actor": ("actor", False, True), "ref": ("actor", False, False),
-               "critic": ("critic", True, True), "reward": ("reward_model", True, False)}
-"""role -> (PPOConfig field with its checkpoint, value head, trained)."""
 SWITCHES = ("offload_params", "offload_grads", "offload_optimizer", "rollout_sleep")
 """PPOConfig's switches that move terms off the device between phases (colocated only)."""
 
@@ -272,46 +269,6 @@ class Plan:
     @property
     def fits(self) -> bool:
         return self.fits_gpu and self.fits_host
-
-
-def resolve_models(config: PPOConfig) -> dict[str, ModelSource]:
-    """Role -> its model's shape, for the roles this job has."""
-    roles = set().union(*(spec.roles for spec in group_specs(config)))
-    models = {}
-    for role, (field, value_head, _) in MODEL_ROLES.items():
-        if role in roles:
-            models[role] = resolve(getattr(config, field), field=field, value_head=value_head)
-    return models
-
-
-def check_models(config: PPOConfig, models: dict[str, ModelSource], seq: int) -> list[str]:
-    """What makes the models unrunnable at the recipe's layout, each with a fix."""
-    problems = []
-    for role, source in models.items():
-        training = config.parallel_of(role)
-        if role == "ref" and "actor" in models and training == config.parallel_of("actor"):
-            continue  # the actor's checkpoint at the actor's layout, checked as the actor
-        try:
-            source.model.check_parallel(training if source.model.is_moe
-                                        else training.without_experts(),
-                                        training=role in ("actor", "critic"))
-        except ValueError as e:
-            problems.append(f"{role}: {e}")
-        if seq > source.model.max_position_embeddings:
-            problems.append(f"{role}: a prompt + response of {seq} tokens exceeds the model's "
-                            f"max_position_embeddings={source.model.max_position_embeddings}; "
-                            f"lower max_new_tokens or the prompt length")
-    split = [f"{r} {config.parallel_of(r).expert_parallel}" for r in models
-             if config.parallel_of(r).expert_parallel > 1]
-    if split and not any(source.model.is_moe for source in models.values()):
-        problems.append(f"expert_parallel > 1 ({', '.join(split)}), but no model of this run "
-                        f"is a mixture of experts: set it to 1")
-    try:
-        models["actor"].model.check_parallel(ParallelConfig(tensor_parallel=config.rollout_tp))
-    except ValueError as e:
-        problems.append(f"rollout engines (layout.rollout.tensor_parallel={config.rollout_tp}): "
-                        f"{e}")
-    return problems
 
 
 def check_cluster(config: PPOConfig, cluster: Cluster) -> list[str]:

@@ -15,9 +15,9 @@ import shutil
 
 import torch
 
-from megarlhf.convert.integrity import file_sha256
 from megarlhf.engine.checkpoint import replace_dir
 from megarlhf.engine.run_checkpoints import RunCheckpoints
+from megarlhf.integrity import file_sha256
 
 log = logging.getLogger(__name__)
 

@@ -41,9 +41,8 @@ def main(recipe: str, overrides: list[str], *, show: int = 3, write_cache: str |
 def _length_limit(config: PPOConfig) -> tuple[int, str] | None:
     """The most prompt tokens that fit next to max_new_tokens, and what sets it; None when
     the models cannot be read (yet)."""
-    from megarlhf.plan.job import resolve_models
-
     from megarlhf.ppo.preflight import fit_limit
+    from megarlhf.ppo.sources import resolve_models
 
     try:
         models = resolve_models(config)

@@ -21,6 +21,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Callable
 
+from megarlhf.data.sequences import SequenceBatch
 from megarlhf.ppo.config import PPOConfig
 from megarlhf.ppo.groups import WorkerError
 from megarlhf.ppo.layout import group_specs
@@ -28,7 +29,6 @@ from megarlhf.ppo.worker_api import WorkerAPI
 from megarlhf.rollout.engine import Completion, SamplingParams
 from megarlhf.rollout.sizing import EngineSize
 from megarlhf.roles.policy import PolicyInputs
-from megarlhf.roles.sequences import SequenceBatch
 
 if TYPE_CHECKING:
     import torch

@@ -15,8 +15,8 @@ import torch
 
 from megarlhf.data.tokenizer import eos_token_ids, tokenizer_fingerprint
 from megarlhf.engine.checkpoint import HF_SIDECAR
-from megarlhf.plan.job import MODEL_ROLES, check_models, resolve_models
 from megarlhf.ppo.config import PPOConfig
+from megarlhf.ppo.sources import MODEL_ROLES, check_models, resolve_models
 from megarlhf.rollout.sizing import EngineSize
 
 log = logging.getLogger(__name__)

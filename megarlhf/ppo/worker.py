@@ -17,6 +17,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megarlhf.data.sequences import SequenceBatch
 from megarlhf.engine.checkpoint import (
     checkpoint_architecture, engine_from_checkpoint, load_checkpoint, read_meta, save_checkpoint,
 )
@@ -36,7 +37,6 @@ from megarlhf.rollout import sizing
 from megarlhf.rollout.sizing import EngineSize
 from megarlhf.roles.batching import Batching
 from megarlhf.roles.policy import PolicyInputs, PolicyLossConfig, PolicyRole
-from megarlhf.roles.sequences import SequenceBatch
 from megarlhf.roles.value import ValueLossConfig, ValueRole
 
 

@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     import torch
 
+    from megarlhf.data.sequences import SequenceBatch
     from megarlhf.roles.policy import PolicyInputs
-    from megarlhf.roles.sequences import SequenceBatch
     from megarlhf.rollout.engine import Completion, SamplingParams
 
 

@@ -40,10 +40,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from megarlhf.data.sequences import SequenceBatch
 from megarlhf.engine.schedule import rank_rows
 from megarlhf.engine.train import TrainEngine
 from megarlhf.parallel.mesh import ParallelConfig
-from megarlhf.roles.sequences import SequenceBatch
 
 
 @dataclasses.dataclass(frozen=True)

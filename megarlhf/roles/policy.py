@@ -8,13 +8,13 @@ import dataclasses
 
 import torch
 
+from megarlhf.data.sequences import SequenceBatch
 from megarlhf.engine.train import StepMetrics, TrainEngine
 from megarlhf.engine.schedule import Loss
 from megarlhf.parallel.vocab import vocab_parallel_logprobs_and_entropy
 from megarlhf.rl.kl import KL_ESTIMATORS, kl_penalty
 from megarlhf.rl.losses import aggregate, policy_loss
 from megarlhf.roles.batching import Batching, about_token, microbatches, to_global
-from megarlhf.roles.sequences import SequenceBatch
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -8,10 +8,10 @@ import dataclasses
 
 import torch
 
+from megarlhf.data.sequences import SequenceBatch
 from megarlhf.engine.train import StepMetrics, TrainEngine
 from megarlhf.rl.losses import aggregate, value_loss
 from megarlhf.roles.batching import Batching, about_token, at_last_token, microbatches, to_global
-from megarlhf.roles.sequences import SequenceBatch
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -1,6 +1,6 @@
 """Rollout output -> the batch the roles score and train on.
 
-Rows are [pad... prompt | response ...pad] (roles/sequences.py): prompts left-padded to the
+Rows are [pad... prompt | response ...pad] (data/sequences.py): prompts left-padded to the
 longest, so every response starts at the same column P, then right-padded. Legend: B rows (one
 per completion, a prompt's samples consecutive), T = P + the longest response.
 
@@ -15,8 +15,8 @@ import dataclasses
 
 import torch
 
+from megarlhf.data.sequences import SequenceBatch
 from megarlhf.rollout.engine import Completion
-from megarlhf.roles.sequences import SequenceBatch
 
 
 @dataclasses.dataclass(frozen=True)

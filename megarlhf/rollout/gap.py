@@ -5,7 +5,7 @@ A gap well above numerical noise means the two do not run the same model (a stal
 weight, a different RoPE or vocabulary), or the engine reports processed logprobs (after
 temperature or penalties); both bias importance ratios in PPO. Log it after every sync.
 
-Legend: B rows, T columns, aligned as in roles/sequences.py (column t: log p(token_t | <t)).
+Legend: B rows, T columns, aligned as in data/sequences.py (column t: log p(token_t | <t)).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ What megatron-core does and what we do:
 - Positions: megatron's RoPE rotates by column, not by `position_ids`. RoPE scores depend only
   on the query-key offset, so the left-padding shift of a row cancels out, exactly as in the
   trainer's forward over the same left-padded batch. We still pass positions that count real
-  tokens only (roles/sequences.py), which is what any absolute position embedding would need.
+  tokens only (data/sequences.py), which is what any absolute position embedding would need.
 - Logits: in inference mode `GPTModel` insists on gathering the vocabulary across TP
   (`runtime_gather_output`), so every rank holds identical full logits [B, Vp]; every rank then
   samples with an identically seeded generator and picks the same token without a broadcast.
@@ -399,7 +399,7 @@ def _left_pad(prompts: list[list[int]], device) -> tuple[torch.Tensor, torch.Ten
 def _attention_mask(real_BL: torch.Tensor, T: int) -> torch.Tensor:
     """[B, 1, T, L] bool, True = masked, for queries at the last T of L columns: causal, no
     padding keys, and a padding query sees itself so no softmax row is empty (its output is
-    never used) - the same rule as roles/sequences.py."""
+    never used) - the same rule as data/sequences.py."""
     L = real_BL.shape[1]
     q_cols = torch.arange(L - T, L, device=real_BL.device)[:, None]
     k_cols = torch.arange(L, device=real_BL.device)[None, :]

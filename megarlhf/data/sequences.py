@@ -1,4 +1,5 @@
-"""Prompt + response token batches as the roles see them.
+"""Prompt + response token batches: what reward-model pairs (pairs.py) and rollouts
+(rollout/experience.py) are made into, and what the roles compute on.
 
 Legend: B sequences, T positions. Each row is [pad... prompt | response ...pad]: prompts are
 left-padded and responses right-padded, so every response starts at the same column.
@@ -15,7 +16,6 @@ import dataclasses
 
 import torch
 import torch.nn.functional as F
-
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,7 +8,13 @@ reader is built without its CRC32 checks and DCP adds none, and our converters r
 bytes through mapped pages: without these checks a flipped byte loads as a wrong weight and a
 truncated file fails with a zip error deep in a rank. `.metadata`, `metadata.json` and
 `megarlhf_complete.json` (pickle, JSON) carry no checksum: damage there is caught where it
-leaves them unreadable.
+leaves them unreadable. `ArchiveWindow` and `record_start` find an archive and its records in
+a data file, for these checks and for the converters' reader (convert/mcore_io.py).
+
+`file_sha256` checks the other files we write and read back: a prompt cache
+(data/prompts.py), a PPO checkpoint's pending rollout (ppo/checkpoints.py).
+
+Below data/, engine/ and convert/, which all read what it checks: it imports none of them.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import hashlib
 import io
 import json
 import os
+import struct
 import zipfile
 import zlib
 
@@ -25,7 +32,6 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
-from megarlhf.convert.chunk_file import ArchiveWindow, is_storage, record_start
 from megarlhf.errors import CorruptFileError, describe
 
 COMMON_STATE = "common.pt"  # megatron-core's non-sharded state, loaded by every rank
@@ -34,6 +40,7 @@ MCORE_CONFIG = "metadata.json"  # megatron-core's description of the checkpoint'
 # Read and checked in pieces that stay in the CPU cache: ~2.7x faster than zipfile's reads.
 _BLOCK = 1 << 20
 _FIX = "the file is corrupt; restore it or use another checkpoint"
+_LOCAL_HEADER = struct.Struct("<4s22xHH")  # signature, ..., name length, extra field length
 
 
 def file_sha256(path: str) -> str:
@@ -182,6 +189,67 @@ def verify_checkpoint_collectively(path: str, keys: set[str]) -> None:
     if found:
         corrupt, message = found[0]
         raise (CorruptFileError if corrupt else ValueError)(message)
+
+
+def is_storage(record: zipfile.ZipInfo) -> bool:
+    """Whether a torch.save archive's record holds a storage's bytes (data/<n>), not a small
+    record that describes them (data.pkl, byteorder, version, ...)."""
+    return "/data/" in record.filename
+
+
+def record_start(archive: io.RawIOBase, record: zipfile.ZipInfo) -> int:
+    """Where the bytes of `record` begin within the archive: after its local header (which
+    zipfile's directory listing does not read). BadZipFile unless a header is there naming
+    the record as the directory does (torch looks records up by the directory's names)."""
+    archive.seek(record.header_offset)
+    header = archive.read(_LOCAL_HEADER.size)
+    if len(header) < _LOCAL_HEADER.size or not header.startswith(b"PK\x03\x04"):
+        raise zipfile.BadZipFile(f"record {record.filename!r} has no local header at byte "
+                                 f"{record.header_offset}")
+    _, name_length, extra_length = _LOCAL_HEADER.unpack(header)
+    name = archive.read(name_length)
+    if name != record.orig_filename.encode("utf-8" if record.flag_bits & 0x800 else "cp437"):
+        raise zipfile.BadZipFile(f"the directory's record {record.filename!r} is named "
+                                 f"{name.decode('cp437')!r} in its local header")
+    return record.header_offset + _LOCAL_HEADER.size + name_length + extra_length
+
+
+class ReadOnlyFile(io.RawIOBase):
+    """A read-only file of `size` bytes; subclasses read from position `_pos`."""
+
+    def __init__(self, size: int):
+        super().__init__()
+        self._size, self._pos = size, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = os.SEEK_SET) -> int:
+        base = {os.SEEK_SET: 0, os.SEEK_CUR: self._pos, os.SEEK_END: self._size}[whence]
+        self._pos = min(max(base + pos, 0), self._size)
+        return self._pos
+
+
+class ArchiveWindow(ReadOnlyFile):
+    """Bytes [offset, offset + length) of an open file as a file of their own: the
+    torch.save archive of one chunk, among the many back to back in a torch_dist file."""
+
+    def __init__(self, file, offset: int, length: int):
+        super().__init__(length)
+        self._file, self._offset = file, offset
+
+    def readinto(self, buffer) -> int:
+        view = memoryview(buffer).cast("B")[:max(0, self._size - self._pos)]
+        self._file.seek(self._offset + self._pos)
+        n = self._file.readinto(view)
+        self._pos += n
+        return n
 
 
 def _key(fqn: str, metadata: Metadata) -> str:

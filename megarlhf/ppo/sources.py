@@ -1,0 +1,111 @@
+"""The models of a PPO job's roles, read without loading any weight: which recipe field holds
+each role's model (MODEL_ROLES), the architecture behind that path (resolve_models), and what
+makes them unrunnable at the recipe's layout (check_models). The run's checks before any rank
+starts (preflight.py), `megarlhf data` and the memory planner (megarlhf/plan) all read them
+here.
+
+A path is one of:
+- a megarlhf (Megatron) checkpoint directory: its completion marker records the ModelConfig
+  and whether it has a value head;
+- an HF model directory: its config.json, through the converter's architecture registry (the
+  same mapping `tools/convert_hf` applies, so the plan describes the converted model);
+- `preset:NAME`: a named shape from megarlhf.models.presets, for planning before anything
+  is downloaded or converted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from megarlhf.engine.checkpoint import is_complete, read_meta
+from megarlhf.models.config import ModelConfig
+from megarlhf.models.presets import preset
+from megarlhf.parallel.mesh import ParallelConfig
+from megarlhf.ppo.config import PPOConfig
+from megarlhf.ppo.layout import group_specs
+
+PRESET_PREFIX = "preset:"
+
+MODEL_ROLES = {"actor": ("actor", False, True), "ref": ("actor", False, False),
+               "critic": ("critic", True, True), "reward": ("reward_model", True, False)}
+"""role -> (PPOConfig field with its checkpoint, value head, trained)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSource:
+    model: ModelConfig
+    value_head: bool
+    origin: str
+    """Where the shape came from, for the report ('checkpoint', 'HF config', 'preset')."""
+
+
+def resolve(path: str, *, field: str, value_head: bool) -> ModelSource:
+    """The shape of the model at `path` (the recipe's `field`); `value_head` is what its role
+    needs (critic and reward: True). A checkpoint that disagrees is refused."""
+    if path.startswith(PRESET_PREFIX):
+        return ModelSource(preset(path[len(PRESET_PREFIX):]), value_head, "preset")
+    if is_complete(path):
+        meta = read_meta(path)
+        if meta["value_head"] != value_head:
+            kind = "a value head" if meta["value_head"] else "an LM head"
+            raise ValueError(f"{field}: checkpoint {path} has {kind}, the role needs "
+                             f"{'a value head' if value_head else 'an LM head'}")
+        return ModelSource(ModelConfig.from_dict(meta["model"]), value_head, "checkpoint")
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return ModelSource(_from_hf(path), value_head, "HF config")
+    hint = ("it does not exist yet" if not os.path.exists(path)
+            else "it is neither a megarlhf checkpoint nor an HF model directory")
+    raise ValueError(f"{field}: cannot read the model shape from {path!r}: {hint}. Convert "
+                     f"it first (tools/convert_hf), or plan with {field}=preset:NAME (presets: "
+                     f"megarlhf.models.presets)")
+
+
+def resolve_models(config: PPOConfig) -> dict[str, ModelSource]:
+    """Role -> its model's shape, for the roles this job has."""
+    roles = set().union(*(spec.roles for spec in group_specs(config)))
+    models = {}
+    for role, (field, value_head, _) in MODEL_ROLES.items():
+        if role in roles:
+            models[role] = resolve(getattr(config, field), field=field, value_head=value_head)
+    return models
+
+
+def check_models(config: PPOConfig, models: dict[str, ModelSource], seq: int) -> list[str]:
+    """What makes the models unrunnable at the recipe's layout, each with a fix."""
+    problems = []
+    for role, source in models.items():
+        training = config.parallel_of(role)
+        if role == "ref" and "actor" in models and training == config.parallel_of("actor"):
+            continue  # the actor's checkpoint at the actor's layout, checked as the actor
+        try:
+            source.model.check_parallel(training if source.model.is_moe
+                                        else training.without_experts(),
+                                        training=role in ("actor", "critic"))
+        except ValueError as e:
+            problems.append(f"{role}: {e}")
+        if seq > source.model.max_position_embeddings:
+            problems.append(f"{role}: a prompt + response of {seq} tokens exceeds the model's "
+                            f"max_position_embeddings={source.model.max_position_embeddings}; "
+                            f"lower max_new_tokens or the prompt length")
+    split = [f"{r} {config.parallel_of(r).expert_parallel}" for r in models
+             if config.parallel_of(r).expert_parallel > 1]
+    if split and not any(source.model.is_moe for source in models.values()):
+        problems.append(f"expert_parallel > 1 ({', '.join(split)}), but no model of this run "
+                        f"is a mixture of experts: set it to 1")
+    try:
+        models["actor"].model.check_parallel(ParallelConfig(tensor_parallel=config.rollout_tp))
+    except ValueError as e:
+        problems.append(f"rollout engines (layout.rollout.tensor_parallel={config.rollout_tp}): "
+                        f"{e}")
+    return problems
+
+
+def _from_hf(path: str) -> ModelConfig:
+    import transformers
+
+    from megarlhf.models.arch import architecture_for_hf_config
+
+    config = transformers.AutoConfig.from_pretrained(path)
+    arch, _ = architecture_for_hf_config(config, path)
+    return arch.model_config(config)
