@@ -169,6 +169,66 @@ def test_moe_aux_loss_is_still_weighted_by_the_tokens_a_rank_holds():
     assert mcore_shims.aux_loss_split_factor(4) == (1 if scaled else 4)
 
 
+def _dcp_load_calls(source: str) -> dict[str, list[tuple[int, list[str]]]]:
+    """The calls `checkpoint.<name>(...)` in `source`: name -> [(positional arguments,
+    keywords)]."""
+    import ast
+    import textwrap
+
+    calls: dict[str, list[tuple[int, list[str]]]] = {}
+    for node in ast.walk(ast.parse(textwrap.dedent(source))):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                and isinstance(node.func.value, ast.Name) and node.func.value.id == "checkpoint":
+            calls.setdefault(node.func.attr, []).append(
+                (len(node.args), [k.arg for k in node.keywords]))
+    return calls
+
+
+def test_megatron_core_before_0_18_still_loads_through_the_deprecated_dcp_call():
+    """`load_dist_checkpoint`: torch still deprecates `dcp.load_state_dict`; 0.16 and 0.17
+    load torch_dist files with it, called with the arguments the stand-in takes through
+    their module's `checkpoint`, and later versions call `dcp.load` themselves."""
+    import torch.distributed.checkpoint as dcp
+    from megatron.core.dist_checkpointing.strategies import torch as torch_strategy
+    from packaging.version import Version
+
+    assert "deprecated" in getattr(dcp.load_state_dict, "__deprecated__", "")
+    assert torch_strategy.checkpoint is dcp
+    calls = _dcp_load_calls(inspect.getsource(torch_strategy.TorchDistLoadShardedStrategy.load))
+    if mcore_shims.VERSION < Version("0.18"):
+        assert calls == {"load_state_dict": [(2, ["planner"])]}
+    else:
+        assert "load_state_dict" not in calls and len(calls["load"]) == 1
+
+
+def test_a_checkpoint_load_warns_of_no_deprecated_call(tmp_path):
+    """A model saved and loaded back in one process: equal weights, and no warning a plain run
+    would print (the filters of compat/warnings.py applied, none of pytest's)."""
+    import warnings
+
+    from megarlhf.compat.warnings import quiet_known_warnings
+    from megarlhf.convert.mcore_io import single_rank_mesh
+    from megarlhf.engine.checkpoint import load_checkpoint, save_checkpoint
+    from megarlhf.engine.train import TrainEngine
+    from megarlhf.parallel.mesh import ParallelConfig
+
+    path = str(tmp_path / "ckpt")
+    with single_rank_mesh() as mesh:
+        spec = workers.make_spec(preset("tiny"), ParallelConfig())
+        saved = TrainEngine(spec, mesh)
+        save_checkpoint(path, saved, mesh, with_optimizer=False)
+        loaded = TrainEngine(spec, mesh)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.resetwarnings()
+            warnings.simplefilter("always")
+            quiet_known_warnings()
+            load_checkpoint(path, loaded, with_optimizer=False)
+    assert [f"{w.category.__name__}: {w.message}" for w in caught] == []
+    before, after = saved.chunks[0].state_dict(), loaded.chunks[0].state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before
+               if isinstance(before[k], torch.Tensor))
+
+
 @needs_vllm
 def test_vllm_weight_updates_still_skip_the_cpu_expert_prepack():
     """`prepack_reloaded_experts`: on a weight update vLLM's unquantized MoE method copies the

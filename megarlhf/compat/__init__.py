@@ -2,7 +2,8 @@
 per library, each naming the versions it was written for and refusing others with one line.
 
 - `megatron`: megatron-core's CUDA assumptions redirected on CPU machines, its distributed
-  optimizer's load over torch's Adam, the value head's hook into GPTModel's forward.
+  optimizer's load over torch's Adam, its dist-checkpoint load through torch's current DCP
+  call (0.16 and 0.17 call a deprecated one), the value head's hook into GPTModel's forward.
 - `vllm`: vLLM's teardown kept off the trainer's process group, unique shared-memory names for
   engines on CPU, tied layers refreshed after a weight reload, the reload finished after a
   failure.

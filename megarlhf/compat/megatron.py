@@ -13,6 +13,7 @@
 2. `torch_adam_load_fixes`: its distributed optimizer's load over torch's Adam.
    `bind_missing_te_names`: its MoE router without Transformer Engine.
    `aux_loss_split_factor`: its load-balancing loss's weight when a sequence is split.
+   `load_dist_checkpoint`: its dist-checkpoint load through torch's current DCP call.
 3. `PostprocessHook`: a GPTModel subclass replaces the LM head through the private method
    GPTModel.forward ends with.
 
@@ -31,6 +32,7 @@ import threading
 
 import torch
 from megatron.core import package_info
+from packaging.version import Version
 
 from megarlhf.compat import require
 
@@ -278,6 +280,43 @@ def bind_missing_te_names() -> None:
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+
+
+def load_dist_checkpoint(sharded_state_dict: dict, path: str) -> dict:
+    """megatron-core's `dist_checkpointing.load(sharded_state_dict, path)`.
+
+    0.16 and 0.17 read the torch_dist files with torch's `dcp.load_state_dict`, deprecated
+    for `dcp.load` (a FutureWarning at every load, on every rank); 0.18 and later call
+    `dcp.load` themselves. For the older ones the load sees, in place of their module's
+    `dcp`, one whose `load_state_dict` calls `load` with the same reader, planner, process
+    group and coordinator: the same load, without the warning."""
+    from megatron.core import dist_checkpointing
+
+    if VERSION >= Version("0.18"):
+        return dist_checkpointing.load(sharded_state_dict, path)
+    from megatron.core.dist_checkpointing.strategies import torch as torch_strategy
+
+    dcp = torch_strategy.checkpoint
+    torch_strategy.checkpoint = _CallingLoad(dcp)
+    try:
+        return dist_checkpointing.load(sharded_state_dict, path)
+    finally:
+        torch_strategy.checkpoint = dcp
+
+
+class _CallingLoad:
+    """torch.distributed.checkpoint `dcp`, its deprecated `load_state_dict` calling `load`."""
+
+    def __init__(self, dcp):
+        self._dcp = dcp
+
+    def __getattr__(self, name: str):
+        return getattr(self._dcp, name)
+
+    def load_state_dict(self, state_dict: dict, storage_reader, *, planner=None) -> None:
+        # The arguments megatron-core 0.16 and 0.17 pass; the old call reset the reader first.
+        storage_reader.reset()
+        self._dcp.load(state_dict, storage_reader=storage_reader, planner=planner)
 
 
 @contextlib.contextmanager

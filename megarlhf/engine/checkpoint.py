@@ -18,7 +18,7 @@ from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedBase, ShardedTensorFactory
 
-from megarlhf.compat.megatron import torch_adam_load_fixes
+from megarlhf.compat.megatron import load_dist_checkpoint, torch_adam_load_fixes
 from megarlhf.models.arch import Architecture, architecture_for_model
 from megarlhf.models.config import ModelConfig
 from megarlhf.engine.optim import OptimConfig
@@ -241,7 +241,7 @@ def load_checkpoint(path: str, engine, *, with_optimizer: bool = True) -> dict:
         _materialise_optimizer_state(engine.optimizer)
     template = _sharded_state(engine, is_loading=True, with_optimizer=with_optimizer)
     verify_checkpoint_collectively(path, _keys(template))  # megatron-core's load checks none
-    loaded = dist_checkpointing.load(template, path)
+    loaded = load_dist_checkpoint(template, path)
     for chunk, sd in zip(engine.unwrapped(), loaded["model"].values()):
         chunk.load_state_dict(sd)
     engine.provenance = {"architecture": meta.get("architecture"),

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import os
 
-from megatron.core import dist_checkpointing
-
+from megarlhf.compat.megatron import load_dist_checkpoint
 from megarlhf.engine.checkpoint import HF_SIDECAR, load_checkpoint, read_meta
 from megarlhf.engine.optim import OptimConfig
 from megarlhf.engine.train import TrainEngine
@@ -65,7 +64,7 @@ def load_trunk(path: str, engine: TrainEngine, meta: dict) -> None:
         # The template holds only trunk tensors, so the checkpoint's output layer is not read;
         # the load also returns the checkpoint's non-tensor state (optimizer, schedule), which
         # is not ours to take.
-        loaded = dist_checkpointing.load(template, path)
+        loaded = load_dist_checkpoint(template, path)
         result = chunk.load_state_dict({k: loaded[k] for k in template}, strict=False)
         missing = [k for k in result.missing_keys if not k.startswith(HEAD_PREFIX)]
         assert not missing and not result.unexpected_keys, (missing, result.unexpected_keys)
