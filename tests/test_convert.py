@@ -19,6 +19,7 @@ import transformers
 from megarlhf.convert.hf_to_mcore import hf_to_mcore
 from megarlhf.convert.mcore_to_hf import mcore_to_hf
 from megarlhf.convert.safetensors_io import SafetensorsReader
+from megarlhf.convert.verify import HF_FP32_FACTOR, HFOutputs, VerifyReport, compare
 from megarlhf.engine.checkpoint import read_meta
 from megarlhf.models.arch import architecture, architecture_for_hf_class, architecture_for_model
 from megarlhf.models.config import ModelConfig
@@ -343,3 +344,40 @@ def test_missing_and_unknown_inputs(tmp_path):
         hf_to_mcore(str(tmp_path), str(tmp_path / "mc"), parallel=ParallelConfig())
     with pytest.raises(ValueError, match="not a complete megarlhf checkpoint"):
         mcore_to_hf(str(tmp_path), str(tmp_path / "hf"))
+
+
+@pytest.mark.parametrize("ours, hf_fp32, passed", [
+    (9e-5, 1e-6, True),      # within the tolerance of float64
+    (1.4e-4, 1.7e-4, True),  # over it, but no worse than HF's own fp32 (SmolLM2, TP3xPP2)
+    (3.5e-4, 1.7e-4, False),  # over twice HF's own fp32 error
+    (5e-3, 1e-5, False),     # a mapping error
+    (float("nan"), 1e-5, False),
+])
+def test_verify_passes_within_tolerance_or_hf_own_fp32_error(ours, hf_fp32, passed):
+    report = VerifyReport("logits", ours, hf_fp32, 1.0, tolerance=1e-4, layout="TP3xPP2")
+    assert report.passed == passed
+    assert report.bound == max(1e-4, HF_FP32_FACTOR * hf_fp32)
+
+
+def test_verify_compares_with_hf_float64_and_reports_both_differences():
+    # Logits [B=2, T=3, V=4] whose float64 values fp32 misses by 1.7e-4 and ours by 1.4e-4.
+    fp64 = torch.arange(24, dtype=torch.float64).reshape(2, 3, 4) / 8  # fp32 rounds by <= 1.2e-7
+    hf = HFOutputs(fp32=(fp64 + 1.7e-4).float(), fp64=fp64)
+    tokens = torch.zeros(2, 3, dtype=torch.long)
+    report = compare(hf, (fp64 - 1.4e-4).float(), tokens, value_head=False, pad_id=None,
+                     tolerance=1e-4, layout="TP3xPP2")
+    assert report.ours_diff == pytest.approx(1.4e-4, rel=1e-2)
+    assert report.hf_fp32_diff == pytest.approx(1.7e-4, rel=1e-2)
+    assert report.passed and report.top1_agreement == 1.0
+    assert str(report).splitlines() == [
+        "PASS logits at TP3xPP2: max |diff| from HF float64: ours 1.40e-04, HF fp32 1.70e-04; "
+        "top-1 agreement 1.0000",
+        "  rule: ours <= max(tolerance 1.0e-04, 2 x HF fp32) = 3.40e-04"]
+    # Scores: ours per token, HF's at each row's last non-pad token (pad id 0).
+    tokens = torch.tensor([[5, 6, 7], [5, 6, 0]])
+    hf = HFOutputs(fp32=torch.tensor([1.0, 2.0]), fp64=torch.tensor([1.0, 2.0],
+                                                                    dtype=torch.float64))
+    ours = torch.tensor([[9.0, 9.0, 1.0], [9.0, 2.5, 9.0]])
+    report = compare(hf, ours, tokens, value_head=True, pad_id=0, tolerance=1e-4, layout="TP1")
+    assert (report.kind, report.ours_diff, report.hf_fp32_diff) == ("scores", 0.5, 0.0)
+    assert not report.passed and str(report).startswith("FAIL scores at TP1: ")

@@ -1,9 +1,17 @@
 """Check a Megatron checkpoint against its HF source: same tokens through HF transformers and
 through our Megatron model at a given layout; compare logits (LM) or scores (value head).
 
-Tolerance: both sides compute in fp32 from the same weights; they differ only in summation
-order (fused vs separate QKV/MLP matmuls, attention kernels), which moves logits by ~1e-6 on the
-toy models. The default 1e-4 is far below what any mapping error produces (>= 1e-2).
+The reference is HF's forward in float64, not in fp32: HF's fp32 forward has rounding error of
+its own (with transformers 5.19, SmolLM2-135M's fp32 logits are 1.6e-4 from its float64
+logits), so judging ours against it would fail a correct conversion whose fp32 rounding merely
+differs from HF's. Both fp32 forwards differ from float64 only by summation order (fused vs
+separate QKV/MLP matmuls, tensor-parallel partial sums, attention kernels): ~1e-6 on the toy
+models, ~1e-4 on a 30-layer model; a mapping error moves logits by >= 1e-2. The rule is in
+VerifyReport.bound.
+
+Memory: HF runs on CPU in the calling process, after our ranks have exited, as one model loaded
+in fp32 and then cast to float64 in place: 8 bytes per parameter at the peak (64 GB for an 8B
+model). Under torchrun / srun every rank runs it.
 """
 
 from __future__ import annotations
@@ -22,26 +30,47 @@ from megarlhf.parallel import launch_local
 from megarlhf.parallel.mesh import DistEnv, ParallelConfig, init_mesh
 
 DEFAULT_TOLERANCE = 1e-4
+HF_FP32_FACTOR = 2.0
+"""Ours passes at up to this multiple of HF's own fp32 error. Ours and HF's fp32 forward are two
+fp32 evaluations of the same weights with different summation orders: their errors against
+float64 have the same size but are not equal, since each is the largest of many rounding
+errors and ours adds steps HF lacks (tensor-parallel partial sums, fused matmuls). On SmolLM2
+ours is 0.87x HF's at TP3 x PP2 (1.37e-4 vs 1.57e-4) and 0.56x at TP1; 2x leaves room for
+inputs where the ratio goes above 1, while a mapping error (>= 1e-2) stays 30x above 2x the
+fp32 error of a 30-layer model (3.1e-4). 1.5x would leave little room over the 0.87x."""
 
 
 @dataclasses.dataclass(frozen=True)
 class VerifyReport:
     kind: str
     """'logits' (causal LM) or 'scores' (value head at the last non-pad token)."""
-    max_abs_diff: float
+    ours_diff: float
+    """max |ours - HF float64|."""
+    hf_fp32_diff: float
+    """max |HF fp32 - HF float64|: how far HF's own fp32 forward is from the reference."""
     top1_agreement: float | None
+    """Share of positions where our argmax equals HF float64's (logits only)."""
     tolerance: float
     layout: str
 
     @property
+    def bound(self) -> float:
+        """Ours passes within the tolerance of float64, or when no worse than HF's own fp32
+        forward (up to HF_FP32_FACTOR, see there): a conversion cannot be asked to be closer
+        to float64 than transformers' own fp32 forward is."""
+        return max(self.tolerance, HF_FP32_FACTOR * self.hf_fp32_diff)
+
+    @property
     def passed(self) -> bool:
-        return self.max_abs_diff <= self.tolerance
+        return self.ours_diff <= self.bound  # False for NaN
 
     def __str__(self) -> str:
-        top1 = "" if self.top1_agreement is None else f", top-1 agreement {self.top1_agreement:.4f}"
+        top1 = "" if self.top1_agreement is None else f"; top-1 agreement {self.top1_agreement:.4f}"
         verdict = "PASS" if self.passed else "FAIL"
-        return (f"{verdict} {self.kind} at {self.layout}: max |diff| {self.max_abs_diff:.3e} "
-                f"(tolerance {self.tolerance:.0e}){top1}")
+        return (f"{verdict} {self.kind} at {self.layout}: max |diff| from HF float64: "
+                f"ours {self.ours_diff:.2e}, HF fp32 {self.hf_fp32_diff:.2e}{top1}\n"
+                f"  rule: ours <= max(tolerance {self.tolerance:.1e}, "
+                f"{HF_FP32_FACTOR:g} x HF fp32) = {self.bound:.2e}")
 
 
 def checkpoint_outputs(ckpt: str, parallel: ParallelConfig, tokens_BT: torch.Tensor, *,
@@ -79,30 +108,61 @@ def verification_batch(vocab_size: int, *, batch: int, seq_len: int, seed: int,
     return tokens
 
 
-def hf_outputs(hf_dir: str, tokens_BT: torch.Tensor, *, value_head: bool,
-               pad_id: int | None) -> torch.Tensor:
-    """HF transformers' own forward: logits [B, T, V] or scores [B]."""
-    if value_head:
-        model = transformers.AutoModelForSequenceClassification.from_pretrained(
-            hf_dir, dtype=torch.float32)
-        mask = (tokens_BT != pad_id).long()
-        with torch.no_grad():
-            return model(input_ids=tokens_BT, attention_mask=mask).logits[:, 0].float()
-    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+@dataclasses.dataclass(frozen=True)
+class HFOutputs:
+    """HF transformers' forward of the same tokens: logits [B, T, V] or scores [B]."""
+    fp32: torch.Tensor
+    """What users of the HF model get."""
+    fp64: torch.Tensor
+    """The reference both fp32 forwards are judged against."""
+
+
+def _hf_forward(model, tokens_BT: torch.Tensor, *, value_head: bool,
+                pad_id: int | None) -> torch.Tensor:
     with torch.no_grad():
-        return model(input_ids=tokens_BT).logits.float()
+        if value_head:
+            mask = (tokens_BT != pad_id).long()
+            return model(input_ids=tokens_BT, attention_mask=mask).logits[:, 0]
+        return model(input_ids=tokens_BT).logits
 
 
-def compare(hf_out: torch.Tensor, ours: torch.Tensor, tokens_BT: torch.Tensor, *,
+def hf_outputs(hf_dir: str, tokens_BT: torch.Tensor, *, value_head: bool,
+               pad_id: int | None) -> HFOutputs:
+    """HF transformers' own forward in fp32 and in float64, on CPU. One model: loaded in fp32,
+    then cast in place (exact), so the peak is the float64 copy, 8 bytes per parameter."""
+    cls = (transformers.AutoModelForSequenceClassification if value_head
+           else transformers.AutoModelForCausalLM)
+    model = cls.from_pretrained(hf_dir, dtype=torch.float32)
+    fp32 = _hf_forward(model, tokens_BT, value_head=value_head, pad_id=pad_id).float()
+    _to_float64(model)
+    fp64 = _hf_forward(model, tokens_BT, value_head=value_head, pad_id=pad_id)
+    return HFOutputs(fp32, fp64)
+
+
+def _to_float64(model) -> None:
+    """Cast in place onto kernels that take float64. HF's default experts kernel of MoE layers
+    (grouped_mm, transformers 5) refuses float64; its eager per-expert loop computes the same.
+    HF still builds RoPE cos/sin in fp32 (its rotary embedding calls .float()), by the formula
+    both fp32 forwards use (Megatron's too), so that shared rounding stays out of the errors
+    compared; float64 tables would add ~3e-5 to both on SmolLM2."""
+    model.to(torch.float64)
+    if hasattr(model, "set_experts_implementation"):  # transformers >= 5; a no-op without MoE
+        model.set_experts_implementation("eager")
+
+
+def _max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.double() - b.double()).abs().max().item()
+
+
+def compare(hf: HFOutputs, ours: torch.Tensor, tokens_BT: torch.Tensor, *,
             value_head: bool, pad_id: int | None, tolerance: float, layout: str) -> VerifyReport:
     if value_head:
         # Our values are per token; HF scores the last non-pad token of each right-padded row.
         last = (tokens_BT != pad_id).sum(dim=1) - 1
         ours = ours[torch.arange(ours.shape[0]), last]
-        return VerifyReport("scores", (ours - hf_out).abs().max().item(), None, tolerance, layout)
-    diff = (ours - hf_out).abs().max().item()
-    top1 = (ours.argmax(-1) == hf_out.argmax(-1)).float().mean().item()
-    return VerifyReport("logits", diff, top1, tolerance, layout)
+    top1 = None if value_head else (ours.argmax(-1) == hf.fp64.argmax(-1)).float().mean().item()
+    return VerifyReport("scores" if value_head else "logits", _max_abs_diff(ours, hf.fp64),
+                        _max_abs_diff(hf.fp32, hf.fp64), top1, tolerance, layout)
 
 
 def verify(hf_dir: str, ckpt: str, parallel: ParallelConfig, *, batch: int = 2,

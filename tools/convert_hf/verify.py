@@ -1,5 +1,6 @@
-"""Compare an HF model with a Megatron checkpoint on the same tokens (see
-megarlhf.convert.verify); exits 1 when the difference exceeds the tolerance."""
+"""Compare an HF model with a Megatron checkpoint on the same tokens against HF's float64
+forward (see megarlhf.convert.verify); exits 1 when ours is neither within the tolerance of
+it nor about as close to it as HF's own fp32 forward (HF_FP32_FACTOR times its difference)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from tools.convert_hf import run
 
 
 def main(argv=None) -> int:
-    from megarlhf.convert.verify import DEFAULT_TOLERANCE
+    from megarlhf.convert.verify import DEFAULT_TOLERANCE, HF_FP32_FACTOR
 
     p = argparse.ArgumentParser(prog="python -m tools.convert_hf.verify", description=__doc__)
     p.add_argument("--hf", required=True, help="HF model directory")
@@ -25,7 +26,8 @@ def main(argv=None) -> int:
     p.add_argument("--seq-len", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE,
-                   help="max |logit| (or score) difference allowed")
+                   help="max |logit| (or score) difference from HF's float64 forward allowed; "
+                        f"ours also passes within {HF_FP32_FACTOR:g}x HF's own fp32 difference")
     args = p.parse_args(argv)
 
     from megarlhf.convert.verify import verify
