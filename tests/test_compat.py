@@ -169,6 +169,51 @@ def test_moe_aux_loss_is_still_weighted_by_the_tokens_a_rank_holds():
     assert mcore_shims.aux_loss_split_factor(4) == (1 if scaled else 4)
 
 
+def _replay_canary() -> dict:
+    """One rank: the tiny preset with 4 experts per layer routes a batch freely, then replays a routing that sends
+    every token to experts (3, 0); what the routers returned each time."""
+    import dataclasses
+
+    from megarlhf.models.gpt import build_model, model_spec
+    from megarlhf.models.routing_replay import RoutingReplay, local_order
+    from megarlhf.parallel.mesh import ParallelConfig, init_mesh
+
+    moe = dataclasses.replace(preset("tiny"), num_experts=4, moe_ffn_hidden_size=32,
+                              moe_router_topk=2)
+    mesh = init_mesh(ParallelConfig(), seed=0)
+    (chunk,) = build_model(model_spec(moe, ParallelConfig(), on_gpu=False), mesh)
+    maps = []
+    for _, router in mcore_shims.moe_routers(chunk):
+        router.register_forward_hook(lambda m, i, out: maps.append(out[1].detach().clone()))
+    replay = RoutingReplay([chunk])
+    tokens = torch.randint(0, moe.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(8).expand(2, 8)
+    with torch.no_grad(), replay.record():
+        chunk(tokens, positions, None)
+    free = [m.nonzero()[:, 1].view(-1, 2).sort(1).values for m in maps]
+    recorded = [r.long().sort(-1).values for r in replay.take_recorded()[0].unbind(1)]
+    given = torch.tensor([3, 0]).expand(2, 8, moe.num_layers, 2)
+    maps.clear()
+    with torch.no_grad(), replay.replay():
+        replay.feed(chunk, local_order(given, mesh, sequence_parallel=False))
+        chunk(tokens, positions, None)
+    replayed = [m.nonzero()[:, 1].view(-1, 2).sort(1).values for m in maps]
+    return {"free_equals_record": all(torch.equal(f, r) for f, r in zip(free, recorded)),
+            "free_differs": any(not bool((f == torch.tensor([0, 3])).all()) for f in free),
+            "replayed": [bool((r == torch.tensor([0, 3])).all()) for r in replayed],
+            "layers": moe.num_layers, "moved": replay.moved_fraction(torch.device("cpu"))}
+
+
+def test_moe_routers_still_take_their_top_k_from_the_replay_slot():
+    """`attach_replay_slot`: every routing asks the router's replay slot for its top-k, whose
+    answer the router then uses. Recording sees the router's own choice; replaying a given
+    routing sends every token of every layer to the given experts."""
+    out = launch_local(_replay_canary, 1)[0]
+    assert out["free_equals_record"] and out["free_differs"], out
+    assert out["replayed"] == [True] * out["layers"], out
+    assert 0 < out["moved"] <= 1, out
+
+
 def _dcp_load_calls(source: str) -> dict[str, list[tuple[int, list[str]]]]:
     """The calls `checkpoint.<name>(...)` in `source`: name -> [(positional arguments,
     keywords)]."""

@@ -14,6 +14,8 @@
    `bind_missing_te_names`: its MoE router without Transformer Engine.
    `aux_loss_split_factor`: its load-balancing loss's weight when a sequence is split.
    `load_dist_checkpoint`: its dist-checkpoint load through torch's current DCP call.
+   `moe_routers`, `attach_replay_slot`, `replay_slot`: its routers' per-router top-k replay
+   interface, which routing replay (models/routing_replay.py) fills.
 3. `PostprocessHook`: a GPTModel subclass replaces the LM head through the private method
    GPTModel.forward ends with.
 
@@ -270,6 +272,38 @@ def aux_loss_split_factor(ranks_splitting_a_sequence: int) -> int:
 
     source = inspect.getsource(TopKRouter.attach_and_log_load_balancing_loss)
     return 1 if "tp_cp_group.size()" in source else ranks_splitting_a_sequence
+
+
+def moe_routers(chunk: torch.nn.Module) -> list[tuple[int, object | None]]:
+    """(global layer number, its MoE router, or None for a dense layer) of every transformer
+    layer in a model chunk: where routing replay attaches."""
+    from megatron.core.transformer.moe.router import TopKRouter
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    out = []
+    for layer in chunk.modules():
+        if isinstance(layer, TransformerLayer):
+            router = getattr(layer.mlp, "router", None)
+            out.append((layer.layer_number, router if isinstance(router, TopKRouter) else None))
+    return out
+
+
+def attach_replay_slot(router, slot) -> None:
+    """Make `slot` the router's replay interface. Every routing then asks the router's
+    `router_replay` for its top-k: `slot.get_replay_topk(scores, topk, num_groups,
+    group_topk, default_compute_topk)` returns (probs, indices), where the default computes
+    the router's own choice. It is skipped by the fused router (moe_router_fusion), so that is
+    refused here. megatron-core's own switch (`moe_enable_routing_replay`) registers every
+    router of a process in one class-level list instead, which colocated models would share."""
+    if router.config.moe_router_fusion:
+        raise ValueError("routing replay with moe_router_fusion: the fused router does not "
+                         "consult the replay slot")
+    router.router_replay = slot
+
+
+def replay_slot(router):
+    """The router's replay interface (None unless one was attached)."""
+    return router.router_replay
 
 
 def bind_missing_te_names() -> None:

@@ -29,14 +29,14 @@ import contextlib
 
 import torch
 import torch.distributed as dist
-from megatron.core.transformer.moe.router import TopKRouter
-from megatron.core.transformer.transformer_layer import TransformerLayer
 
+from megarlhf.compat import megatron as mcore_shims
 from megarlhf.parallel.mesh import Mesh
 
 
 class _RouterSlot:
-    """megatron-core's per-router replay interface (`get_replay_topk`) for one router."""
+    """megatron-core's per-router replay interface (`get_replay_topk`, see
+    compat.megatron.attach_replay_slot) for one router."""
 
     def __init__(self):
         self.mode: str | None = None
@@ -80,26 +80,19 @@ class RoutingReplay:
         self._full_recompute = False
         for chunk in chunks:
             mine = self._chunk_slots.setdefault(id(chunk), [])
-            for layer in chunk.modules():
-                if not isinstance(layer, TransformerLayer):
-                    continue
-                router = getattr(layer.mlp, "router", None)
-                if not isinstance(router, TopKRouter):
+            for number, router in mcore_shims.moe_routers(chunk):
+                if router is None:
                     # A routing is [tokens, layers, k] over every layer (`feed` indexes it
                     # by layer number); dense layers among MoE ones are refused on import.
                     raise ValueError("routing replay needs a mixture-of-experts model with "
-                                     f"experts in every layer; layer {layer.layer_number} "
-                                     f"has none")
-                if isinstance(router.router_replay, _RouterSlot):
-                    raise ValueError(f"routing replay: layer {layer.layer_number}'s router "
-                                     f"already has a RoutingReplay; use that one")
-                if router.config.moe_router_fusion:
-                    raise ValueError("routing replay with moe_router_fusion: the fused "
-                                     "router does not consult the replay slot")
+                                     f"experts in every layer; layer {number} has none")
+                if isinstance(mcore_shims.replay_slot(router), _RouterSlot):
+                    raise ValueError(f"routing replay: layer {number}'s router already has a "
+                                     f"RoutingReplay; use that one")
                 self._full_recompute |= router.config.recompute_granularity == "full"
-                slot = self.slots.setdefault(router.layer_number, _RouterSlot())
-                router.router_replay = slot
-                mine.append((router.layer_number, slot))
+                slot = self.slots.setdefault(number, _RouterSlot())
+                mcore_shims.attach_replay_slot(router, slot)
+                mine.append((number, slot))
 
     @contextlib.contextmanager
     def record(self):
