@@ -183,3 +183,30 @@ def test_bridge_refuses_what_it_cannot_map(checkpoints, hf_dirs, tmp_path):
     assert "value_head.linear.weight" in messages["value model"]
     assert "q_layernorm" in messages["missing tensor"]
     assert "linear_fc1.weight" in messages["other shape"] and "(256, 64)" in messages["other shape"]
+
+
+def test_the_projection_read_back_names_a_row_the_engine_computes_differently():
+    """rollout/projection.py: an engine's products equal to the streamed tensor's within the
+    dtype's rounding pass; one row pushed down is named, at its global vocabulary index."""
+    from megarlhf.rollout import projection
+    from megarlhf.rollout.engine import EngineError
+
+    g = torch.Generator().manual_seed(0)
+    head = torch.randn(100, 64, generator=g)
+    recorder = projection.Recorder("lm_head.weight")
+    stream = [[("model.norm.weight", torch.ones(64))], [("lm_head.weight", head)]]
+    assert list(recorder.wrap(iter(stream))) == stream  # passed through unchanged
+    probe = projection.vectors(64)
+    # A TP rank holding rows 50..99: its own GEMM (bf16 weights, output rounded to bf16).
+    engine = (head[50:].bfloat16() @ probe.bfloat16()).float()
+    # bf16's rounding (~8e-4 of |row| x |vector|) is over fp32's bound and under bf16's.
+    with pytest.raises(EngineError, match=r"largest error 0.000[0-9]+, tolerance 0.0001"):
+        recorder.check("engine", 50, engine, torch.float32)
+    recorder.check("engine", 50, engine, torch.bfloat16)
+    broken = head[50:].clone()
+    broken[7] = -50 * broken[7].abs()
+    with pytest.raises(EngineError, match=r"in 1 vocabulary row\(s\) \(first \[57\]"):
+        recorder.check("engine", 50, broken @ probe, torch.float32)
+    recorder.check("engine", 50, head[50:] @ probe, torch.float32)
+    with pytest.raises(EngineError, match="carried no lm_head.weight"):
+        projection.Recorder("lm_head.weight").check("engine", 0, engine, torch.float32)

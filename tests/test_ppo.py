@@ -27,7 +27,7 @@ from megarlhf.configio import load_config
 from megarlhf.ppo.config import Layout, PPOConfig, RoleLayout, RolloutLayout
 from megarlhf.ppo.controller import run
 from megarlhf.ppo.data import PromptSampler
-from megarlhf.ppo.groups import WorkerInputError
+from megarlhf.ppo.groups import WorkerError, WorkerInputError
 from megarlhf.ppo.layout import group_specs
 from tests import role_workers
 
@@ -911,13 +911,34 @@ def test_a_broken_sync_in_an_async_run_is_stopped_by_its_probe(base, tmp_path, m
     1's sync stops the run before any checkpoint."""
     from megarlhf.rollout.gap import LogprobGapError
 
-    broken = os.path.join(os.path.dirname(__file__), "broken_sync")
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([broken, os.environ.get("PYTHONPATH", "")]))
+    _break_syncs(monkeypatch, "norm")
     config = dataclasses.replace(base, out_dir=str(tmp_path), nproc=1, tensor_parallel=1,
                                  steps=3, placement="disaggregated", async_rollout=True,
                                  rollout_correction="tis")
     with pytest.raises(LogprobGapError, match=r"step 1's weight-sync probe: the rollout "
                                               r"engine's logprobs .* on average"):
+        run(config)
+    assert checkpoints.of_run(config.out_dir).latest() is None
+
+
+def _break_syncs(monkeypatch, mode: str) -> None:
+    """The ranks started from here on break every weight sync after their first
+    (tests/broken_sync)."""
+    broken = os.path.join(os.path.dirname(__file__), "broken_sync")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([broken, os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("MEGARLHF_TEST_BROKEN_SYNC", mode)
+
+
+@pytest.mark.slow
+def test_an_engine_row_no_sample_draws_is_caught_at_the_sync(base, tmp_path, monkeypatch):
+    """After step 1's sync the engine computes with token 7's output row pushed far down:
+    never sampled, so no logprob gap can show it. The sync's read-back of the engine's
+    output projection names the row and stops the run before any checkpoint."""
+    _break_syncs(monkeypatch, "row")
+    config = dataclasses.replace(base, out_dir=str(tmp_path), nproc=1, tensor_parallel=1,
+                                 steps=2)
+    with pytest.raises(WorkerError, match=r"output projection differs from the synced "
+                                          r"\S+ in 1 vocabulary row\(s\) \(first \[7\]"):
         run(config)
     assert checkpoints.of_run(config.out_dir).latest() is None
 

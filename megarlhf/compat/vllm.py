@@ -162,6 +162,16 @@ def kv_storages(model_runner) -> list[torch.UntypedStorage]:
     return list(by_ptr.values())
 
 
+def output_products(model, probe: torch.Tensor) -> tuple[int, torch.Tensor]:
+    """(first vocabulary row of this rank, [rows, K] products of its output projection with
+    the [H, K] `probe`) as its lm_head's GEMM computes them, without vocabulary padding."""
+    head = model.lm_head
+    shard = head.shard_indices
+    rows = shard.org_vocab_end_index - shard.org_vocab_start_index
+    out = head.quant_method.apply(head, probe.t().contiguous().to(head.weight.dtype)).t()[:rows]
+    return shard.org_vocab_start_index, out.detach().float().clone()
+
+
 def effective_embeddings(model) -> dict[str, torch.Tensor]:
     """What this rank's engine computes with, read back through its own kernels:
     {"embed_tokens": its vocabulary rows of the input embedding, "lm_head": the output

@@ -33,7 +33,7 @@ from megarlhf.ppo.layout import GroupSpec
 from megarlhf.ppo.residency import Residency
 from megarlhf.rollout.bridge import WeightBridge, open_channel, receive
 from megarlhf.rollout.engine import Completion, EngineError, SamplingParams
-from megarlhf.rollout import sizing
+from megarlhf.rollout import projection, sizing
 from megarlhf.rollout.sizing import EngineSize
 from megarlhf.roles.batching import Batching
 from megarlhf.roles.policy import PolicyInputs, PolicyLossConfig, PolicyRole
@@ -93,6 +93,9 @@ class PPOWorker:
             self.bridge = WeightBridge(self.actor.engine.chunks, self.mesh, model, arch)
         if "rollout" in roles:
             self.engine = self._rollout_engine(model, arch.name)
+            self._output_name = projection.output_name(
+                arch.rules(model, lm_head=True, value_head=False), model.tie_embeddings)
+            self._hidden = model.hidden_size
 
     def _models(self) -> dict:
         """role -> its PolicyRole / ValueRole, for the model roles this group holds."""
@@ -273,14 +276,21 @@ class PPOWorker:
         if self.bridge is not None and self.engine is not None:
             self.residency.keep("sync", residency.SYNC)
             self.engine.wake(("weights",))
-            self.engine.update_weights(
-                self.bridge.stream(reuse_buffer=self.engine.copies_each_bucket))
+            self._update_engine(self.bridge.stream(reuse_buffer=self.engine.copies_each_bucket))
             self.residency.keep("sync", residency.ROLLOUT)
             self.engine.wake(("kv_cache",))
         elif self.bridge is not None:
             self.bridge.send(self.channel)
         else:
-            self.engine.update_weights(receive(self.channel))
+            self._update_engine(receive(self.channel))
+
+    def _update_engine(self, stream) -> None:
+        """The stream into the engine, then the engine's output projection, read back through
+        its own kernels, held to the streamed one (rollout/projection.py)."""
+        recorder = projection.Recorder(self._output_name)
+        self.engine.update_weights(recorder.wrap(stream))
+        start, products = self.engine.output_products(projection.vectors(self._hidden))
+        recorder.check(self.engine.name, start, products, self.dtype)
 
     def take_memory(self) -> dict[str, int]:
         """phase -> the most bytes of this rank's model state on the device in it, since the

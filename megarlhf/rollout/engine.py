@@ -113,6 +113,10 @@ class RolloutEngine(Protocol):
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
         """len(prompts) * params.n completions, grouped by prompt."""
 
+    def output_products(self, probe: torch.Tensor) -> tuple[int, torch.Tensor]:
+        """(first vocabulary row this rank holds, its [rows, K] output-projection products
+        with `probe`), as the engine computes them (rollout/projection.py)."""
+
     def update_weights(self, buckets: WeightStream) -> None:
         """Load new weights in place; every parameter of the model must arrive."""
 

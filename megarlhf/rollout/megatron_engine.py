@@ -264,6 +264,17 @@ class MegatronEngine:
     # -------------------------------------------------------------------------------- weights
 
     @torch.no_grad()
+    def output_products(self, probe: torch.Tensor) -> tuple[int, torch.Tensor]:
+        """(first vocabulary row of this rank, [rows, K] products of the output projection it
+        computes with and the [H, K] `probe`): its parameter, which the LM head's matmul
+        reads as it is (rollout/projection)."""
+        model = self.model
+        weight = model.shared_embedding_or_output_weight() \
+            if model.share_embeddings_and_output_weights else model.output_layer.weight
+        start = self.mesh.tp_rank * weight.shape[0]
+        rows = max(0, min(weight.shape[0], self.spec.model.vocab_size - start))
+        return start, (weight[:rows].detach().float() @ probe.to(weight.device)).cpu()
+
     def update_weights(self, buckets: WeightStream) -> None:
         """Copy full HF-named tensors into this rank's shards. A rule's HF tensors may arrive
         in different buckets; only incomplete rules are held. Every parameter must arrive."""

@@ -219,6 +219,11 @@ class VLLMEngine:
                               f"reset (requests still running)")
         self._weights_ready = True
 
+    def output_products(self, probe: torch.Tensor) -> tuple[int, torch.Tensor]:
+        """(first vocabulary row of this rank, [rows, K] products of the output projection it
+        computes with and the [H, K] `probe`), through vLLM's own GEMM (rollout/projection)."""
+        return self._running().collective_rpc("output_products", args=(probe,))[0]
+
     def _checked(self, buckets: WeightStream) -> Iterator[tuple[str, torch.Tensor]]:
         """The stream's tensors, each checked against the model's HF names and shapes (vLLM's
         loader skips unknown names and only warns about missing ones)."""

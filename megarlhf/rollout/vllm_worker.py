@@ -38,6 +38,9 @@ class WeightSyncExtension:
     def effective_embeddings(self) -> dict[str, torch.Tensor]:
         return shims.effective_embeddings(self.model_runner.get_model())
 
+    def output_products(self, probe: torch.Tensor) -> tuple[int, torch.Tensor]:
+        return shims.output_products(self.model_runner.get_model(), probe)
+
     def kv_cache_bytes(self) -> int:
         return sum(s.nbytes() for s in shims.kv_storages(self.model_runner))
 
