@@ -54,8 +54,9 @@ slurm-packages:
 	      $(SLURM_PACKAGES) >/dev/null)) || \
 	  echo "Slurm not installed: the Slurm tests will skip"
 
+# --durations: the slowest tests, for keeping the suite inside its CI budget.
 test: $(STAMP) slurm-packages
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=30 tests
 	$(MAKE) test-mcore-newest
 
 $(MCORE_NEWEST_DIR)/.installed: $(STAMP)
