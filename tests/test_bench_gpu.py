@@ -73,6 +73,8 @@ def test_dry_run_runs_each_measurement_at_tiny_size(dry_run):
     assert "s/step" in grpo and float(gap) < float(guard), grpo
     offload = table.split("6. offload round trip, pinned host memory |")[1].splitlines()[0]
     assert "GB/s" in offload and "bytes equal after the round trip: True" in offload, offload
+    phase = table.split("7. RL training phase: the actor's old-logprob pass and update |")[1]
+    assert phase.splitlines()[0].count("tokens/s") == 2, phase
 
 
 def test_mfu_formula_by_hand():
@@ -101,7 +103,7 @@ def test_gpu_plan_skips_what_is_missing():
     reasons = {item.key: plan.gpu_skip(item, bare) for item in plan.ITEMS}
     assert reasons == {"mfu-sdpa": None, "mfu-te": plan.NO_TE, "parity": None,
                        "gen-megatron": None, "gen-vllm": plan.NO_VLLM, "bridge": None,
-                       "ppo": None, "offload": None}
+                       "ppo": None, "offload": None, "rl-phase": None}
     full = plan.Machine(cuda=True, gpu_name="NVIDIA H200", te=True, vllm=True)
     assert all(plan.gpu_skip(item, full) is None for item in plan.ITEMS)
     cpu = plan.Machine(cuda=False, gpu_name=None, te=True, vllm=True)

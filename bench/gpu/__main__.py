@@ -78,7 +78,7 @@ def _peak(args, machine: plan.Machine):
 
 
 def _measure(item: plan.Item, sizes: plan.Sizes, run, peak, no_peak: str):
-    from bench.gpu import bridge, mfu, offload, parity, ppo, rollout
+    from bench.gpu import bridge, mfu, offload, parity, ppo, rl_phase, rollout
 
     if item.key == "mfu-sdpa":
         return mfu.measure(sizes, run, "sdpa", peak, no_peak)
@@ -94,6 +94,8 @@ def _measure(item: plan.Item, sizes: plan.Sizes, run, peak, no_peak: str):
         return ppo.measure(sizes, run)
     if item.key == "offload":
         return offload.measure(sizes, run)
+    if item.key == "rl-phase":
+        return rl_phase.measure(sizes, run, peak, no_peak)
     return bridge.measure(sizes, run)
 
 

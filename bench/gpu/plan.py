@@ -76,6 +76,9 @@ class Sizes:
     ppo_new_tokens: int
     offload_preset: str
     offload_seq: int
+    rl_rows: int
+    rl_seq: int
+    rl_tokens_per_mb: int
 
     def gen_model(self) -> ModelConfig:
         model = preset(self.gen_preset)
@@ -97,6 +100,7 @@ FULL = Sizes(
     sync_preset="llama-1b", bucket_bytes=512 * 1024**2, sync_rounds=5,
     ppo_preset="tiny", ppo_steps=3, ppo_new_tokens=32,
     offload_preset="llama-1b", offload_seq=512,
+    rl_rows=64, rl_seq=2048, rl_tokens_per_mb=16384,
 )
 DRY = Sizes(
     dtype=torch.float32, train_preset="tiny", train_seq=32, micro_batch=2, microbatches=1,
@@ -108,6 +112,7 @@ DRY = Sizes(
     sync_preset="tiny", bucket_bytes=64 * 1024, sync_rounds=1,
     ppo_preset="tiny", ppo_steps=1, ppo_new_tokens=4,
     offload_preset="tiny", offload_seq=32,
+    rl_rows=4, rl_seq=32, rl_tokens_per_mb=64,
 )
 
 
@@ -128,6 +133,7 @@ ITEMS = (
     Item("bridge", "4. weight bridge sync vs device copy_"),
     Item("ppo", "5. GRPO through the controller, one rank"),
     Item("offload", "6. offload round trip, pinned host memory"),
+    Item("rl-phase", "7. RL training phase: the actor's old-logprob pass and update"),
 )
 
 
