@@ -952,8 +952,8 @@ def test_gap_over_the_limit_stops_before_training(base, tmp_path):
 
     config = dataclasses.replace(base, out_dir=str(tmp_path), nproc=1, tensor_parallel=1,
                                  steps=2, logprob_gap_max_limit=1e-12)
-    with pytest.raises(LogprobGapError, match=r"step 1: the rollout engine's logprobs .* on one "
-                                              r"token .*logprob_gap_max_limit=1e-12"):
+    with pytest.raises(LogprobGapError, match=r"step 1: the rollout engine's logprobs .* nats on "
+                                              r"\d+ of \d+ tokens .*logprob_gap_max_limit=1e-12"):
         run(config)
     assert checkpoints.of_run(config.out_dir).latest() is None
 

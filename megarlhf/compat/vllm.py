@@ -168,8 +168,9 @@ def output_products(model, probe: torch.Tensor) -> tuple[int, torch.Tensor]:
     head = model.lm_head
     shard = head.shard_indices
     rows = shard.org_vocab_end_index - shard.org_vocab_start_index
-    out = head.quant_method.apply(head, probe.t().contiguous().to(head.weight.dtype)).t()[:rows]
-    return shard.org_vocab_start_index, out.detach().float().clone()
+    given = probe.t().contiguous().to(head.weight.device, head.weight.dtype)
+    out = head.quant_method.apply(head, given).t()[:rows]
+    return shard.org_vocab_start_index, out.detach().float().cpu()
 
 
 def effective_embeddings(model) -> dict[str, torch.Tensor]:

@@ -145,11 +145,13 @@ class TrainEngine:
         sums = None
         if self.mesh.is_last_stage:
             keys = sorted(k for k, v in out[0].items() if v.dim() == 0)
-            # On the entries' device: the DP all-reduce is NCCL's on a GPU.
-            totals = torch.stack([torch.stack([d[k].double() for k in keys])
-                                  for d in out]).sum(0)
-            dist.all_reduce(totals, group=self.mesh.dp_group)
-            sums = dict(zip(keys, totals.tolist()))
+            sums = {}
+            if keys:
+                # On the entries' device: the DP all-reduce is NCCL's on a GPU.
+                totals = torch.stack([torch.stack([d[k].double() for k in keys])
+                                      for d in out]).sum(0)
+                dist.all_reduce(totals, group=self.mesh.dp_group)
+                sums = dict(zip(keys, totals.tolist()))
         return from_last_stage(sums, self.mesh)
 
     def unwrapped(self) -> list[torch.nn.Module]:

@@ -17,6 +17,7 @@ import os
 import pickle
 import queue
 import signal
+import threading
 import time
 import traceback
 from typing import Any, Callable
@@ -54,8 +55,14 @@ def spawn_ranks(target: Callable, rank_args: list[tuple], *, name: str,
     return procs
 
 
+_ENVIRON = threading.Lock()
+
+
 @contextlib.contextmanager
 def _environment(env: dict[str, str]):
+    """`env` in this process's environment while a rank starts (it inherits it); the lock
+    keeps two starts in threads of one process from mixing theirs."""
+    _ENVIRON.acquire()
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
@@ -66,6 +73,7 @@ def _environment(env: dict[str, str]):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+        _ENVIRON.release()
 
 
 def _rank_main(target: Callable, args: tuple) -> None:

@@ -18,7 +18,9 @@ from megarlhf.metrics import missing_dashboards
 from megarlhf.models.config import ModelConfig
 from megarlhf.parallel.mesh import LayoutOverride, ParallelConfig
 from megarlhf.rollout import sizing
-from megarlhf.rollout.gap import DEFAULT_GAP_LIMITS, DEFAULT_GAP_MAX_LIMITS, GAP_POLICIES
+from megarlhf.rollout.gap import (
+    DEFAULT_GAP_LIMITS, DEFAULT_GAP_MAX_LIMITS, GAP_POLICIES, GAP_TAIL_SHARES,
+)
 from megarlhf.rollout.sizing import EngineSize
 from megarlhf.models.transformer_config import DTYPES, RECOMPUTE
 from megarlhf.ppo.algorithms import ALGORITHMS, PRESETS, AlgorithmOptions, resolve
@@ -417,9 +419,10 @@ class PPOConfig:
     """Largest mean |engine - trainer| logprob gap per response token a step accepts. None:
     the dtype's default (rollout/gap.py: fp32 1e-3, bf16 and fp16 5e-2)."""
     logprob_gap_max_limit: float | None = None
-    """Largest |engine - trainer| logprob gap of any single response token a step accepts
-    (catches a few corrupted tokens that leave the mean small). None: the dtype's default
-    (rollout/gap.py: fp32 5e-2, bf16 and fp16 2.0)."""
+    """Largest |engine - trainer| logprob gap of a single response token (catches a few
+    corrupted tokens that leave the mean small): fp32 steps accept no token over it, 16-bit
+    steps one in a thousand. None: the dtype's default (rollout/gap.py: fp32 5e-2, bf16 and
+    fp16 2.0)."""
     logprob_gap_policy: str = "stop"
     """Above either limit: 'stop' the run before the step trains, or 'warn' and go on."""
     nan_policy: str = "stop"
@@ -869,6 +872,11 @@ class PPOConfig:
     def gap_max_limit(self) -> float:
         """logprob_gap_max_limit with its dtype default resolved."""
         return self.logprob_gap_max_limit or DEFAULT_GAP_MAX_LIMITS[self.dtype]
+
+    @property
+    def gap_tail_share(self) -> float:
+        """The share of tokens that may be over gap_max_limit (rollout/gap.py)."""
+        return GAP_TAIL_SHARES[self.dtype]
 
     @property
     def rows_per_step(self) -> int:

@@ -145,12 +145,13 @@ def ppo_step(config: PPOConfig, data: RunInputs, workers: Placement,
     if config.routing_replay and routing is None:
         raise RuntimeError("routing_replay=true, but the rollout engine returned no routing")
     exp = workers.experience(batch, EXPERIENCE - {"reward"}, routing)  # scored with the rollout
-    gap = logprob_gap(rollout.engine_logp, exp["logp"], batch.response_mask)
+    gap = logprob_gap(rollout.engine_logp, exp["logp"], batch.response_mask,
+                      config.gap_max_limit)
     # Before training on samples from another policy. Samples of older weights (async
     # rollouts) differ by the updates since, which the rollout correction weighs: the guard
     # holds for samples of the actor's own weights (the first step, and after a resume).
     warning = check_gap(gap, limit=config.gap_limit, max_limit=config.gap_max_limit,
-                        policy=config.logprob_gap_policy,
+                        tail_share=config.gap_tail_share, policy=config.logprob_gap_policy,
                         step=step) if lag == 0 else None
     if warning:
         _log.warning(warning)
@@ -190,7 +191,9 @@ def ppo_step(config: PPOConfig, data: RunInputs, workers: Placement,
     timer["sync"] = time.perf_counter() - t
     probed = {}
     if config.async_rollout:  # the guard above saw samples of older weights
+        t = time.perf_counter()
         probed, warning = gap_probe.probe(config, data, workers, drawn.prompts, step)
+        timer["gap_probe"] = time.perf_counter() - t
         if warning:
             _log.warning(warning)
     if steps.pending is not None:  # when the next step's rollout ran (async_rollout)

@@ -40,6 +40,7 @@ from megarlhf.models.gpt import ModelSpec, build_model
 from megarlhf.models.routing_replay import RoutingReplay
 from megarlhf.parallel.mesh import Mesh
 from megarlhf.parallel.vocab import vocab_parallel_logprobs
+from megarlhf.rollout import projection
 from megarlhf.rollout.engine import (
     ENGINE_PARTS, Completion, EngineError, SamplingParams, WeightStream,
 )
@@ -263,7 +264,6 @@ class MegatronEngine:
 
     # -------------------------------------------------------------------------------- weights
 
-    @torch.no_grad()
     def output_products(self, probe: torch.Tensor) -> tuple[int, torch.Tensor]:
         """(first vocabulary row of this rank, [rows, K] products of the output projection it
         computes with and the [H, K] `probe`): its parameter, which the LM head's matmul
@@ -273,8 +273,9 @@ class MegatronEngine:
             if model.share_embeddings_and_output_weights else model.output_layer.weight
         start = self.mesh.tp_rank * weight.shape[0]
         rows = max(0, min(weight.shape[0], self.spec.model.vocab_size - start))
-        return start, (weight[:rows].detach().float() @ probe.to(weight.device)).cpu()
+        return start, projection.products(weight[:rows], probe)
 
+    @torch.no_grad()
     def update_weights(self, buckets: WeightStream) -> None:
         """Copy full HF-named tensors into this rank's shards. A rule's HF tensors may arrive
         in different buckets; only incomplete rules are held. Every parameter must arrive."""
