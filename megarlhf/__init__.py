@@ -2,6 +2,6 @@
 
 __version__ = "0.1.0"
 
-from megarlhf.compat.warnings import quiet_known_warnings as _quiet_known_warnings
+from megarlhf.logs import apply as _apply_log_settings
 
-_quiet_known_warnings()
+_apply_log_settings()

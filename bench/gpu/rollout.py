@@ -20,9 +20,8 @@ from bench.gpu.plan import Sizes
 
 # VLLMEngine runs vLLM in the training process (weights pass by reference); it checks this.
 VLLM_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-# vLLM logs its whole config and its own caught warm-up tracebacks at INFO/WARNING, which
-# would bury the table; errors still show. Set VLLM_LOGGING_LEVEL to see more.
-QUIET_VLLM = {"VLLM_LOGGING_LEVEL": "ERROR"}
+# vLLM's config dump and caught warm-up tracebacks (INFO / WARNING) would bury the table:
+# megarlhf keeps library logs at ERROR (megarlhf/logs.py; MEGARLHF_LIBRARY_LOGS=info shows them).
 
 
 def _timed_generation(engine, sizes: Sizes, vocab: int, device) -> dict:
@@ -72,7 +71,7 @@ def vllm_rank(sizes: Sizes) -> dict:
     from megarlhf.models.arch import architecture
     from megarlhf.rollout.bridge import WeightBridge
 
-    for key, value in {**VLLM_ENV, **QUIET_VLLM}.items():
+    for key, value in VLLM_ENV.items():
         os.environ.setdefault(key, value)
     try:  # installed is not the same as importable (a wheel for another CUDA or torch)
         import vllm  # noqa: F401

@@ -1,6 +1,7 @@
 """Third-party warnings that every run prints, that no user can act on, filtered by their exact
-text (a new warning from the same place still shows). Applied when megarlhf is imported, so
-every command, rank and worker process gets it."""
+text (a new warning from the same place still shows). Applied by megarlhf/logs.py when
+megarlhf is imported, so every command, rank and worker process gets it, unless
+MEGARLHF_LIBRARY_LOGS asks to see the libraries' output."""
 
 from __future__ import annotations
 
@@ -15,6 +16,10 @@ KNOWN = (
     # megatron-core's TransformerConfig, for the default it sets itself.
     (UserWarning, "full scope is deprecated."),
     (UserWarning, "CUDA_DEVICE_MAX_CONNECTIONS"),
+    # megatron-core's linear layers at TP > 1 (on CPU too), once per process: a hint for its
+    # own GPU scheduling that names an environment variable, not a megarlhf setting.
+    (UserWarning, "When using async grad allreduce it is recommended to set the"),
+    (UserWarning, "When using sequence parallelism it is recommended to set the"),
     # megatron-core 0.19, at import.
     (UserWarning, "MimoModelConfig is experimental and still under active development."),
     # torch.distributed.checkpoint, when megatron-core 0.19 calls its load positionally.

@@ -34,7 +34,9 @@ def spawn_ranks(target: Callable, rank_args: list[tuple], *, name: str,
                 ) -> list[mp.process.BaseProcess]:
     """Start `target(*rank_args[r])` on local ranks r = 0..len(rank_args)-1, one spawned
     process each, meeting at a fresh port; `env` is added to each rank's environment and
-    `threads` (default: an equal share of the cores) is its torch thread count."""
+    `threads` (default: an equal share of the cores) is its torch thread count. The library
+    log levels (megarlhf/logs.py) reach each rank in the environment importing megarlhf set
+    here, and its own import of megarlhf sets the rest."""
     nprocs = len(rank_args)
     ctx = mp.get_context("spawn")
     port = free_port()

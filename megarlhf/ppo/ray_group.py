@@ -12,6 +12,7 @@ import os
 import pickle
 import time
 
+from megarlhf import logs
 from megarlhf.errors import describe
 from megarlhf.ppo.groups import WorkerError, WorkerInputError, dumps
 
@@ -84,11 +85,14 @@ class RayWorkerGroup:
         self._pg = placement_group([bundle] * nproc, strategy="PACK")
         ray.get(self._pg.ready())
         threads = str(max(1, int(cpus_per_rank)))
+        # A running cluster's workers do not inherit this process's environment: the library
+        # log levels (megarlhf/logs.py) travel with the thread count.
+        env = {"OMP_NUM_THREADS": threads, **logs.library_env()}
         actor = ray.remote(_Rank)
         self._ranks = [
             actor.options(
                 num_cpus=cpus_per_rank, num_gpus=gpus_per_rank,
-                runtime_env={"env_vars": {"OMP_NUM_THREADS": threads}},
+                runtime_env={"env_vars": env},
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement_group=self._pg, placement_group_bundle_index=rank),
             ).remote()
@@ -137,6 +141,7 @@ class RayBackend:
         self._started_ray = not ray.is_initialized()
         if self._started_ray:
             ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False,
+                     logging_level=logs.python_level("ray"),
                      **({} if os.environ.get("RAY_ADDRESS") else
                         {"num_cpus": max(total_ranks, os.cpu_count() or 1)}))
 

@@ -17,6 +17,6 @@ def run(main: Callable[[list[str] | None], int], argv: list[str] | None = None) 
     """Run a CLI entry point: bad input prints one clear line and exits 2 (megarlhf.errors)."""
     from megarlhf.errors import run_command
 
+    # Our progress at INFO; the libraries keep the levels megarlhf/logs.py gave them.
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    logging.getLogger("megatron").setLevel(logging.WARNING)
     sys.exit(run_command(main, argv))
