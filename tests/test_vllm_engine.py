@@ -149,12 +149,13 @@ def test_logprob_gap_is_over_response_tokens_only():
     mask = torch.tensor([[0, 1, 1, 0], [0, 0, 1, 1]])
     trainer = torch.tensor([[0.0, -1.0, -2.0, 0.0], [0.0, 0.0, -3.0, -4.0]])
     engine = trainer + torch.tensor([[9.0, 0.1, -0.3, 9.0], [9.0, 9.0, 0.0, 0.2]])
-    gap = logprob_gap(engine, trainer, mask)
-    assert gap.num_tokens == 4
+    gap = logprob_gap(engine, trainer, mask, 0.15)  # 0.3 and 0.2 are over it; padding's 9s not
+    assert gap.num_tokens == 4 and gap.over == 2
     assert gap.max_abs == pytest.approx(0.3)
     assert gap.mean_abs == pytest.approx(0.15)
     assert gap.to_dict() == {"rollout/logprob_gap_mean": gap.mean_abs,
-                             "rollout/logprob_gap_max": gap.max_abs}
+                             "rollout/logprob_gap_max": gap.max_abs,
+                             "rollout/logprob_gap_over_max_limit": 0.5}
 
 
 def test_logprob_gap_rejects_mismatched_or_empty_input():
