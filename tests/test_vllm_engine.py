@@ -356,15 +356,18 @@ def test_tp_engines_name_their_shared_memory_uniquely_and_remove_it(tensor_paral
 
 
 def test_gap_guard_stops_or_warns_above_the_limit():
-    from megarlhf.rollout.gap import LogprobGap, LogprobGapError, check_gap, logprob_gap
+    from megarlhf.rollout.gap import (
+        GapLimits, LogprobGap, LogprobGapError, check_gap, logprob_gap,
+    )
 
-    limits = dict(limit=1e-3, max_limit=5e-2, tail_share=0.0)  # fp32's
+    limits = GapLimits.of("fp32", 1e-3, 5e-2)  # tail_share 0
+    sixteen_bit = dataclasses.replace(limits, tail_share=GapLimits.of("bf16").tail_share)
     fine = LogprobGap(mean_abs=2e-6, max_abs=1e-5, num_tokens=10)
-    assert check_gap(fine, **limits, policy="stop", step=3) is None
+    assert check_gap(fine, limits, policy="stop", step=3) is None
     broken = LogprobGap(mean_abs=0.56, max_abs=1.7, num_tokens=10)
     with pytest.raises(LogprobGapError, match=r"step 3: .* by 0\.56 nats per token on average "
                                               r"\(max 1\.7; logprob_gap_limit=0\.001\)"):
-        check_gap(broken, **limits, policy="stop", step=3)
+        check_gap(broken, limits, policy="stop", step=3)
     # A few corrupted tokens (a mangled output-projection row, drawn twice in 2,000 samples)
     # leave the mean under its limit; fp32's per-token limit admits none of them.
     trainer = -torch.rand(4, 500, dtype=torch.float64) * 5
@@ -372,16 +375,16 @@ def test_gap_guard_stops_or_warns_above_the_limit():
     engine[1, 17] -= 0.4
     engine[3, 250] -= 0.9
     tail = logprob_gap(engine, trainer, torch.ones(4, 500), 5e-2)
-    assert tail.mean_abs < limits["limit"] and tail.over == 2
+    assert tail.mean_abs < limits.mean and tail.over == 2
     with pytest.raises(LogprobGapError, match=r"by more than 0\.05 nats on 2 of 2000 tokens "
                                               r"\(max 0\.9, mean 0\.00065; "
                                               r"logprob_gap_max_limit=0\.05\)"):
-        check_gap(tail, **limits, policy="stop", step=1)
+        check_gap(tail, limits, policy="stop", step=1)
     # 16-bit admits one token in a thousand over its limit (2 of 2,000), not three.
-    assert check_gap(tail, **{**limits, "tail_share": 1e-3}, policy="stop", step=1) is None
+    assert check_gap(tail, sixteen_bit, policy="stop", step=1) is None
     engine[0, 0] -= 0.5
     with pytest.raises(LogprobGapError, match=r"on 3 of 2000 tokens"):
         check_gap(logprob_gap(engine, trainer, torch.ones(4, 500), 5e-2),
-                  **{**limits, "tail_share": 1e-3}, policy="stop", step=1)
-    warning = check_gap(broken, **limits, policy="warn", step=3)
+                  sixteen_bit, policy="stop", step=1)
+    warning = check_gap(broken, limits, policy="warn", step=3)
     assert "weight sync" in warning and "logprob_gap_policy=warn" in warning

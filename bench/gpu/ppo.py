@@ -63,7 +63,7 @@ def measure(sizes: Sizes, run) -> list[Row]:
     setting = (f"{sizes.ppo_preset}, fp32, GRPO, 1 rank, {len(history)} steps of 4 prompts x 4 "
                f"samples x {sizes.ppo_new_tokens} tokens, Megatron rollouts")
     result = (f"{sum(later) / len(later):.2f} s/step (after the first); logprob gap mean "
-              f"<= {max(means):.1e} (guard {config.gap_limit:g}), max <= {max(maxima):.1e}; "
+              f"<= {max(means):.1e} (guard {config.gap_limits.mean:g}), max <= {max(maxima):.1e}; "
               f"reward "
               f"{history[0]['reward/mean']:.3f} -> {history[-1]['reward/mean']:.3f}")
     return [("", setting, result)]

@@ -179,16 +179,9 @@ def effective_embeddings(model) -> dict[str, torch.Tensor]:
     projection as its GEMM applies it (the logits of the identity, transposed), both
     without vLLM's vocabulary padding}. A stale prepacked copy (the tied-embedding bug
     `refresh_tied` fixes) shows here, not in the parameters."""
-    embed, head = model.model.embed_tokens, model.lm_head
-    out = {}
-    for key, layer in (("embed_tokens", embed), ("lm_head", head)):
-        shard = layer.shard_indices
-        rows = shard.org_vocab_end_index - shard.org_vocab_start_index
-        if key == "embed_tokens":
-            weight = layer.weight[:rows]
-        else:
-            eye = torch.eye(layer.weight.shape[1], dtype=layer.weight.dtype)
-            weight = layer.quant_method.apply(layer, eye).t()[:rows]
-        out[key] = weight.detach().clone()
-    out["vocab_start"] = embed.shard_indices.org_vocab_start_index
-    return out
+    embed = model.model.embed_tokens
+    shard = embed.shard_indices
+    rows = shard.org_vocab_end_index - shard.org_vocab_start_index
+    _, head = output_products(model, torch.eye(embed.weight.shape[1]))
+    return {"embed_tokens": embed.weight[:rows].detach().clone(),
+            "lm_head": head.to(embed.weight.dtype), "vocab_start": shard.org_vocab_start_index}

@@ -18,9 +18,7 @@ from megarlhf.metrics import missing_dashboards
 from megarlhf.models.config import ModelConfig
 from megarlhf.parallel.mesh import LayoutOverride, ParallelConfig
 from megarlhf.rollout import sizing
-from megarlhf.rollout.gap import (
-    DEFAULT_GAP_LIMITS, DEFAULT_GAP_MAX_LIMITS, GAP_POLICIES, GAP_TAIL_SHARES,
-)
+from megarlhf.rollout.gap import GAP_POLICIES, GapLimits
 from megarlhf.rollout.sizing import EngineSize
 from megarlhf.models.transformer_config import DTYPES, RECOMPUTE
 from megarlhf.ppo.algorithms import ALGORITHMS, PRESETS, AlgorithmOptions, resolve
@@ -864,19 +862,9 @@ class PPOConfig:
         return EngineSize(max_model_len=length, kv_cache_bytes=kv)
 
     @property
-    def gap_limit(self) -> float:
-        """logprob_gap_limit with its dtype default resolved."""
-        return self.logprob_gap_limit or DEFAULT_GAP_LIMITS[self.dtype]
-
-    @property
-    def gap_max_limit(self) -> float:
-        """logprob_gap_max_limit with its dtype default resolved."""
-        return self.logprob_gap_max_limit or DEFAULT_GAP_MAX_LIMITS[self.dtype]
-
-    @property
-    def gap_tail_share(self) -> float:
-        """The share of tokens that may be over gap_max_limit (rollout/gap.py)."""
-        return GAP_TAIL_SHARES[self.dtype]
+    def gap_limits(self) -> GapLimits:
+        """logprob_gap_limit and logprob_gap_max_limit with their dtype defaults resolved."""
+        return GapLimits.of(self.dtype, self.logprob_gap_limit, self.logprob_gap_max_limit)
 
     @property
     def rows_per_step(self) -> int:

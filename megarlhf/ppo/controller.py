@@ -145,13 +145,12 @@ def ppo_step(config: PPOConfig, data: RunInputs, workers: Placement,
     if config.routing_replay and routing is None:
         raise RuntimeError("routing_replay=true, but the rollout engine returned no routing")
     exp = workers.experience(batch, EXPERIENCE - {"reward"}, routing)  # scored with the rollout
-    gap = logprob_gap(rollout.engine_logp, exp["logp"], batch.response_mask,
-                      config.gap_max_limit)
+    limits = config.gap_limits
+    gap = logprob_gap(rollout.engine_logp, exp["logp"], batch.response_mask, limits.max)
     # Before training on samples from another policy. Samples of older weights (async
     # rollouts) differ by the updates since, which the rollout correction weighs: the guard
     # holds for samples of the actor's own weights (the first step, and after a resume).
-    warning = check_gap(gap, limit=config.gap_limit, max_limit=config.gap_max_limit,
-                        tail_share=config.gap_tail_share, policy=config.logprob_gap_policy,
+    warning = check_gap(gap, limits, policy=config.logprob_gap_policy,
                         step=step) if lag == 0 else None
     if warning:
         _log.warning(warning)

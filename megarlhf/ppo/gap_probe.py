@@ -38,9 +38,8 @@ def probe(config: PPOConfig, data: RunInputs, workers: Placement, prompts: list,
     sampled = rollout_batch(ids, workers.rollout(ids, params))
     routing = sampled.routing if config.routing_replay else None
     trainer = workers.experience(sampled.sequences, frozenset({"actor"}), routing)
+    limits = config.gap_limits
     gap = logprob_gap(sampled.engine_logp, trainer["logp"], sampled.sequences.response_mask,
-                      config.gap_max_limit)
-    warning = check_gap(gap, limit=config.gap_limit, max_limit=config.gap_max_limit,
-                        tail_share=config.gap_tail_share, policy=config.logprob_gap_policy,
-                        step=step, probe=True)
+                      limits.max)
+    warning = check_gap(gap, limits, policy=config.logprob_gap_policy, step=step, probe=True)
     return gap.to_dict("rollout/probe_"), warning

@@ -69,22 +69,38 @@ drawn that often, or any sync fault, still shows (and the sync's projection read
 rollout/projection.py, checks every row whether drawn or not)."""
 
 
+@dataclasses.dataclass(frozen=True)
+class GapLimits:
+    """What a step's gap is held to: `mean` per token, and at most `tail_share` of the tokens
+    over `max`."""
+
+    mean: float
+    max: float
+    tail_share: float
+
+    @classmethod
+    def of(cls, dtype: str, mean: float | None = None, max_: float | None = None) -> "GapLimits":
+        """The dtype's defaults where a limit is not given."""
+        return cls(mean=mean or DEFAULT_GAP_LIMITS[dtype],
+                   max=max_ or DEFAULT_GAP_MAX_LIMITS[dtype], tail_share=GAP_TAIL_SHARES[dtype])
+
+
 class LogprobGapError(RuntimeError):
     """The engine's logprobs are too far from the trainer's and the policy is 'stop'."""
 
 
-def check_gap(gap: LogprobGap, *, limit: float, max_limit: float, tail_share: float,
-              policy: str, step: int, probe: bool = False) -> str | None:
-    """None when the mean gap is within `limit` and at most `tail_share` of the tokens are
-    over `max_limit` (which `gap` was computed with); else raise LogprobGapError ('stop') or
-    return the warning ('warn'). The message says what the gap means and where to look;
-    `probe`: the samples were a probe's after the step's sync."""
-    if gap.mean_abs <= limit and gap.over <= tail_share * gap.num_tokens:
+def check_gap(gap: LogprobGap, limits: GapLimits, *, policy: str, step: int,
+              probe: bool = False) -> str | None:
+    """None when `gap` (computed with max_limit=limits.max) is within `limits`; else raise
+    LogprobGapError ('stop') or return the warning ('warn'). The message says what the gap
+    means and where to look; `probe`: the samples were a probe's after the step's sync."""
+    if gap.mean_abs <= limits.mean and gap.over <= limits.tail_share * gap.num_tokens:
         return None
     over = (f"{gap.mean_abs:.3g} nats per token on average (max {gap.max_abs:.3g}; "
-            f"logprob_gap_limit={limit:g})" if gap.mean_abs > limit else
-            f"more than {max_limit:g} nats on {gap.over} of {gap.num_tokens} tokens (max "
-            f"{gap.max_abs:.3g}, mean {gap.mean_abs:.3g}; logprob_gap_max_limit={max_limit:g})")
+            f"logprob_gap_limit={limits.mean:g})" if gap.mean_abs > limits.mean else
+            f"more than {limits.max:g} nats on {gap.over} of {gap.num_tokens} tokens (max "
+            f"{gap.max_abs:.3g}, mean {gap.mean_abs:.3g}; "
+            f"logprob_gap_max_limit={limits.max:g})")
     when = f"step {step}'s weight-sync probe" if probe else f"step {step}"
     message = (f"{when}: the rollout engine's logprobs of its own samples differ from the "
                f"trainer's by {over}: the engine is not sampling "
