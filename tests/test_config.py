@@ -121,11 +121,10 @@ def test_unknown_layer_spec_and_dtype(monkeypatch):
     with pytest.raises(ValueError, match="needs a GPU and Transformer Engine"):
         resolve_layer_spec("te", on_gpu=False)
     assert resolve_layer_spec("auto", on_gpu=False) == "local"
-    # auto never picks Transformer Engine, installed or not: its attention ignores the padding
-    # and block-diagonal masks that PPO's rows and SFT's packed rows need.
+    # auto never picks Transformer Engine, installed or not: it is not verified here.
     monkeypatch.setattr(specs, "te_available", lambda: True)
     assert resolve_layer_spec("auto", on_gpu=True) == "sdpa"
-    assert resolve_layer_spec("te", on_gpu=True) == "te"  # by name, where rows allow it
+    assert resolve_layer_spec("te", on_gpu=True) == "te"  # by name (bench/gpu's TE item)
     # Context parallelism runs our gathered-KV attention, never Transformer Engine's.
     assert resolve_layer_spec("auto", on_gpu=True, context_parallel=2) == "sdpa"
     assert resolve_layer_spec("auto", on_gpu=False, context_parallel=2) == "local"
@@ -141,12 +140,12 @@ def test_unknown_layer_spec_and_dtype(monkeypatch):
         parse_dtype("fp8")
 
 
-def test_transformer_engine_is_refused_where_rows_need_a_mask(tmp_path):
+def test_transformer_engine_is_refused_until_verified(tmp_path):
     from megarlhf.data.config import DataConfig, DatasetSource
     from megarlhf.ppo.config import PPOConfig
     from megarlhf.sft.config import LoopConfig, ModelSource, SFTConfig
 
-    with pytest.raises(ValueError, match="layer_spec='te': PPO's rows are left-padded"):
+    with pytest.raises(ValueError, match="layer_spec='te': Transformer Engine is not verified"):
         PPOConfig(actor="a", prompts="p", out_dir="o", reward_fn="m:f", layer_spec="te")
     with pytest.raises(ValueError, match=r"layer_spec='flash' is not one of \['auto', 'local'"):
         PPOConfig(actor="a", prompts="p", out_dir="o", reward_fn="m:f", layer_spec="flash")
@@ -155,10 +154,8 @@ def test_transformer_engine_is_refused_where_rows_need_a_mask(tmp_path):
     sft = dict(data=DataConfig(train=DatasetSource(path=str(data)), max_length=16),
                train=LoopConfig(output_dir=str(tmp_path / "out"), steps=1,
                                 global_batch_size=1, micro_batch_size=1))
-    te = ModelSource(preset="tiny", layer_spec="te")
-    with pytest.raises(ValueError, match="'te' with pack: true would let packed documents"):
-        SFTConfig(model=te, **sft)
-    assert SFTConfig(model=te, pack=False, **sft).model.layer_spec == "te"
+    with pytest.raises(ValueError, match="model.layer_spec 'te': Transformer Engine is not"):
+        SFTConfig(model=ModelSource(preset="tiny", layer_spec="te"), pack=False, **sft)
 
 
 def test_model_config_rejects():

@@ -19,7 +19,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import itertools
 import json
@@ -33,16 +32,16 @@ import time
 
 import pytest
 import torch
-import torch.distributed as dist
 import yaml
 
 from megarlhf.cli import main as cli
 from megarlhf.models.gpt import build_model, model_spec
 from megarlhf.models.presets import preset
-from megarlhf.parallel.mesh import Mesh, ParallelConfig
+from megarlhf.parallel.mesh import ParallelConfig
 from megarlhf.plan import memory
 from megarlhf.plan.params import rank_params, total_params
 from tests import hf_models
+from tests.fake_world import fake_rank
 from tests.test_ppo import rollout_tp
 
 RECIPES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes")
@@ -58,42 +57,6 @@ def test_presets_have_the_published_parameter_counts():
     assert total_params(preset("qwen2.5-7b")) == 7_615_616_512
     assert total_params(preset("qwen3-30b-a3b")) == 30_532_122_624
     assert total_params(preset("mixtral-8x7b")) == 46_702_792_704
-
-
-@contextlib.contextmanager
-def fake_rank(parallel: ParallelConfig, rank: int):
-    """This process as global rank `rank` of a TP x PP world (x the DP replicas its expert
-    groups need) that does no communication."""
-    from megatron.core import parallel_state as ps
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    from megarlhf.compat.megatron import apply_cpu_compat
-
-    apply_cpu_compat()
-    world = parallel.replica_size * parallel.min_data_parallel
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
-    try:
-        # gloo side-groups cannot be made on the fake backend, and building needs none.
-        ps.initialize_model_parallel(
-            tensor_model_parallel_size=parallel.tensor_parallel,
-            pipeline_model_parallel_size=parallel.pipeline_parallel,
-            virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_parallel,
-            expert_model_parallel_size=parallel.expert_parallel,
-            expert_tensor_parallel_size=parallel.expert_tp,
-            create_gloo_process_groups=False)
-        yield Mesh(config=parallel, rank=rank, world_size=world, device=torch.device("cpu"),
-                   backend="fake", tp_rank=ps.get_tensor_model_parallel_rank(),
-                   pp_rank=ps.get_pipeline_model_parallel_rank(), dp_rank=0, dp_size=1,
-                   cp_rank=0, cp_group=ps.get_context_parallel_group(), ep_rank=0,
-                   ep_group=ps.get_expert_model_parallel_group(),
-                   expert_tp_group=ps.get_expert_tensor_parallel_group(),
-                   tp_group=ps.get_tensor_model_parallel_group(),
-                   pp_group=ps.get_pipeline_model_parallel_group(),
-                   dp_group=ps.get_data_parallel_group(),
-                   model_parallel_group=ps.get_model_parallel_group(), embedding_group=None)
-    finally:
-        ps.destroy_model_parallel()
-        dist.destroy_process_group()
 
 
 def built_params(model, parallel: ParallelConfig, tp_rank: int, pp_rank: int, *,
@@ -872,14 +835,10 @@ def test_sft_dry_run_checks_data_and_layout_and_starts_nothing(tmp_path, monkeyp
         "TP2 x PP1 x DP2, 2 micro-batch(es) of 2 per step; 20 training examples" in out
     code, _, err = run_cli(["sft", "--config", str(path), "--nproc", "3", "--dry-run"], capsys)
     assert code == 2 and "world size 3 is not divisible" in err
-    # The layer spec the ranks would resolve is resolved here first; packed rows refuse
-    # Transformer Engine (it ignores their block-diagonal mask) on any machine.
+    # Transformer Engine is refused before launch on any machine, until verified.
     code, _, err = run_cli(["sft", "--config", str(path), "--nproc", "4", "--dry-run",
                             "model.layer_spec=te", "pack=false"], capsys)
-    assert code == 2 and "layer spec 'te' needs a GPU" in err, err
-    code, _, err = run_cli(["sft", "--config", str(path), "--nproc", "4", "--dry-run",
-                            "model.layer_spec=te"], capsys)
-    assert code == 2 and "'te' with pack: true would let packed documents" in err, err
+    assert code == 2 and "model.layer_spec 'te': Transformer Engine is not verified" in err, err
     assert len(err.strip().splitlines()) <= 2, err  # no traceback
 
 

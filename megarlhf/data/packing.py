@@ -1,10 +1,12 @@
 """SFT rows: one prompt + response document per row, or several packed into one row.
 
-Legend: B rows, T positions. A packed row attends block-diagonally: each token sees only
-earlier tokens of its own document, and positions restart at 0 for every document, so a
-document's loss is the same packed or alone. Padding positions see only themselves (no softmax
-row is empty). Loss falls on response tokens only: `loss_mask` marks the positions whose
-label (the next token of the same document) is a response token.
+Legend: B rows, T positions. In a packed row each token sees only earlier tokens of its own
+document, and positions restart at 0 for every document, so a document's loss is the same
+packed or alone: the rows carry document ids, and the model runs them in the packed THD
+layout (models/packed.py), or under context parallelism with `document_mask`. Padding
+positions see only padding (no softmax row is empty). Loss falls on response tokens only:
+`loss_mask` marks the positions whose label (the next token of the same document) is a
+response token.
 """
 
 from __future__ import annotations

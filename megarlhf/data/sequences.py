@@ -69,10 +69,10 @@ class SequenceBatch:
         return (self.attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)
 
     def document_ids(self) -> torch.Tensor:
-        """[B, T] for data/packing.document_mask: 0 on a row's real tokens, a negative id of
-        its own on each padding position. The mask is then causal without padding keys, and
-        a padding query sees only itself, so no softmax row is empty (its output is never
-        used)."""
+        """[B, T]: 0 on a row's real tokens, a negative id of its own on each padding
+        position (models/packed.py, data/packing.document_mask). Attention is then causal
+        without padding keys, and a padding query sees only padding, so no softmax row is
+        empty (its output is never used)."""
         _, T = self.shape
         padding = -torch.arange(1, T + 1).expand(self.shape)
         return torch.where(self.attention_mask.bool(), 0, padding)

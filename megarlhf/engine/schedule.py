@@ -2,9 +2,11 @@
 
 A micro-batch is a dict of tensors with the same keys for every micro-batch of a call;
 `tokens` [B, T] is required, `position_ids` [B, T] and `document_ids` [B, T] are optional:
-with document ids each token attends causally to the earlier tokens of its own id
-(data/packing.document_mask, made on the device for the positions this rank runs), without
-them attention is causal. Shapes may differ between micro-batches (token-budget
+with document ids each token attends causally to the earlier tokens of its own id, without
+them attention is causal. A micro-batch whose rows pack several documents runs as one row of
+B*T tokens cut into segments (models/packed.py: no mask, no attention across documents
+computed); otherwise, and always under context parallelism, the rows run with the document
+mask (data/packing.document_mask, made on the device for the positions this rank runs). Shapes may differ between micro-batches (token-budget
 micro-batches, roles/batching.py): the pipeline stages then send each activation's shape
 ahead of it. Every pipeline stage receives the whole dict: later stages
 need the mask and positions, and the loss closure on the last stage needs labels.
@@ -35,6 +37,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.utils import get_model_config
 
 from megarlhf.models import context_parallel
+from megarlhf.models.packed import flatten, packed_segments, unflatten
 from megarlhf.models.routing_replay import RoutingReplay, local_order
 from megarlhf.parallel.mesh import Mesh
 
@@ -82,7 +85,13 @@ def forward_backward(
     Micro-batches with `routing` [B, T, layers, k] (model layout, -1: the router chooses)
     have it fed to `replay`'s routers as each chunk runs them.
     """
-    shapes = check_microbatches(microbatches)
+    check_microbatches(microbatches)
+    # Micro-batches that pack documents run as one row of B*T tokens (models/packed.py),
+    # except under context parallelism, whose attention takes the document mask.
+    layouts = [packed_segments(mb["document_ids"], mesh.device)
+               if mesh.cp == 1 and "document_ids" in mb else None for mb in microbatches]
+    shapes = {(1, mb["tokens"].numel()) if seg else tuple(mb["tokens"].shape)
+              for mb, seg in zip(microbatches, layouts)}
     replaying = "routing" in microbatches[0]
     if replaying and replay is None:
         raise ValueError("micro-batches carry an expert routing, but the model has no "
@@ -100,21 +109,29 @@ def forward_backward(
     def loss_on_whole_rows(batch, inputs, out):
         if per_position is not None:
             out = per_position(inputs, out)
+        if "packed_seq_params" in inputs:
+            out = unflatten(out, *batch["tokens"].shape)
         loss, num_tokens, metrics = closure(batch, context_parallel.gather_sequence(out, 1, mesh))
         return loss, num_tokens if mesh.cp_rank == 0 else num_tokens * 0, metrics
 
     sequence_parallel = get_model_config(chunks[0]).sequence_parallel
 
     def forward_step(data_iterator, model):
-        batch = {k: v.to(device) for k, v in next(data_iterator).items()}
-        inputs = context_parallel.local_inputs(batch, mesh)
+        host, seg = next(data_iterator)
+        batch = {k: v.to(device) for k, v in host.items()}
+        if seg is not None:
+            inputs = flatten(batch, context_parallel.MODEL_LAYOUT)
+            inputs["packed_seq_params"] = seg
+        else:
+            inputs = context_parallel.local_inputs(batch, mesh)
         if replaying:
             replay.feed(model, local_order(inputs.pop("routing"), mesh, sequence_parallel))
         output = model(inputs["tokens"], inputs.get("position_ids"),
-                       inputs.get("attention_mask"))
+                       inputs.get("attention_mask"),
+                       packed_seq_params=inputs.get("packed_seq_params"))
         return output, lambda out: loss_on_whole_rows(batch, inputs, out)
 
-    iterators = [iter(microbatches) for _ in chunks]
+    iterators = [iter(list(zip(microbatches, layouts))) for _ in chunks]
     with replay.replay() if replaying else contextlib.nullcontext():
         return get_forward_backward_func()(
             forward_step_func=forward_step,

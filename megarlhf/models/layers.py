@@ -43,8 +43,8 @@ class SDPAttention(DotProductAttention):
                 attention_bias=None, packed_seq_params=None):
         if packed_seq_params is not None or attention_bias is not None:
             raise NotImplementedError(
-                "SDPAttention supports neither packed sequences nor attention bias; use the "
-                "Transformer Engine spec (layer_spec='te') for those"
+                "SDPAttention takes neither packed sequences (models.packed.PackedAttention "
+                "runs them through it) nor an attention bias"
             )
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, d]
         sq, sk = q.shape[2], k.shape[2]

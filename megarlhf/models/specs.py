@@ -5,11 +5,13 @@
 - "te": Transformer Engine modules (fused kernels; needs `transformer_engine` installed);
 - "auto": sdpa on GPU, local on CPU.
 
-"auto" never picks te: TE's attention runs with a causal mask type and ignores the mask it
-is given, so rows with padding before their tokens (PPO's left-padded rows) or packed
-documents (block-diagonal masks) would attend where they must not, and its packed-sequence
-(THD) layout is not wired up. te is used only where asked for by name, and the stages refuse
-it before launch where their rows need a mask (SFT packing, every PPO role).
+Micro-batches that pack documents run in the packed THD layout (models/packed.py): TE's
+attention reads the segments natively, and at CP1 the local and sdpa cores run inside
+PackedAttention, which runs each segment alone. Other rows run under a document mask, which
+TE's causal attention would ignore (left-padded rows would attend to their padding). TE is
+not verified here (no test or GPU run has had Transformer Engine installed), so the stages
+refuse it before launch (TE_REFUSED) and "auto" never picks it; only bench/gpu's TE item
+builds it, by name, on causal rows.
 
 Under context parallelism (CP > 1) the local and sdpa attentions run inside
 ContextParallelAttention (models/context_parallel.py); Transformer Engine's own CP attention
@@ -32,8 +34,13 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megarlhf.models.context_parallel import ContextParallelAttention
 from megarlhf.models.layers import RMSNorm, SDPAttention
+from megarlhf.models.packed import PackedAttention
 
 LAYER_SPECS = ("auto", "local", "sdpa", "te")
+TE_REFUSED = ("Transformer Engine is not verified here yet (padded rows would need a mask it "
+              "ignores, and its packed-sequence attention has not run with TE installed); use "
+              "auto, sdpa or local")
+"""Why the stages refuse layer spec 'te' before launch."""
 
 
 def te_available() -> bool:
@@ -80,8 +87,8 @@ def layer_spec(name: str, *, qk_norm: bool, context_parallel: int = 1,
         normalization="RMSNorm")
     attn = spec.submodules.self_attention
     core = SDPAttention if name == "sdpa" else attn.submodules.core_attention
-    if context_parallel > 1:
-        core = ModuleSpec(module=ContextParallelAttention, params={"inner": core})
+    wrapper = ContextParallelAttention if context_parallel > 1 else PackedAttention
+    core = ModuleSpec(module=wrapper, params={"inner": core})
     attn_sub = dataclasses.replace(
         attn.submodules,
         core_attention=core,

@@ -16,6 +16,7 @@ from megarlhf.envs.episodes import ENV_ERROR_POLICIES
 from megarlhf.envs.tools import PARSERS
 from megarlhf.metrics import missing_dashboards
 from megarlhf.models.config import ModelConfig
+from megarlhf.models.specs import TE_REFUSED
 from megarlhf.parallel.mesh import LayoutOverride, ParallelConfig
 from megarlhf.rollout import sizing
 from megarlhf.rollout.gap import GAP_POLICIES, GapLimits
@@ -32,9 +33,8 @@ NAN_POLICIES = ("stop", "skip")
 WORKER_GROUPS = ("local", "ray")
 PLACEMENTS = ("colocated", "disaggregated")
 LAYER_SPECS = ("auto", "local", "sdpa")
-"""Megatron layer specs of every role and of the Megatron rollout engine (models/specs.py).
-'te' is refused: PPO's rows are left-padded, and Transformer Engine's attention ignores
-padding masks (its packed-sequence layout is not wired up)."""
+"""Megatron layer specs of every role and of the Megatron rollout engine (models/specs.py;
+'te' is refused there: TE_REFUSED)."""
 PROMPT_FIELDS = KIND_FIELDS["prompt"] + OPTIONAL_FIELDS["prompt"]
 RESUME_INPUTS = ("actor", "critic", "reward_model", "prompts", "seed", "algorithm")
 EPISODE_FIELDS = {"env_args": {}, "max_turns": 8, "max_turn_tokens": None,
@@ -462,8 +462,7 @@ class PPOConfig:
         choice("rollout_correction_level", CORRECTION_LEVELS)
         choice("dtype", DTYPES)
         if self.layer_spec == "te":
-            problems.append("layer_spec='te': PPO's rows are left-padded and Transformer "
-                            "Engine's attention ignores padding masks; use auto, sdpa or local")
+            problems.append(f"layer_spec='te': {TE_REFUSED}")
         else:
             choice("layer_spec", LAYER_SPECS)
         choice("template", TEMPLATES)

@@ -15,11 +15,10 @@ How a budget's micro-batch lays its rows out:
 - padded: cut to the columns any of them uses (short rows make a short micro-batch); the
   budget counts rows x columns;
 - packed (`pack`): the rows' real tokens one after another in a single row, each sequence
-  attending only to its own earlier tokens with positions counting from 0 (the SFT packer's
-  block-diagonal mask), so no compute goes to padding; the budget counts the packed length.
-  Rotary embeddings depend only on the distance between query and key, so a packed sequence
-  sees the same rotations as alone; learned absolute positions read the restarted positions.
-Either way a sequence's logits equal its logits alone, up to summation order.
+  attending only to its own earlier tokens with positions counting from 0, so no compute goes
+  to padding; the budget counts the packed length.
+Either way the rows carry document ids and run in the packed THD layout (models/packed.py):
+a sequence's logits equal its logits alone, up to summation order.
 
 A micro-batch dict holds the model inputs [R, L] (tokens, labels, position_ids,
 attention_mask) and, in the global batch's terms, `rows` [b] (which rows), `col0` (its first
@@ -54,7 +53,7 @@ class Batching:
     """Token budget of a micro-batch (replaces num_microbatches)."""
     pack: bool = False
     """Pack each micro-batch's sequences into one row instead of padding them (needs a
-    budget: it bounds the packed row, whose attention mask grows with its square)."""
+    budget: it bounds the packed row)."""
 
     def __post_init__(self):
         if self.num_microbatches < 1:
@@ -86,11 +85,6 @@ def microbatches(engine: TrainEngine, batching: Batching, batch: SequenceBatch,
     batch.check_length(engine.spec.model.max_position_embeddings)
     if routing is not None:
         _check_routing(routing, batch, engine.spec.model)
-    if batching.pack and engine.spec.layer_spec == "te":
-        # Its attention runs with a causal mask type and ignores the mask given: packed
-        # sequences would see each other. Its packed-sequence (THD) layout is not wired up.
-        raise ValueError("pack_sequences=true needs the local or sdpa layer spec; the "
-                         "Transformer Engine layers ignore the block-diagonal mask")
     for name, value in per_token.items():
         if tuple(value.shape) != batch.shape:
             raise ValueError(f"{name} has shape {tuple(value.shape)}, the batch is "

@@ -12,6 +12,7 @@ from megarlhf.engine.optim import OptimConfig
 from megarlhf.metrics import missing_dashboards
 from megarlhf.models.config import ModelConfig
 from megarlhf.models.presets import preset
+from megarlhf.models.specs import TE_REFUSED
 from megarlhf.models.transformer_config import parse_dtype
 from megarlhf.parallel.mesh import ParallelConfig
 
@@ -31,8 +32,8 @@ class ModelSource:
     dtype: str = "fp32"
     """Parameter dtype: fp32, bf16 or fp16."""
     layer_spec: str = "auto"
-    """Megatron layer spec: auto (local on CPU, SDPA on GPU), local, sdpa, te (Transformer
-    Engine, by name only: SFT without packing and RM, whose rows pad after their tokens)."""
+    """Megatron layer spec: auto (local on CPU, SDPA on GPU), local, sdpa; te (Transformer
+    Engine) is refused until verified (models/specs.TE_REFUSED)."""
 
     def __post_init__(self):
         if (self.preset is None) == (self.checkpoint is None):
@@ -44,6 +45,8 @@ class ModelSource:
         if self.layer_spec not in LAYER_SPECS:
             raise ValueError(f"unknown layer_spec {self.layer_spec!r}; choose one of "
                              f"{LAYER_SPECS}")
+        if self.layer_spec == "te":
+            raise ValueError(f"model.layer_spec 'te': {TE_REFUSED}")
         if self.preset is not None:
             self.preset_config()  # unknown preset or override fields fail here
 
@@ -130,16 +133,8 @@ class StageConfig:
 class SFTConfig(StageConfig):
     RECORD_KIND: ClassVar[str] = "sft"
     pack: bool = True
-    """Pack several documents into each row of data.max_length tokens (block-diagonal
-    attention, positions restarting per document) instead of one padded document per row."""
-
-    def __post_init__(self):
-        super().__post_init__()
-        if self.pack and self.model.layer_spec == "te":
-            # Its attention ignores the block-diagonal mask: documents would see each other.
-            raise ValueError("model.layer_spec 'te' with pack: true would let packed documents "
-                             "attend to each other (Transformer Engine ignores the mask); set "
-                             "pack: false, or layer_spec: sdpa")
+    """Pack several documents into each row of data.max_length tokens (each attending only
+    to itself, positions restarting per document) instead of one padded document per row."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
