@@ -5,7 +5,8 @@ the roles' `pack`) runs as one sequence of B*T tokens cut into segments, each at
 causally within itself and to nothing else (rows of one document each keep the batched
 document mask: the segment loop below would cost a kernel launch per row):
 - a segment is a run of one document id within one row (a packed row holds several, a
-  left-padded row one);
+  left-padded row one): the rows' producers keep each document contiguous (roles/batching
+  refuses padding between real tokens, data/packing places documents whole);
 - a run of padding positions (negative ids) is one segment too: its outputs are never read,
   and no real token's segment contains a padding key.
 megarlhf's rows give every document positions counting from 0 (data/packing.py,
