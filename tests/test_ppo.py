@@ -317,8 +317,10 @@ def test_ppo_reward_rises_at_tp2_dp2_under_ray(base):
 @pytest.mark.slow
 def test_grpo_reward_rises(base, tmp_path):
     config = dataclasses.replace(base, algorithm="grpo", critic=None, samples_per_prompt=4,
-                                 prompts_per_step=4, out_dir=str(tmp_path))
+                                 prompts_per_step=4, out_dir=str(tmp_path), log_samples=16)
     history = run(config)
+    for metrics in history:
+        _check_group_advantages(config, metrics)
     start, end = _reward_curve(history)
     assert start < 0.15 and end > 2 * start, (start, end)
     # GRPO's KL is a loss term (k3, kl_coef 0.01 from base): non-zero once the actor moved.
@@ -892,6 +894,39 @@ def test_every_enum_value_and_placement_backend_pair_has_a_run():
         assert covered == set(values), (field, set(values) - covered)
 
 
+def _check_group_advantages(config: PPOConfig, metrics: dict) -> None:
+    """A group estimator's advantages, recomputed here from every logged reward of the step
+    (samples.jsonl: log_samples = the step's rows, groups of samples_per_prompt in batch
+    order), bound the run's logged advantages/max and /min: the preset's estimator is the one
+    that ran (GRPO's std-scaled advantages, Dr.GRPO's unscaled ones and RLOO's leave-one-out
+    baselines differ on any group with unequal rewards). An in-reward KL is 0 at step 1 only
+    (the actor is still the reference). Tolerance: float32 advantages against float64 here,
+    rel 1e-5 + abs 1e-6."""
+    o = config.options
+    if o.estimator not in ("grpo", "rloo") or o.whiten_advantages:
+        return
+    assert o.kl_in == "loss" or metrics["step"] == 1
+    with open(os.path.join(config.out_dir, "samples.jsonl")) as f:
+        rows = [row for row in map(json.loads, f)
+                if row["phase"] == "train" and row["step"] == metrics["step"]]
+    n = config.samples_per_prompt
+    assert len(rows) == config.rows_per_step, len(rows)
+    expected = []
+    for g in range(0, len(rows), n):
+        group = rows[g:g + n]
+        assert all(r["prompt"] == group[0]["prompt"] for r in group)
+        r = torch.tensor([row["reward"] for row in group], dtype=torch.float64)
+        if o.estimator == "rloo":  # each sample against the mean of the others
+            adv = r - (r.sum() - r) / (n - 1)
+        elif o.advantage_std_norm:  # GRPO: the group's unbiased std, eps 1e-6
+            adv = (r - r.mean()) / (r.std() + 1e-6)
+        else:  # Dr.GRPO
+            adv = r - r.mean()
+        expected += adv.tolist()
+    assert metrics["advantages/max"] == pytest.approx(max(expected), rel=1e-5, abs=1e-6)
+    assert metrics["advantages/min"] == pytest.approx(min(expected), rel=1e-5, abs=1e-6)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(VALUE_RUNS))
 def test_each_config_value_runs_a_step(base, tmp_path, name):
@@ -901,8 +936,9 @@ def test_each_config_value_runs_a_step(base, tmp_path, name):
     config = dataclasses.replace(base, out_dir=str(tmp_path), nproc=1, tensor_parallel=1,
                                  steps=1, ppo_epochs=1, mini_batches=1, prompts_per_step=4,
                                  samples_per_prompt=4, critic=None if critic_free else base.critic,
-                                 **{"kl_coef": None, **fields})
+                                 log_samples=16, **{"kl_coef": None, **fields})
     (metrics,) = run(config)
+    _check_group_advantages(config, metrics)
     assert metrics["actor/skipped"] == 0.0 and math.isfinite(metrics["actor/policy_loss"]), metrics
     assert metrics["actor/grad_norm"] > 0, metrics
     if config.rollout_correction != "none":  # fp32 Megatron rollouts: weights of ~1

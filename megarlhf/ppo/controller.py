@@ -201,7 +201,7 @@ def ppo_step(config: PPOConfig, data: RunInputs, workers: Placement,
     kl = ((exp["logp"] - exp["ref_logp"]) * mask).sum() / mask.sum()
     kl_ctl.update(float(kl), config.rows_per_step)
     metrics = step_metrics(step=step, score=score, exp=exp, mask=mask, values=values,
-                           returns=returns, train=train_metrics, gap=gap, kl=float(kl),
+                           advantages=advantages, returns=returns, train=train_metrics, gap=gap, kl=float(kl),
                            kl_coef=kl_ctl.value, timer=timer, skipped=not train_metrics)
     # Samples that ended on a stop id rather than at max_new_tokens (a chat model that never
     # stops has a wrong stop id or template).

@@ -11,13 +11,17 @@ def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else float("nan")
 
 
-def step_metrics(*, step, score, exp, mask, values, returns, train, gap, kl, kl_coef, timer,
-                 skipped) -> dict:
+def step_metrics(*, step, score, exp, mask, values, advantages, returns, train, gap, kl,
+                 kl_coef, timer, skipped) -> dict:
     tokens = mask.sum()
+    trained = advantages[mask.bool()]
     m = {"step": step, "reward/mean": float(score.mean()), "reward/std": float(score.std()),
          "kl": kl, "kl_coef": kl_coef,
          "entropy": float((exp["entropy"] * mask).sum() / tokens),
          "response_length": float(mask.sum(1).mean()), "skipped": float(skipped),
+         # Over the trained tokens: what the algorithm's estimator made of the rewards.
+         "advantages/mean": float(trained.mean()), "advantages/max": float(trained.max()),
+         "advantages/min": float(trained.min()),
          **gap.to_dict()}
     if values is not None:
         v, r = values[mask.bool()], returns[mask.bool()]
