@@ -6,10 +6,11 @@ with document ids each token attends causally to the earlier tokens of its own i
 them attention is causal. A micro-batch whose rows pack several documents runs as one row of
 B*T tokens cut into segments (models/packed.py: no mask, no attention across documents
 computed); otherwise, and always under context parallelism, the rows run with the document
-mask (data/packing.document_mask, made on the device for the positions this rank runs). Shapes may differ between micro-batches (token-budget
-micro-batches, roles/batching.py): the pipeline stages then send each activation's shape
-ahead of it. Every pipeline stage receives the whole dict: later stages
-need the mask and positions, and the loss closure on the last stage needs labels.
+mask (data/packing.document_mask, made on the device for the positions this rank runs).
+Shapes may differ between micro-batches (token-budget micro-batches, roles/batching.py): the
+pipeline stages then send each activation's shape ahead of it. Every pipeline stage receives
+the whole dict: later stages need the mask and positions, and the loss closure on the last
+stage needs labels.
 
 A loss closure `loss_fn(batch, output) -> (loss_sum, num_tokens, metrics: dict)` runs on the
 last stage; with `calculate_per_token_loss` the schedules keep token sums and megatron-core
@@ -131,7 +132,7 @@ def forward_backward(
                        packed_seq_params=inputs.get("packed_seq_params"))
         return output, lambda out: loss_on_whole_rows(batch, inputs, out)
 
-    iterators = [iter(list(zip(microbatches, layouts))) for _ in chunks]
+    iterators = [zip(microbatches, layouts) for _ in chunks]
     with replay.replay() if replaying else contextlib.nullcontext():
         return get_forward_backward_func()(
             forward_step_func=forward_step,

@@ -42,24 +42,29 @@ def packed_segments(document_ids: torch.Tensor, device: torch.device) -> Segment
     """The segments of rows with document ids [B, T] (host tensor) where some row packs
     several documents; None where each row holds one: such rows run batched under the
     document mask, one kernel call for all rows instead of one per segment."""
-    ids = document_ids.clamp(min=-1)
-    starts = _run_starts(ids)
+    ids, starts = _runs(document_ids)
     if int((starts & (ids >= 0)).sum()) <= ids.shape[0]:
         return None
-    return segments(ids, device)
-
-
-def _run_starts(ids: torch.Tensor) -> torch.Tensor:
-    starts = torch.ones_like(ids, dtype=torch.bool)
-    starts[:, 1:] = ids[:, 1:] != ids[:, :-1]
-    return starts
+    return _segments(starts, device)
 
 
 def segments(document_ids: torch.Tensor, device: torch.device) -> Segments:
     """The segments of rows with document ids [B, T] (host tensor), cu_seqlens on `device`."""
-    ids = document_ids.clamp(min=-1)  # every padding id alike: a padding run is one segment
-    first = _run_starts(ids).reshape(-1).nonzero().squeeze(1)
-    bounds = torch.cat([first, torch.tensor([ids.numel()])])
+    return _segments(_runs(document_ids)[1], device)
+
+
+def _runs(document_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ids with every padding id alike (a padding run is one segment), and where each
+    run of one id within a row starts."""
+    ids = document_ids.clamp(min=-1)
+    starts = torch.ones_like(ids, dtype=torch.bool)
+    starts[:, 1:] = ids[:, 1:] != ids[:, :-1]
+    return ids, starts
+
+
+def _segments(starts: torch.Tensor, device: torch.device) -> Segments:
+    first = starts.reshape(-1).nonzero().squeeze(1)
+    bounds = torch.cat([first, torch.tensor([starts.numel()])])
     cu = bounds.to(device=device, dtype=torch.int32)
     longest = int((bounds[1:] - bounds[:-1]).max())
     return Segments(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
