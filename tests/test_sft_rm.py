@@ -215,6 +215,10 @@ def test_runs_refuse_bad_setups_before_any_process_group(corpus, tmp_path, tiny)
     value_ckpt = _fake_checkpoint(tmp_path / "value", value_head=True, model=tiny.to_dict())
     cases.append((dataclasses.replace(ok, model=ModelSource(checkpoint=value_ckpt)),
                   "holds a value model"))
+    lora_ckpt = _fake_checkpoint(tmp_path / "lora", value_head=False, model=tiny.to_dict(),
+                                 lora={"rank": 4})
+    cases.append((dataclasses.replace(ok, model=ModelSource(checkpoint=lora_ckpt)),
+                  "holds LoRA adapters; a stage starts from full weights: export it merged"))
     for cfg, match in cases:
         with pytest.raises(ValueError, match=match):
             _plan(cfg)
@@ -356,6 +360,32 @@ def test_rm_ranks_held_out_pairs_well_above_chance(corpus, tmp_path):
 
 
 @pytest.mark.slow
+def test_lora_rm_from_an_lm_trains_its_adapters_and_value_head_only(corpus, lm_ref, tmp_path):
+    """A reward model with LoRA grown from an LM checkpoint: the trunk comes from the LM
+    (adapters at their start), and after two steps only the adapters and the new value head
+    differ from it."""
+    from megarlhf.convert.mcore_io import CheckpointReader
+    from megarlhf.models.lora import LoraConfig
+
+    model = ModelSource(checkpoint=lm_ref, layer_spec="local",
+                        lora=LoraConfig(rank=2, target_modules=["q_proj", "v_proj"]))
+    out = launch_local(run_rm, 1, rm_config(corpus, tmp_path / "rm", model, steps=2))[0]
+    base, trained = CheckpointReader(lm_ref), CheckpointReader(out["checkpoint"])
+    changed = set()
+    for key, md in trained.metadata.state_dict_metadata.items():
+        shape = trained.shape(key)
+        if shape is None or not key.startswith(("decoder.", "embedding.", "value_head.")):
+            continue
+        whole = [(key, (0,) * len(shape), shape)]
+        if base.shape(key) is None or not torch.equal(trained.read(whole)[0],
+                                                      base.read(whole)[0]):
+            changed.add(key)
+    prefix = "decoder.layers.self_attention.linear_qkv.lora_"
+    assert changed == {f"{prefix}{f}.{p}" for f in "AB" for p in ("q_proj", "v_proj")} | {
+        k for k in trained.metadata.state_dict_metadata if k.startswith("value_head.")}
+
+
+@pytest.mark.slow
 def test_resume_continues_the_same_run_at_another_layout(corpus, lm_ref, tmp_path):
     straight = launch_local(run_sft, 1, sft_config(corpus, tmp_path / "a", lm_ref, steps=4,
                                                    save_interval=2))[0]
@@ -469,3 +499,57 @@ def test_cli_sft_then_rm_from_it_exports_a_working_hf_reward_model(corpus, tmp_p
                   for k in ("chosen", "rejected")]
         correct += scores[0] > scores[1]
     assert correct / len(pairs) > 0.8
+
+
+@pytest.mark.slow
+def test_lora_sft_at_tp2_sp_pp2_equals_tp1_trains_only_adapters_and_exports_merged(
+        corpus, lm_ref, tmp_path):
+    """LoRA SFT (all seven projections, rank 4, gaussian A so the step-0 adapters are not
+    kaiming's) at TP2+SP x PP2 has TP1's curve (losses, grad norms: 1e-5 relative); the final
+    checkpoint differs from the base only in the adapters; the exported HF model (adapters
+    merged) gives HF transformers' logits equal to our adapted model's (fp32, 1e-5: same
+    weights, different kernels)."""
+    import transformers
+
+    from megarlhf.convert.mcore_io import CheckpointReader
+    from megarlhf.models.lora import LoraConfig, is_adapter_key
+    from tests import workers
+
+    lora = LoraConfig(rank=4, alpha=8.0, init="gaussian", seed=3)
+
+    def config(out, parallel, **train):
+        cfg = sft_config(corpus, out, lm_ref, parallel, micro_batch_size=1, **train)
+        return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, lora=lora),
+                                   optim=dataclasses.replace(OPTIM, lr=1e-2))
+
+    exported = str(tmp_path / "hf")
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    ref, ours = launch_local(workers.in_sequence, 1, [
+        (run_sft, (config(tmp_path / "tp1", P(), export_hf=exported),), {}),
+        (workers.forward_outputs, (str(tmp_path / "tp1" / "checkpoints" / "step_3"), P(),
+                                   {"tokens": tokens}), {})])[0]
+    assert ref["checkpoint"].endswith("step_3")
+    losses = [r["loss"] for r in _train(ref["history"])]
+    assert losses[-1] < losses[0]
+    outs = launch_local(run_sft, 4, config(
+        tmp_path / "tp2pp2", P(tensor_parallel=2, pipeline_parallel=2, sequence_parallel=True)))
+    for out in outs:
+        _assert_same_run(out, ref)
+
+    base, trained = CheckpointReader(lm_ref), CheckpointReader(ref["checkpoint"])
+    stored = [k for k in trained.metadata.state_dict_metadata if trained.shape(k) is not None]
+    adapters = [k for k in stored if is_adapter_key(k) and k.startswith("decoder.")]
+    assert len(adapters) == 2 * 7, adapters  # A and B of each projection, layers stacked
+    weights = [k for k in base.metadata.state_dict_metadata if base.shape(k) is not None]
+    for key in adapters + weights:
+        shape = trained.shape(key)
+        whole = [(key, (0,) * len(shape), shape)]
+        if is_adapter_key(key):
+            assert trained.read(whole)[0].abs().max() > 0, key  # B moved off zero
+        else:
+            assert torch.equal(trained.read(whole)[0], base.read(whole)[0]), key
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32)
+    with torch.no_grad():
+        theirs = model(tokens).logits
+    torch.testing.assert_close(ours[..., :theirs.shape[-1]], theirs, atol=1e-5, rtol=1e-5)

@@ -14,6 +14,7 @@ from megarlhf.convert.safetensors_io import ShardWriter
 from megarlhf.engine.checkpoint import HF_SIDECAR, checkpoint_architecture, read_meta, replace_dir
 from megarlhf.models.arch import Architecture, architecture, layer_major
 from megarlhf.models.config import ModelConfig
+from megarlhf.models.lora import LAYER_PROJECTIONS, LoraConfig
 from megarlhf.models.transformer_config import parse_dtype
 
 DEFAULT_SHARD_BYTES = 2 * 1024**3
@@ -37,7 +38,8 @@ def mcore_to_hf(ckpt: str, out: str, *, dtype: str | None = None, force: bool = 
     tmp = prepare_output(out, force, inputs=[ckpt])
     with removed_on_error(tmp):
         with reader.background_checks():  # every CRC32 checked before the output is renamed in
-            _export_weights(ckpt, reader, rules, model, tmp, max_shard_bytes, out_dtype)
+            _export_weights(ckpt, reader, rules, model, tmp, max_shard_bytes, out_dtype,
+                            merge=_adapter_merge(reader, meta.get("lora")))
         sidecar = os.path.join(ckpt, HF_SIDECAR)
         if os.path.isdir(sidecar):
             copy_sidecar(sidecar, tmp)
@@ -48,19 +50,50 @@ def mcore_to_hf(ckpt: str, out: str, *, dtype: str | None = None, force: bool = 
     return final
 
 
+def _adapter_merge(reader: CheckpointReader, lora: dict | None):
+    """For a checkpoint with LoRA adapters: (rule, layer index, HF name, weight) -> the weight
+    with its projection's adapter merged in, W + scale * B @ A (in fp32), one projection at
+    a time; None without adapters."""
+    if lora is None:
+        return None
+    config = LoraConfig(**lora)
+
+    def merge(rule, index, name: str, weight: torch.Tensor) -> torch.Tensor:
+        layer = rule.mcore.removesuffix(".weight")
+        projection = name.removesuffix(".weight").rsplit(".", 1)[-1]
+        if layer.rsplit(".", 1)[-1] not in LAYER_PROJECTIONS or not rule.mcore.endswith(
+                ".weight") or projection not in config.targets or ".experts." in layer:
+            return weight
+        a, b = (_read_at(reader, f"{layer}.lora_{f}.{projection}", index).float()
+                for f in ("A", "B"))
+        return (weight.float() + config.scale * (b @ a)).to(weight.dtype)
+
+    return merge
+
+
+def _read_at(reader: CheckpointReader, key: str, index: tuple[int, ...]) -> torch.Tensor:
+    """The tensor `key` at leading index `index` (a layer's slab of a stacked tensor)."""
+    shape, n = reader.shape(key), len(index)
+    if shape is None:
+        raise ValueError(f"{reader.path} has no tensor {key!r}")
+    slab = (key, index + (0,) * (len(shape) - n), (1,) * n + shape[n:])
+    return reader.read([slab])[0].reshape(shape[n:])
+
+
 def _export_weights(ckpt, reader: CheckpointReader, rules, model: ModelConfig, directory: str,
-                    max_shard_bytes: int, dtype: torch.dtype) -> None:
+                    max_shard_bytes: int, dtype: torch.dtype, merge=None) -> None:
     """Whole tensors, then each layer's tensors (an MoE layer's one expert at a time), each
-    written out and freed before the next is read: memory holds the largest of those."""
+    written out and freed before the next is read: memory holds the largest of those. With
+    `merge` (_adapter_merge), each adapted projection is written merged."""
     order = [(r, ()) for r in rules if not r.per_layer] + layer_major(rules, model)
     entries = [(name, dtype, shape) for rule, index in order
                for name, shape in zip(rule.hf_names(index), rule.hf_shapes)]
 
     def export(rule, index):
-        shape, n = reader.shape(rule.mcore), len(index)
-        slab = (rule.mcore, index + (0,) * (len(shape) - n), (1,) * n + shape[n:])
-        fused = reader.read([slab])[0].reshape(shape[n:])
+        fused = _read_at(reader, rule.mcore, index)
         for name, tensor, shape in zip(rule.hf_names(index), rule.split(fused), rule.hf_shapes):
+            if merge is not None:
+                tensor = merge(rule, index, name, tensor)
             if rule.vocab:
                 tensor = tensor[: model.vocab_size]
             if tuple(tensor.shape) != shape:

@@ -25,6 +25,7 @@ from megarlhf.engine.optim import OptimConfig
 from megarlhf.engine.train import TrainEngine
 from megarlhf.integrity import read_json, verify_checkpoint_collectively
 from megarlhf.models.gpt import ModelSpec, model_spec
+from megarlhf.models.lora import LoraConfig, is_adapter_key
 from megarlhf.models.transformer_config import dtype_name
 from megarlhf.parallel.mesh import Mesh, ParallelConfig
 
@@ -120,7 +121,7 @@ def is_complete(path: str) -> bool:
 
 def checkpoint_meta(model: ModelConfig, *, value_head: bool, dtype: torch.dtype, layout: dict,
                     with_optimizer: bool, architecture: str | None = None,
-                    extra: dict | None = None) -> dict:
+                    extra: dict | None = None, lora: dict | None = None) -> dict:
     """What the completion marker records: enough to rebuild and export the model anywhere."""
     return {
         "layout": layout,
@@ -130,6 +131,7 @@ def checkpoint_meta(model: ModelConfig, *, value_head: bool, dtype: torch.dtype,
         "dtype": dtype_name(dtype),
         "architecture": architecture,
         "extra": extra or {},
+        "lora": lora,
     }
 
 
@@ -196,7 +198,8 @@ def save_checkpoint(path: str, engine, mesh: Mesh, *, extra: dict | None = None,
         publish(tmp, path, checkpoint_meta(
             spec.model, value_head=spec.value_head, dtype=spec.transformer.params_dtype,
             layout=layout, with_optimizer=with_optimizer,
-            architecture=engine.provenance["architecture"], extra=extra))
+            architecture=engine.provenance["architecture"], extra=extra,
+            lora=spec.lora.to_dict() if spec.lora else None))
     dist.barrier()
 
 
@@ -211,21 +214,37 @@ def _check_same_model(path: str, meta: dict, spec: ModelSpec) -> None:
              for k in _SHAPE_FIELDS if getattr(saved, k) != getattr(ours, k)]
     if meta["value_head"] != spec.value_head:
         diffs.append(f"value head: checkpoint {meta['value_head']} vs model {spec.value_head}")
+    saved_lora = adapter_shape(meta.get("lora"))
+    if saved_lora is not None and saved_lora != adapter_shape(spec.lora and spec.lora.to_dict()):
+        raise ValueError(
+            f"{path} holds LoRA adapters {saved_lora}, the model being loaded into "
+            f"{adapter_shape(spec.lora and spec.lora.to_dict()) or 'none'}: load it with the "
+            f"same lora settings, or export it merged (python -m tools.convert_hf.mcore_to_hf "
+            f"--ckpt {path} --out DIR) and convert that back")
     if diffs:
         raise ValueError(f"{path} holds a different model than the one being loaded into: "
                          + "; ".join(diffs) + f". Build the model from the checkpoint's own "
                          f"config ({COMPLETE_MARKER}, key 'model') or load a matching checkpoint")
 
 
+def adapter_shape(lora: dict | None) -> dict | None:
+    """What of a checkpoint's LoRA settings its tensors depend on (not the init or seed)."""
+    if lora is None:
+        return None
+    return {k: lora[k] for k in ("rank", "alpha", "use_rslora", "target_modules")}
+
+
 def engine_from_checkpoint(path: str, parallel: ParallelConfig, mesh: Mesh,
                            optim: OptimConfig | None = None, **spec) -> TrainEngine:
-    """An engine at `parallel` holding the checkpoint's model (its config and head from the
-    metadata) and weights, cast to `spec`'s dtype when it differs; `spec`: model_spec's
+    """An engine at `parallel` holding the checkpoint's model (its config, head and LoRA
+    adapters from the metadata) and weights, cast to `spec`'s dtype when it differs; `spec`: model_spec's
     keyword arguments (dtype, layer_spec, on_gpu, recompute). The optimizer, if any, starts
     fresh. `parallel` may add sequence parallelism to `mesh`'s layout (a per-model flag)."""
     meta = read_meta(path)
+    lora = LoraConfig(**meta["lora"]) if meta.get("lora") else None
     engine = TrainEngine(model_spec(ModelConfig.from_dict(meta["model"]), parallel,
-                                    value_head=meta["value_head"], **spec), mesh, optim)
+                                    value_head=meta["value_head"], lora=lora, **spec),
+                         mesh, optim)
     load_checkpoint(path, engine, with_optimizer=False)
     return engine
 
@@ -240,10 +259,20 @@ def load_checkpoint(path: str, engine, *, with_optimizer: bool = True) -> dict:
     if with_optimizer:
         _materialise_optimizer_state(engine.optimizer)
     template = _sharded_state(engine, is_loading=True, with_optimizer=with_optimizer)
+    # A base checkpoint (no adapters) loaded under LoRA: the adapters keep their initial
+    # values (B = 0, the base model), every other tensor is read.
+    base_only = engine.spec.lora is not None and meta.get("lora") is None
+    if base_only:
+        template["model"] = {c: {k: v for k, v in sd.items() if not is_adapter_key(k)}
+                             for c, sd in template["model"].items()}
     verify_checkpoint_collectively(path, _keys(template))  # megatron-core's load checks none
     loaded = load_dist_checkpoint(template, path)
     for chunk, sd in zip(engine.unwrapped(), loaded["model"].values()):
-        chunk.load_state_dict(sd)
+        result = chunk.load_state_dict(sd, strict=not base_only)
+        if base_only:
+            missing = [k for k in result.missing_keys if not is_adapter_key(k)]
+            assert not missing and not result.unexpected_keys, (missing,
+                                                                result.unexpected_keys)
     engine.provenance = {"architecture": meta.get("architecture"),
                          "hf_files": _read_hf_files(os.path.join(path, HF_SIDECAR))}
     if with_optimizer:

@@ -19,6 +19,7 @@ from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
 from megarlhf.compat.megatron import PostprocessHook
 from megarlhf.models.config import ModelConfig
 from megarlhf.models.layers import ValueHead
+from megarlhf.models.lora import LoraConfig, check_model, freeze_base, init_adapters
 from megarlhf.models.specs import block_spec, resolve_layer_spec
 from megarlhf.models.transformer_config import to_transformer_config
 from megarlhf.parallel.mesh import Mesh, ParallelConfig
@@ -57,15 +58,21 @@ class ModelSpec:
     transformer: TransformerConfig
     layer_spec: str
     value_head: bool = False
+    lora: LoraConfig | None = None
+    """Adapters on the linear layers, base frozen (models/lora.py); None trains every
+    weight."""
 
 
 def model_spec(model: ModelConfig, parallel: ParallelConfig, *, value_head: bool = False,
                dtype: torch.dtype = torch.float32, layer_spec: str = "auto",
-               on_gpu: bool | None = None, recompute: str = "none") -> ModelSpec:
+               on_gpu: bool | None = None, recompute: str = "none",
+               lora: LoraConfig | None = None) -> ModelSpec:
     """The ModelSpec of `model` at `parallel` (with its sequence parallelism); `on_gpu`
     defaults to whether CUDA is present; `recompute`: activation recomputation in training
-    (none, full, selective: to_transformer_config)."""
+    (none, full, selective: to_transformer_config); `lora`: adapters, base frozen."""
     on_gpu = torch.cuda.is_available() if on_gpu is None else on_gpu
+    if lora is not None:
+        check_model(lora, is_moe=model.is_moe)
     return ModelSpec(
         model=model,
         transformer=to_transformer_config(model, parallel, dtype=dtype, on_gpu=on_gpu,
@@ -73,6 +80,7 @@ def model_spec(model: ModelConfig, parallel: ParallelConfig, *, value_head: bool
         layer_spec=resolve_layer_spec(layer_spec, on_gpu=on_gpu,
                                       context_parallel=parallel.context_parallel),
         value_head=value_head,
+        lora=lora,
     )
 
 
@@ -94,7 +102,7 @@ def build_model(spec: ModelSpec, mesh: Mesh, *, meta: bool = False) -> list[GPTM
                 config=config,
                 transformer_layer_spec=block_spec(
                     spec.layer_spec, config, qk_norm=spec.model.qk_norm,
-                    vp_stage=vp_stage, pp_rank=mesh.pp_rank,
+                    vp_stage=vp_stage, pp_rank=mesh.pp_rank, lora=spec.lora,
                 ),
                 vocab_size=spec.model.padded_vocab_size(mesh.tp),
                 max_sequence_length=spec.model.max_position_embeddings,
@@ -110,5 +118,8 @@ def build_model(spec: ModelSpec, mesh: Mesh, *, meta: bool = False) -> list[GPTM
         # megatron-core's RoPE scaling hard-codes Llama 3.1's constants; ours follows the
         # checkpoint's own (Llama 3.2 and others differ).
         chunk.rotary_pos_emb.inv_freq = spec.model.rope_inv_freq().to(device)
+        if spec.lora is not None:
+            freeze_base(chunk, trainable_head=spec.value_head)
+            init_adapters(chunk)
         chunks.append(chunk.to(device))
     return chunks

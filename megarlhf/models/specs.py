@@ -34,6 +34,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megarlhf.models.context_parallel import ContextParallelAttention
 from megarlhf.models.layers import RMSNorm, SDPAttention
+from megarlhf.models.lora import LoraConfig, layer_classes
 from megarlhf.models.packed import PackedAttention
 
 LAYER_SPECS = ("auto", "local", "sdpa", "te")
@@ -65,11 +66,14 @@ def resolve_layer_spec(name: str, on_gpu: bool, context_parallel: int = 1) -> st
 
 
 def layer_spec(name: str, *, qk_norm: bool, context_parallel: int = 1,
-               num_experts: int | None = None) -> ModuleSpec:
+               num_experts: int | None = None, lora: LoraConfig | None = None) -> ModuleSpec:
     """The ModuleSpec of one transformer layer for a resolved spec name; with `num_experts`
     its MLP is megatron-core's MoE layer (router + experts: Transformer Engine's grouped GEMM
-    under 'te', one MLP per expert otherwise; both save the same checkpoint keys)."""
+    under 'te', one MLP per expert otherwise; both save the same checkpoint keys); with
+    `lora` its linear layers carry adapters (models/lora.py; local and sdpa specs)."""
     if name == "te":
+        if lora is not None:
+            raise ValueError("LoRA adapters run with the 'local' or 'sdpa' layer spec")
         spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
             num_experts=num_experts, moe_grouped_gemm=num_experts is not None,
             qk_layernorm=qk_norm)
@@ -89,14 +93,22 @@ def layer_spec(name: str, *, qk_norm: bool, context_parallel: int = 1,
     core = SDPAttention if name == "sdpa" else attn.submodules.core_attention
     wrapper = ContextParallelAttention if context_parallel > 1 else PackedAttention
     core = ModuleSpec(module=wrapper, params={"inner": core})
+    linears = layer_classes(lora) if lora is not None else {}
     attn_sub = dataclasses.replace(
         attn.submodules,
+        **{k: v for k, v in linears.items() if k in ("linear_qkv", "linear_proj")},
         core_attention=core,
         q_layernorm=RMSNorm if qk_norm else IdentityOp,
         k_layernorm=RMSNorm if qk_norm else IdentityOp,
     )
+    mlp = spec.submodules.mlp
+    mlp_linears = {k: v for k, v in linears.items() if k in ("linear_fc1", "linear_fc2")}
+    if mlp_linears:  # dense MLPs only (lora.check_model refuses MoE targets)
+        mlp = dataclasses.replace(mlp, submodules=dataclasses.replace(mlp.submodules,
+                                                                      **mlp_linears))
     layer_sub = dataclasses.replace(
         spec.submodules,
+        mlp=mlp,
         input_layernorm=RMSNorm,
         pre_mlp_layernorm=RMSNorm,
         self_attention=dataclasses.replace(attn, submodules=attn_sub),
@@ -105,7 +117,8 @@ def layer_spec(name: str, *, qk_norm: bool, context_parallel: int = 1,
 
 
 def block_spec(
-    name: str, config: TransformerConfig, *, qk_norm: bool, vp_stage: int | None, pp_rank: int
+    name: str, config: TransformerConfig, *, qk_norm: bool, vp_stage: int | None, pp_rank: int,
+    lora: LoraConfig | None = None,
 ) -> TransformerBlockSubmodules:
     """Layers of one pipeline stage (or virtual chunk) plus the final norm."""
     if name == "te":
@@ -116,6 +129,7 @@ def block_spec(
     return TransformerBlockSubmodules(
         layer_specs=[layer_spec(name, qk_norm=qk_norm,
                                 context_parallel=config.context_parallel_size,
-                                num_experts=config.num_moe_experts)] * num_layers,
+                                num_experts=config.num_moe_experts,
+                                lora=lora)] * num_layers,
         layer_norm=final_norm
     )

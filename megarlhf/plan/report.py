@@ -58,7 +58,7 @@ def header(plan: Plan, recipe: str) -> list[str]:
 
 def group_table(group: GroupPlan) -> list[str]:
     spec, stage = group.spec, group.most_loaded
-    tp, pp = spec.parallel.tensor_parallel, spec.parallel.pipeline_parallel
+    pp = spec.parallel.pipeline_parallel
     dp = spec.parallel.data_parallel_size(spec.nproc)
     lines = [f"group {spec.name}: GPUs {group.first_gpu}-{group.first_gpu + spec.nproc - 1}, "
              f"{spec.parallel.describe(dp)}; most loaded rank: pipeline stage {group.pp_rank} of "

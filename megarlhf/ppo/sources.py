@@ -47,6 +47,10 @@ def resolve(path: str, *, field: str, value_head: bool) -> ModelSource:
         return ModelSource(preset(path[len(PRESET_PREFIX):]), value_head, "preset")
     if is_complete(path):
         meta = read_meta(path)
+        if meta.get("lora"):
+            raise ValueError(f"{field}: checkpoint {path} holds LoRA adapters, and PPO does not "
+                             f"train or load adapters yet: export it merged (python -m "
+                             f"tools.convert_hf.mcore_to_hf) and convert that back")
         if meta["value_head"] != value_head:
             kind = "a value head" if meta["value_head"] else "an LM head"
             raise ValueError(f"{field}: checkpoint {path} has {kind}, the role needs "

@@ -11,6 +11,7 @@ from megarlhf.data.records import field_columns
 from megarlhf.engine.optim import OptimConfig
 from megarlhf.metrics import missing_dashboards
 from megarlhf.models.config import ModelConfig
+from megarlhf.models.lora import LoraConfig
 from megarlhf.models.presets import preset
 from megarlhf.models.specs import TE_REFUSED
 from megarlhf.models.transformer_config import parse_dtype
@@ -34,6 +35,9 @@ class ModelSource:
     layer_spec: str = "auto"
     """Megatron layer spec: auto (local on CPU, SDPA on GPU), local, sdpa; te (Transformer
     Engine) is refused until verified (models/specs.TE_REFUSED)."""
+    lora: LoraConfig | None = None
+    """Train low-rank adapters on the linear layers instead of every weight (the base is
+    frozen; a reward model's value head trains too); None trains every weight."""
 
     def __post_init__(self):
         if (self.preset is None) == (self.checkpoint is None):

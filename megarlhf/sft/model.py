@@ -15,6 +15,7 @@ from megarlhf.engine.optim import OptimConfig
 from megarlhf.engine.train import TrainEngine
 from megarlhf.models.config import ModelConfig
 from megarlhf.models.gpt import model_spec
+from megarlhf.models.lora import is_adapter_key
 from megarlhf.models.transformer_config import parse_dtype
 from megarlhf.parallel.mesh import Mesh, ParallelConfig
 from megarlhf.sft.config import ModelSource
@@ -27,6 +28,11 @@ def model_config(source: ModelSource, *, value_head: bool) -> ModelConfig:
     if source.preset is not None:
         return source.preset_config()
     meta = read_meta(source.checkpoint)
+    if meta.get("lora"):
+        raise ValueError(f"model.checkpoint {source.checkpoint} holds LoRA adapters; a stage "
+                         f"starts from full weights: export it merged (python -m "
+                         f"tools.convert_hf.mcore_to_hf --ckpt {source.checkpoint} --out DIR) "
+                         f"and convert that back with tools.convert_hf.hf_to_mcore")
     if meta["value_head"] and not value_head:
         raise ValueError(f"{source.checkpoint} holds a value model (critic or reward); SFT "
                          f"trains a language model, so start it from an LM checkpoint")
@@ -38,7 +44,7 @@ def new_engine(source: ModelSource, model: ModelConfig, parallel: ParallelConfig
     """A trainable engine for `model`; its weights are the preset's seeded initialisation
     until `init_weights` (or a resume) loads others."""
     spec = model_spec(model, parallel, value_head=value_head, dtype=parse_dtype(source.dtype),
-                      layer_spec=source.layer_spec)
+                      layer_spec=source.layer_spec, lora=source.lora)
     return TrainEngine(spec, mesh, optim)
 
 
@@ -60,13 +66,14 @@ def load_trunk(path: str, engine: TrainEngine, meta: dict) -> None:
     """Load every tensor of a value model except its head from the LM checkpoint at `path`."""
     for chunk in engine.unwrapped():
         template = {k: v for k, v in chunk.sharded_state_dict().items()
-                    if not k.startswith(HEAD_PREFIX)}
+                    if not k.startswith(HEAD_PREFIX) and not is_adapter_key(k)}
         # The template holds only trunk tensors, so the checkpoint's output layer is not read;
         # the load also returns the checkpoint's non-tensor state (optimizer, schedule), which
         # is not ours to take.
         loaded = load_dist_checkpoint(template, path)
         result = chunk.load_state_dict({k: loaded[k] for k in template}, strict=False)
-        missing = [k for k in result.missing_keys if not k.startswith(HEAD_PREFIX)]
+        missing = [k for k in result.missing_keys
+                   if not k.startswith(HEAD_PREFIX) and not is_adapter_key(k)]
         assert not missing and not result.unexpected_keys, (missing, result.unexpected_keys)
     engine.provenance = {"architecture": meta.get("architecture"),
                          "hf_files": _sidecar_files(os.path.join(path, HF_SIDECAR))}

@@ -1,0 +1,303 @@
+"""LoRA adapters on megatron-core's parallel linear layers, one adapter per HF projection.
+
+megatron-core has no LoRA. Each of the four linear layers of a transformer layer is replaced
+by a subclass that adds `scale * B(A(x))` to its output:
+
+- linear_qkv (column parallel, fused): q_proj, k_proj, v_proj;
+- linear_fc1 (column parallel, fused [gate; up]): gate_proj, up_proj;
+- linear_proj (row parallel): o_proj; linear_fc2 (row parallel): down_proj.
+
+Adapters are per projection, as PEFT keeps them, so PEFT adapters map onto ours one to one:
+each projection's output lands in its slice of the fused output (QKV is interleaved per KV
+group: the group's query heads, its key head, its value head, the layout of
+models/arch/llama_family's `_fuse_qkv`).
+
+Tensor parallelism splits an adapter the way its base layer is split:
+
+- column-parallel base: A replicated, B split by output rows. A(x) is computed on the
+  replicated input (under sequence parallelism: on this rank's sequence shard, then gathered,
+  which moves r channels instead of the hidden size) and enters the tensor-parallel region
+  through megatron-core's copy (all-reduce in backward), so A's gradient is complete on every
+  rank;
+- row-parallel base: A split by input columns, B replicated. A's partial products are summed
+  where the base layer sums (all-reduce, or reduce-scatter to sequence shards under sequence
+  parallelism).
+
+Under sequence parallelism a replicated factor that sees only this rank's sequence shard (A
+of a column layer, B of a row layer) is marked `sequence_parallel`, so megatron-core
+all-reduces its gradient over the tensor-parallel group as it does for layer norms.
+
+The base weights are frozen (`freeze_base`): no gradient buffers, no optimizer state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+from megatron.core import tensor_parallel
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.transformer_layer import TransformerLayer
+from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
+TARGETS = ATTENTION_TARGETS + MLP_TARGETS
+ALL_LINEAR = "all-linear"
+INITS = ("kaiming", "gaussian")
+_SEED_STRIDE = 1_000_003
+
+LAYER_PROJECTIONS = {
+    "linear_qkv": ("q_proj", "k_proj", "v_proj"),
+    "linear_proj": ("o_proj",),
+    "linear_fc1": ("gate_proj", "up_proj"),
+    "linear_fc2": ("down_proj",),
+}
+"""Which HF projections each megatron-core linear layer holds, in fused order."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LoraConfig:
+    """Low-rank adapters on the base model's linear layers (PEFT's LoRA); the base is frozen."""
+
+    rank: int = 16
+    """Rank r of each adapter (A is r x in, B is out x r)."""
+    alpha: float = 32.0
+    """Scale numerator: the adapter's output is multiplied by alpha / r (alpha / sqrt(r) with
+    use_rslora)."""
+    use_rslora: bool = False
+    """Rank-stabilised scaling alpha / sqrt(r), as PEFT's use_rslora."""
+    target_modules: tuple[str, ...] | str = ALL_LINEAR
+    """HF projection names (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj),
+    or 'all-linear' for all seven."""
+    init: str = "kaiming"
+    """A's initialisation as PEFT does it: kaiming (kaiming-uniform, a = sqrt(5)) or gaussian
+    (normal, std 1/r); B starts at zero either way, so step 0 is the base model."""
+    seed: int = 0
+    """Seeds A, per layer and projection, so every parallel layout starts from the same
+    adapters."""
+
+    def __post_init__(self):
+        if isinstance(self.target_modules, list):
+            object.__setattr__(self, "target_modules", tuple(self.target_modules))
+        if self.rank < 1:
+            raise ValueError(f"lora.rank must be >= 1, got {self.rank}")
+        if not (math.isfinite(self.alpha) and self.alpha > 0):
+            raise ValueError(f"lora.alpha must be a positive number, got {self.alpha}")
+        if self.init not in INITS:
+            raise ValueError(f"lora.init {self.init!r} is not one of {INITS}")
+        if isinstance(self.target_modules, str):
+            if self.target_modules != ALL_LINEAR:
+                raise ValueError(f"lora.target_modules {self.target_modules!r}: give a list of "
+                                 f"{TARGETS} or {ALL_LINEAR!r}")
+        else:
+            unknown = sorted(set(self.target_modules) - set(TARGETS))
+            if unknown or not self.target_modules:
+                raise ValueError(f"lora.target_modules: {unknown or 'empty'} - the model's "
+                                 f"linear projections are {TARGETS} (or {ALL_LINEAR!r})")
+
+    @property
+    def targets(self) -> tuple[str, ...]:
+        """The targeted projections, in TARGETS order."""
+        chosen = TARGETS if self.target_modules == ALL_LINEAR else self.target_modules
+        return tuple(t for t in TARGETS if t in chosen)
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / (math.sqrt(self.rank) if self.use_rslora else self.rank)
+
+    def to_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "target_modules": list(self.targets)}
+
+
+def check_model(lora: LoraConfig, *, is_moe: bool) -> None:
+    """Refuse targets the model does not have as adapters (ValueError, one line)."""
+    mlp = [t for t in lora.targets if t in MLP_TARGETS]
+    if is_moe and mlp:
+        raise ValueError(f"lora.target_modules {mlp}: adapters on a mixture-of-experts MLP are "
+                         f"not supported; target the attention projections {ATTENTION_TARGETS}")
+
+
+def _fused_out_sizes(layer: str, config, tp: int) -> dict[str, int]:
+    """Each projection's output rows on one tensor-parallel rank."""
+    if layer == "linear_qkv":
+        d = config.kv_channels
+        return {"q_proj": config.num_attention_heads * d // tp,
+                "k_proj": config.num_query_groups * d // tp,
+                "v_proj": config.num_query_groups * d // tp}
+    return {"gate_proj": config.ffn_hidden_size // tp, "up_proj": config.ffn_hidden_size // tp}
+
+
+def fuse_last_dim(layer: str, parts: dict[str, torch.Tensor], sizes: dict[str, int],
+                  groups: int) -> torch.Tensor:
+    """The fused layer's output (last dim) from each projection's output; a projection
+    without an adapter contributes zeros. `groups`: the KV groups these rows hold (QKV)."""
+    some = next(iter(parts.values()))
+    lead = some.shape[:-1]
+    full = [parts.get(name, some.new_zeros(*lead, sizes[name]))
+            for name in LAYER_PROJECTIONS[layer]]
+    if layer != "linear_qkv":
+        return torch.cat(full, dim=-1)
+    per_group = [t.reshape(*lead, groups, t.shape[-1] // groups) for t in full]
+    return torch.cat(per_group, dim=-1).reshape(*lead, -1)
+
+
+class _LoraMixin:
+    """The adapter state and maths shared by the column and row layers."""
+
+    lora: LoraConfig
+    layer: str
+
+    def _init_adapters(self, config, in_size: int, out_sizes: dict[str, int], *,
+                       a_split: bool) -> None:
+        """Zero adapters of this rank's shapes; init_adapters gives A its values."""
+        targets = [p for p in LAYER_PROJECTIONS[self.layer] if p in self.lora.targets]
+        r, dtype = self.lora.rank, config.params_dtype
+        self.lora_out_sizes = out_sizes
+        self.lora_a_split = a_split
+        self.lora_A = torch.nn.ParameterDict(
+            {name: torch.nn.Parameter(torch.zeros(r, in_size, dtype=dtype)) for name in targets})
+        self.lora_B = torch.nn.ParameterDict(
+            {name: torch.nn.Parameter(torch.zeros(out_sizes[name], r, dtype=dtype))
+             for name in targets})
+        # The split factor is tensor-parallel (megatron-core counts it on every rank in the
+        # gradient norm; a replicated one only once).
+        for split in (self.lora_A if a_split else self.lora_B).values():
+            tensor_parallel.set_tensor_model_parallel_attributes(
+                split, is_parallel=True, dim=1 if a_split else 0, stride=1)
+
+    def _lora_sharded_axes(self) -> dict[str, int]:
+        """The split factor's checkpoint axis (the other factor is replicated)."""
+        if self.lora_a_split:  # row parallel: A by input columns
+            return {f"lora_A.{name}": 1 for name in self.lora_A}
+        return {f"lora_B.{name}": 0 for name in self.lora_B}  # column parallel: B by rows
+
+    def _a_out(self, x: torch.Tensor) -> torch.Tensor:
+        """x through every adapter's A at once: [..., targets * r]."""
+        a = torch.cat(list(self.lora_A.values()), dim=0)
+        return torch.matmul(x, a.t())
+
+    def _b_out(self, h: torch.Tensor) -> dict[str, torch.Tensor]:
+        hs = h.split(self.lora.rank, dim=-1)
+        return {name: torch.matmul(part, b.t()) * self.lora.scale
+                for part, (name, b) in zip(hs, self.lora_B.items())}
+
+
+class LoraColumnParallelLinear(_LoraMixin, ColumnParallelLinear):
+    """A column-parallel layer (QKV or [gate; up]) with per-projection adapters."""
+
+    def __init__(self, input_size, output_size, *, config, **kwargs):
+        super().__init__(input_size, output_size, config=config, **kwargs)
+        self.tp_size, self.tp_rank = self.tp_group.size(), self.tp_group.rank()
+        self._init_adapters(config, input_size,
+                            _fused_out_sizes(self.layer, config, self.tp_size), a_split=False)
+        if self.sequence_parallel:
+            for a in self.lora_A.values():
+                a.sequence_parallel = True
+        self.lora_groups = config.num_query_groups // self.tp_size
+
+    def forward(self, input_, *args, **kwargs):
+        output, bias = super().forward(input_, *args, **kwargs)
+        if not len(self.lora_A):
+            return output, bias
+        h = self._a_out(input_)
+        if self.sequence_parallel:
+            h = tensor_parallel.gather_from_sequence_parallel_region(h, group=self.tp_group)
+        else:
+            h = tensor_parallel.copy_to_tensor_model_parallel_region(h, group=self.tp_group)
+        delta = fuse_last_dim(self.layer, self._b_out(h), self.lora_out_sizes, self.lora_groups)
+        return output + delta.to(output.dtype), bias
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        return make_sharded_tensors_for_checkpoint(
+            self.state_dict(prefix="", keep_vars=True), prefix,
+            {"weight": 0, "bias": 0, **self._lora_sharded_axes()}, sharded_offsets,
+            tp_group=self.tp_group, dp_cp_group=metadata["dp_cp_group"])
+
+
+class LoraRowParallelLinear(_LoraMixin, RowParallelLinear):
+    """A row-parallel layer (o_proj or down_proj) with its adapter."""
+
+    def __init__(self, input_size, output_size, *, config, **kwargs):
+        super().__init__(input_size, output_size, config=config, **kwargs)
+        self.tp_size, self.tp_rank = self.tp_group.size(), self.tp_group.rank()
+        (name,) = LAYER_PROJECTIONS[self.layer]
+        self._init_adapters(config, input_size // self.tp_size, {name: output_size},
+                            a_split=True)
+        if self.sequence_parallel:
+            for b in self.lora_B.values():
+                b.sequence_parallel = True
+
+    def forward(self, input_, *args, **kwargs):
+        output, bias = super().forward(input_, *args, **kwargs)
+        if not len(self.lora_A):
+            return output, bias
+        h = self._a_out(input_)
+        if self.sequence_parallel:
+            h = tensor_parallel.reduce_scatter_to_sequence_parallel_region(
+                h, group=self.tp_group)
+        else:
+            h = tensor_parallel.reduce_from_tensor_model_parallel_region(h, group=self.tp_group)
+        (delta,) = self._b_out(h).values()
+        return output + delta.to(output.dtype), bias
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        return make_sharded_tensors_for_checkpoint(
+            self.state_dict(prefix="", keep_vars=True), prefix,
+            {"weight": 1, **self._lora_sharded_axes()}, sharded_offsets,
+            tp_group=self.tp_group, dp_cp_group=metadata["dp_cp_group"])
+
+
+def layer_classes(lora: LoraConfig) -> dict[str, type]:
+    """The linear classes of a transformer layer's spec with `lora`, by spec field name
+    (megatron-core calls linear_qkv's class directly, so each is a class, not a ModuleSpec)."""
+    classes = {}
+    for layer, projections in LAYER_PROJECTIONS.items():
+        if not set(projections) & set(lora.targets):
+            continue
+        base = LoraRowParallelLinear if layer in ("linear_proj", "linear_fc2") \
+            else LoraColumnParallelLinear
+        classes[layer] = type(f"Lora_{layer}", (base,), {"lora": lora, "layer": layer})
+    return classes
+
+
+def is_adapter_key(name: str) -> bool:
+    """A parameter or checkpoint key of an adapter factor."""
+    return ".lora_A." in name or ".lora_B." in name
+
+
+def freeze_base(module: torch.nn.Module, *, trainable_head: bool) -> None:
+    """Only the adapters train (and a value head, which a base LM does not have)."""
+    for name, param in module.named_parameters():
+        param.requires_grad = is_adapter_key(name) or (
+            trainable_head and name.startswith("value_head."))
+
+
+@torch.no_grad()
+def init_adapters(module: torch.nn.Module) -> None:
+    """Give every A its initial values (B stays zero): drawn over the full matrix from a
+    generator seeded by (lora.seed, global layer number, projection), then sliced to this
+    rank, so the adapters do not depend on the layout or on what else a rank built."""
+    for layer in module.modules():
+        if not isinstance(layer, TransformerLayer):
+            continue
+        for linear in layer.modules():
+            if not isinstance(linear, _LoraMixin):
+                continue
+            for name, a in linear.lora_A.items():
+                if a.is_meta:
+                    continue
+                lora = linear.lora
+                generator = torch.Generator().manual_seed(
+                    (lora.seed * _SEED_STRIDE + layer.layer_number) * len(TARGETS)
+                    + TARGETS.index(name))
+                width = a.shape[1] * (linear.tp_size if linear.lora_a_split else 1)
+                full = torch.empty(a.shape[0], width)
+                if lora.init == "kaiming":
+                    torch.nn.init.kaiming_uniform_(full, a=math.sqrt(5), generator=generator)
+                else:
+                    torch.nn.init.normal_(full, std=1 / lora.rank, generator=generator)
+                if linear.lora_a_split:
+                    full = full.chunk(linear.tp_size, dim=1)[linear.tp_rank]
+                a.copy_(full)

@@ -1,0 +1,135 @@
+"""LoRA adapters (models/lora.py): config checks, the fused layers against per-projection
+plain-torch maths, and what trains."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from megarlhf.models.arch.llama_family import _fuse_qkv
+from megarlhf.models.gpt import build_model, model_spec
+from megarlhf.models.lora import LoraConfig
+from megarlhf.models.presets import preset
+from megarlhf.parallel.mesh import ParallelConfig
+from tests.fake_world import fake_rank
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"rank": 0}, "lora.rank must be >= 1"),
+    ({"alpha": 0.0}, "lora.alpha must be a positive number"),
+    ({"target_modules": ["q_proj", "c_attn"]}, "['c_attn']"),
+    ({"target_modules": "all"}, "give a list of"),
+    ({"init": "pissa"}, "lora.init 'pissa' is not one of"),
+])
+def test_bad_lora_fields_are_one_line_errors(bad, message):
+    with pytest.raises(ValueError) as caught:
+        LoraConfig(**bad)
+    assert message in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_moe_mlp_targets_are_refused():
+    with pytest.raises(ValueError, match="mixture-of-experts MLP"):
+        model_spec(preset("mixtral-8x7b"), ParallelConfig(), lora=LoraConfig(), on_gpu=False)
+
+
+def _reference(x, weight, adapters, scale, layout):
+    """W x plus each projection's scale * B_p A_p x placed in its rows of the fused output,
+    the rows arranged by `layout` (the converters' fusion of HF projections)."""
+    flat = x.reshape(-1, x.shape[-1])
+    deltas = [scale * (flat @ a.t() @ b.t()) for a, b in adapters]
+    fused = torch.cat(layout([d.t() for d in deltas]), dim=0).t()
+    return (flat @ weight.t() + fused).reshape(*x.shape[:-1], -1)
+
+
+@pytest.mark.parametrize("targets", ["all-linear", ("q_proj", "v_proj", "down_proj")])
+def test_adapted_layers_equal_per_projection_maths(targets):
+    """Every linear layer of the tiny model (GQA: 4 query heads over 2 KV groups) with
+    adapters whose B is random: outputs and the gradients of A, B and the input equal the
+    per-projection formula in plain torch (fp32, same operations up to summation order:
+    1e-5); projections not targeted get no adapter; only adapters require gradients."""
+    model = preset("tiny")
+    assert model.kv_heads < model.num_attention_heads  # the QKV interleave is exercised
+    lora = LoraConfig(rank=3, alpha=5.0, target_modules=targets, init="gaussian")
+    with fake_rank(ParallelConfig(), 0) as mesh:
+        chunk = build_model(model_spec(model, ParallelConfig(), lora=lora, on_gpu=False),
+                            mesh)[0]
+        trainable = {n for n, p in chunk.named_parameters() if p.requires_grad}
+        assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
+        layer = chunk.decoder.layers[1]
+        q_rows, _ = _fuse_qkv(model)
+        layers = {
+            "linear_qkv": (layer.self_attention.linear_qkv, ("q_proj", "k_proj", "v_proj"),
+                           q_rows),
+            "linear_proj": (layer.self_attention.linear_proj, ("o_proj",), list),
+            "linear_fc1": (layer.mlp.linear_fc1, ("gate_proj", "up_proj"), list),
+            "linear_fc2": (layer.mlp.linear_fc2, ("down_proj",), list),
+        }
+        generator = torch.Generator().manual_seed(1)
+        for name, (linear, projections, layout) in layers.items():
+            wanted = [p for p in projections if p in lora.targets]
+            assert sorted(getattr(linear, "lora_A", {})) == sorted(wanted), name
+            if not wanted:
+                continue
+            with torch.no_grad():
+                for b in linear.lora_B.values():
+                    b.copy_(torch.randn(b.shape, generator=generator))
+            x = torch.randn(5, 2, linear.weight.shape[1], generator=generator,
+                            requires_grad=True)
+            out, _ = linear(x)
+            grad_out = torch.randn(out.shape, generator=generator)
+            out.backward(grad_out)
+            # The reference: every projection, untargeted ones with zero adapters.
+            sizes = [t.shape[0] for t in _split_rows(linear.weight, projections, model)]
+            adapters = []
+            for p, rows in zip(projections, sizes):
+                if p in wanted:
+                    a = linear.lora_A[p].detach().clone().requires_grad_()
+                    b = linear.lora_B[p].detach().clone().requires_grad_()
+                else:
+                    a, b = torch.zeros(lora.rank, x.shape[-1]), torch.zeros(rows, lora.rank)
+                adapters.append((a, b))
+            x_ref = x.detach().clone().requires_grad_()
+            ref = _reference(x_ref, linear.weight.detach(), adapters, lora.scale, layout)
+            ref.backward(grad_out)
+            torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(x.grad, x_ref.grad, atol=1e-5, rtol=1e-5)
+            for p, (a, b) in zip(projections, adapters):
+                if p in wanted:
+                    torch.testing.assert_close(linear.lora_A[p].grad, a.grad, atol=1e-5,
+                                               rtol=1e-5)
+                    torch.testing.assert_close(linear.lora_B[p].grad, b.grad, atol=1e-5,
+                                               rtol=1e-5)
+            assert linear.weight.grad is None
+            assert lora.scale == 5.0 / 3 and math.isclose(
+                LoraConfig(rank=4, alpha=8.0, use_rslora=True).scale, 4.0)
+
+
+def _split_rows(weight, projections, model):
+    """The fused weight's rows per projection (sizes only matter here)."""
+    if projections == ("q_proj", "k_proj", "v_proj"):
+        return _fuse_qkv(model)[1](weight)
+    if len(projections) == 2:
+        return list(weight.chunk(2, dim=0))
+    return [weight]
+
+
+def test_adapters_start_at_zero_and_do_not_depend_on_what_a_rank_built():
+    """B is zero at the start (the adapted model is the base), and A of a layer is the same
+    whether a rank built the whole model or only the second pipeline stage."""
+    model = preset("tiny")
+    lora = LoraConfig(rank=2)
+    with fake_rank(ParallelConfig(), 0) as mesh:
+        whole = build_model(model_spec(model, ParallelConfig(), lora=lora, on_gpu=False),
+                            mesh)[0]
+        last = whole.decoder.layers[-1].self_attention.linear_qkv
+        a_whole = last.lora_A["q_proj"].detach().clone()
+        assert all(not b.any() for b in last.lora_B.values())
+    pp2 = ParallelConfig(pipeline_parallel=2)
+    with fake_rank(pp2, 1) as mesh:
+        second = build_model(model_spec(model, pp2, lora=lora, on_gpu=False), mesh)[0]
+        a_second = second.decoder.layers[-1].self_attention.linear_qkv.lora_A["q_proj"]
+        torch.testing.assert_close(a_second.detach(), a_whole, atol=0, rtol=0)
+    bound = 1 / math.sqrt(model.hidden_size)  # kaiming-uniform(a=sqrt 5) over the input
+    assert a_whole.abs().max() <= bound and a_whole.abs().max() > bound / 2
