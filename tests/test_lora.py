@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from megatron.core import tensor_parallel
 
 from megarlhf.models.arch.llama_family import _fuse_qkv
 from megarlhf.models.gpt import build_model, model_spec
@@ -133,3 +134,31 @@ def test_adapters_start_at_zero_and_do_not_depend_on_what_a_rank_built():
         torch.testing.assert_close(a_second.detach(), a_whole, atol=0, rtol=0)
     bound = 1 / math.sqrt(model.hidden_size)  # kaiming-uniform(a=sqrt 5) over the input
     assert a_whole.abs().max() <= bound and a_whole.abs().max() > bound / 2
+
+
+def test_with_adapters_off_the_model_is_its_base():
+    """PPO's reference with LoRA: the adapted model (random B, so the adapters matter) under
+    adapters_off gives exactly the logits of a model built without LoRA holding the same
+    base weights; outside it the logits differ."""
+    from megarlhf.models.lora import adapters_off, is_adapter_key
+
+    model = preset("tiny")
+    tokens = torch.randint(0, model.vocab_size, (2, 7), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(7).expand(2, 7)
+    with fake_rank(ParallelConfig(), 0) as mesh:
+        tensor_parallel.model_parallel_cuda_manual_seed(0)
+        adapted = build_model(model_spec(model, ParallelConfig(), on_gpu=False,
+                                         lora=LoraConfig(rank=2)), mesh)[0].eval()
+        plain = build_model(model_spec(model, ParallelConfig(), on_gpu=False), mesh)[0].eval()
+        state = adapted.state_dict()
+        plain.load_state_dict({k: v for k, v in state.items() if not is_adapter_key(k)})
+        with torch.no_grad():
+            for name, param in adapted.named_parameters():
+                if ".lora_B." in name:
+                    param.normal_()
+            base = plain(tokens, positions, None)
+            with adapters_off([adapted]):
+                off = adapted(tokens, positions, None)
+            on = adapted(tokens, positions, None)
+    assert torch.equal(off, base)
+    assert (on - base).abs().max() > 1e-2

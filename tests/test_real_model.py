@@ -247,9 +247,10 @@ def _is_rendering(tokenizer, row: dict, conversation: list[dict]) -> bool:
 
 def test_multiturn_grpo_with_vllm_on_the_real_model(hf_dir, actor, work):
     """Episodes of up to 3 tries at one-digit arithmetic (arithmetic_retry) sampled by vLLM
-    engines with prefix caching, 2 colocated ranks, 2 steps (the second after a weight sync,
-    which resets the cache): the trainer-vs-engine gap on the model's tokens of 3-turn
-    episodes stays below 1e-4 (fp32, 30 layers), each episode's row is HF's chat-template
+    engines with prefix caching, 2 colocated ranks, a LoRA actor, 2 steps (the second after
+    a weight sync of the merged adapters, which resets the cache): the trainer-vs-engine gap
+    on the model's tokens of 3-turn episodes stays below 1e-4 (fp32, 30 layers; an unmerged
+    sync was measured to trip the gap guard at step 2), each episode's row is HF's chat-template
     rendering of its conversation, and each logged reward is the environment's verdict on
     the logged turns, recomputed here."""
     import transformers
@@ -266,7 +267,8 @@ def test_multiturn_grpo_with_vllm_on_the_real_model(hf_dir, actor, work):
         "environment: arithmetic_retry\nenv_args: {max_tries: 3}\nmax_turns: 3\n"
         "max_turn_tokens: 12\nmax_new_tokens: 96\nalgorithm: grpo\nnproc: 2\n"
         "rollout_backend: vllm\nprompts_per_step: 4\nsamples_per_prompt: 4\nsteps: 2\n"
-        "log_samples: 16\nactor_lr: 1.0e-6\n")
+        # A LoRA actor: step 2 samples from the base with the step-1 adapters merged in.
+        "log_samples: 16\nactor_lr: 5.0e-4\nlora: {rank: 16, alpha: 32}\n")
     _run(sys.executable, "-m", "megarlhf.cli", "ppo", "--config", str(recipe))
     history = read_steps(str(out_dir))
     for m in history:

@@ -14,7 +14,7 @@ from megarlhf.convert.safetensors_io import ShardWriter
 from megarlhf.engine.checkpoint import HF_SIDECAR, checkpoint_architecture, read_meta, replace_dir
 from megarlhf.models.arch import Architecture, architecture, layer_major
 from megarlhf.models.config import ModelConfig
-from megarlhf.models.lora import LAYER_PROJECTIONS, LoraConfig
+from megarlhf.models.lora import LoraConfig, adapter_keys, merged
 from megarlhf.models.transformer_config import parse_dtype
 
 DEFAULT_SHARD_BYTES = 2 * 1024**3
@@ -59,14 +59,11 @@ def _adapter_merge(reader: CheckpointReader, lora: dict | None):
     config = LoraConfig(**lora)
 
     def merge(rule, index, name: str, weight: torch.Tensor) -> torch.Tensor:
-        layer = rule.mcore.removesuffix(".weight")
-        projection = name.removesuffix(".weight").rsplit(".", 1)[-1]
-        if layer.rsplit(".", 1)[-1] not in LAYER_PROJECTIONS or not rule.mcore.endswith(
-                ".weight") or projection not in config.targets or ".experts." in layer:
+        keys = adapter_keys(rule.mcore, name, config)
+        if keys is None:
             return weight
-        a, b = (_read_at(reader, f"{layer}.lora_{f}.{projection}", index).float()
-                for f in ("A", "B"))
-        return (weight.float() + config.scale * (b @ a)).to(weight.dtype)
+        a, b = (_read_at(reader, key, index) for key in keys)
+        return merged(weight, a, b, config)
 
     return merge
 

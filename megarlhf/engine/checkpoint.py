@@ -235,13 +235,15 @@ def adapter_shape(lora: dict | None) -> dict | None:
 
 
 def engine_from_checkpoint(path: str, parallel: ParallelConfig, mesh: Mesh,
-                           optim: OptimConfig | None = None, **spec) -> TrainEngine:
+                           optim: OptimConfig | None = None, *, lora: LoraConfig | None = None,
+                           **spec) -> TrainEngine:
     """An engine at `parallel` holding the checkpoint's model (its config, head and LoRA
-    adapters from the metadata) and weights, cast to `spec`'s dtype when it differs; `spec`: model_spec's
-    keyword arguments (dtype, layer_spec, on_gpu, recompute). The optimizer, if any, starts
-    fresh. `parallel` may add sequence parallelism to `mesh`'s layout (a per-model flag)."""
+    adapters from the metadata) and weights, cast to `spec`'s dtype when it differs; `spec`:
+    model_spec's keyword arguments (dtype, layer_spec, on_gpu, recompute). The optimizer, if any, starts
+    fresh. `parallel` may add sequence parallelism to `mesh`'s layout (a per-model flag).
+    `lora`: adapters to train over a base checkpoint (a checkpoint's own come with it)."""
     meta = read_meta(path)
-    lora = LoraConfig(**meta["lora"]) if meta.get("lora") else None
+    lora = LoraConfig(**meta["lora"]) if meta.get("lora") else lora
     engine = TrainEngine(model_spec(ModelConfig.from_dict(meta["model"]), parallel,
                                     value_head=meta["value_head"], lora=lora, **spec),
                          mesh, optim)

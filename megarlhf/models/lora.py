@@ -32,6 +32,7 @@ The base weights are frozen (`freeze_base`): no gradient buffers, no optimizer s
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 
@@ -148,6 +149,8 @@ class _LoraMixin:
 
     lora: LoraConfig
     layer: str
+    lora_enabled = True
+    """False inside `adapters_off`: the layer is its base."""
 
     def _init_adapters(self, config, in_size: int, out_sizes: dict[str, int], *,
                        a_split: bool) -> None:
@@ -199,7 +202,7 @@ class LoraColumnParallelLinear(_LoraMixin, ColumnParallelLinear):
 
     def forward(self, input_, *args, **kwargs):
         output, bias = super().forward(input_, *args, **kwargs)
-        if not len(self.lora_A):
+        if not (self.lora_enabled and len(self.lora_A)):
             return output, bias
         h = self._a_out(input_)
         if self.sequence_parallel:
@@ -231,7 +234,7 @@ class LoraRowParallelLinear(_LoraMixin, RowParallelLinear):
 
     def forward(self, input_, *args, **kwargs):
         output, bias = super().forward(input_, *args, **kwargs)
-        if not len(self.lora_A):
+        if not (self.lora_enabled and len(self.lora_A)):
             return output, bias
         h = self._a_out(input_)
         if self.sequence_parallel:
@@ -301,3 +304,34 @@ def init_adapters(module: torch.nn.Module) -> None:
                 if linear.lora_a_split:
                     full = full.chunk(linear.tp_size, dim=1)[linear.tp_rank]
                 a.copy_(full)
+
+
+@contextlib.contextmanager
+def adapters_off(chunks: list[torch.nn.Module]):
+    """Inside, the model is its frozen base (PPO's reference with LoRA)."""
+    layers = [m for chunk in chunks for m in chunk.modules() if isinstance(m, _LoraMixin)]
+    for layer in layers:
+        layer.lora_enabled = False
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.lora_enabled = True
+
+
+def adapter_keys(mcore_key: str, hf_name: str, lora: LoraConfig) -> tuple[str, str] | None:
+    """The checkpoint keys of (A, B) of the adapter on the HF projection `hf_name`, which the
+    Megatron tensor `mcore_key` (a layer's linear weight) holds; None without one."""
+    layer = mcore_key.removesuffix(".weight")
+    projection = hf_name.removesuffix(".weight").rsplit(".", 1)[-1]
+    if (not mcore_key.endswith(".weight") or ".experts." in layer
+            or layer.rsplit(".", 1)[-1] not in LAYER_PROJECTIONS
+            or projection not in lora.targets):
+        return None
+    return f"{layer}.lora_A.{projection}", f"{layer}.lora_B.{projection}"
+
+
+def merged(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+           lora: LoraConfig) -> torch.Tensor:
+    """A new tensor W + scale * B @ A (computed in fp32, in W's dtype); W is not touched."""
+    return (weight.float() + lora.scale * (b.float() @ a.float())).to(weight.dtype)

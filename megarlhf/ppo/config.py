@@ -16,6 +16,7 @@ from megarlhf.envs.episodes import ENV_ERROR_POLICIES
 from megarlhf.envs.tools import PARSERS
 from megarlhf.metrics import missing_dashboards
 from megarlhf.models.config import ModelConfig
+from megarlhf.models.lora import LoraConfig
 from megarlhf.models.specs import TE_REFUSED
 from megarlhf.parallel.mesh import LayoutOverride, ParallelConfig
 from megarlhf.rollout import sizing
@@ -401,6 +402,11 @@ class PPOConfig:
     """MIS's lower bound (None: 1 / rollout_correction_threshold)."""
     actor_lr: float = 1e-5
     critic_lr: float = 1e-5
+    lora: LoraConfig | None = None
+    """Train LoRA adapters on the actor's linear layers instead of every weight (its base is
+    frozen). The reference is then the actor with its adapters switched off, in the actor's
+    own ranks (no reference copy is loaded), and the weight sync sends W + scale * B @ A,
+    merged one tensor at a time. Colocated placement; the actor checkpoint is the base."""
     # -- run control --
     seed: int = 0
     save_every: int = 0
@@ -498,6 +504,9 @@ class PPOConfig:
                          f"holds only the roles it runs, none idle); set it false"
                          for name in ("offload_params", "offload_grads", "offload_optimizer",
                                       "rollout_sleep") if getattr(self, name)]
+        if self.lora is not None and self.placement != "colocated":
+            problems.append("lora with placement=disaggregated is not built yet (the reference "
+                            "would move into the actor's group): use placement=colocated")
         if self.async_rollout and self.placement != "disaggregated":
             problems.append("async_rollout=true needs placement=disaggregated (colocated, "
                             "rollout and training share the ranks and cannot overlap)")

@@ -20,6 +20,7 @@ import os
 
 from megarlhf.engine.checkpoint import is_complete, read_meta
 from megarlhf.models.config import ModelConfig
+from megarlhf.models.lora import check_model as check_lora_targets
 from megarlhf.models.presets import preset
 from megarlhf.parallel.mesh import ParallelConfig
 from megarlhf.ppo.config import PPOConfig
@@ -78,6 +79,11 @@ def resolve_models(config: PPOConfig) -> dict[str, ModelSource]:
 def check_models(config: PPOConfig, models: dict[str, ModelSource], seq: int) -> list[str]:
     """What makes the models unrunnable at the recipe's layout, each with a fix."""
     problems = []
+    if config.lora is not None and "actor" in models:
+        try:
+            check_lora_targets(config.lora, is_moe=models["actor"].model.is_moe)
+        except ValueError as e:
+            problems.append(f"actor: {e}")
     for role, source in models.items():
         training = config.parallel_of(role)
         if role == "ref" and "actor" in models and training == config.parallel_of("actor"):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import random
+from contextlib import nullcontext
 
 import numpy as np
 import torch
@@ -25,6 +26,7 @@ from megarlhf.engine.optim import OptimConfig
 from megarlhf.engine.train import TrainEngine
 from megarlhf.models.config import ModelConfig
 from megarlhf.models.gpt import model_spec
+from megarlhf.models.lora import adapters_off
 from megarlhf.models.transformer_config import parse_dtype
 from megarlhf.parallel.mesh import init_mesh
 from megarlhf.ppo.config import PPOConfig
@@ -73,8 +75,10 @@ class PPOWorker:
             self.actor = PolicyRole(self._engine("actor", c.actor, c.actor_lr), loss=loss,
                                     batching=batching)
         if "ref" in roles:
-            self.ref = PolicyRole(self._engine("ref", c.actor, None),
-                                  batching=batching)
+            # With LoRA the reference is the actor's own engine with its adapters off
+            # (`_reference_weights`): the base is frozen, so it is the initial policy.
+            self.ref = PolicyRole(self.actor.engine if c.lora else
+                                  self._engine("ref", c.actor, None), batching=batching)
         if "critic" in roles:
             self.critic = ValueRole(self._engine("critic", c.critic, c.critic_lr),
                                     loss=ValueLossConfig(clip_eps=c.value_clip_eps,
@@ -85,12 +89,14 @@ class PPOWorker:
             self.reward = ValueRole(self._engine("reward", c.reward_model, None),
                                     batching=batching)
         self.residency = Residency(
-            {role: r.engine for role, r in self._models().items()},
+            {role: r.engine for role, r in self._models().items()
+             if not (role == "ref" and c.lora)},
             params=c.offload_params, grads=c.offload_grads, optimizer=c.offload_optimizer)
         model, arch = self._actor_model()
         self.bridge = self.engine = self.channel = None
         if self.actor is not None:
-            self.bridge = WeightBridge(self.actor.engine.chunks, self.mesh, model, arch)
+            self.bridge = WeightBridge(self.actor.engine.chunks, self.mesh, model, arch,
+                                       lora=c.lora)
         if "rollout" in roles:
             self.engine = self._rollout_engine(model, arch.name)
             self._output_name = projection.output_name(
@@ -118,6 +124,7 @@ class PPOWorker:
             raise ValueError(f"{role}'s layout {parallel} is not its group's mesh "
                              f"{self.group.parallel} (the config's checks should have said)")
         return engine_from_checkpoint(ckpt, parallel, self.mesh, optim, dtype=self.dtype,
+                                      lora=self.config.lora if role == "actor" else None,
                                       layer_spec=self.config.layer_spec,
                                       recompute=self.config.recompute_of(role))
 
@@ -220,15 +227,19 @@ class PPOWorker:
         for role, model in self._models().items():
             if role not in roles:
                 continue
-            # One role's weights at a time, when they are offloaded.
-            self.residency.keep("experience", residency.forward_of(role))
+            # One role's weights at a time, when they are offloaded (LoRA's reference is the
+            # actor's weights).
+            shares_actor = role == "ref" and self.config.lora is not None
+            self.residency.keep("experience",
+                                residency.forward_of("actor" if shares_actor else role))
             if role == "actor":
                 out["logp"], out["entropy"] = model.logprobs(batch, with_entropy=True,
                                                              routing=routing)
                 if routing is not None:
                     out["routing_moved"] = torch.tensor(model.routing_moved())
             elif role == "ref":
-                out["ref_logp"] = model.logprobs(batch)
+                with adapters_off(model.engine.chunks) if shares_actor else nullcontext():
+                    out["ref_logp"] = model.logprobs(batch)
             elif role == "critic":
                 out["values"] = model.values(batch)
             else:

@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from megarlhf.models.arch import Architecture, layer_major
 from megarlhf.models.config import ModelConfig
+from megarlhf.models.lora import LoraConfig, adapter_keys, is_adapter_key, merged
 from megarlhf.parallel.mesh import Mesh
 from megarlhf.rollout.engine import WeightStream
 from megarlhf.rollout.pieces import Piece, Unit, local_pieces
@@ -89,10 +90,11 @@ class WeightBridge:
 
     def __init__(self, chunks: list[torch.nn.Module], mesh: Mesh, model: ModelConfig,
                  arch: Architecture, *, dtype: torch.dtype | None = None,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, lora: LoraConfig | None = None):
+        """`lora`: the chunks' adapters, merged into each adapted projection as it streams."""
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
-        self.mesh, self.model = mesh, model
+        self.mesh, self.model, self.lora = mesh, model, lora
         self._rules = {r.mcore: r for r in arch.rules(model, lm_head=True, value_head=False)}
         self._pieces: dict[Unit, list[Piece]] = defaultdict(list)
         self._arch_name = arch.name
@@ -143,7 +145,9 @@ class WeightBridge:
 
     def _make_plan(self, dtype: torch.dtype, bucket_bytes: int,
                    train_dtype: torch.dtype) -> BridgePlan:
-        held = {unit: tuple(self._pieces[unit][0].full_shape) for unit in self._pieces}
+        # Adapters have no HF tensor of their own: they stream merged into their base's.
+        held = {unit: tuple(self._pieces[unit][0].full_shape) for unit in self._pieces
+                if not is_adapter_key(unit[0])}
         for (key, index), shape in list(held.items()):  # the EP group holds every expert
             if _is_expert((key, index)):
                 held.update({(key, (index[0], e)): shape for e in range(self.model.num_experts)})
@@ -249,10 +253,16 @@ class WeightBridge:
 
     def _hf_tensors(self, bucket: Bucket) -> Iterator[tuple[Slot, torch.Tensor]]:
         """The bucket's HF tensors, on a rank of its owning stage: views of each assembled
-        Megatron tensor (of the parameter itself where this rank holds it whole)."""
+        Megatron tensor (of the parameter itself where this rank holds it whole); with LoRA,
+        an adapted projection is a new tensor W + scale * B @ A, one at a time, so no merged
+        copy of the model is ever held."""
         for unit, slots in zip(bucket.units, bucket.slots):
             rule = self._rules[unit[0]]
             for slot, tensor in zip(slots, rule.split(self._assemble(unit))):
+                keys = adapter_keys(unit[0], slot.name, self.lora) if self.lora else None
+                if keys is not None:
+                    a, b = (self._gather((key, unit[1])) for key in keys)
+                    tensor = merged(tensor, a, b, self.lora)
                 yield slot, tensor[: self.model.vocab_size] if rule.vocab else tensor
 
     def _fill(self, bucket: Bucket, reuse: bool = True) -> torch.Tensor:
