@@ -22,9 +22,10 @@ setup(
     extras_require={
         # tensorboard: the test of PPO's TensorBoard logging (optional for users). gguf and
         # accelerate: the real-model tier dequantizes a GGUF checkpoint from the package index.
-        # pyarrow and datasets: the Parquet and HF-directory dataset forms.
+        # pyarrow and datasets: the Parquet and HF-directory dataset forms. peft: LoRA
+        # adapters exported and imported are checked against HF PEFT.
         "test": ["pytest>=8", "pytest-timeout", "tensorboard", "gguf", "accelerate",
-                 "pyarrow", "datasets"],
+                 "pyarrow", "datasets", "peft"],
         # Parquet files and HF `datasets` directories as datasets (JSONL needs neither).
         "data": ["pyarrow", "datasets"],
         # Dashboards, used when installed: `tensorboard=true`, `wandb_project=...`.

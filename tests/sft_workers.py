@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from megarlhf.data.config import DataConfig, DatasetSource
 from megarlhf.data.dataset import load_examples
 from megarlhf.data.packing import one_per_row, pack, sft_batch
@@ -43,3 +45,21 @@ def packed_vs_unpacked(ckpt: str, tokenizer: str, data: str, *, documents: int,
                      "grad_norm": step.grad_norm,
                      "loss_after": after["loss_sum"] / after["num_tokens"]}
     return out
+
+
+def peft_adapter_outputs(base: str, adapter: str, parallel: ParallelConfig,
+                         tokens: torch.Tensor) -> torch.Tensor:
+    """Logits of the base checkpoint with a PEFT adapter loaded as an SFT run starts
+    (lora.from_peft), at `parallel`."""
+    from megarlhf.convert.verify import engine_outputs
+    from megarlhf.models.lora import LoraConfig
+    from megarlhf.sft.config import ModelSource
+    from megarlhf.sft.model import init_weights, model_config, new_engine
+
+    source = ModelSource(checkpoint=base, layer_spec="local",
+                         lora=LoraConfig(from_peft=adapter))
+    mesh = init_mesh(parallel)
+    engine = new_engine(source, model_config(source, value_head=False), parallel, mesh,
+                        OptimConfig(), value_head=False)
+    init_weights(source, engine)
+    return engine_outputs(engine, tokens)

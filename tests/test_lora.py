@@ -162,3 +162,45 @@ def test_with_adapters_off_the_model_is_its_base():
             on = adapted(tokens, positions, None)
     assert torch.equal(off, base)
     assert (on - base).abs().max() > 1e-2
+
+
+def test_peft_adapters_are_read_and_checked_before_any_rank(tmp_path):
+    """lora.from_peft: a PEFT adapter of the tiny model's shapes gives its rank, alpha and
+    projections; another model's, a directory that is no adapter, DoRA and non-LoRA adapters
+    are one-line errors."""
+    import json
+
+    import peft
+    import transformers
+
+    from megarlhf.convert.peft_adapter import CONFIG_FILE, check_adapter
+
+    def saved(name, hidden, **lora):
+        config = transformers.LlamaConfig(
+            vocab_size=300, hidden_size=hidden, intermediate_size=128, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=2)
+        model = peft.get_peft_model(transformers.LlamaForCausalLM(config),
+                                    peft.LoraConfig(task_type="CAUSAL_LM", **lora))
+        model.save_pretrained(tmp_path / name)
+        return str(tmp_path / name)
+
+    tiny = preset("tiny")
+    good = saved("good", 64, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                 lora_dropout=0.05)
+    lora = LoraConfig(from_peft=good)
+    assert (lora.rank, lora.alpha, lora.targets) == (4, 8.0, ("q_proj", "v_proj"))
+    check_adapter(good, tiny, lora)
+    other = saved("other", 32, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    with pytest.raises(ValueError, match="this base needs .* trained on another model"):
+        check_adapter(other, tiny, LoraConfig(from_peft=other))
+    with pytest.raises(ValueError, match="is not a PEFT adapter directory"):
+        LoraConfig(from_peft=str(tmp_path))
+    dora = saved("dora", 64, r=4, target_modules=["q_proj"], use_dora=True)
+    with pytest.raises(ValueError, match="'use_dora': True"):
+        LoraConfig(from_peft=dora)
+    with open(tmp_path / "good" / CONFIG_FILE) as f:
+        config = {**json.load(f), "peft_type": "IA3"}
+    with open(tmp_path / "good" / CONFIG_FILE, "w") as f:
+        json.dump(config, f)
+    with pytest.raises(ValueError, match="only LORA adapters load"):
+        LoraConfig(from_peft=good)

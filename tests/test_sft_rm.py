@@ -507,8 +507,9 @@ def test_lora_sft_at_tp2_sp_pp2_equals_tp1_trains_only_adapters_and_exports_merg
     """LoRA SFT (all seven projections, rank 4, gaussian A so the step-0 adapters are not
     kaiming's) at TP2+SP x PP2 has TP1's curve (losses, grad norms: 1e-5 relative); the final
     checkpoint differs from the base only in the adapters; the exported HF model (adapters
-    merged) gives HF transformers' logits equal to our adapted model's (fp32, 1e-5: same
-    weights, different kernels)."""
+    merged) gives HF transformers' logits equal to our adapted model's, and so do PEFT over
+    the base with the exported adapter and our model loading that adapter at TP2+SP (fp32,
+    1e-5: same weights, other kernels and summation orders)."""
     import transformers
 
     from megarlhf.convert.mcore_io import CheckpointReader
@@ -553,3 +554,31 @@ def test_lora_sft_at_tp2_sp_pp2_equals_tp1_trains_only_adapters_and_exports_merg
     with torch.no_grad():
         theirs = model(tokens).logits
     torch.testing.assert_close(ours[..., :theirs.shape[-1]], theirs, atol=1e-5, rtol=1e-5)
+
+    # The adapters as a PEFT directory: PEFT over the exported base gives our logits, its
+    # tensors are the checkpoint's bit for bit, and loaded back (lora.from_peft) at TP2+SP
+    # they give our logits again.
+    import peft
+    from safetensors.torch import load_file
+
+    from megarlhf.convert.mcore_to_hf import mcore_to_hf
+    from megarlhf.convert.peft_adapter import WEIGHTS_FILE, peft_module
+
+    adapter = mcore_to_hf(ref["checkpoint"], str(tmp_path / "adapter"), lora="adapter")
+    base_hf = mcore_to_hf(lm_ref, str(tmp_path / "base_hf"))
+    with torch.no_grad():
+        theirs = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(
+            base_hf, dtype=torch.float32), adapter)(tokens).logits
+    torch.testing.assert_close(ours[..., :theirs.shape[-1]], theirs, atol=1e-5, rtol=1e-5)
+    written = load_file(os.path.join(adapter, WEIGHTS_FILE))
+    assert len(written) == 2 * 7 * 4  # A and B of seven projections in four layers
+    for key in adapters:
+        shape = trained.shape(key)
+        stacked = trained.read([(key, (0,) * len(shape), shape)])[0]
+        factor, projection = key.rsplit(".", 2)[1:]
+        for layer in range(shape[0]):
+            name = f"base_model.model.{peft_module(layer, projection)}.{factor}.weight"
+            assert torch.equal(written[name], stacked[layer]), name
+    back = launch_local(sft_workers.peft_adapter_outputs, 2, lm_ref, adapter,
+                        P(tensor_parallel=2, sequence_parallel=True), tokens)[0]
+    torch.testing.assert_close(back, ours, atol=1e-5, rtol=1e-5)

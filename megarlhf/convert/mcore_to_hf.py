@@ -14,18 +14,29 @@ from megarlhf.convert.safetensors_io import ShardWriter
 from megarlhf.engine.checkpoint import HF_SIDECAR, checkpoint_architecture, read_meta, replace_dir
 from megarlhf.models.arch import Architecture, architecture, layer_major
 from megarlhf.models.config import ModelConfig
-from megarlhf.models.lora import LoraConfig, adapter_keys, merged
+from megarlhf.convert.peft_adapter import write_adapter
+from megarlhf.models.lora import LoraConfig, adapter_keys, is_adapter_key, merged
 from megarlhf.models.transformer_config import parse_dtype
 
 DEFAULT_SHARD_BYTES = 2 * 1024**3
 
 
+LORA_EXPORTS = ("merged", "adapter")
+
+
 def mcore_to_hf(ckpt: str, out: str, *, dtype: str | None = None, force: bool = False,
-                arch_name: str | None = None, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> str:
-    """Export; returns the output directory. `dtype` defaults to the checkpoint's own."""
+                arch_name: str | None = None, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+                lora: str = "merged") -> str:
+    """Export; returns the output directory. `dtype` defaults to the checkpoint's own. A
+    checkpoint with LoRA adapters exports as a model with them merged (`lora='merged'`) or
+    as a PEFT adapter directory over its base (`lora='adapter'`)."""
     meta = read_meta(ckpt)
     model = ModelConfig.from_dict(meta["model"])
     value_head = meta["value_head"]
+    if lora not in LORA_EXPORTS:
+        raise ValueError(f"--lora {lora!r} is not one of {LORA_EXPORTS}")
+    if lora == "adapter":
+        return _export_adapter(ckpt, out, meta, force=force, dtype=dtype)
     arch = architecture(arch_name) if arch_name else checkpoint_architecture(meta)
     out_dtype = parse_dtype(dtype or meta["dtype"])
     reader = CheckpointReader(ckpt)
@@ -45,6 +56,38 @@ def mcore_to_hf(ckpt: str, out: str, *, dtype: str | None = None, force: bool = 
             copy_sidecar(sidecar, tmp)
         _write_config(tmp, arch, model, value_head, out_dtype)
         finish_output(tmp, {"tool": "mcore_to_hf", "source": os.path.abspath(ckpt)})
+    final = os.path.abspath(out)
+    replace_dir(tmp, final)
+    return final
+
+
+def _export_adapter(ckpt: str, out: str, meta: dict, *, force: bool,
+                    dtype: str | None) -> str:
+    """The checkpoint's adapters as a PEFT LoRA directory (the base is the model it was
+    trained from, exported on its own)."""
+    if not meta.get("lora"):
+        raise ValueError(f"--lora adapter: {ckpt} holds no LoRA adapters; export the model "
+                         f"itself (--lora merged)")
+    if meta["value_head"]:
+        raise ValueError(f"--lora adapter: {ckpt} is a value model, whose head PEFT's "
+                         f"CAUSAL_LM adapter cannot hold; export it merged")
+    config = LoraConfig(**meta["lora"])
+    out_dtype = parse_dtype(dtype or meta["dtype"])
+    model = ModelConfig.from_dict(meta["model"])
+    reader = CheckpointReader(ckpt)
+    # (factor, projection) -> its stacked key, 'decoder.layers.<block>.<linear>.lora_A.q_proj'
+    stored = {tuple(key.rsplit(".", 2)[1:]): key for key in reader.metadata.state_dict_metadata
+              if key.startswith("decoder.layers.") and is_adapter_key(key)}
+
+    def read(layer: int, projection: str, factor: str) -> torch.Tensor:
+        return _read_at(reader, stored[f"lora_{factor}", projection], (layer,)).to(out_dtype)
+
+    tmp = prepare_output(out, force, inputs=[ckpt])
+    with removed_on_error(tmp):
+        with reader.background_checks():
+            write_adapter(tmp, config, model.num_layers, read)
+        finish_output(tmp, {"tool": "mcore_to_hf --lora adapter",
+                            "source": os.path.abspath(ckpt)})
     final = os.path.abspath(out)
     replace_dir(tmp, final)
     return final

@@ -78,16 +78,20 @@ def checkpoint_outputs(ckpt: str, parallel: ParallelConfig, tokens_BT: torch.Ten
                        layer_spec: str = "auto") -> torch.Tensor:
     """Per-rank: logits [B, T, vocab] (or values [B, T]) of a checkpoint's model for the
     global batch `tokens_BT`, on every rank."""
-    meta = read_meta(ckpt)
-    model = ModelConfig.from_dict(meta["model"])
-    value_head = meta["value_head"]
     mesh = init_mesh(parallel)
     engine = engine_from_checkpoint(ckpt, parallel, mesh, dtype=parse_dtype(dtype),
                                     layer_spec=layer_spec)
+    return engine_outputs(engine, tokens_BT, microbatches=microbatches)
+
+
+def engine_outputs(engine, tokens_BT: torch.Tensor, *, microbatches: int = 1) -> torch.Tensor:
+    """Per-rank: logits [B, T, vocab] (or values [B, T]) of an engine's model for the global
+    batch `tokens_BT`, on every rank."""
+    mesh, value_head = engine.mesh, engine.spec.value_head
 
     def keep_output(mb, out):
         if not value_head:
-            out = gather_logits(out, mesh, model.vocab_size)
+            out = gather_logits(out, mesh, engine.spec.model.vocab_size)
         return torch.zeros(()), torch.ones((), dtype=torch.int), {"out": out.detach().float()}
 
     seq = tokens_BT.shape[1]

@@ -78,10 +78,20 @@ class LoraConfig:
     seed: int = 0
     """Seeds A, per layer and projection, so every parallel layout starts from the same
     adapters."""
+    from_peft: str | None = None
+    """Start from this HF PEFT LoRA adapter directory (SFT and RM): rank, alpha, use_rslora
+    and target_modules then come from its adapter_config.json and the projections its
+    weights hold (its lora_dropout is not used: megarlhf trains adapters without
+    dropout)."""
 
     def __post_init__(self):
         if isinstance(self.target_modules, list):
             object.__setattr__(self, "target_modules", tuple(self.target_modules))
+        if self.from_peft is not None:
+            from megarlhf.convert.peft_adapter import adapter_settings
+
+            for name, value in adapter_settings(self.from_peft).items():
+                object.__setattr__(self, name, value)
         if self.rank < 1:
             raise ValueError(f"lora.rank must be >= 1, got {self.rank}")
         if not (math.isfinite(self.alpha) and self.alpha > 0):
@@ -109,7 +119,11 @@ class LoraConfig:
         return self.alpha / (math.sqrt(self.rank) if self.use_rslora else self.rank)
 
     def to_dict(self) -> dict:
-        return {**dataclasses.asdict(self), "target_modules": list(self.targets)}
+        """What a checkpoint records: the adapters' settings (a from_peft source is read
+        once, at the start; the checkpoint then holds the adapters)."""
+        d = {**dataclasses.asdict(self), "target_modules": list(self.targets)}
+        del d["from_peft"]
+        return d
 
 
 def check_model(lora: LoraConfig, *, is_moe: bool) -> None:
@@ -277,39 +291,43 @@ def freeze_base(module: torch.nn.Module, *, trainable_head: bool) -> None:
             trainable_head and name.startswith("value_head."))
 
 
+def lora_layers(chunks: list[torch.nn.Module]):
+    """(global layer number, 1-based; adapted linear layer) of every adapted layer."""
+    for chunk in chunks:
+        for layer in chunk.modules():
+            if isinstance(layer, TransformerLayer):
+                for linear in layer.modules():
+                    if isinstance(linear, _LoraMixin):
+                        yield layer.layer_number, linear
+
+
 @torch.no_grad()
 def init_adapters(module: torch.nn.Module) -> None:
     """Give every A its initial values (B stays zero): drawn over the full matrix from a
     generator seeded by (lora.seed, global layer number, projection), then sliced to this
     rank, so the adapters do not depend on the layout or on what else a rank built."""
-    for layer in module.modules():
-        if not isinstance(layer, TransformerLayer):
-            continue
-        for linear in layer.modules():
-            if not isinstance(linear, _LoraMixin):
+    for layer_number, linear in lora_layers([module]):
+        for name, a in linear.lora_A.items():
+            if a.is_meta:
                 continue
-            for name, a in linear.lora_A.items():
-                if a.is_meta:
-                    continue
-                lora = linear.lora
-                generator = torch.Generator().manual_seed(
-                    (lora.seed * _SEED_STRIDE + layer.layer_number) * len(TARGETS)
-                    + TARGETS.index(name))
-                width = a.shape[1] * (linear.tp_size if linear.lora_a_split else 1)
-                full = torch.empty(a.shape[0], width)
-                if lora.init == "kaiming":
-                    torch.nn.init.kaiming_uniform_(full, a=math.sqrt(5), generator=generator)
-                else:
-                    torch.nn.init.normal_(full, std=1 / lora.rank, generator=generator)
-                if linear.lora_a_split:
-                    full = full.chunk(linear.tp_size, dim=1)[linear.tp_rank]
-                a.copy_(full)
+            lora = linear.lora
+            generator = torch.Generator().manual_seed(
+                (lora.seed * _SEED_STRIDE + layer_number) * len(TARGETS) + TARGETS.index(name))
+            width = a.shape[1] * (linear.tp_size if linear.lora_a_split else 1)
+            full = torch.empty(a.shape[0], width)
+            if lora.init == "kaiming":
+                torch.nn.init.kaiming_uniform_(full, a=math.sqrt(5), generator=generator)
+            else:
+                torch.nn.init.normal_(full, std=1 / lora.rank, generator=generator)
+            if linear.lora_a_split:
+                full = full.chunk(linear.tp_size, dim=1)[linear.tp_rank]
+            a.copy_(full)
 
 
 @contextlib.contextmanager
 def adapters_off(chunks: list[torch.nn.Module]):
     """Inside, the model is its frozen base (PPO's reference with LoRA)."""
-    layers = [m for chunk in chunks for m in chunk.modules() if isinstance(m, _LoraMixin)]
+    layers = [linear for _, linear in lora_layers(chunks)]
     for layer in layers:
         layer.lora_enabled = False
     try:

@@ -504,6 +504,10 @@ class PPOConfig:
                          f"holds only the roles it runs, none idle); set it false"
                          for name in ("offload_params", "offload_grads", "offload_optimizer",
                                       "rollout_sleep") if getattr(self, name)]
+        if self.lora is not None and self.lora.from_peft is not None:
+            problems.append("lora.from_peft is for SFT and RM: PPO's reference would be the "
+                            "base without that adapter; merge it first (an SFT checkpoint "
+                            "exported with mcore_to_hf, then converted back)")
         if self.lora is not None and self.placement != "colocated":
             problems.append("lora with placement=disaggregated is not built yet (the reference "
                             "would move into the actor's group): use placement=colocated")

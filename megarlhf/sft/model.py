@@ -15,7 +15,8 @@ from megarlhf.engine.optim import OptimConfig
 from megarlhf.engine.train import TrainEngine
 from megarlhf.models.config import ModelConfig
 from megarlhf.models.gpt import model_spec
-from megarlhf.models.lora import is_adapter_key
+from megarlhf.convert.peft_adapter import check_adapter, load_adapter
+from megarlhf.models.lora import check_model as check_lora_targets, is_adapter_key
 from megarlhf.models.transformer_config import parse_dtype
 from megarlhf.parallel.mesh import Mesh, ParallelConfig
 from megarlhf.sft.config import ModelSource
@@ -24,7 +25,17 @@ HEAD_PREFIX = "value_head."
 
 
 def model_config(source: ModelSource, *, value_head: bool) -> ModelConfig:
-    """The architecture to build; ValueError if the checkpoint cannot start this stage."""
+    """The architecture to build; ValueError if the checkpoint (or the LoRA adapters) cannot
+    start this stage."""
+    model = _model_config(source, value_head=value_head)
+    if source.lora is not None:
+        check_lora_targets(source.lora, is_moe=model.is_moe)
+        if source.lora.from_peft is not None:
+            check_adapter(source.lora.from_peft, model, source.lora)
+    return model
+
+
+def _model_config(source: ModelSource, *, value_head: bool) -> ModelConfig:
     if source.preset is not None:
         return source.preset_config()
     meta = read_meta(source.checkpoint)
@@ -49,7 +60,16 @@ def new_engine(source: ModelSource, model: ModelConfig, parallel: ParallelConfig
 
 
 def init_weights(source: ModelSource, engine: TrainEngine) -> str:
-    """Load the starting weights `source` names; returns a line saying where they came from."""
+    """Load the starting weights `source` names (and a PEFT adapter it starts from); returns
+    a line saying where they came from."""
+    line = _init_base(source, engine)
+    if source.lora is not None and source.lora.from_peft is not None:
+        load_adapter(source.lora.from_peft, engine.unwrapped())
+        line += f", LoRA adapter from {source.lora.from_peft}"
+    return line
+
+
+def _init_base(source: ModelSource, engine: TrainEngine) -> str:
     if source.checkpoint is None:
         return f"fresh weights from preset {source.preset!r}"
     meta = read_meta(source.checkpoint)

@@ -17,12 +17,17 @@ def main(argv=None) -> int:
                    help="llama | mistral | qwen2 | qwen3, for checkpoints not converted from HF")
     p.add_argument("--max-shard-gb", type=float, default=2.0, help="safetensors shard size")
     p.add_argument("--force", action="store_true", help="replace an existing --out")
+    p.add_argument("--lora", default="merged", choices=["merged", "adapter"],
+                   help="a checkpoint with LoRA adapters: the model with them merged, or a "
+                        "PEFT adapter directory (adapter_config.json + "
+                        "adapter_model.safetensors) over its base")
     args = p.parse_args(argv)
 
     from megarlhf.convert.mcore_to_hf import mcore_to_hf
 
     out = mcore_to_hf(args.ckpt, args.out, dtype=args.dtype, force=args.force,
-                      arch_name=args.arch, max_shard_bytes=int(args.max_shard_gb * 1024**3))
+                      arch_name=args.arch, max_shard_bytes=int(args.max_shard_gb * 1024**3),
+                      lora=args.lora)
     print(f"wrote {out}")
     return 0
 
