@@ -173,7 +173,8 @@ def test_peft_adapters_are_read_and_checked_before_any_rank(tmp_path):
     import peft
     import transformers
 
-    from megarlhf.convert.peft_adapter import CONFIG_FILE, check_adapter
+    from megarlhf.convert.peft_adapter import check_adapter
+    from megarlhf.models.peft_format import CONFIG_FILE
 
     def saved(name, hidden, **lora):
         config = transformers.LlamaConfig(

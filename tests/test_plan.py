@@ -127,6 +127,34 @@ def test_planned_rank_params_with_qk_norm_equal_the_meta_built_model():
                 == rank_params(model, parallel, pp_rank)
 
 
+def test_planned_adapter_params_equal_the_meta_built_model():
+    """LoRA (rank 64 on every projection) over Llama-3-70B at the LoRA recipe's TP8 and at
+    TP8 x PP4: the planner's adapter count per rank is what megatron-core builds."""
+    from megarlhf.models.lora import LoraConfig, is_adapter_key
+    from megarlhf.plan.params import rank_adapter_params
+
+    model, lora = preset("llama3-70b"), LoraConfig(rank=64)
+    for parallel in (ParallelConfig(**TP8), ParallelConfig(pipeline_parallel=4, **TP8)):
+        spec = model_spec(model, parallel, layer_spec="local", on_gpu=False, lora=lora)
+        with fake_rank(parallel, parallel.tensor_parallel - 1) as mesh:
+            built = sum(p.numel() for c in build_model(spec, mesh, meta=True)
+                        for n, p in c.named_parameters() if is_adapter_key(n))
+        assert built == rank_adapter_params(model, parallel, lora), parallel
+
+
+def test_lora_fits_70b_grpo_on_one_node_and_is_the_fix_named_without_it(capsys):
+    """The LoRA recipe fits one node of 8 x 80 GB; without LoRA the same job is refused, and
+    the fix named is LoRA (itself a plan that fits)."""
+    args = recipe_plan_command("llama3-70b-grpo-lora.yaml")
+    code, out, err = run_cli(args + ["lora=null"], capsys)
+    assert code == 1 and "DOES NOT FIT" in out and "largest term: actor optimizer" in err
+    assert "fixes that fit: lora.rank=16 (train LoRA adapters" in err, err
+    code, out, _ = run_cli(args + ["lora.rank=16"], capsys)
+    assert code == 0 and ": fits" in out
+    assert re.search(r"^  ref +[\d,]+ params", out, re.MULTILINE)  # its forward pass is planned
+    assert not re.search(r"^  ref weights", out, re.MULTILINE)  # but it holds no weights
+
+
 @pytest.mark.parametrize("pp,vpp", [(4, None), (4, 2), (8, 5)])
 def test_in_flight_microbatches_follow_megatrons_schedules(pp, vpp):
     """Activations held = the chunk forwards a pipeline rank runs before its first backward
@@ -517,7 +545,7 @@ def run_cli(args: list[str], capsys) -> tuple[int, str, str]:
 
 SMALL = ["llama3-8b-ppo.yaml", "llama3-8b-grpo.yaml", "qwen2.5-7b-grpo-long.yaml"]
 LARGE = ["llama3-70b-grpo.yaml", "llama3-70b-ppo.yaml", "qwen2.5-72b-ppo.yaml",
-         "qwen3-30b-a3b-grpo.yaml", "mixtral-8x7b-ppo.yaml"]
+         "qwen3-30b-a3b-grpo.yaml", "mixtral-8x7b-ppo.yaml", "llama3-70b-grpo-lora.yaml"]
 
 
 CPU = ["smollm2-135m-grpo-arithmetic.yaml", "smollm2-135m-grpo-multiturn.yaml",

@@ -562,7 +562,7 @@ def test_lora_sft_at_tp2_sp_pp2_equals_tp1_trains_only_adapters_and_exports_merg
     from safetensors.torch import load_file
 
     from megarlhf.convert.mcore_to_hf import mcore_to_hf
-    from megarlhf.convert.peft_adapter import WEIGHTS_FILE, peft_module
+    from megarlhf.models.peft_format import WEIGHTS_FILE, peft_module
 
     adapter = mcore_to_hf(ref["checkpoint"], str(tmp_path / "adapter"), lora="adapter")
     base_hf = mcore_to_hf(lm_ref, str(tmp_path / "base_hf"))

@@ -42,9 +42,8 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParall
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
-ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
-MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
-TARGETS = ATTENTION_TARGETS + MLP_TARGETS
+from megarlhf.models.peft_format import ATTENTION_TARGETS, MLP_TARGETS, TARGETS, adapter_settings
+
 ALL_LINEAR = "all-linear"
 INITS = ("kaiming", "gaussian")
 _SEED_STRIDE = 1_000_003
@@ -88,8 +87,6 @@ class LoraConfig:
         if isinstance(self.target_modules, list):
             object.__setattr__(self, "target_modules", tuple(self.target_modules))
         if self.from_peft is not None:
-            from megarlhf.convert.peft_adapter import adapter_settings
-
             for name, value in adapter_settings(self.from_peft).items():
                 object.__setattr__(self, name, value)
         if self.rank < 1:
@@ -124,6 +121,19 @@ class LoraConfig:
         d = {**dataclasses.asdict(self), "target_modules": list(self.targets)}
         del d["from_peft"]
         return d
+
+
+ROW_PARALLEL = ("o_proj", "down_proj")
+"""Projections whose base layer is row parallel (A split by input); the rest are column
+parallel (B split by output)."""
+
+
+def projection_shapes(model) -> dict[str, tuple[int, int]]:
+    """(in, out) features of each HF projection of a dense layer of `model` (a ModelConfig)."""
+    h, f = model.hidden_size, model.ffn_hidden_size
+    q, kv = model.num_attention_heads * model.kv_channels, model.kv_heads * model.kv_channels
+    return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+            "gate_proj": (h, f), "up_proj": (h, f), "down_proj": (f, h)}
 
 
 def check_model(lora: LoraConfig, *, is_moe: bool) -> None:
@@ -273,7 +283,7 @@ def layer_classes(lora: LoraConfig) -> dict[str, type]:
     for layer, projections in LAYER_PROJECTIONS.items():
         if not set(projections) & set(lora.targets):
             continue
-        base = LoraRowParallelLinear if layer in ("linear_proj", "linear_fc2") \
+        base = LoraRowParallelLinear if projections[0] in ROW_PARALLEL \
             else LoraColumnParallelLinear
         classes[layer] = type(f"Lora_{layer}", (base,), {"lora": lora, "layer": layer})
     return classes

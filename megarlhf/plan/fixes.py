@@ -9,6 +9,7 @@ import dataclasses
 import itertools
 import math
 
+from megarlhf.models.lora import LoraConfig
 from megarlhf.plan.job import SWITCHES, Plan, plan
 from megarlhf.ppo.placement import group_specs
 
@@ -48,12 +49,29 @@ def suggest(base: Plan) -> list[tuple[str, Plan]]:
     parallelism: smaller optimizer shards, fewer rows per micro-batch), more micro-batches
     (smaller activations), context parallelism on the same GPUs (each rank a share of every
     sequence: for long sequences), expert parallelism on the same GPUs (each rank a share of
-    the experts: mixture-of-experts models only)."""
+    the experts: mixture-of-experts models only), LoRA adapters instead of full training."""
     found = [_fitting(base, "pipeline_parallel"), _fitting(base, "nproc", grow_cluster=True),
              _fitting(base, "micro_batches"), _fitting(base, "context_parallel")]
     if any(source.model.is_moe for source in base.models.values()):
         found.append(_fitting(base, "expert_parallel"))
+    found.append(_with_lora(base))
     return [fix for fix in found if fix is not None]
+
+
+def _with_lora(base: Plan) -> tuple[str, Plan] | None:
+    """LoRA adapters on the actor (default settings: rank 16 on every projection) instead
+    of training every weight, when the recipe allows them and that fits."""
+    if base.config.lora is not None:
+        return None
+    try:
+        candidate = plan(dataclasses.replace(base.config, lora=LoraConfig()), base.cluster,
+                         base.prompt_len, base.models)
+    except ValueError:
+        return None
+    if not candidate.fits:
+        return None
+    return f"lora.rank={LoraConfig().rank} (train LoRA adapters: the base frozen, no " \
+           f"reference copy)", candidate
 
 
 def switch_options(config) -> list[list[dict]]:

@@ -55,7 +55,8 @@ from megarlhf.models.config import ModelConfig
 from megarlhf.models.transformer_config import parse_dtype
 from megarlhf.parallel.mesh import ParallelConfig
 from megarlhf.plan import memory
-from megarlhf.plan.params import rank_expert_params, rank_params, total_params
+from megarlhf.plan.params import (rank_adapter_params, rank_expert_params, rank_params,
+                                   total_params)
 from megarlhf.ppo import residency as phase_needs
 from megarlhf.ppo.config import PPOConfig
 from megarlhf.ppo.layout import GroupSpec, group_specs
@@ -378,13 +379,21 @@ def _stage(config: PPOConfig, spec: GroupSpec, models: dict[str, ModelSource],
         lm = not models[role].value_head
         n = rank_params(model, parallel, pp_rank, value_head=not lm)
         experts = rank_expert_params(model, parallel)
-        terms += [Term(role, what, b, **residency(config, role, what))
-                  # The distributed optimizer shards over DP x CP (CP ranks hold the
-                  # same weights), experts over the ranks holding the same experts.
-                  for what, b in memory.model_state(
-                      n, nbytes, trained=trained, dp=dp * mesh.context_parallel,
-                      expert_params=experts, expert_dp=parallel.tensor_parallel
-                      * parallel.context_parallel * dp // parallel.expert_group_size).items()]
+        lora = config.lora if role in ("actor", "ref") else None
+        if lora is not None and role == "actor":  # adapters train, the base and experts not
+            adapters = rank_adapter_params(model, parallel, lora)
+            n, trainable, experts = n + adapters, adapters, 0
+        else:
+            trainable = None
+        if lora is None or role == "actor":  # LoRA's reference is the actor's own weights
+            terms += [Term(role, what, b, **residency(config, role, what))
+                      # The distributed optimizer shards over DP x CP (CP ranks hold the
+                      # same weights), experts over the ranks holding the same experts.
+                      for what, b in memory.model_state(
+                          n, nbytes, trained=trained, dp=dp * mesh.context_parallel,
+                          expert_params=experts, trainable=trainable,
+                          expert_dp=parallel.tensor_parallel * parallel.context_parallel
+                          * dp // parallel.expert_group_size).items()]
         terms.append(Term(role, "forward pass", memory.forward_pass(
             model, parallel, exp_rows, mb_seq, nbytes, logits=lm and last), running=experience))
         if trained:

@@ -125,15 +125,18 @@ RECOMPUTE = ("none", "selective", "full")
 
 
 def model_state(params: int, param_bytes: int, *, trained: bool, dp: int,
-                expert_params: int = 0, expert_dp: int = 1) -> dict[str, int]:
+                expert_params: int = 0, expert_dp: int = 1,
+                trainable: int | None = None) -> dict[str, int]:
     """{'weights', 'grads', 'optimizer'} bytes of one role on one rank (frozen: weights only);
     `dp`: the ranks the optimizer states are sharded over (DP x CP); `expert_params` of the
-    `params` are sharded over `expert_dp` ranks instead."""
+    `params` are sharded over `expert_dp` ranks instead. `trainable`: how many of `params`
+    train (LoRA adapters over a frozen base: gradients and optimizer for those only)."""
     state = {"weights": params * param_bytes}
     if trained:
+        trainable = params if trainable is None else trainable
         per_param = ADAM_STATE_BYTES + (MASTER_WEIGHT_BYTES if param_bytes < FP32_BYTES else 0)
-        state["grads"] = params * GRAD_BYTES
-        state["optimizer"] = (math.ceil((params - expert_params) / dp)
+        state["grads"] = trainable * GRAD_BYTES
+        state["optimizer"] = (math.ceil((trainable - expert_params) / dp)
                               + math.ceil(expert_params / expert_dp)) * per_param
     return state
 

@@ -18,6 +18,7 @@ just (pipeline rank, virtual chunk). The counts follow megarlhf.models.gpt.build
 from __future__ import annotations
 
 from megarlhf.models.config import ModelConfig
+from megarlhf.models.lora import ROW_PARALLEL, LoraConfig, projection_shapes
 from megarlhf.parallel.mesh import ParallelConfig
 
 
@@ -83,6 +84,18 @@ def rank_expert_params(model: ModelConfig, parallel: ParallelConfig) -> int:
     part of rank_params the optimizer shards over the expert data-parallel ranks."""
     layers = model.num_layers // parallel.pipeline_parallel
     return layers * expert_layer_params(model, parallel)
+
+
+def rank_adapter_params(model: ModelConfig, parallel: ParallelConfig, lora: LoraConfig) -> int:
+    """LoRA parameters held by one rank (models/lora.py): per layer and targeted projection
+    r x (in + out), the factor its base layer splits divided by TP (column parallel: B,
+    row parallel: A)."""
+    tp, per_layer = parallel.tensor_parallel, 0
+    for p in lora.targets:
+        inp, out = projection_shapes(model)[p]
+        per_layer += (lora.rank * inp // tp + out * lora.rank if p in ROW_PARALLEL
+                      else lora.rank * inp + out * lora.rank // tp)
+    return model.num_layers // parallel.pipeline_parallel * per_layer
 
 
 def total_params(model: ModelConfig, *, value_head: bool = False) -> int:
