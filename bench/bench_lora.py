@@ -26,9 +26,9 @@ from megarlhf.metrics import read_metrics
 from megarlhf.ppo.config import PPOConfig
 from megarlhf.ppo.controller import run
 
-VARIANTS = {"full": [], "LoRA r16": ["lora.rank=16", "lora.alpha=32"],
-            "LoRA r64": ["lora.rank=64", "lora.alpha=128"]}
-CURVE = ["lora.rank=16", "lora.alpha=32", "actor_lr=1.0e-4"]
+VARIANTS = {"full": [], "LoRA r16": ["layout.actor.lora.rank=16", "layout.actor.lora.alpha=32"],
+            "LoRA r64": ["layout.actor.lora.rank=64", "layout.actor.lora.alpha=128"]}
+CURVE = ["layout.actor.lora.rank=16", "layout.actor.lora.alpha=32", "actor_lr=1.0e-4"]
 
 
 def timings(tmp: str, inputs: list[str], steps: int) -> list[str]:

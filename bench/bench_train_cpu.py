@@ -66,7 +66,7 @@ def main() -> None:
     base_step, base_mem = rows[0][2], rows[0][3]
     lines = [
         "| layout | ranks | step (ms, median) | step / TP1xPP1 | peak RSS per rank (MiB) "
-        f"| RSS / TP1xPP1 |",
+        "| RSS / TP1xPP1 |",
         "|---|---|---|---|---|---|",
     ]
     lines += [f"| {n} | {r} | {s*1000:.0f} | {s/base_step:.2f} | {m:.0f} | {m/base_mem:.2f} |"

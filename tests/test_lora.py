@@ -166,8 +166,8 @@ def test_with_adapters_off_the_model_is_its_base():
 
 def test_peft_adapters_are_read_and_checked_before_any_rank(tmp_path):
     """lora.from_peft: a PEFT adapter of the tiny model's shapes gives its rank, alpha and
-    projections; another model's, a directory that is no adapter, DoRA and non-LoRA adapters
-    are one-line errors."""
+    projections; another model's, a directory that is no adapter, DoRA, an adapter saved
+    against a changed base (PiSSA) and non-LoRA adapters are one-line errors."""
     import json
 
     import peft
@@ -200,8 +200,10 @@ def test_peft_adapters_are_read_and_checked_before_any_rank(tmp_path):
     with pytest.raises(ValueError, match="'use_dora': True"):
         LoraConfig(from_peft=dora)
     with open(tmp_path / "good" / CONFIG_FILE) as f:
-        config = {**json.load(f), "peft_type": "IA3"}
-    with open(tmp_path / "good" / CONFIG_FILE, "w") as f:
-        json.dump(config, f)
-    with pytest.raises(ValueError, match="only LORA adapters load"):
-        LoraConfig(from_peft=good)
+        original = json.load(f)
+    for change, message in (({"peft_type": "IA3"}, "only LORA adapters load"),
+                             ({"init_lora_weights": "pissa"}, "'init_lora_weights': 'pissa'")):
+        with open(tmp_path / "good" / CONFIG_FILE, "w") as f:
+            json.dump({**original, **change}, f)
+        with pytest.raises(ValueError, match=message):
+            LoraConfig(from_peft=good)

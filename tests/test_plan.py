@@ -146,10 +146,10 @@ def test_lora_fits_70b_grpo_on_one_node_and_is_the_fix_named_without_it(capsys):
     """The LoRA recipe fits one node of 8 x 80 GB; without LoRA the same job is refused, and
     the fix named is LoRA (itself a plan that fits)."""
     args = recipe_plan_command("llama3-70b-grpo-lora.yaml")
-    code, out, err = run_cli(args + ["lora=null"], capsys)
+    code, out, err = run_cli(args + ["layout.actor.lora=null"], capsys)
     assert code == 1 and "DOES NOT FIT" in out and "largest term: actor optimizer" in err
-    assert "fixes that fit: lora.rank=16 (train LoRA adapters" in err, err
-    code, out, _ = run_cli(args + ["lora.rank=16"], capsys)
+    assert "fixes that fit: layout.actor.lora.rank=16 (train LoRA adapters" in err, err
+    code, out, _ = run_cli(args + ["layout.actor.lora.rank=16"], capsys)
     assert code == 0 and ": fits" in out
     assert re.search(r"^  ref +[\d,]+ params", out, re.MULTILINE)  # its forward pass is planned
     assert not re.search(r"^  ref weights", out, re.MULTILINE)  # but it holds no weights

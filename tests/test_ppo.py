@@ -110,8 +110,12 @@ def test_config_errors_name_the_problem(prompts_file, tmp_path):
     with pytest.raises(ValueError, match="async_rollout=true trains on samples of weights one "
                                          "update old: set rollout_correction=tis or mis"):
         dataclasses.replace(base, async_rollout=True, placement="disaggregated")
-    with pytest.raises(ValueError, match="lora with placement=disaggregated is not built yet"):
-        dataclasses.replace(base, placement="disaggregated", lora=LoraConfig())
+    with pytest.raises(ValueError, match="layout.actor.lora with placement=disaggregated is "
+                                         "not built yet"):
+        dataclasses.replace(base, placement="disaggregated",
+                            layout=Layout(actor=RoleLayout(lora=LoraConfig())))
+    with pytest.raises(ValueError, match="layout.reference.lora: the reference model is frozen"):
+        dataclasses.replace(base, layout=Layout(reference=RoleLayout(lora=LoraConfig())))
     for switch in ("offload_params", "offload_grads", "offload_optimizer", "rollout_sleep"):
         with pytest.raises(ValueError, match=f"{switch}=true applies to placement=colocated"):
             dataclasses.replace(base, placement="disaggregated", **{switch: True})
@@ -124,9 +128,10 @@ def test_config_errors_name_the_problem(prompts_file, tmp_path):
         load_config(PPOConfig, str(recipe), ["stpes=3"])
     with pytest.raises(ValueError, match=r"r.yaml.steps must be int, got 'x'"):
         load_config(PPOConfig, str(recipe), ["steps=x"])
-    assert load_config(PPOConfig, str(recipe), ["lora.rank=8"]).lora.targets[-1] == "down_proj"
-    with pytest.raises(ValueError, match=r"r.yaml.lora: lora.rank must be >= 1, got 0"):
-        load_config(PPOConfig, str(recipe), ["lora.rank=0"])
+    assert load_config(PPOConfig, str(recipe), ["layout.actor.lora.rank=8"]).lora_of(
+        "actor").targets[-1] == "down_proj"
+    with pytest.raises(ValueError, match=r"r.yaml.layout.actor.lora: lora.rank must be >= 1"):
+        load_config(PPOConfig, str(recipe), ["layout.actor.lora.rank=0"])
     with pytest.raises(ValueError, match=r"template must be str, got False \(YAML reads "
                                          r"yes/no/on/off unquoted as booleans"):
         load_config(PPOConfig, str(recipe), ["template=off"])
@@ -333,50 +338,68 @@ def test_grpo_reward_rises(base, tmp_path):
     assert all(m["actor/kl_loss"] > 0 for m in history[1:]), [m["actor/kl_loss"] for m in history]
 
 
-@pytest.mark.slow
-def test_grpo_with_a_lora_actor_syncs_merged_weights_and_keeps_the_base(base, lm_ref,
-                                                                         tmp_path):
-    """GRPO with LoRA on the actor (TP2 with sequence parallelism, Megatron engine, idle
-    state offloaded): after
-    each update the engine gets W + scale * B @ A and its logprobs equal the trainer's at
-    fp32 noise (1e-5; the adapters move the logprobs by far more, so an unmerged sync
-    fails); the reference is the base with adapters off, so the rollout's KL is exactly 0
-    at step 1 (actor = base) and not after; the saved actor differs from the base
-    checkpoint in the adapters only."""
+def _changed_keys(base: str, trained: str) -> set[str]:
+    """The model tensors of checkpoint `trained` that `base` lacks or holds otherwise (each
+    read at the base's shape: a TP2 save pads the embedding with more rows)."""
     from megarlhf.convert.mcore_io import CheckpointReader
+
+    first, second = CheckpointReader(base), CheckpointReader(trained)
+    changed = set()
+    for key in second.metadata.state_dict_metadata:
+        shape = first.shape(key) or second.shape(key)
+        if shape is None or key.startswith("optimizer."):
+            continue
+        whole = [(key, (0,) * len(shape), shape)]
+        if first.shape(key) is None or not torch.equal(first.read(whole)[0],
+                                                       second.read(whole)[0]):
+            changed.add(key)
+    return changed
+
+
+@pytest.mark.slow
+def test_ppo_with_lora_actor_and_critic_syncs_merged_weights_and_keeps_the_bases(
+        base, lm_ref, value_refs, tmp_path):
+    """PPO with LoRA adapters on the actor and on the critic (TP2 with sequence parallelism,
+    the actor with full recomputation, Megatron engine, idle state offloaded): after each
+    update the engine gets W + scale * B @ A and its logprobs equal the trainer's at fp32
+    noise (1e-5; the adapters move the logprobs by far more: an unmerged sync trips the
+    guard); the reference is the actor's base with adapters off, so the rollout's KL is
+    exactly 0 at step 1 (actor = base) and not after; the saved actor differs from its base
+    checkpoint in the adapters only, the critic in its adapters and value head."""
     from megarlhf.models.lora import is_adapter_key
 
+    targets = ["q_proj", "v_proj", "o_proj", "up_proj", "down_proj"]
     config = dataclasses.replace(
-        base, algorithm="grpo", critic=None, samples_per_prompt=4, prompts_per_step=4,
-        nproc=2, tensor_parallel=2, steps=3, out_dir=str(tmp_path), actor_lr=1e-2,
-        layout=Layout(actor=RoleLayout(sequence_parallel=True)),
-        # The actor's idle state offloaded: a frozen base has weights but no gradients or
-        # optimizer state, and the reference shares them.
-        offload_params=True, offload_grads=True, offload_optimizer=True,
-        lora=LoraConfig(rank=4, alpha=8.0, target_modules=["q_proj", "v_proj", "o_proj",
-                                                           "up_proj", "down_proj"]))
+        base, nproc=2, tensor_parallel=2, steps=3, out_dir=str(tmp_path), actor_lr=1e-2,
+        critic_lr=1e-2, prompts_per_step=4, sequence_parallel=True,
+        # Full recomputation: the frozen embedding's output is marked as needing a gradient,
+        # or the recomputed layers would return none.
+        layout=Layout(actor=RoleLayout(recompute="full", lora=LoraConfig(
+            rank=4, alpha=8.0, target_modules=targets)),
+                      critic=RoleLayout(lora=LoraConfig(rank=2, target_modules=["q_proj"]))),
+        # Idle state offloaded: a frozen base has weights but no gradients or optimizer
+        # state, and the reference shares the actor's.
+        offload_params=True, offload_grads=True, offload_optimizer=True)
     history = run(config)
     for m in history:
         assert m["rollout/logprob_gap_max"] < 1e-5, m
     # The rollout's KL (old vs reference logprobs, before any update of the step) is 0 while
-    # the actor is the base; the loss's KL is positive once a mini-batch has moved it.
+    # the actor is the base.
     kl = [m["kl"] for m in history]
     assert kl[0] == 0 and all(k != 0 for k in kl[1:]), kl
-    assert all(m["actor/kl_loss"] > 0 for m in history), history
-    base_ckpt = CheckpointReader(lm_ref)
-    trained = CheckpointReader(os.path.join(checkpoints.of_run(str(tmp_path)).latest(), "actor"))
-    adapters = [k for k, md in trained.metadata.state_dict_metadata.items()
-                if is_adapter_key(k) and k.startswith("decoder.")]
-    assert len(adapters) == 2 * 5, adapters
-    for key in adapters + [k for k in base_ckpt.metadata.state_dict_metadata
-                           if base_ckpt.shape(k) is not None]:
-        # The base's own shape: at TP2 the trained embedding has more padding rows.
-        shape = trained.shape(key) if key in adapters else base_ckpt.shape(key)
-        whole = [(key, (0,) * len(shape), shape)]
-        if key in adapters:
-            assert trained.read(whole)[0].abs().max() > 0, key
-        else:
-            assert torch.equal(trained.read(whole)[0], base_ckpt.read(whole)[0]), key
+    assert all(m["critic/grad_norm"] > 0 for m in history)
+    latest = checkpoints.of_run(str(tmp_path)).latest()
+    prefix = "decoder.layers.self_attention."
+    adapted = {"q_proj": "linear_qkv", "v_proj": "linear_qkv", "o_proj": "linear_proj"}
+    assert _changed_keys(lm_ref, os.path.join(latest, "actor")) == {
+        f"decoder.layers.{'self_attention' if p in adapted else 'mlp'}."
+        f"{adapted.get(p, 'linear_fc1' if p == 'up_proj' else 'linear_fc2')}.lora_{f}.{p}"
+        for p in targets for f in "AB"}
+    critic = _changed_keys(value_refs[False][1], os.path.join(latest, "critic"))
+    assert {k for k in critic if is_adapter_key(k)} == {f"{prefix}linear_qkv.lora_A.q_proj",
+                                                         f"{prefix}linear_qkv.lora_B.q_proj"}
+    head = critic - {k for k in critic if is_adapter_key(k)}
+    assert head and all(k.startswith("value_head.") for k in head), critic
 
 
 @pytest.mark.slow

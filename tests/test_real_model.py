@@ -268,7 +268,8 @@ def test_multiturn_grpo_with_vllm_on_the_real_model(hf_dir, actor, work):
         "max_turn_tokens: 12\nmax_new_tokens: 96\nalgorithm: grpo\nnproc: 2\n"
         "rollout_backend: vllm\nprompts_per_step: 4\nsamples_per_prompt: 4\nsteps: 2\n"
         # A LoRA actor: step 2 samples from the base with the step-1 adapters merged in.
-        "log_samples: 16\nactor_lr: 5.0e-4\nlora: {rank: 16, alpha: 32}\n")
+        "log_samples: 16\nactor_lr: 5.0e-4\n"
+        "layout: {actor: {lora: {rank: 16, alpha: 32}}}\n")
     _run(sys.executable, "-m", "megarlhf.cli", "ppo", "--config", str(recipe))
     history = read_steps(str(out_dir))
     for m in history:

@@ -16,6 +16,7 @@ import dataclasses
 import functools
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -505,7 +506,8 @@ def test_cli_sft_then_rm_from_it_exports_a_working_hf_reward_model(corpus, tmp_p
 def test_lora_sft_at_tp2_sp_pp2_equals_tp1_trains_only_adapters_and_exports_merged(
         corpus, lm_ref, tmp_path):
     """LoRA SFT (all seven projections, rank 4, gaussian A so the step-0 adapters are not
-    kaiming's) at TP2+SP x PP2 has TP1's curve (losses, grad norms: 1e-5 relative); the final
+    kaiming's) at TP2+SP x PP2 has TP1's curve (losses, grad norms: 1e-5 relative); a resume
+    reproduces a step bit for bit; the final
     checkpoint differs from the base only in the adapters; the exported HF model (adapters
     merged) gives HF transformers' logits equal to our adapted model's, and so do PEFT over
     the base with the exported adapter and our model loading that adapter at TP2+SP (fp32,
@@ -526,12 +528,26 @@ def test_lora_sft_at_tp2_sp_pp2_equals_tp1_trains_only_adapters_and_exports_merg
     exported = str(tmp_path / "hf")
     tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
     ref, ours = launch_local(workers.in_sequence, 1, [
-        (run_sft, (config(tmp_path / "tp1", P(), export_hf=exported),), {}),
+        (run_sft, (config(tmp_path / "tp1", P(), export_hf=exported, save_interval=1),), {}),
         (workers.forward_outputs, (str(tmp_path / "tp1" / "checkpoints" / "step_3"), P(),
                                    {"tokens": tokens}), {})])[0]
     assert ref["checkpoint"].endswith("step_3")
     losses = [r["loss"] for r in _train(ref["history"])]
     assert losses[-1] < losses[0]
+    # Resumed from step 2 (adapters, their Adam states, the frozen base), step 3 is the same
+    # bit for bit: every tensor of the checkpoint, optimizer included.
+    shutil.copytree(tmp_path / "tp1", tmp_path / "resumed")
+    shutil.rmtree(tmp_path / "resumed" / "checkpoints" / "step_3")
+    resumed = launch_local(run_sft, 1, config(tmp_path / "resumed", P()))[0]
+    assert [r["step"] for r in _train(resumed["history"])] == [3]
+    first, second = CheckpointReader(ref["checkpoint"]), CheckpointReader(resumed["checkpoint"])
+    saved = {k for k in first.metadata.state_dict_metadata if first.shape(k) is not None}
+    assert saved == {k for k in second.metadata.state_dict_metadata
+                     if second.shape(k) is not None}
+    assert any(k.startswith("optimizer.") and is_adapter_key(k) for k in saved), saved
+    for key in saved:
+        whole = [(key, (0,) * len(first.shape(key)), first.shape(key))]
+        assert torch.equal(first.read(whole)[0], second.read(whole)[0]), key
     outs = launch_local(run_sft, 4, config(
         tmp_path / "tp2pp2", P(tensor_parallel=2, pipeline_parallel=2, sequence_parallel=True)))
     for out in outs:
@@ -582,3 +598,18 @@ def test_lora_sft_at_tp2_sp_pp2_equals_tp1_trains_only_adapters_and_exports_merg
     back = launch_local(sft_workers.peft_adapter_outputs, 2, lm_ref, adapter,
                         P(tensor_parallel=2, sequence_parallel=True), tokens)[0]
     torch.testing.assert_close(back, ours, atol=1e-5, rtol=1e-5)
+
+    # A bf16 run started from the adapter trains from it: one step at lr 1e-7 leaves its B
+    # within bf16 rounding (2^-8 relative) of the adapter's, not at a fresh zero.
+    cfg = config(tmp_path / "bf16", P(), steps=1)
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(
+        cfg.model, dtype="bf16", lora=LoraConfig(from_peft=adapter)),
+        optim=dataclasses.replace(OPTIM, lr=1e-7))
+    step = CheckpointReader(launch_local(run_sft, 1, cfg)[0]["checkpoint"])
+    key = "decoder.layers.mlp.linear_fc2.lora_B.down_proj"
+    shape = step.shape(key)
+    b = step.read([(key, (0,) * len(shape), shape)])[0].float()
+    peft_b = torch.stack([written[f"base_model.model.{peft_module(i, 'down_proj')}"
+                                  ".lora_B.weight"] for i in range(shape[0])])
+    assert peft_b.abs().max() > 1e-3
+    torch.testing.assert_close(b, peft_b.to(torch.bfloat16).float(), atol=1e-5, rtol=1e-2)

@@ -106,7 +106,7 @@ def _adapter_merge(reader: CheckpointReader, lora: dict | None):
         if keys is None:
             return weight
         a, b = (_read_at(reader, key, index) for key in keys)
-        return merged(weight, a, b, config)
+        return merged(weight, a, b, config, dtype=torch.float32)  # cast once, on write
 
     return merge
 

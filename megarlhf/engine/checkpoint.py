@@ -243,7 +243,12 @@ def engine_from_checkpoint(path: str, parallel: ParallelConfig, mesh: Mesh,
     fresh. `parallel` may add sequence parallelism to `mesh`'s layout (a per-model flag).
     `lora`: adapters to train over a base checkpoint (a checkpoint's own come with it)."""
     meta = read_meta(path)
-    lora = LoraConfig(**meta["lora"]) if meta.get("lora") else lora
+    if meta.get("lora"):  # the checkpoint's adapters come with their settings
+        saved = LoraConfig(**meta["lora"])
+        if lora is not None and adapter_shape(lora.to_dict()) != adapter_shape(saved.to_dict()):
+            raise ValueError(f"{path} holds LoRA adapters {adapter_shape(saved.to_dict())}, "
+                             f"not the {adapter_shape(lora.to_dict())} asked for")
+        lora = saved
     engine = TrainEngine(model_spec(ModelConfig.from_dict(meta["model"]), parallel,
                                     value_head=meta["value_head"], lora=lora, **spec),
                          mesh, optim)

@@ -295,10 +295,24 @@ def is_adapter_key(name: str) -> bool:
 
 
 def freeze_base(module: torch.nn.Module, *, trainable_head: bool) -> None:
-    """Only the adapters train (and a value head, which a base LM does not have)."""
+    """Only the adapters train (and a value head, which a base LM does not have).
+
+    The frozen embedding's output needs no gradient, so nothing before the first adapter
+    would: megatron-core's full recomputation then returns outputs without a graph (its
+    checkpoint function tracks gradients only for inputs that need them). The embedding's
+    output is marked as needing one when gradients are on, as HF's
+    enable_input_require_grads does."""
     for name, param in module.named_parameters():
         param.requires_grad = is_adapter_key(name) or (
             trainable_head and name.startswith("value_head."))
+    embedding = getattr(module, "embedding", None)
+    if embedding is not None:
+        embedding.register_forward_hook(_output_requires_grad)
+
+
+def _output_requires_grad(module, inputs, output):
+    if torch.is_grad_enabled() and not output.requires_grad:
+        output.requires_grad_()
 
 
 def lora_layers(chunks: list[torch.nn.Module]):
@@ -359,7 +373,12 @@ def adapter_keys(mcore_key: str, hf_name: str, lora: LoraConfig) -> tuple[str, s
     return f"{layer}.lora_A.{projection}", f"{layer}.lora_B.{projection}"
 
 
-def merged(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-           lora: LoraConfig) -> torch.Tensor:
-    """A new tensor W + scale * B @ A (computed in fp32, in W's dtype); W is not touched."""
-    return (weight.float() + lora.scale * (b.float() @ a.float())).to(weight.dtype)
+def merged(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, lora: LoraConfig, *,
+           dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A new tensor W + scale * B @ A, computed in fp32 (one fp32 copy of W at a time) and
+    returned in `dtype` (default W's); W is not touched."""
+    out = weight.float()  # a copy when W is 16-bit; W itself when fp32, so clone then
+    if out.data_ptr() == weight.data_ptr():
+        out = out.clone()
+    out.addmm_(b.float(), a.float(), alpha=lora.scale)
+    return out.to(dtype or weight.dtype)

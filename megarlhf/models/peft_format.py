@@ -54,6 +54,9 @@ def adapter_settings(directory: str) -> dict:
                          f"only LORA adapters load")
     odd = {k: config[k] for k, default in _UNSUPPORTED.items()
            if config.get(k, default) not in (default, None, {}, False)}
+    if config.get("init_lora_weights", True) not in (True, False, "gaussian"):
+        # PiSSA, OLoRA, LoftQ, CorDA ... save their adapter against a changed base.
+        odd["init_lora_weights"] = config["init_lora_weights"]
     if odd:
         raise ValueError(f"lora.from_peft: {path} uses {odd}, which megarlhf's adapters do "
                          f"not have (one rank and scale per module, no bias, no DoRA)")

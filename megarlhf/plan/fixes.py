@@ -61,17 +61,20 @@ def suggest(base: Plan) -> list[tuple[str, Plan]]:
 def _with_lora(base: Plan) -> tuple[str, Plan] | None:
     """LoRA adapters on the actor (default settings: rank 16 on every projection) instead
     of training every weight, when the recipe allows them and that fits."""
-    if base.config.lora is not None:
+    config = base.config
+    if config.lora_of("actor") is not None:
         return None
+    layout = dataclasses.replace(config.layout, actor=dataclasses.replace(
+        config.layout.actor, lora=LoraConfig()))
     try:
-        candidate = plan(dataclasses.replace(base.config, lora=LoraConfig()), base.cluster,
+        candidate = plan(dataclasses.replace(config, layout=layout), base.cluster,
                          base.prompt_len, base.models)
     except ValueError:
         return None
     if not candidate.fits:
         return None
-    return f"lora.rank={LoraConfig().rank} (train LoRA adapters: the base frozen, no " \
-           f"reference copy)", candidate
+    return f"layout.actor.lora.rank={LoraConfig().rank} (train LoRA adapters: the base " \
+           f"frozen, no reference copy)", candidate
 
 
 def switch_options(config) -> list[list[dict]]:

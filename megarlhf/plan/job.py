@@ -379,13 +379,14 @@ def _stage(config: PPOConfig, spec: GroupSpec, models: dict[str, ModelSource],
         lm = not models[role].value_head
         n = rank_params(model, parallel, pp_rank, value_head=not lm)
         experts = rank_expert_params(model, parallel)
-        lora = config.lora if role in ("actor", "ref") else None
-        if lora is not None and role == "actor":  # adapters train, the base and experts not
+        lora = config.lora_of(role)
+        if lora is not None:  # adapters train, the base and experts do not
             adapters = rank_adapter_params(model, parallel, lora)
             n, trainable, experts = n + adapters, adapters, 0
         else:
             trainable = None
-        if lora is None or role == "actor":  # LoRA's reference is the actor's own weights
+        # With the actor's adapters the reference is the actor's own weights.
+        if not (role == "ref" and config.lora_of("actor") is not None):
             terms += [Term(role, what, b, **residency(config, role, what))
                       # The distributed optimizer shards over DP x CP (CP ranks hold the
                       # same weights), experts over the ranks holding the same experts.
@@ -409,8 +410,8 @@ def _stage(config: PPOConfig, spec: GroupSpec, models: dict[str, ModelSource],
     if "actor" in spec.roles:  # the sender of the weight sync
         terms.append(Term("actor", "sync buffers", memory.sync_buffers(
             actor, config.parallel_of("actor"), lm_params=total_params(actor),
-            param_bytes=nbytes, rollout_bytes=nbytes, bucket_bytes=DEFAULT_BUCKET_BYTES),
-            running=frozenset({"sync"})))
+            param_bytes=nbytes, rollout_bytes=nbytes, bucket_bytes=DEFAULT_BUCKET_BYTES,
+            lora=config.lora_of("actor") is not None), running=frozenset({"sync"})))
     if "rollout" in spec.roles:
         terms += _rollout_terms(config, spec, actor, prompt_len)
     return Stage(pp_rank, tuple(terms))

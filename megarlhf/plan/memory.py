@@ -344,6 +344,13 @@ def largest_tensor(model: ModelConfig, tp: int) -> int:
                (model.num_experts or 0) * h)
 
 
+def largest_projection(model: ModelConfig) -> int:
+    """Elements of the largest HF projection of a dense layer (q, k, v, o, gate, up, down):
+    what the bridge merges a LoRA adapter into, one at a time."""
+    h, f = model.hidden_size, model.ffn_hidden_size
+    return max(model.num_attention_heads * model.kv_channels * h, f * h)
+
+
 def largest_bucket(model: ModelConfig, tp: int, *, lm_params: int, rollout_bytes: int,
                    bucket_bytes: int) -> int:
     """Bound on the bytes of the bridge's largest bucket: bucket_bytes, or the largest
@@ -354,16 +361,20 @@ def largest_bucket(model: ModelConfig, tp: int, *, lm_params: int, rollout_bytes
 
 
 def sync_buffers(model: ModelConfig, parallel: ParallelConfig, *, lm_params: int,
-                 param_bytes: int, rollout_bytes: int, bucket_bytes: int) -> int:
+                 param_bytes: int, rollout_bytes: int, bucket_bytes: int,
+                 lora: bool = False) -> int:
     """Bound on the bytes one training rank of the actor (at `parallel`) allocates while
     streaming its weights to the rollout engines (rollout.bridge): the largest bucket, and
     the TP all-gather, assembly and split of the largest tensor in the training dtype
     (BridgePlan.peak_extra_bytes). At TP1 without pipeline stages the engines get views of
-    the parameters: no bucket is assembled."""
+    the parameters: no bucket is assembled (with LoRA the merged tensors are new ones). With
+    LoRA, the merge of the largest projection: an fp32 copy and its result."""
     tp = parallel.tensor_parallel
     # Experts held by other EP ranks arrive as fresh copies, bucketed like any tensor.
-    whole = tp == 1 and parallel.pipeline_parallel == 1 and parallel.expert_parallel == 1
+    whole = tp == 1 and parallel.pipeline_parallel == 1 and parallel.expert_parallel == 1 \
+        and not lora
     bucket = 0 if whole else largest_bucket(model, tp, lm_params=lm_params,
                                             rollout_bytes=rollout_bytes,
                                             bucket_bytes=bucket_bytes)
-    return bucket + 3 * largest_tensor(model, tp) * param_bytes
+    merge = largest_projection(model) * (FP32_BYTES + param_bytes) if lora else 0
+    return bucket + 3 * largest_tensor(model, tp) * param_bytes + merge

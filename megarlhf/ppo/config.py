@@ -95,6 +95,12 @@ class RoleLayout(LayoutOverride):
     layout.reward.recompute may only be 'none', those models are frozen)."""
 
     recompute: str | None = None
+    lora: LoraConfig | None = None
+    """A trained role (actor, critic): LoRA adapters on its linear layers instead of training
+    every weight, its checkpoint the frozen base (a critic's value head trains too). With an
+    actor's adapters the reference is the actor with them switched off, in the actor's own
+    ranks (no reference copy is loaded), and the weight sync sends W + scale * B @ A, merged
+    one tensor at a time. Colocated placement."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -402,11 +408,6 @@ class PPOConfig:
     """MIS's lower bound (None: 1 / rollout_correction_threshold)."""
     actor_lr: float = 1e-5
     critic_lr: float = 1e-5
-    lora: LoraConfig | None = None
-    """Train LoRA adapters on the actor's linear layers instead of every weight (its base is
-    frozen). The reference is then the actor with its adapters switched off, in the actor's
-    own ranks (no reference copy is loaded), and the weight sync sends W + scale * B @ A,
-    merged one tensor at a time. Colocated placement; the actor checkpoint is the base."""
     # -- run control --
     seed: int = 0
     save_every: int = 0
@@ -504,13 +505,17 @@ class PPOConfig:
                          f"holds only the roles it runs, none idle); set it false"
                          for name in ("offload_params", "offload_grads", "offload_optimizer",
                                       "rollout_sleep") if getattr(self, name)]
-        if self.lora is not None and self.lora.from_peft is not None:
-            problems.append("lora.from_peft is for SFT and RM: PPO's reference would be the "
-                            "base without that adapter; merge it first (an SFT checkpoint "
-                            "exported with mcore_to_hf, then converted back)")
-        if self.lora is not None and self.placement != "colocated":
-            problems.append("lora with placement=disaggregated is not built yet (the reference "
-                            "would move into the actor's group): use placement=colocated")
+        for role in TRAINED_ROLES:
+            lora, key = self.lora_of(role), LAYOUT_KEYS[role]
+            if lora is not None and lora.from_peft is not None:
+                problems.append(f"layout.{key}.lora.from_peft is for SFT and RM (PPO's "
+                                f"reference would be the base without that adapter): merge it "
+                                f"first (an SFT checkpoint exported with mcore_to_hf, then "
+                                f"converted back)")
+            if lora is not None and self.placement != "colocated":
+                problems.append(f"layout.{key}.lora with placement=disaggregated is not built "
+                                f"yet (the reference would move into the actor's group): use "
+                                f"placement=colocated")
         if self.async_rollout and self.placement != "disaggregated":
             problems.append("async_rollout=true needs placement=disaggregated (colocated, "
                             "rollout and training share the ranks and cannot overlap)")
@@ -722,6 +727,11 @@ class PPOConfig:
                                                           self.tensor_parallel) > 1)
         return default.with_overrides(override)
 
+    def lora_of(self, role: str) -> LoraConfig | None:
+        """The LoRA adapters model role `role` trains (layout.actor.lora, layout.critic.lora);
+        None for a role trained whole and for the frozen roles."""
+        return getattr(self.layout, LAYOUT_KEYS[role]).lora if role in TRAINED_ROLES else None
+
     def recompute_of(self, role: str) -> str:
         """Model role `role`'s activation recomputation (none, full or selective). The frozen
         roles (ref, reward) run forward passes only, which keep no activations to recompute:
@@ -756,6 +766,10 @@ class PPOConfig:
                 problems.append(f"layout.{key}.recompute={override.recompute}: the {key} "
                                 f"model is frozen (forward passes only, nothing to recompute);"
                                 f" recompute applies to the actor and critic")
+            if role not in TRAINED_ROLES and override.lora is not None:
+                problems.append(f"layout.{key}.lora: the {key} model is frozen (an actor's "
+                                f"adapters switched off make the reference); lora applies to "
+                                f"the actor and critic")
             if not override.is_set:
                 continue
             if role not in self.roles:

@@ -79,11 +79,12 @@ def resolve_models(config: PPOConfig) -> dict[str, ModelSource]:
 def check_models(config: PPOConfig, models: dict[str, ModelSource], seq: int) -> list[str]:
     """What makes the models unrunnable at the recipe's layout, each with a fix."""
     problems = []
-    if config.lora is not None and "actor" in models:
-        try:
-            check_lora_targets(config.lora, is_moe=models["actor"].model.is_moe)
-        except ValueError as e:
-            problems.append(f"actor: {e}")
+    for role in ("actor", "critic"):
+        if config.lora_of(role) is not None and role in models:
+            try:
+                check_lora_targets(config.lora_of(role), is_moe=models[role].model.is_moe)
+            except ValueError as e:
+                problems.append(f"{role}: {e}")
     for role, source in models.items():
         training = config.parallel_of(role)
         if role == "ref" and "actor" in models and training == config.parallel_of("actor"):

@@ -77,7 +77,7 @@ class PPOWorker:
         if "ref" in roles:
             # With LoRA the reference is the actor's own engine with its adapters off
             # (`_reference_weights`): the base is frozen, so it is the initial policy.
-            self.ref = PolicyRole(self.actor.engine if c.lora else
+            self.ref = PolicyRole(self.actor.engine if c.lora_of("actor") else
                                   self._engine("ref", c.actor, None), batching=batching)
         if "critic" in roles:
             self.critic = ValueRole(self._engine("critic", c.critic, c.critic_lr),
@@ -90,13 +90,13 @@ class PPOWorker:
                                     batching=batching)
         self.residency = Residency(
             {role: r.engine for role, r in self._models().items()
-             if not (role == "ref" and c.lora)},
+             if not (role == "ref" and c.lora_of("actor"))},
             params=c.offload_params, grads=c.offload_grads, optimizer=c.offload_optimizer)
         model, arch = self._actor_model()
         self.bridge = self.engine = self.channel = None
         if self.actor is not None:
             self.bridge = WeightBridge(self.actor.engine.chunks, self.mesh, model, arch,
-                                       lora=c.lora)
+                                       lora=c.lora_of("actor"))
         if "rollout" in roles:
             self.engine = self._rollout_engine(model, arch.name)
             self._output_name = projection.output_name(
@@ -124,7 +124,7 @@ class PPOWorker:
             raise ValueError(f"{role}'s layout {parallel} is not its group's mesh "
                              f"{self.group.parallel} (the config's checks should have said)")
         return engine_from_checkpoint(ckpt, parallel, self.mesh, optim, dtype=self.dtype,
-                                      lora=self.config.lora if role == "actor" else None,
+                                      lora=self.config.lora_of(role),
                                       layer_spec=self.config.layer_spec,
                                       recompute=self.config.recompute_of(role))
 
@@ -229,7 +229,7 @@ class PPOWorker:
                 continue
             # One role's weights at a time, when they are offloaded (LoRA's reference is the
             # actor's weights).
-            shares_actor = role == "ref" and self.config.lora is not None
+            shares_actor = role == "ref" and self.config.lora_of("actor") is not None
             self.residency.keep("experience",
                                 residency.forward_of("actor" if shares_actor else role))
             if role == "actor":

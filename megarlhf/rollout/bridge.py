@@ -71,6 +71,9 @@ class BridgePlan:
     buckets: tuple[Bucket, ...]
     largest_unit_bytes: int
     """Bytes of the largest Megatron tensor in the training dtype (its full, padded form)."""
+    merge_bytes: int = 0
+    """With LoRA: the merge of the largest adapted HF tensor (an fp32 copy and its result,
+    in the training dtype)."""
 
     @property
     def names(self) -> list[str]:
@@ -80,9 +83,10 @@ class BridgePlan:
     def peak_extra_bytes(self) -> int:
         """Most memory a rank allocates at once while streaming: the largest bucket, plus
         (on an owning rank) the TP all-gather, the assembled tensor and its HF split of the
-        largest single tensor."""
+        largest single tensor, and with LoRA the merge of the largest adapted one."""
         item = torch.empty((), dtype=self.dtype).element_size()
-        return max(b.numel for b in self.buckets) * item + 3 * self.largest_unit_bytes
+        return max(b.numel for b in self.buckets) * item + 3 * self.largest_unit_bytes \
+            + self.merge_bytes
 
 
 class WeightBridge:
@@ -146,6 +150,9 @@ class WeightBridge:
     def _make_plan(self, dtype: torch.dtype, bucket_bytes: int,
                    train_dtype: torch.dtype) -> BridgePlan:
         # Adapters have no HF tensor of their own: they stream merged into their base's.
+        if self.lora is None and any(is_adapter_key(unit[0]) for unit in self._pieces):
+            raise ValueError("the model has LoRA adapters but the weight bridge was given no "
+                             "lora config: the engines would get the base without them")
         held = {unit: tuple(self._pieces[unit][0].full_shape) for unit in self._pieces
                 if not is_adapter_key(unit[0])}
         for (key, index), shape in list(held.items()):  # the EP group holds every expert
@@ -155,7 +162,7 @@ class WeightBridge:
         dist.all_gather_object(stages, held, group=self.mesh.pp_group)
         self._check_mappable(stages)
         item = torch.empty((), dtype=dtype).element_size()
-        buckets, current, largest = [], None, 0
+        buckets, current, largest, largest_adapted = [], None, 0, 0
         for unit in self._units_in_order():
             owners = [s for s, units in enumerate(stages) if unit in units]
             if not owners:
@@ -181,11 +188,16 @@ class WeightBridge:
                 buckets.append(current)
             slots = []
             for name, shape in zip(rule.hf_names(unit[1]), shapes):
+                if self.lora and adapter_keys(unit[0], name, self.lora):
+                    largest_adapted = max(largest_adapted, torch.Size(shape).numel())
                 slots.append(Slot(name, tuple(shape), current["numel"]))
                 current["numel"] += torch.Size(shape).numel()
             current["units"].append(unit)
             current["slots"].append(tuple(slots))
-        return BridgePlan(dtype=dtype, largest_unit_bytes=largest, buckets=tuple(
+        train_item = torch.empty((), dtype=train_dtype).element_size()
+        merge = largest_adapted * (4 + train_item)
+        return BridgePlan(dtype=dtype, largest_unit_bytes=largest, merge_bytes=merge,
+                          buckets=tuple(
             Bucket(stage=b["stage"], units=tuple(b["units"]), slots=tuple(b["slots"]),
                    numel=b["numel"]) for b in buckets))
 

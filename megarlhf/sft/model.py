@@ -66,6 +66,10 @@ def init_weights(source: ModelSource, engine: TrainEngine) -> str:
     if source.lora is not None and source.lora.from_peft is not None:
         load_adapter(source.lora.from_peft, engine.unwrapped())
         line += f", LoRA adapter from {source.lora.from_peft}"
+    if engine.optimizer is not None:
+        # A 16-bit engine's optimizer holds fp32 master copies made when it was built: they
+        # must take the loaded values, or the first step writes the build-time ones back.
+        engine.optimizer.reload_model_params()
     return line
 
 
