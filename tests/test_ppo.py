@@ -110,10 +110,10 @@ def test_config_errors_name_the_problem(prompts_file, tmp_path):
     with pytest.raises(ValueError, match="async_rollout=true trains on samples of weights one "
                                          "update old: set rollout_correction=tis or mis"):
         dataclasses.replace(base, async_rollout=True, placement="disaggregated")
-    with pytest.raises(ValueError, match="layout.actor.lora with placement=disaggregated is "
-                                         "not built yet"):
-        dataclasses.replace(base, placement="disaggregated",
-                            layout=Layout(actor=RoleLayout(lora=LoraConfig())))
+    with pytest.raises(ValueError, match="layout.reference is set, but with layout.actor.lora "
+                                         "the reference is the actor's own engine"):
+        dataclasses.replace(base, placement="disaggregated", layout=Layout(
+            actor=RoleLayout(lora=LoraConfig()), reference=RoleLayout(tensor_parallel=1)))
     with pytest.raises(ValueError, match="layout.reference.lora: the reference model is frozen"):
         dataclasses.replace(base, layout=Layout(reference=RoleLayout(lora=LoraConfig())))
     for switch in ("offload_params", "offload_grads", "offload_optimizer", "rollout_sleep"):
@@ -530,12 +530,16 @@ def test_disaggregated_equals_colocated_and_resumes_exactly(base, tmp_path, monk
     """At nproc=1 with Megatron rollouts both placements run the same computations on the
     same layouts (the rollout rank's TP1 engine is the colocated rank's engine), only in other
     processes: every metric must be bitwise equal. Then a fresh disaggregated job resumed from
-    the step-2 checkpoint must repeat steps 3-4 and the final actor and critic exactly."""
+    the step-2 checkpoint must repeat steps 3-4 and the final actor and critic exactly. The
+    actor trains LoRA adapters (its reference then runs in the actor's group, its base with
+    the adapters off), the critic every weight."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # same threads everywhere: same summation order
-    short = dict(nproc=1, tensor_parallel=1, steps=4, save_every=2)
+    short = dict(nproc=1, tensor_parallel=1, steps=4, save_every=2,
+                 layout=Layout(actor=RoleLayout(lora=LoraConfig(rank=4))))
     colocated = run(dataclasses.replace(base, out_dir=str(tmp_path / "colocated"), **short))
     apart = dataclasses.replace(base, out_dir=str(tmp_path / "apart"), placement="disaggregated",
                                 **short)
+    assert [s.name for s in group_specs(apart)] == ["actor+ref", "critic", "rollout"]
     straight = run(apart)
     # The state on a device per phase depends on what a group holds: not compared.
     same = lambda m: {k: v for k, v in _without_timings(m).items()  # noqa: E731

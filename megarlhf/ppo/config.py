@@ -99,8 +99,8 @@ class RoleLayout(LayoutOverride):
     """A trained role (actor, critic): LoRA adapters on its linear layers instead of training
     every weight, its checkpoint the frozen base (a critic's value head trains too). With an
     actor's adapters the reference is the actor with them switched off, in the actor's own
-    ranks (no reference copy is loaded), and the weight sync sends W + scale * B @ A, merged
-    one tensor at a time. Colocated placement."""
+    ranks (no reference copy is loaded; disaggregated, the reference runs in the actor's
+    group), and the weight sync sends W + scale * B @ A, merged one tensor at a time."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -512,10 +512,6 @@ class PPOConfig:
                                 f"reference would be the base without that adapter): merge it "
                                 f"first (an SFT checkpoint exported with mcore_to_hf, then "
                                 f"converted back)")
-            if lora is not None and self.placement != "colocated":
-                problems.append(f"layout.{key}.lora with placement=disaggregated is not built "
-                                f"yet (the reference would move into the actor's group): use "
-                                f"placement=colocated")
         if self.async_rollout and self.placement != "disaggregated":
             problems.append("async_rollout=true needs placement=disaggregated (colocated, "
                             "rollout and training share the ranks and cannot overlap)")
@@ -716,7 +712,10 @@ class PPOConfig:
 
     def parallel_of(self, role: str) -> ParallelConfig:
         """The layout of model role `role` (actor, ref, critic, reward), with its sequence
-        parallelism (the group's mesh is the same without it: ppo/layout.py)."""
+        parallelism (the group's mesh is the same without it: ppo/layout.py). With the actor's
+        LoRA adapters the reference is the actor's engine: the actor's layout."""
+        if role == "ref" and self.lora_of("actor") is not None:
+            role = "actor"
         override = getattr(self.layout, LAYOUT_KEYS[role])
         default = ParallelConfig(
             tensor_parallel=self.tensor_parallel, pipeline_parallel=self.pipeline_parallel,
@@ -766,6 +765,10 @@ class PPOConfig:
                 problems.append(f"layout.{key}.recompute={override.recompute}: the {key} "
                                 f"model is frozen (forward passes only, nothing to recompute);"
                                 f" recompute applies to the actor and critic")
+            if role == "ref" and override.is_set and self.lora_of("actor") is not None:
+                problems.append("layout.reference is set, but with layout.actor.lora the "
+                                "reference is the actor's own engine with its adapters off: "
+                                "it has the actor's layout")
             if role not in TRAINED_ROLES and override.lora is not None:
                 problems.append(f"layout.{key}.lora: the {key} model is frozen (an actor's "
                                 f"adapters switched off make the reference); lora applies to "
@@ -802,7 +805,10 @@ class PPOConfig:
         # Roles that share ranks share one mesh: megatron-core's parallel state is one per
         # process.
         colocated = self.placement == "colocated"
-        sharing = [r for r in (layouts if colocated else ("ref", "reward")) if r in layouts]
+        # Disaggregated: the reference and reward group, or with the actor's adapters the
+        # reference in the actor's group (the actor's own engine) and the reward alone.
+        apart = ("reward",) if self.lora_of("actor") is not None else ("ref", "reward")
+        sharing = [r for r in (layouts if colocated else apart) if r in layouts]
         fix = ", or use placement=disaggregated" if colocated else ""
         for role in sharing[1:]:
             first, other = layouts[sharing[0]], layouts[role]

@@ -33,13 +33,17 @@ def group_specs(config: PPOConfig) -> tuple[GroupSpec, ...]:
     if config.placement == "colocated":
         roles = frozenset({"actor", "ref", "rollout"} | critic | reward)
         return (GroupSpec("colocated", roles, config.nproc, actor),)
-    groups = [GroupSpec("actor", frozenset({"actor"}), config.nproc, actor)]
+    # With the actor's LoRA adapters the reference is the actor with them off: in its group.
+    ref = {"ref"}
+    actor_roles = frozenset({"actor"} | (ref if config.lora_of("actor") else set()))
+    groups = [GroupSpec("+".join(sorted(actor_roles)), actor_roles, config.nproc, actor)]
     if critic:
         groups.append(GroupSpec("critic", frozenset(critic), config.nproc,
                                 mesh("critic")))
-    inference = frozenset({"ref"} | reward)
-    groups.append(GroupSpec("+".join(sorted(inference)), inference, config.nproc,
-                            mesh("ref")))
+    inference = frozenset((ref - actor_roles) | reward)
+    if inference:
+        groups.append(GroupSpec("+".join(sorted(inference)), inference, config.nproc,
+                                mesh(min(inference))))
     groups.append(GroupSpec("rollout", frozenset({"rollout"}), config.rollout_nproc,
                             ParallelConfig(tensor_parallel=config.rollout_tp)))
     return tuple(groups)
