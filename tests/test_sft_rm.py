@@ -503,10 +503,11 @@ def test_cli_sft_then_rm_from_it_exports_a_working_hf_reward_model(corpus, tmp_p
 
 
 @pytest.mark.slow
-def test_lora_sft_at_tp2_sp_pp2_equals_tp1_trains_only_adapters_and_exports_merged(
+def test_lora_sft_at_other_layouts_equals_tp1_trains_only_adapters_and_exports_merged(
         corpus, lm_ref, tmp_path):
     """LoRA SFT (all seven projections, rank 4, gaussian A so the step-0 adapters are not
-    kaiming's) at TP2+SP x PP2 has TP1's curve (losses, grad norms: 1e-5 relative); a resume
+    kaiming's) at TP2+SP x PP2 and at CP2 has TP1's curve (losses, grad norms: 1e-5
+    relative); a resume
     reproduces a step bit for bit; the final
     checkpoint differs from the base only in the adapters; the exported HF model (adapters
     merged) gives HF transformers' logits equal to our adapted model's, and so do PEFT over
@@ -550,6 +551,7 @@ def test_lora_sft_at_tp2_sp_pp2_equals_tp1_trains_only_adapters_and_exports_merg
         assert torch.equal(first.read(whole)[0], second.read(whole)[0]), key
     outs = launch_local(run_sft, 4, config(
         tmp_path / "tp2pp2", P(tensor_parallel=2, pipeline_parallel=2, sequence_parallel=True)))
+    outs += launch_local(run_sft, 2, config(tmp_path / "cp2", P(context_parallel=2)))
     for out in outs:
         _assert_same_run(out, ref)
 
