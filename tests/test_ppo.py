@@ -378,8 +378,9 @@ def test_ppo_with_lora_actor_and_critic_syncs_merged_weights_and_keeps_the_bases
         critic_lr=1e-2, prompts_per_step=4, sequence_parallel=True,
         # Full recomputation: the frozen embedding's output is marked as needing a gradient,
         # or the recomputed layers would return none.
+        # Dropout on the actor's adapters: the recomputed layers replay their masks.
         layout=Layout(actor=RoleLayout(recompute="full", lora=LoraConfig(
-            rank=4, alpha=8.0, target_modules=targets)),
+            rank=4, alpha=8.0, target_modules=targets, dropout=0.1)),
                       critic=RoleLayout(lora=LoraConfig(rank=2, target_modules=["q_proj"]))),
         # Idle state offloaded: a frozen base has weights but no gradients or optimizer
         # state, and the reference shares the actor's.

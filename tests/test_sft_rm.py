@@ -361,6 +361,31 @@ def test_rm_ranks_held_out_pairs_well_above_chance(corpus, tmp_path):
 
 
 @pytest.mark.slow
+def test_lora_dropout_masks_do_not_depend_on_the_layout(corpus, lm_ref, tmp_path):
+    """LoRA dropout 0.2: TP2+SP x PP2 trains TP1's curve (1e-5 relative: each element's mask
+    is a hash of its global index and a seed of step, layer and call), and the masks matter:
+    the step-1 gradient norm (B's; A's is 0 while B is) moves off the run without dropout."""
+    from megarlhf.models.lora import LoraConfig
+    from tests import workers
+
+    def config(out, parallel, dropout):
+        cfg = sft_config(corpus, out, lm_ref, parallel, micro_batch_size=1, steps=2)
+        return dataclasses.replace(cfg, model=dataclasses.replace(
+            cfg.model, lora=LoraConfig(rank=4, dropout=dropout)),
+            optim=dataclasses.replace(OPTIM, lr=1e-2))
+
+    tp1, plain = launch_local(workers.in_sequence, 1, [
+        (run_sft, (config(tmp_path / "tp1", P(), 0.2),), {}),
+        (run_sft, (config(tmp_path / "plain", P(), 0.0),), {})])[0]
+    for out in launch_local(run_sft, 4, config(tmp_path / "tp2pp2", P(
+            tensor_parallel=2, pipeline_parallel=2, sequence_parallel=True), 0.2)):
+        _assert_same_run(out, tp1)
+    first, without = _train(tp1["history"])[0], _train(plain["history"])[0]
+    assert first["loss"] == without["loss"]  # B = 0: dropout before A changes no output yet
+    assert abs(first["grad_norm"] / without["grad_norm"] - 1) > 1e-2
+
+
+@pytest.mark.slow
 def test_lora_rm_from_an_lm_trains_its_adapters_and_value_head_only(corpus, lm_ref, tmp_path):
     """A reward model with LoRA grown from an LM checkpoint: the trunk comes from the LM
     (adapters at their start), and after two steps only the adapters and the new value head

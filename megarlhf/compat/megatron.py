@@ -316,6 +316,21 @@ def bind_missing_te_names() -> None:
         moe_utils.te_general_gemm = None
 
 
+def recomputing() -> bool:
+    """Whether this forward is megatron-core's full recomputation of a layer in the backward
+    pass (its first pass runs checkpointing without gradients, the replay with them)."""
+    from megatron.core.tensor_parallel.random import is_checkpointing
+
+    return is_checkpointing() and torch.is_grad_enabled()
+
+
+def first_pass_of_recomputed() -> bool:
+    """Whether this forward is the first (no-gradient) pass of a recomputed layer."""
+    from megatron.core.tensor_parallel.random import is_checkpointing
+
+    return is_checkpointing() and not torch.is_grad_enabled()
+
+
 def load_dist_checkpoint(sharded_state_dict: dict, path: str) -> dict:
     """megatron-core's `dist_checkpointing.load(sharded_state_dict, path)`.
 

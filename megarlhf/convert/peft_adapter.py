@@ -65,7 +65,7 @@ def write_adapter(directory: str, lora: LoraConfig, num_layers: int, read) -> No
     save_file(tensors, os.path.join(directory, WEIGHTS_FILE), metadata={"format": "pt"})
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank,
               "lora_alpha": lora.alpha, "use_rslora": lora.use_rslora,
-              "target_modules": list(lora.targets), "lora_dropout": 0.0, "bias": "none",
+              "target_modules": list(lora.targets), "lora_dropout": lora.dropout, "bias": "none",
               "fan_in_fan_out": False, "init_lora_weights": True, "inference_mode": True}
     with open(os.path.join(directory, CONFIG_FILE), "w") as f:
         json.dump(config, f, indent=2)

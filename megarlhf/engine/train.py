@@ -19,6 +19,7 @@ from megarlhf.engine.schedule import (
     Batch, Loss, LossFn, forward_backward, from_last_stage, outputs_from_last_stage,
 )
 from megarlhf.models.gpt import ModelSpec, build_model
+from megarlhf.models.lora import start_dropout_step
 from megarlhf.models.routing_replay import RoutingReplay
 from megarlhf.parallel.mesh import Mesh
 
@@ -101,6 +102,11 @@ class TrainEngine:
         self.optimizer.zero_grad()
         if self.expert_load is not None:
             self.expert_load.reset()
+        if self.spec.lora is not None and self.spec.lora.dropout:
+            # The step's dropout masks follow from the LoRA seed and the step number (also
+            # on a resume).
+            start_dropout_step(self.chunks, self.spec.lora.seed * 1_000_003
+                               + self.scheduler.num_steps)
         out = forward_backward(self.chunks, self.mesh, microbatches, loss_fn,
                                forward_only=False, replay=self.routing_replay)
         ok, grad_norm, _ = self.optimizer.step()

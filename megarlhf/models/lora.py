@@ -32,6 +32,7 @@ The base weights are frozen (`freeze_base`): no gradient buffers, no optimizer s
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import math
@@ -42,6 +43,7 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParall
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
+from megarlhf.compat.megatron import first_pass_of_recomputed, recomputing
 from megarlhf.models.peft_format import ATTENTION_TARGETS, MLP_TARGETS, TARGETS, adapter_settings
 
 ALL_LINEAR = "all-linear"
@@ -74,14 +76,18 @@ class LoraConfig:
     init: str = "kaiming"
     """A's initialisation as PEFT does it: kaiming (kaiming-uniform, a = sqrt(5)) or gaussian
     (normal, std 1/r); B starts at zero either way, so step 0 is the base model."""
+    dropout: float = 0.0
+    """Dropout on each adapter's input while training (PEFT's lora_dropout; a mask per
+    projection), each element's from a hash of its global index and a seed of (step, layer,
+    call, projection) (_LoraMixin._dropped): the same masks at any TP / SP layout, on a
+    resume, and again when megatron-core recomputes. Not with context parallelism."""
     seed: int = 0
     """Seeds A, per layer and projection, so every parallel layout starts from the same
     adapters."""
     from_peft: str | None = None
-    """Start from this HF PEFT LoRA adapter directory (SFT and RM): rank, alpha, use_rslora
-    and target_modules then come from its adapter_config.json and the projections its
-    weights hold (its lora_dropout is not used: megarlhf trains adapters without
-    dropout)."""
+    """Start from this HF PEFT LoRA adapter directory (SFT and RM): rank, alpha, use_rslora,
+    dropout and target_modules then come from its adapter_config.json and the projections
+    its weights hold."""
 
     def __post_init__(self):
         if isinstance(self.target_modules, list):
@@ -95,6 +101,8 @@ class LoraConfig:
             raise ValueError(f"lora.alpha must be a positive number, got {self.alpha}")
         if self.init not in INITS:
             raise ValueError(f"lora.init {self.init!r} is not one of {INITS}")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"lora.dropout must be in [0, 1), got {self.dropout}")
         if isinstance(self.target_modules, str):
             if self.target_modules != ALL_LINEAR:
                 raise ValueError(f"lora.target_modules {self.target_modules!r}: give a list of "
@@ -140,6 +148,16 @@ EP_REFUSED = ("LoRA with expert_parallel > 1 has not run in a test yet (adapters
               "attention of a mixture-of-experts model); use expert_parallel=1")
 
 
+def layout_problem(lora: LoraConfig, parallel) -> str | None:
+    """Why `lora` cannot run at `parallel` (a ParallelConfig), or None."""
+    if parallel.expert_parallel > 1:
+        return EP_REFUSED
+    if lora.dropout and parallel.context_parallel > 1:
+        return ("lora.dropout > 0 with context parallelism is not built (a rank's sequence "
+                "chunks have no global positions in the linear layers); use dropout 0 there")
+    return None
+
+
 def check_model(lora: LoraConfig, *, is_moe: bool) -> None:
     """Refuse targets the model does not have as adapters (ValueError, one line)."""
     mlp = [t for t in lora.targets if t in MLP_TARGETS]
@@ -179,6 +197,10 @@ class _LoraMixin:
     layer: str
     lora_enabled = True
     """False inside `adapters_off`: the layer is its base."""
+    lora_layer_number = 0
+    """The global (1-based) layer this linear belongs to (init_adapters sets it)."""
+    lora_step_seed = lora_calls = 0
+    """Dropout: the step's seed and this layer's forwards in it (start_dropout_step)."""
 
     def _init_adapters(self, config, in_size: int, out_sizes: dict[str, int], *,
                        a_split: bool) -> None:
@@ -187,11 +209,13 @@ class _LoraMixin:
         r, dtype = self.lora.rank, config.params_dtype
         self.lora_out_sizes = out_sizes
         self.lora_a_split = a_split
-        self.lora_A = torch.nn.ParameterDict(
-            {name: torch.nn.Parameter(torch.zeros(r, in_size, dtype=dtype)) for name in targets})
-        self.lora_B = torch.nn.ParameterDict(
-            {name: torch.nn.Parameter(torch.zeros(out_sizes[name], r, dtype=dtype))
-             for name in targets})
+        self.lora_replays: collections.deque[int] = collections.deque()
+        # Filled one by one: ParameterDict sorts the keys of a dict it is given, and the
+        # projection order (q, k, v; gate, up) is the order masks are drawn in.
+        self.lora_A, self.lora_B = torch.nn.ParameterDict(), torch.nn.ParameterDict()
+        for name in targets:
+            self.lora_A[name] = torch.nn.Parameter(torch.zeros(r, in_size, dtype=dtype))
+            self.lora_B[name] = torch.nn.Parameter(torch.zeros(out_sizes[name], r, dtype=dtype))
         # The split factor is tensor-parallel (megatron-core counts it on every rank in the
         # gradient norm; a replicated one only once).
         for split in (self.lora_A if a_split else self.lora_B).values():
@@ -205,14 +229,69 @@ class _LoraMixin:
         return {f"lora_B.{name}": 0 for name in self.lora_B}  # column parallel: B by rows
 
     def _a_out(self, x: torch.Tensor) -> torch.Tensor:
-        """x through every adapter's A at once: [..., targets * r]."""
-        a = torch.cat(list(self.lora_A.values()), dim=0)
-        return torch.matmul(x, a.t())
+        """x through every adapter's A: [..., targets * r] (at once without dropout)."""
+        if not (self.training and self.lora.dropout):
+            return torch.matmul(x, torch.cat(list(self.lora_A.values()), dim=0).t())
+        call = self._call_seed()
+        return torch.cat([torch.matmul(self._dropped(x, call * len(TARGETS) + TARGETS.index(n)),
+                                       a.t()) for n, a in self.lora_A.items()], dim=-1)
+
+    def start_dropout_step(self, seed: int) -> None:
+        """A new optimizer step: dropout seeds restart from `seed` (TrainEngine.train_step)."""
+        self.lora_step_seed, self.lora_calls = seed, 0
+        self.lora_replays.clear()
+
+    def _call_seed(self) -> int:
+        """This forward's seed: from (step seed, layer, how many forwards this layer ran this
+        step), so it depends neither on the layout nor on any generator (megatron-core runs
+        sequence-parallel layers under a per-TP-rank generator). Full recomputation replays
+        a layer's forwards in their order (1F1B and interleaved schedules run backwards
+        first in, first out): a first pass queues its seed, the replay takes it."""
+        if recomputing():
+            return self.lora_replays.popleft()
+        seed = ((self.lora_step_seed * _SEED_STRIDE + self.lora_layer_number) * _SEED_STRIDE
+                + self.lora_calls) % (1 << 56)
+        self.lora_calls += 1
+        if first_pass_of_recomputed():
+            self.lora_replays.append(seed)
+        return seed
+
+    def _dropped(self, x: torch.Tensor, seed: int) -> torch.Tensor:
+        """x [s, b, features] with a dropout mask: each element's keep/drop is a hash of its
+        global index (sequence position, row, input feature of the whole layer) and `seed`,
+        so the mask does not depend on how TP / SP split the input or on padding the
+        sequence, and the TP ranks of a replicated input draw the same."""
+        s, b, f = x.shape
+        rows = torch.arange(s, device=x.device).view(s, 1, 1)
+        cols = torch.arange(f, device=x.device).view(1, 1, f)
+        width = f
+        if self.lora_mask_split == 0 and self.lora_mask_sharded:  # this rank's sequence rows
+            rows = rows + self.tp_rank * s
+        elif self.lora_mask_sharded:  # this rank's input columns
+            cols, width = cols + self.tp_rank * f, f * self.tp_size
+        index = (rows * b + torch.arange(b, device=x.device).view(1, b, 1)) * width + cols
+        keep = _hash_uniform(index, seed) >= self.lora.dropout
+        return x * keep.to(x.dtype) / (1 - self.lora.dropout)
 
     def _b_out(self, h: torch.Tensor) -> dict[str, torch.Tensor]:
         hs = h.split(self.lora.rank, dim=-1)
         return {name: torch.matmul(part, b.t()) * self.lora.scale
                 for part, (name, b) in zip(hs, self.lora_B.items())}
+
+
+_MULTIPLIERS = tuple(m - (1 << 64) for m in (
+    0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
+"""splitmix64's constants as signed 64-bit integers (torch has no unsigned int64)."""
+
+
+def _hash_uniform(index: torch.Tensor, seed: int) -> torch.Tensor:
+    """A uniform float in [0, 1) per int64 `index`, from splitmix64's finaliser over
+    index x golden ratio + seed (products wrap, right shifts are made logical by masking)."""
+    z = index * _MULTIPLIERS[0] + seed
+    z = (z ^ ((z >> 30) & ((1 << 34) - 1))) * _MULTIPLIERS[1]
+    z = (z ^ ((z >> 27) & ((1 << 37) - 1))) * _MULTIPLIERS[2]
+    z = z ^ ((z >> 31) & ((1 << 33) - 1))
+    return (z & ((1 << 53) - 1)).double() / float(1 << 53)
 
 
 class LoraColumnParallelLinear(_LoraMixin, ColumnParallelLinear):
@@ -227,6 +306,8 @@ class LoraColumnParallelLinear(_LoraMixin, ColumnParallelLinear):
             for a in self.lora_A.values():
                 a.sequence_parallel = True
         self.lora_groups = config.num_query_groups // self.tp_size
+        # The input is whole, or (sequence parallel) this rank's rows of the sequence.
+        self.lora_mask_split, self.lora_mask_sharded = 0, self.sequence_parallel
 
     def forward(self, input_, *args, **kwargs):
         output, bias = super().forward(input_, *args, **kwargs)
@@ -259,6 +340,8 @@ class LoraRowParallelLinear(_LoraMixin, RowParallelLinear):
         if self.sequence_parallel:
             for b in self.lora_B.values():
                 b.sequence_parallel = True
+        # The input is this rank's columns (the base layer's input is parallel).
+        self.lora_mask_split, self.lora_mask_sharded = -1, self.tp_size > 1
 
     def forward(self, input_, *args, **kwargs):
         output, bias = super().forward(input_, *args, **kwargs)
@@ -319,6 +402,12 @@ def _output_requires_grad(module, inputs, output):
         output.requires_grad_()
 
 
+def start_dropout_step(chunks: list[torch.nn.Module], seed: int) -> None:
+    """Restart every adapted layer's dropout seeds for an optimizer step."""
+    for _, linear in lora_layers(chunks):
+        linear.start_dropout_step(seed)
+
+
 def lora_layers(chunks: list[torch.nn.Module]):
     """(global layer number, 1-based; adapted linear layer) of every adapted layer."""
     for chunk in chunks:
@@ -335,6 +424,7 @@ def init_adapters(module: torch.nn.Module) -> None:
     generator seeded by (lora.seed, global layer number, projection), then sliced to this
     rank, so the adapters do not depend on the layout or on what else a rank built."""
     for layer_number, linear in lora_layers([module]):
+        linear.lora_layer_number = layer_number
         for name, a in linear.lora_A.items():
             if a.is_meta:
                 continue

@@ -41,7 +41,8 @@ def adapter_key(layer: int, projection: str, factor: str) -> str:
 
 
 def adapter_settings(directory: str) -> dict:
-    """The LoraConfig fields (rank, alpha, use_rslora, target_modules) of the PEFT adapter at
+    """The LoraConfig fields (rank, alpha, use_rslora, dropout, target_modules) of the PEFT
+    adapter at
     `directory`; ValueError (one line) for what is not a LoRA adapter we can load."""
     path = os.path.join(directory, CONFIG_FILE)
     if not os.path.isfile(path) or not os.path.isfile(os.path.join(directory, WEIGHTS_FILE)):
@@ -69,4 +70,5 @@ def adapter_settings(directory: str) -> dict:
                          f"projections megarlhf adapts are {TARGETS}")
     return {"rank": int(config["r"]), "alpha": float(config["lora_alpha"]),
             "use_rslora": bool(config.get("use_rslora", False)),
+            "dropout": float(config.get("lora_dropout") or 0.0),
             "target_modules": tuple(p for p in TARGETS if p in projections)}

@@ -16,7 +16,7 @@ from megarlhf.envs.episodes import ENV_ERROR_POLICIES
 from megarlhf.envs.tools import PARSERS
 from megarlhf.metrics import missing_dashboards
 from megarlhf.models.config import ModelConfig
-from megarlhf.models.lora import EP_REFUSED, LoraConfig
+from megarlhf.models.lora import LoraConfig, layout_problem
 from megarlhf.models.specs import TE_REFUSED
 from megarlhf.parallel.mesh import LayoutOverride, ParallelConfig
 from megarlhf.rollout import sizing
@@ -508,8 +508,9 @@ class PPOConfig:
         for role in TRAINED_ROLES:
             lora, key = self.lora_of(role), LAYOUT_KEYS[role]
             layout = self._valid_layouts().get(role)
-            if lora is not None and layout is not None and layout.expert_parallel > 1:
-                problems.append(f"layout.{key}.lora: {EP_REFUSED}")
+            problem = lora and layout and layout_problem(lora, layout)
+            if problem:
+                problems.append(f"layout.{key}.lora: {problem}")
             if lora is not None and lora.from_peft is not None:
                 problems.append(f"layout.{key}.lora.from_peft is for SFT and RM (PPO's "
                                 f"reference would be the base without that adapter): merge it "

@@ -11,7 +11,7 @@ from megarlhf.data.records import field_columns
 from megarlhf.engine.optim import OptimConfig
 from megarlhf.metrics import missing_dashboards
 from megarlhf.models.config import ModelConfig
-from megarlhf.models.lora import EP_REFUSED, LoraConfig
+from megarlhf.models.lora import LoraConfig, layout_problem
 from megarlhf.models.presets import preset
 from megarlhf.models.specs import TE_REFUSED
 from megarlhf.models.transformer_config import parse_dtype
@@ -131,8 +131,9 @@ class StageConfig:
 
     def __post_init__(self):
         _check_data(self.data, self.train, self.RECORD_KIND)
-        if self.model.lora is not None and self.parallel.expert_parallel > 1:
-            raise ValueError(f"model.lora: {EP_REFUSED}")
+        problem = self.model.lora and layout_problem(self.model.lora, self.parallel)
+        if problem:
+            raise ValueError(f"model.lora: {problem}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
