@@ -316,6 +316,19 @@ def bind_missing_te_names() -> None:
         moe_utils.te_general_gemm = None
 
 
+def with_mlp_submodules(mlp, **linears):
+    """A dense layer's MLP spec with some of its submodules (linear_fc1, linear_fc2)
+    replaced: megatron-core 0.16 gives the MLP as a ModuleSpec, 0.19 as a functools.partial
+    of MLP.as_mlp_submodule with the submodules as a keyword."""
+    import dataclasses
+
+    if isinstance(mlp, functools.partial):
+        keywords = {**mlp.keywords,
+                    "submodules": dataclasses.replace(mlp.keywords["submodules"], **linears)}
+        return functools.partial(mlp.func, *mlp.args, **keywords)
+    return dataclasses.replace(mlp, submodules=dataclasses.replace(mlp.submodules, **linears))
+
+
 def recomputing() -> bool:
     """Whether this forward is megatron-core's full recomputation of a layer in the backward
     pass (its first pass runs checkpointing without gradients, the replay with them)."""

@@ -32,6 +32,7 @@ from megatron.core.transformer.transformer_block import (
 )
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megarlhf.compat.megatron import with_mlp_submodules
 from megarlhf.models.context_parallel import ContextParallelAttention
 from megarlhf.models.layers import RMSNorm, SDPAttention
 from megarlhf.models.lora import LoraConfig, layer_classes
@@ -104,8 +105,7 @@ def layer_spec(name: str, *, qk_norm: bool, context_parallel: int = 1,
     mlp = spec.submodules.mlp
     mlp_linears = {k: v for k, v in linears.items() if k in ("linear_fc1", "linear_fc2")}
     if mlp_linears:  # dense MLPs only (lora.check_model refuses MoE targets)
-        mlp = dataclasses.replace(mlp, submodules=dataclasses.replace(mlp.submodules,
-                                                                      **mlp_linears))
+        mlp = with_mlp_submodules(mlp, **mlp_linears)
     layer_sub = dataclasses.replace(
         spec.submodules,
         mlp=mlp,
