@@ -9,7 +9,11 @@ recipes/smollm2-135m-grpo-arithmetic.yaml, 2 colocated ranks, Megatron rollouts,
    checked independently with HF transformers' greedy answers of the exported (merged)
    actor.
 
+3. with --bf16-gaps N only: the trainer-vs-engine logprob gap in bf16 (the engine gets the
+   merged weights rounded to bf16), full vs LoRA rank 16, over N steps each.
+
     python -m bench.bench_lora [--steps 40] [--timing-steps 4] [--append BENCHMARKS.md]
+    python -m bench.bench_lora --bf16-gaps 6 [--append BENCHMARKS.md]
 """
 
 from __future__ import annotations
@@ -46,12 +50,43 @@ def timings(tmp: str, inputs: list[str], steps: int) -> list[str]:
     return lines
 
 
+def bf16_gaps(tmp: str, inputs: list[str], steps: int) -> list[str]:
+    lines = ["| actor (bf16) | gap max, steps 2-N (max) | gap mean (max) | reward, last step |",
+             "|---|---|---|---|"]
+    for name, overrides in (("full", []), ("LoRA r16", CURVE)):
+        out = os.path.join(tmp, "bf16_" + name.replace(" ", "_"))
+        config = load_config(PPOConfig, RECIPE, [*inputs, *overrides, f"out_dir={out}",
+                                                 f"steps={steps}", "val_every=0",
+                                                 "val_prompts=null", "save_every=0",
+                                                 "dtype=bf16"])
+        history = run(config)[1:]
+        lines.append(f"| {name} | {max(m['rollout/logprob_gap_max'] for m in history):.3g} | "
+                     f"{max(m['rollout/logprob_gap_mean'] for m in history):.3g} | "
+                     f"{history[-1]['reward/mean']:.3f} |")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--timing-steps", type=int, default=4)
     parser.add_argument("--append", default=None, help="append the result to this file")
+    parser.add_argument("--bf16-gaps", type=int, default=0, metavar="N",
+                        help="only measure the bf16 logprob gaps, over N steps per variant")
     args = parser.parse_args()
+    if args.bf16_gaps:
+        with tempfile.TemporaryDirectory() as tmp:
+            _, _, inputs = recipe_inputs(tmp)
+            body = "\n".join(bf16_gaps(tmp, inputs, args.bf16_gaps)) + (
+                f"\n\nThe arithmetic recipe in bf16 (trainer and Megatron engine), "
+                f"{args.bf16_gaps} steps per variant, LoRA at lr 1e-4; the gap guard's "
+                f"default limits apply.")
+        print(body)
+        if args.append:
+            append_entry(args.append, "LoRA's merged weight sync in bf16 (SmolLM2-135M-"
+                         "Instruct)", f"python -m bench.bench_lora --bf16-gaps "
+                         f"{args.bf16_gaps}", body)
+        return
     with tempfile.TemporaryDirectory() as tmp:
         hf_dir, val, inputs = recipe_inputs(tmp)
         table = timings(tmp, inputs, args.timing_steps)
