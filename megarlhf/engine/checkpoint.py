@@ -215,10 +215,11 @@ def _check_same_model(path: str, meta: dict, spec: ModelSpec) -> None:
     if meta["value_head"] != spec.value_head:
         diffs.append(f"value head: checkpoint {meta['value_head']} vs model {spec.value_head}")
     saved_lora = adapter_shape(meta.get("lora"))
-    if saved_lora is not None and saved_lora != adapter_shape(spec.lora and spec.lora.to_dict()):
+    our_lora = adapter_shape(spec.lora and spec.lora.to_dict())
+    if saved_lora is not None and saved_lora != our_lora:
         raise ValueError(
             f"{path} holds LoRA adapters {saved_lora}, the model being loaded into "
-            f"{adapter_shape(spec.lora and spec.lora.to_dict()) or 'none'}: load it with the "
+            f"{our_lora or 'none'}: load it with the "
             f"same lora settings, or export it merged (python -m tools.convert_hf.mcore_to_hf "
             f"--ckpt {path} --out DIR) and convert that back")
     if diffs:

@@ -228,13 +228,30 @@ class _LoraMixin:
             return {f"lora_A.{name}": 1 for name in self.lora_A}
         return {f"lora_B.{name}": 0 for name in self.lora_B}  # column parallel: B by rows
 
+    BASE_AXES: dict[str, int]
+    """The checkpoint axes the base layer splits its own tensors along."""
+
+    def forward(self, input_, *args, **kwargs):
+        output, bias = super().forward(input_, *args, **kwargs)
+        if not (self.lora_enabled and len(self.lora_A)):
+            return output, bias
+        delta = self._delta(self._to_b(self._a_out(input_)))
+        return output + delta.to(output.dtype), bias
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        return make_sharded_tensors_for_checkpoint(
+            self.state_dict(prefix="", keep_vars=True), prefix,
+            {**self.BASE_AXES, **self._lora_sharded_axes()}, sharded_offsets,
+            tp_group=self.tp_group, dp_cp_group=metadata["dp_cp_group"])
+
     def _a_out(self, x: torch.Tensor) -> torch.Tensor:
         """x through every adapter's A: [..., targets * r] (at once without dropout)."""
         if not (self.training and self.lora.dropout):
             return torch.matmul(x, torch.cat(list(self.lora_A.values()), dim=0).t())
-        call = self._call_seed()
-        return torch.cat([torch.matmul(self._dropped(x, call * len(TARGETS) + TARGETS.index(n)),
-                                       a.t()) for n, a in self.lora_A.items()], dim=-1)
+        call, index = self._call_seed(), self._mask_index(x)
+        return torch.cat([torch.matmul(
+            self._dropped(x, index, call * len(TARGETS) + TARGETS.index(n)), a.t())
+            for n, a in self.lora_A.items()], dim=-1)
 
     def start_dropout_step(self, seed: int) -> None:
         """A new optimizer step: dropout seeds restart from `seed` (TrainEngine.train_step)."""
@@ -256,20 +273,20 @@ class _LoraMixin:
             self.lora_replays.append(seed)
         return seed
 
-    def _dropped(self, x: torch.Tensor, seed: int) -> torch.Tensor:
-        """x [s, b, features] with a dropout mask: each element's keep/drop is a hash of its
-        global index (sequence position, row, input feature of the whole layer) and `seed`,
-        so the mask does not depend on how TP / SP split the input or on padding the
-        sequence, and the TP ranks of a replicated input draw the same."""
+    def _mask_index(self, x: torch.Tensor) -> torch.Tensor:
+        """Each element's global index in the layer's whole input [s, b, features]:
+        (position x rows + row) x features + feature, from this rank's part of it
+        (_input_offsets), so it does not depend on how TP / SP split the input or on
+        padding the sequence."""
         s, b, f = x.shape
-        rows = torch.arange(s, device=x.device).view(s, 1, 1)
-        cols = torch.arange(f, device=x.device).view(1, 1, f)
-        width = f
-        if self.lora_mask_split == 0 and self.lora_mask_sharded:  # this rank's sequence rows
-            rows = rows + self.tp_rank * s
-        elif self.lora_mask_sharded:  # this rank's input columns
-            cols, width = cols + self.tp_rank * f, f * self.tp_size
-        index = (rows * b + torch.arange(b, device=x.device).view(1, b, 1)) * width + cols
+        row0, col0, width = self._input_offsets(s, f)
+        rows = torch.arange(row0, row0 + s, device=x.device).view(s, 1, 1)
+        cols = torch.arange(col0, col0 + f, device=x.device).view(1, 1, f)
+        return (rows * b + torch.arange(b, device=x.device).view(1, b, 1)) * width + cols
+
+    def _dropped(self, x: torch.Tensor, index: torch.Tensor, seed: int) -> torch.Tensor:
+        """x with a dropout mask: each element's keep/drop is a hash of its global `index`
+        and `seed`, so the TP ranks of a replicated input draw the same mask."""
         keep = _hash_uniform(index, seed) >= self.lora.dropout
         return x * keep.to(x.dtype) / (1 - self.lora.dropout)
 
@@ -306,26 +323,20 @@ class LoraColumnParallelLinear(_LoraMixin, ColumnParallelLinear):
             for a in self.lora_A.values():
                 a.sequence_parallel = True
         self.lora_groups = config.num_query_groups // self.tp_size
+
+    BASE_AXES = {"weight": 0, "bias": 0}
+
+    def _input_offsets(self, s: int, f: int) -> tuple[int, int, int]:
         # The input is whole, or (sequence parallel) this rank's rows of the sequence.
-        self.lora_mask_split, self.lora_mask_sharded = 0, self.sequence_parallel
+        return (self.tp_rank * s if self.sequence_parallel else 0), 0, f
 
-    def forward(self, input_, *args, **kwargs):
-        output, bias = super().forward(input_, *args, **kwargs)
-        if not (self.lora_enabled and len(self.lora_A)):
-            return output, bias
-        h = self._a_out(input_)
+    def _to_b(self, h: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
-            h = tensor_parallel.gather_from_sequence_parallel_region(h, group=self.tp_group)
-        else:
-            h = tensor_parallel.copy_to_tensor_model_parallel_region(h, group=self.tp_group)
-        delta = fuse_last_dim(self.layer, self._b_out(h), self.lora_out_sizes, self.lora_groups)
-        return output + delta.to(output.dtype), bias
+            return tensor_parallel.gather_from_sequence_parallel_region(h, group=self.tp_group)
+        return tensor_parallel.copy_to_tensor_model_parallel_region(h, group=self.tp_group)
 
-    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
-        return make_sharded_tensors_for_checkpoint(
-            self.state_dict(prefix="", keep_vars=True), prefix,
-            {"weight": 0, "bias": 0, **self._lora_sharded_axes()}, sharded_offsets,
-            tp_group=self.tp_group, dp_cp_group=metadata["dp_cp_group"])
+    def _delta(self, h: torch.Tensor) -> torch.Tensor:
+        return fuse_last_dim(self.layer, self._b_out(h), self.lora_out_sizes, self.lora_groups)
 
 
 class LoraRowParallelLinear(_LoraMixin, RowParallelLinear):
@@ -340,27 +351,22 @@ class LoraRowParallelLinear(_LoraMixin, RowParallelLinear):
         if self.sequence_parallel:
             for b in self.lora_B.values():
                 b.sequence_parallel = True
+
+    BASE_AXES = {"weight": 1}
+
+    def _input_offsets(self, s: int, f: int) -> tuple[int, int, int]:
         # The input is this rank's columns (the base layer's input is parallel).
-        self.lora_mask_split, self.lora_mask_sharded = -1, self.tp_size > 1
+        return 0, self.tp_rank * f, f * self.tp_size
 
-    def forward(self, input_, *args, **kwargs):
-        output, bias = super().forward(input_, *args, **kwargs)
-        if not (self.lora_enabled and len(self.lora_A)):
-            return output, bias
-        h = self._a_out(input_)
+    def _to_b(self, h: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
-            h = tensor_parallel.reduce_scatter_to_sequence_parallel_region(
+            return tensor_parallel.reduce_scatter_to_sequence_parallel_region(
                 h, group=self.tp_group)
-        else:
-            h = tensor_parallel.reduce_from_tensor_model_parallel_region(h, group=self.tp_group)
-        (delta,) = self._b_out(h).values()
-        return output + delta.to(output.dtype), bias
+        return tensor_parallel.reduce_from_tensor_model_parallel_region(h, group=self.tp_group)
 
-    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
-        return make_sharded_tensors_for_checkpoint(
-            self.state_dict(prefix="", keep_vars=True), prefix,
-            {"weight": 1, **self._lora_sharded_axes()}, sharded_offsets,
-            tp_group=self.tp_group, dp_cp_group=metadata["dp_cp_group"])
+    def _delta(self, h: torch.Tensor) -> torch.Tensor:
+        (delta,) = self._b_out(h).values()
+        return delta
 
 
 def layer_classes(lora: LoraConfig) -> dict[str, type]:
