@@ -387,14 +387,16 @@ def test_lora_dropout_masks_do_not_depend_on_the_layout(corpus, lm_ref, tmp_path
 
 @pytest.mark.slow
 def test_lora_rm_from_an_lm_trains_its_adapters_and_value_head_only(corpus, lm_ref, tmp_path):
-    """A reward model with LoRA grown from an LM checkpoint: the trunk comes from the LM
+    """A reward model with LoRA (rank-stabilised scale) grown from an LM checkpoint: the
+    trunk comes from the LM
     (adapters at their start), and after two steps only the adapters and the new value head
     differ from it."""
     from megarlhf.convert.mcore_io import CheckpointReader
     from megarlhf.models.lora import LoraConfig
 
     model = ModelSource(checkpoint=lm_ref, layer_spec="local",
-                        lora=LoraConfig(rank=2, target_modules=["q_proj", "v_proj"]))
+                        lora=LoraConfig(rank=2, target_modules=["q_proj", "v_proj"],
+                                        use_rslora=True))
     out = launch_local(run_rm, 1, rm_config(corpus, tmp_path / "rm", model, steps=2))[0]
     base, trained = CheckpointReader(lm_ref), CheckpointReader(out["checkpoint"])
     changed = set()
