@@ -120,6 +120,11 @@ def test_config_errors_name_the_problem(prompts_file, tmp_path):
             target_modules=["q_proj"]), expert_parallel=2)))
     with pytest.raises(ValueError, match="layout.reference.lora: the reference model is frozen"):
         dataclasses.replace(base, layout=Layout(reference=RoleLayout(lora=LoraConfig())))
+    with pytest.raises(ValueError, match=r"profile_steps \[0, 9\] are not steps of this run "
+                                         r"\(1..5\)"):
+        dataclasses.replace(base, steps=5, profile=True, profile_steps=(0, 2, 9))
+    with pytest.raises(ValueError, match="profile_steps is set but profile=false"):
+        dataclasses.replace(base, profile_steps=(1,))
     for switch in ("offload_params", "offload_grads", "offload_optimizer", "rollout_sleep"):
         with pytest.raises(ValueError, match=f"{switch}=true applies to placement=colocated"):
             dataclasses.replace(base, placement="disaggregated", **{switch: True})
@@ -152,7 +157,7 @@ def test_the_worker_implements_every_call_the_controller_makes_as_declared():
     declared = {name for name, value in vars(WorkerAPI).items()
                 if inspect.isfunction(value) and not name.startswith("_")}
     assert declared == {"open_channel", "generate", "experience", "train", "sync_weights",
-                        "take_memory", "save", "load"}
+                        "profile", "take_profile", "take_memory", "save", "load"}
     for name in declared:
         ours, api = inspect.signature(getattr(PPOWorker, name)), \
             inspect.signature(getattr(WorkerAPI, name))
@@ -331,8 +336,10 @@ def test_ppo_reward_rises_at_tp2_dp2_under_ray(base):
 
 @pytest.mark.slow
 def test_grpo_reward_rises(base, tmp_path):
+    """GRPO learns the task; its step 2 is profiled (profile: true), with no effect on it."""
     config = dataclasses.replace(base, algorithm="grpo", critic=None, samples_per_prompt=4,
-                                 prompts_per_step=4, out_dir=str(tmp_path), log_samples=16)
+                                 prompts_per_step=4, out_dir=str(tmp_path), log_samples=16,
+                                 profile=True, profile_steps=(2,))
     history = run(config)
     for metrics in history:
         _check_group_advantages(config, metrics)
@@ -340,6 +347,31 @@ def test_grpo_reward_rises(base, tmp_path):
     assert start < 0.15 and end > 2 * start, (start, end)
     # GRPO's KL is a loss term (k3, kl_coef 0.01 from base): non-zero once the actor moved.
     assert all(m["actor/kl_loss"] > 0 for m in history[1:]), [m["actor/kl_loss"] for m in history]
+    _check_profile(str(tmp_path), history[1], ranks=config.nproc)
+
+
+def _check_profile(out_dir: str, step: dict, ranks: int) -> None:
+    """The profiled step's tables against the step's own timings (the dispatcher's, measured
+    apart from the profiler) and what a TP2 step must contain; a trace per rank and phase."""
+    phases = {"rollout", "experience", "train", "sync"}
+    (event,) = [r for r in read_metrics(out_dir) if r.get("event") == "profile"]
+    assert event["profiled_step"] == step["step"] and set(event["phases"]) == phases, event
+    for phase, table in event["phases"].items():
+        # Rank 0's profiled seconds sit inside the slowest rank's seconds of the call, which
+        # also hold the trace's export; split exactly into operators and the rest.
+        assert 0 < table["wall_s"] <= step[f"time/worker/{phase}"], (phase, table, step)
+        assert table["operators_s"] + table["host_s"] == pytest.approx(table["wall_s"])
+        assert sum(table["categories"].values()) == pytest.approx(table["operators_s"])
+        assert table["top"] and table["top"][0]["self_s"] >= table["top"][-1]["self_s"]
+    train = event["phases"]["train"]["categories"]
+    # TP2: the row-parallel layers all-reduce; the update runs Adam over the parameters.
+    assert train["matmul"] > 0 and train["communication"] > 0 and train["optimizer"] > 0, train
+    traces = sorted(os.listdir(os.path.join(out_dir, "profile", f"step_{step['step']}")))
+    assert traces == sorted(f"{p}_1_colocated_rank{r}.json" for p in phases for r in range(ranks))
+    with open(os.path.join(out_dir, "profile", f"step_{step['step']}", traces[0])) as f:
+        names = {e.get("name") for e in json.load(f)["traceEvents"]}
+    assert traces[0].split("_")[0] in names  # the phase's own range
+    assert os.listdir(os.path.join(out_dir, "profile")) == [f"step_{step['step']}"]
 
 
 def _changed_keys(base: str, trained: str) -> set[str]:

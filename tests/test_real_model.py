@@ -266,9 +266,9 @@ def test_multiturn_grpo_with_vllm_on_the_real_model(hf_dir, actor, work):
         f"actor: {actor}\nprompts: {prompts}\nout_dir: {out_dir}\nvllm_model_dir: {hf_dir}\n"
         "environment: arithmetic_retry\nenv_args: {max_tries: 3}\nmax_turns: 3\n"
         "max_turn_tokens: 12\nmax_new_tokens: 96\nalgorithm: grpo\nnproc: 2\n"
-        "rollout_backend: vllm\nprompts_per_step: 4\nsamples_per_prompt: 4\nsteps: 2\n"
+        "rollout_backend: vllm\nprompts_per_step: 2\nsamples_per_prompt: 4\nsteps: 2\n"
         # A LoRA actor: step 2 samples from the base with the step-1 adapters merged in.
-        "log_samples: 16\nactor_lr: 5.0e-4\n"
+        "log_samples: 8\nactor_lr: 5.0e-4\n"
         "layout: {actor: {lora: {rank: 16, alpha: 32}}}\n")
     _run(sys.executable, "-m", "megarlhf.cli", "ppo", "--config", str(recipe))
     history = read_steps(str(out_dir))
@@ -280,7 +280,7 @@ def test_multiturn_grpo_with_vllm_on_the_real_model(hf_dir, actor, work):
         assert m["env/turns_max"] == 3.0 and m["env/errors"] == 0.0, m
     tokenizer = transformers.AutoTokenizer.from_pretrained(hf_dir)
     rows = _episode_rows(str(out_dir))
-    assert len(rows) == 32 and any(len(r["turns"]) == 5 for r in rows)
+    assert len(rows) == 16 and any(len(r["turns"]) == 5 for r in rows)
     for row in rows:
         env = RetryArithmetic(max_tries=3)
         env.reset(row)
@@ -315,7 +315,7 @@ def test_tool_calls_on_the_real_model(hf_dir, actor, work):
     _run(sys.executable, "-m", "megarlhf.cli", "ppo", "--config",
          os.path.join(REPO, "recipes", "smollm2-135m-grpo-tools.yaml"), f"actor={actor}",
          f"prompts={prompts}", "val_prompts=null", f"out_dir={out_dir}", "steps=1",
-         "prompts_per_step=2", "log_samples=8", "val_every=0")
+         "prompts_per_step=2", "samples_per_prompt=2", "log_samples=4", "val_every=0")
     (m,) = read_steps(str(out_dir))
     print(f"tools: calls per episode {m['env/tool_calls_mean']:.2f}, errors "
           f"{m['env/tool_errors']:.0f}, turns {m['env/turns_mean']:.2f}, gap max "

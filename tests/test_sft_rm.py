@@ -152,6 +152,9 @@ def _listed():
     (["data.eval_fraction=1.5"], r"eval_fraction must be in \[0, 1\)"),
     (["train.steps"], "is not key=value"),
     (["train.steps.x=1"], "steps is not a mapping"),
+    (["train.profile_steps=[4]"], r"train.profile_steps is set but train.profile=false"),
+    (["train.profile=true", "train.profile_steps=[0, 1]"],
+     r"train.profile_steps \[0\] are not steps of this run \(1..2\)"),
 ])
 def test_config_errors_say_what_is_wrong(overrides, match):
     with pytest.raises(ValueError, match=match):
@@ -456,10 +459,11 @@ def test_sft_keeps_the_last_checkpoints_and_resumes_from_the_latest(corpus, lm_r
 
 
 @pytest.mark.slow
-def test_rm_writes_its_curves_to_tensorboard(corpus, value_refs, tmp_path):
+def test_rm_writes_its_curves_to_tensorboard_and_profiles_a_step(corpus, value_refs, tmp_path):
     model = ModelSource(checkpoint=value_refs[False][1], layer_spec="local")
     out = launch_local(run_rm, 1, rm_config(corpus, tmp_path / "rm", model, steps=2,
-                                            tensorboard=True))[0]
+                                            tensorboard=True, profile=True,
+                                            profile_steps=(2,)))[0]
     scalars = tensorboard_scalars(tmp_path / "rm" / "tensorboard")
     for record in out["history"]:
         for key in ("loss", "accuracy", "chosen_score"):
@@ -467,6 +471,17 @@ def test_rm_writes_its_curves_to_tensorboard(corpus, value_refs, tmp_path):
                 scalars[f"{record['split']}/{key}"]
     assert [step for step, _ in scalars["train/accuracy"]] == [1, 2]
     assert [step for step, _ in scalars["eval/accuracy"]] == [2]
+    # Step 2's train step and evaluation, profiled: the train table inside the step's own
+    # timing (step_s, which also holds the trace's export), with the model's matmuls and
+    # the optimizer's update in it; a trace per phase.
+    (event,) = [r for r in read_metrics(str(tmp_path / "rm")) if r.get("event") == "profile"]
+    assert event["profiled_step"] == 2 and set(event["phases"]) == {"train", "eval"}, event
+    train = event["phases"]["train"]
+    assert 0 < train["wall_s"] <= out["history"][1]["step_s"], (train, out["history"])
+    assert train["operators_s"] + train["host_s"] == pytest.approx(train["wall_s"])
+    assert train["categories"]["matmul"] > 0 and train["categories"]["optimizer"] > 0, train
+    assert sorted(os.listdir(tmp_path / "rm" / "profile" / "step_2")) == [
+        "eval_1_rank0.json", "train_1_rank0.json"]
 
 
 def _cli(*args, cwd):

@@ -14,6 +14,7 @@ from megarlhf.data.config import BAD_RECORD_POLICIES, TEMPLATES
 from megarlhf.data.records import KIND_FIELDS, OPTIONAL_FIELDS
 from megarlhf.envs.episodes import ENV_ERROR_POLICIES
 from megarlhf.envs.tools import PARSERS
+from megarlhf import profiling
 from megarlhf.metrics import missing_dashboards
 from megarlhf.models.config import ModelConfig
 from megarlhf.models.lora import LoraConfig, layout_problem
@@ -438,6 +439,17 @@ class PPOConfig:
     wandb_project: str | None = None
     """Also log to this W&B project (needs `wandb` and a login); a resumed job continues the
     same W&B run."""
+    profile: bool = False
+    """Profile the phases (rollout, experience, train, sync) of the steps in profile_steps on
+    every rank: a Chrome trace per rank and phase in out_dir/profile/step_<N>/, and a table
+    per phase (operator time by category, the top operators, time outside operators) printed
+    and logged as a "profile" event in metrics.jsonl (megarlhf/profiling.py). CPU only so far."""
+    profile_steps: tuple[int, ...] | None = None
+    """The steps `profile` profiles; None: every step the run takes."""
+
+    def profiles(self, step: int) -> bool:
+        """Whether `profile` covers step `step`."""
+        return profiling.profiled(self.profile, self.profile_steps, step)
 
     def __post_init__(self):
         problems = []
@@ -590,6 +602,7 @@ class PPOConfig:
                                 f"split into mini_batches ({self.mini_batches}) x DP ({dp}) x "
                                 f"micro_batches ({self.micro_batches})")
         problems += missing_dashboards(self.tensorboard, self.wandb_project)
+        problems += profiling.config_problems(self.profile, self.profile_steps, self.steps)
         if problems:
             raise ValueError("invalid PPO config:\n  " + "\n  ".join(problems))
 

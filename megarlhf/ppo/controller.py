@@ -24,6 +24,7 @@ import time
 
 import torch
 
+from megarlhf import profiling
 from megarlhf.envs.episodes import Episode
 from megarlhf.metrics import MetricsLog
 from megarlhf.ppo import checkpoints, gap_probe, rollouts, run_dir
@@ -122,6 +123,8 @@ def ppo_step(config: PPOConfig, data: RunInputs, workers: Placement,
              steps: rollouts.Rollouts, kl_ctl, step: int, log: MetricsLog) -> dict:
     o = config.options
     start = time.perf_counter()
+    if config.profiles(step):
+        workers.profile(step)
     log.phase("rollout")
     drawn = steps.take(step)  # with async_rollout, the next step's starts beside this one
     lag = step - 1 - drawn.weight_version  # actor updates the sampling weights missed
@@ -208,6 +211,8 @@ def ppo_step(config: PPOConfig, data: RunInputs, workers: Placement,
     stopped = sum(c.finish_reason == "stop" for c in drawn.completions) / len(drawn.completions)
     memory = {f"memory/{phase}_state_mib": nbytes / 2**20
               for phase, nbytes in workers.take_memory().items()}
+    if config.profiles(step):
+        log_profile(log, step, workers.take_profile())
     return {**metrics, **drawn.metrics, **correction, **probed,
             "rollout/stopped_fraction": stopped,
             "rollout/weight_version": float(drawn.weight_version),
@@ -219,6 +224,15 @@ def ppo_step(config: PPOConfig, data: RunInputs, workers: Placement,
             **{f"time/ahead/{k}": v for k, v in drawn.seconds.items() if drawn.busy},
             **{f"time/worker_ahead/{k}": v for k, v in drawn.busy.items()},
             **overhead_metrics(time.perf_counter() - start, workers.take_busy())}
+
+
+def log_profile(log: MetricsLog, step: int, groups: dict[str, dict[str, dict]]) -> None:
+    """Each group's rank-0 tables of a profiled step: on the console, and as a "profile"
+    event in metrics.jsonl."""
+    for group, tables in groups.items():
+        log.note(profiling.format_tables(step, f"group {group}, rank 0", tables))
+        log.write({"event": "profile", "profiled_step": step, "group": group,
+                   "phases": tables}, echo=False)
 
 
 def compute_advantages(config: PPOConfig, score: torch.Tensor, exp: dict, mask: torch.Tensor,

@@ -112,6 +112,16 @@ class Placement:
     def sync(self) -> None:
         _, self.busy["sync"] = self._run(WorkerAPI.sync_weights, SYNC)
 
+    def profile(self, step: int) -> None:
+        """Profile every rank's phases (megarlhf/profiling.py) until take_profile."""
+        self._run(WorkerAPI.profile, self._all_roles, step)
+
+    def take_profile(self) -> dict[str, dict[str, dict]]:
+        """group -> phase -> its rank 0's table of the profiled step (every rank wrote its
+        traces)."""
+        parts, _ = self._run(WorkerAPI.take_profile, self._all_roles)
+        return {spec.name: tables for spec, tables in zip(self.specs, parts)}
+
     def take_memory(self) -> dict[str, int]:
         """phase -> the most bytes of model state on a device in it since the last call (each
         group's rank 0; the phases of all groups)."""

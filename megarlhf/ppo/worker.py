@@ -10,6 +10,7 @@ the controller reads rank 0's. Batches are global: the roles cut out this rank's
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import random
 from contextlib import nullcontext
@@ -33,6 +34,7 @@ from megarlhf.ppo.config import PPOConfig
 from megarlhf.ppo import residency
 from megarlhf.ppo.layout import GroupSpec
 from megarlhf.ppo.residency import Residency
+from megarlhf.profiling import PhaseProfiler
 from megarlhf.rollout.bridge import WeightBridge, open_channel, receive
 from megarlhf.rollout.engine import Completion, EngineError, SamplingParams
 from megarlhf.rollout import projection, sizing
@@ -44,6 +46,17 @@ from megarlhf.roles.value import ValueLossConfig, ValueRole
 
 _ENGINE_SEED = 0x9E3779B97F4A7C15
 """Odd 64-bit constant between the seeds of a call's engines (engine 0 keeps the call's)."""
+
+
+def _phase(name: str):
+    """A loop phase's method, profiled as `name` in the steps the controller profiles."""
+    def wrap(method):
+        @functools.wraps(method)
+        def profiled(self, *args):
+            with self.profiler.phase(name):
+                return method(self, *args)
+        return profiled
+    return wrap
 
 
 def _rows(batch: SequenceBatch, rows: slice) -> SequenceBatch:
@@ -59,6 +72,7 @@ class PPOWorker:
         self.mesh = init_mesh(group.parallel, seed=c.seed)
         self.rank = self.mesh.rank
         self.dtype = parse_dtype(c.dtype)
+        self.profiler = PhaseProfiler(c.out_dir, f"{group.name}_rank{self.rank}")
         self.actor = self.ref = self.critic = self.reward = None
         o = c.options
         norm = (c.aggregation_norm or c.max_new_tokens
@@ -178,6 +192,7 @@ class PPOWorker:
 
     # -- the loop's phases -----------------------------------------------------------------
 
+    @_phase("rollout")
     def generate(self, prompts: list[list[int]], params: SamplingParams,
                  keys: list[int] | None) -> list[Completion]:
         """Completions of all prompts, on every rank. Prompts are dealt over the engines by
@@ -216,6 +231,7 @@ class PPOWorker:
                                f"{len(prompts)} prompts x {params.n} samples")
         return sorted(merged, key=lambda c: c.prompt_index)  # stable: samples keep order
 
+    @_phase("experience")
     def experience(self, batch: SequenceBatch, roles: frozenset[str],
                    routing: torch.Tensor | None) -> dict[str, torch.Tensor]:
         """What this group's roles among `roles` add to the rollout batch: old logprobs and
@@ -246,6 +262,7 @@ class PPOWorker:
                 out["rm_scores"] = model.scores(batch)
         return out
 
+    @_phase("train")
     def train(self, batch: SequenceBatch, old_logp: torch.Tensor, advantages: torch.Tensor,
               old_values: torch.Tensor | None, returns: torch.Tensor | None,
               policy: PolicyInputs | None) -> list[dict]:
@@ -280,6 +297,7 @@ class PPOWorker:
         self.residency.note("train")
         return metrics
 
+    @_phase("sync")
     def sync_weights(self) -> None:
         """The actor's weights into the rollout engines: streamed inside this rank
         (colocated), or sent (actor group) / received (rollout group) over the channel. A
@@ -302,6 +320,14 @@ class PPOWorker:
         self.engine.update_weights(recorder.wrap(stream))
         start, products = self.engine.output_products(projection.vectors(self._hidden))
         recorder.check(self.engine.name, start, products, self.dtype)
+
+    def profile(self, step: int) -> None:
+        """Profile this rank's phases until take_profile (profile: true)."""
+        self.profiler.start(step)
+
+    def take_profile(self) -> dict[str, dict]:
+        """phase -> this rank's table of the profiled step (megarlhf/profiling.py)."""
+        return self.profiler.take()
 
     def take_memory(self) -> dict[str, int]:
         """phase -> the most bytes of this rank's model state on the device in it, since the

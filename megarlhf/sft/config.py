@@ -9,6 +9,7 @@ from typing import Any, ClassVar
 from megarlhf.data.config import DataConfig
 from megarlhf.data.records import field_columns
 from megarlhf.engine.optim import OptimConfig
+from megarlhf import profiling
 from megarlhf.metrics import missing_dashboards
 from megarlhf.models.config import ModelConfig
 from megarlhf.models.lora import LoraConfig, layout_problem
@@ -92,6 +93,13 @@ class LoopConfig:
     wandb_project: str | None = None
     """Also log to this W&B project (needs `wandb` and a login); a resumed run continues the
     same W&B run."""
+    profile: bool = False
+    """Profile the training step (and evaluation) of the steps in profile_steps on every
+    rank: a Chrome trace per rank in output_dir/profile/step_<N>/, and a table per phase
+    (operator time by category, the top operators, time outside operators) printed and
+    logged as a "profile" event in metrics.jsonl (megarlhf/profiling.py). CPU only so far."""
+    profile_steps: tuple[int, ...] | None = None
+    """The steps `profile` profiles; None: every step the run takes."""
 
     def __post_init__(self):
         for name in ("steps", "global_batch_size", "micro_batch_size", "log_interval",
@@ -104,7 +112,8 @@ class LoopConfig:
         if self.global_batch_size % self.micro_batch_size:
             raise ValueError(f"train.global_batch_size ({self.global_batch_size}) must be a "
                              f"multiple of train.micro_batch_size ({self.micro_batch_size})")
-        missing = missing_dashboards(self.tensorboard, self.wandb_project)
+        missing = missing_dashboards(self.tensorboard, self.wandb_project) + \
+            profiling.config_problems(self.profile, self.profile_steps, self.steps, "train.")
         if missing:
             raise ValueError("train: " + "; ".join(missing))
 

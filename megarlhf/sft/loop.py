@@ -27,7 +27,9 @@ from megarlhf.engine.checkpoint import (COMPLETE_MARKER, HF_SIDECAR, load_checkp
 from megarlhf.engine.run_checkpoints import RunCheckpoints
 from megarlhf.engine.schedule import Batch, LossFn, pad_to_multiple, rank_microbatches
 from megarlhf.engine.train import TrainEngine
+from megarlhf import profiling
 from megarlhf.metrics import MetricsLog
+from megarlhf.profiling import PhaseProfiler
 from megarlhf.models.config import ModelConfig
 from megarlhf.parallel.mesh import Mesh, init_mesh
 from megarlhf.sft.config import RMConfig, SFTConfig
@@ -149,15 +151,19 @@ def _train(cfg: SFTConfig | RMConfig, p: Plan, mesh: Mesh, log: MetricsLog) -> d
     eval_batches = _eval_batches(p.examples.eval, stage, train.global_batch_size,
                                  cfg.parallel.sequence_multiple)
     history, final = [], p.resume_from
+    profiler = PhaseProfiler(train.output_dir, f"rank{mesh.rank}")
     while step < train.steps:
         items, epoch = stream.take(consumed, train.global_batch_size)
         consumed += len(items)
         step += 1
+        if profiling.profiled(train.profile, train.profile_steps, step):
+            profiler.start(step)
         t0 = time.perf_counter()
-        m = engine.train_step(
-            rank_microbatches(pad_to_multiple(stage.to_batch(items),
-                                              cfg.parallel.sequence_multiple),
-                              mesh, num_microbatches), loss_fn)
+        with profiler.phase("train"):
+            m = engine.train_step(
+                rank_microbatches(pad_to_multiple(stage.to_batch(items),
+                                                  cfg.parallel.sequence_multiple),
+                                  mesh, num_microbatches), loss_fn)
         record = {"step": step, "split": "train", **stage.metrics(m.sums),
                   "grad_norm": m.grad_norm, "lr": m.lr, "epoch": round(epoch, 4),
                   "step_s": round(time.perf_counter() - t0, 4)}
@@ -167,11 +173,17 @@ def _train(cfg: SFTConfig | RMConfig, p: Plan, mesh: Mesh, log: MetricsLog) -> d
         history.append(record)
         last = step == train.steps
         if eval_batches and (last or train.eval_interval and step % train.eval_interval == 0):
-            record = {"step": step, "split": "eval",
-                      **evaluate(engine, mesh, eval_batches, loss_fn, num_microbatches,
-                                 stage.metrics)}
+            with profiler.phase("eval"):
+                record = {"step": step, "split": "eval",
+                          **evaluate(engine, mesh, eval_batches, loss_fn, num_microbatches,
+                                     stage.metrics)}
             log.write(record)
             history.append(record)
+        if profiler.step is not None:  # rank 0's tables; every rank wrote its traces
+            tables = profiler.take()
+            log.note(profiling.format_tables(step, "rank 0", tables))
+            log.write({"event": "profile", "profiled_step": step, "phases": tables},
+                      echo=False)
         if last or train.save_interval and step % train.save_interval == 0:
             final = checkpoints.path(step)
             save_checkpoint(final, engine, mesh,

@@ -1,0 +1,195 @@
+"""Where a step's time goes (`profile: true`): torch.profiler around each phase a rank runs,
+a Chrome trace per rank and phase call, and a table per phase.
+
+A rank's `PhaseProfiler` is off until `start(step)`; then every `phase(name)` block records its
+own profile, writes `<out_dir>/profile/step_<N>/<phase>_<call>_<group>_rank<R>.json` (open in
+chrome://tracing or https://ui.perfetto.dev) and adds its operators to the phase's table, which
+`take()` returns and clears. A phase called more than once in a step (rollout rounds) sums.
+
+A table (`summarize`) splits the phase's wall time into the operators' own (self) times, by
+category, and what is left: time outside any torch operator, which is Python, the host's
+bookkeeping and waiting on other processes (a rank ahead of its peers waits inside the
+collective, so that wait counts as communication). Categories go by operator name
+(`CATEGORIES`): on CPU both attention's softmax and the vocabulary's log-softmax land in
+"softmax/logprob"; elementwise work (norms, activations, the logprob's arithmetic) is
+"other".
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from contextlib import contextmanager
+
+import torch
+
+_COMMUNICATION = ("c10d::", "gloo", "nccl", "all_reduce", "allreduce", "all_gather",
+                  "allgather", "reduce_scatter", "broadcast", "barrier", "all_to_all",
+                  # megatron-core's autograd functions around collectives wait inside them
+                  "parallelregion")
+CATEGORIES: tuple[tuple[str, frozenset[str], tuple[str, ...]], ...] = (
+    ("communication", frozenset(), _COMMUNICATION),
+    ("optimizer", frozenset(), ("optimizer.", "adam", "_foreach_")),
+    ("matmul", frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm",
+                          "aten::_addmm_activation", "aten::linear", "aten::matmul",
+                          "aten::mv", "aten::addmv", "aten::dot"}), ()),
+    ("attention", frozenset(), ("scaled_dot_product", "flash_attention",
+                                "efficient_attention")),
+    ("softmax/logprob", frozenset(), ("softmax", "logsumexp", "cross_entropy", "nll_loss")),
+    ("data movement", frozenset({
+        "aten::copy_", "aten::to", "aten::_to_copy", "aten::cat", "aten::stack",
+        "aten::index", "aten::index_put_", "aten::clone", "aten::contiguous", "aten::gather",
+        "aten::scatter", "aten::scatter_", "aten::fill_", "aten::zero_", "aten::zeros",
+        "aten::empty", "aten::empty_strided", "aten::pad", "aten::constant_pad_nd",
+        "aten::masked_select", "aten::nonzero", "aten::where"}), ()),
+)
+"""(category, operator names, lower-case name substrings): the first match wins, and
+"other" is the rest. An elementwise or data-movement operator inside a communication or
+optimizer range (a collective's autograd function, `Optimizer.step`) counts as that range's."""
+_SCOPES = frozenset({"communication", "optimizer"})
+_KEPT = frozenset({"matmul", "attention", "softmax/logprob"})
+"""Categories an operator keeps inside a scope."""
+TOP = 12
+"""Operators listed per phase, by self time."""
+
+
+def category(op: str) -> str:
+    lower = op.lower()
+    for name, names, substrings in CATEGORIES:
+        if op in names or any(m in lower for m in substrings):
+            return name
+    return "other"
+
+
+def _categories(events) -> list[str]:
+    """Each event's category: its own name's, or an enclosing scope's (_SCOPES)."""
+    memo: dict[int, str | None] = {}
+
+    def scope(event) -> str | None:  # the scope an event and its children are in
+        key = id(event)
+        if key not in memo:
+            own = category(event.name)
+            memo[key] = own if own in _SCOPES else (
+                scope(event.cpu_parent) if event.cpu_parent is not None else None)
+        return memo[key]
+
+    # A matmul inside a collective's autograd function (a linear layer's with its
+    # gradient's all-reduce) stays a matmul.
+    return [own if own in _KEPT else (scope(e) or own)
+            for e, own in ((e, category(e.name)) for e in events)]
+
+
+def summarize(events, wall_s: float, skip: frozenset[str] = frozenset()) -> dict:
+    """A phase's table from torch.profiler's events (`prof.events()`): wall seconds, the
+    operators' own (self) seconds by category, the time outside operators ("host_s"), and
+    the top operators by self time. `skip`: the phase's own record_function range."""
+    by_category: dict[str, float] = {}
+    by_op: dict[str, list] = {}
+    for event, kind in zip(events, _categories(events)):
+        if event.name in skip:
+            continue
+        seconds = event.self_cpu_time_total / 1e6
+        by_category[kind] = by_category.get(kind, 0.0) + seconds
+        row = by_op.setdefault(event.name, [0, 0.0])
+        row[0] += 1
+        row[1] += seconds
+    inside = sum(by_category.values())
+    top = sorted(by_op.items(), key=lambda kv: -kv[1][1])[:TOP]
+    return {"wall_s": wall_s, "operators_s": inside, "host_s": max(0.0, wall_s - inside),
+            "categories": dict(sorted(by_category.items(), key=lambda kv: -kv[1])),
+            "top": [{"op": op, "calls": calls, "self_s": seconds}
+                    for op, (calls, seconds) in top]}
+
+
+def merge(a: dict | None, b: dict) -> dict:
+    """Two tables of one phase (two calls in a step) as one."""
+    if a is None:
+        return b
+    categories = {k: a["categories"].get(k, 0.0) + b["categories"].get(k, 0.0)
+                  for k in {*a["categories"], *b["categories"]}}
+    top: dict[str, dict] = {}
+    for row in a["top"] + b["top"]:
+        seen = top.setdefault(row["op"], {"op": row["op"], "calls": 0, "self_s": 0.0})
+        seen["calls"] += row["calls"]
+        seen["self_s"] += row["self_s"]
+    return {"wall_s": a["wall_s"] + b["wall_s"], "operators_s": a["operators_s"] +
+            b["operators_s"], "host_s": a["host_s"] + b["host_s"],
+            "categories": dict(sorted(categories.items(), key=lambda kv: -kv[1])),
+            "top": sorted(top.values(), key=lambda r: -r["self_s"])[:TOP]}
+
+
+def format_tables(step: int, who: str, tables: dict[str, dict]) -> str:
+    """The console's view of one rank's tables."""
+    lines = [f"profile of step {step}, {who}:"]
+    for phase, t in tables.items():
+        shares = ", ".join(f"{c} {s:.2f}" for c, s in t["categories"].items() if s >= 0.005)
+        lines.append(f"  {phase}: wall {t['wall_s']:.2f} s = operators {t['operators_s']:.2f}"
+                     f" ({shares}) + outside operators {t['host_s']:.2f}")
+        lines += [f"    {row['self_s']:8.3f} s {row['calls']:6d}x  {row['op']}"
+                  for row in t["top"][:5]]
+    return "\n".join(lines)
+
+
+class PhaseProfiler:
+    """One rank's profiles of the phases of the steps it is told to profile."""
+
+    def __init__(self, out_dir: str, who: str):
+        """`who`: the rank's name in trace files ("<group>_rank<R>")."""
+        self.out_dir, self.who = out_dir, who
+        self.step: int | None = None
+        self._tables: dict[str, dict] = {}
+        self._calls: dict[str, int] = {}
+
+    def start(self, step: int) -> None:
+        self.step, self._tables, self._calls = step, {}, {}
+
+    def take(self) -> dict[str, dict]:
+        """The step's tables (phase -> table), and profiling off until the next start."""
+        tables, self.step, self._tables = self._tables, None, {}
+        return tables
+
+    @contextmanager
+    def phase(self, name: str):
+        if self.step is None:
+            yield
+            return
+        from torch.profiler import ProfilerActivity, profile, record_function
+
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            start = time.perf_counter()
+            with record_function(name):
+                yield
+            wall = time.perf_counter() - start
+        self._calls[name] = call = self._calls.get(name, 0) + 1
+        directory = os.path.join(self.out_dir, "profile", f"step_{self.step}")
+        os.makedirs(directory, exist_ok=True)
+        prof.export_chrome_trace(os.path.join(directory, f"{name}_{call}_{self.who}.json"))
+        self._tables[name] = merge(self._tables.get(name),
+                                   summarize(prof.events(), wall, frozenset({name})))
+
+
+def config_problems(profile: bool, profile_steps: tuple[int, ...] | None, steps: int,
+                    prefix: str = "") -> list[str]:
+    """A config's `profile` / `profile_steps` problems (`prefix`: the fields' section)."""
+    problems = []
+    if profile_steps is not None and not profile:
+        problems.append(f"{prefix}profile_steps is set but {prefix}profile=false: set "
+                        f"{prefix}profile=true")
+    outside = [s for s in profile_steps or () if not 1 <= s <= steps]
+    if outside:
+        problems.append(f"{prefix}profile_steps {outside} are not steps of this run "
+                        f"(1..{steps})")
+    return problems
+
+
+def profiled(profile: bool, profile_steps: tuple[int, ...] | None, step: int) -> bool:
+    """Whether a run with these settings profiles step `step` (profile_steps None: all)."""
+    return profile and (profile_steps is None or step in profile_steps)
+
+
+def cuda_refusal() -> str | None:
+    """Why `profile` cannot run here: its CUDA activities and NVTX ranges have not been run."""
+    if torch.cuda.is_available():
+        return ("profile=true: the profiler has run on CPU only so far (no GPU test has "
+                "checked its CUDA traces); profile on a CPU run or set profile=false")
+    return None
