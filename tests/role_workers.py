@@ -135,3 +135,45 @@ def policy_terms(actor_ckpt: str, parallel: ParallelConfig, batch: SequenceBatch
                                      is_weight=inputs["is_weight"])
     return {**inputs, "metrics": {**metrics, "loss": step.loss, "grad_norm": step.grad_norm},
             "logp_after": actor.logprobs(batch)}
+
+
+def logprobs_with_and_without_the_cut(actor_ckpt: str, parallel: ParallelConfig,
+                                      batch: SequenceBatch, batchings: dict) -> dict:
+    """Per batching (name -> Batching): the actor's logprobs and entropy as PolicyRole
+    computes them (the LM head at the positions response tokens read only), and the same
+    from micro-batches that name no positions (logits everywhere), with the LM head's input
+    rows of each pass counted."""
+    from megatron.core.models.gpt import GPTModel
+
+    from megarlhf.engine.schedule import Loss
+    from megarlhf.roles.batching import microbatches, to_global
+
+    mesh = init_mesh(dataclasses.replace(parallel, sequence_parallel=False))
+    engine = _engine(actor_ckpt, parallel, mesh, None)
+    head_rows = []
+    last = engine.chunks[-1]
+    while not isinstance(last, GPTModel):
+        last = last.module
+    if last.post_process:
+        last.output_layer.register_forward_hook(
+            lambda module, args, out: head_rows.append(args[0].shape[0] * args[0].shape[1]))
+    out = {}
+    for name, batching in batchings.items():
+        actor = PolicyRole(engine, batching=batching)
+        head_rows.clear()
+        cut = actor.logprobs(batch, with_entropy=True)
+        rows_cut = sum(head_rows)
+        head_rows.clear()
+
+        def keep(mb, per_position, actor=actor):
+            logp, entropy = actor._logp_entropy(mb, per_position)
+            return torch.zeros(()), torch.ones((), dtype=torch.int), {"logp": logp,
+                                                                     "entropy": entropy}
+
+        mbs = microbatches(engine, batching, batch)
+        outputs = engine.forward(mbs, Loss(closure=keep, per_position=actor._per_position))
+        whole = tuple(to_global(mbs, outputs, key, batch.shape, engine)
+                      for key in ("logp", "entropy"))
+        out[name] = {"cut": cut, "whole": whole, "head_rows_cut": rows_cut,
+                     "head_rows_whole": sum(head_rows), "pp_last": mesh.pp_rank == mesh.pp - 1}
+    return out

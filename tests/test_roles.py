@@ -188,6 +188,37 @@ def test_ppo_step_equals_tp1(refs, ppo_batch, ppo_reference, tmp_path, parallel,
 
 
 @pytest.mark.slow
+def test_the_lm_head_runs_only_where_response_tokens_read_it(refs, ppo_batch):
+    """Logprobs and entropy at the response tokens with the LM head cut to the positions
+    before them equal those from logits everywhere (fp32; the same matmuls on fewer rows:
+    1e-6), 0 elsewhere; at TP2 + SP x PP2, where the decoder's output is gathered over the
+    sequence-parallel ranks before the cut. The head's rows shrink to what the response
+    tokens need: one position per response token (packed), the columns they span (rows)."""
+    batchings = {"rows": Batching(2), "packed": Batching(max_tokens=24, pack=True)}
+    results = launch_local(role_workers.logprobs_with_and_without_the_cut, 4, refs[0],
+                           P(tensor_parallel=2, pipeline_parallel=2, sequence_parallel=True),
+                           ppo_batch, batchings)
+    response = ppo_batch.response_mask.bool()
+    columns = response.any(0).nonzero().flatten()
+    spanned = int(columns[-1] - columns[0]) + 1  # from the position before the first
+    for name, batching in batchings.items():
+        for rank in results:
+            r = rank[name]
+            for cut, whole in zip(r["cut"], r["whole"]):
+                torch.testing.assert_close(cut[response], whole[response], atol=1e-6, rtol=0)
+                assert not cut[~response].any()
+            if r["pp_last"]:
+                # Uncut, each of the 2 sequence-parallel ranks feeds the head its half of
+                # the positions (the head gathers them); cut, the gathered positions needed.
+                whole = 2 * r["head_rows_whole"]
+                assert whole >= ppo_batch.attention_mask.sum()
+                if batching.pack:  # exactly the positions before the response tokens (DP1)
+                    assert r["head_rows_cut"] == int(response.sum()), (name, r)
+                else:
+                    assert r["head_rows_cut"] <= whole * spanned / response.shape[1], (name, r)
+
+
+@pytest.mark.slow
 def test_reward_scores_under_pp2_with_padding_equal_unpadded_tp1(value_refs, ppo_batch):
     ckpt = value_refs[True][1]
     alone = launch_local(role_workers.unpadded_scores, 1, ckpt, ppo_batch)[0]

@@ -423,11 +423,46 @@ def torch_adam_load_fixes(optimizer):
 class PostprocessHook:
     """Mixed into a GPTModel subclass ahead of GPTModel: the decoder's output goes to
     `postprocess(hidden_states)` instead of the LM head and loss. GPTModel.forward ends with
-    `self._postprocess(hidden_states=..., <LM-head arguments>)`, a private method; this is the
-    only place that relies on it."""
+    `self._postprocess(hidden_states=..., <LM-head arguments>)`, a private method; this and
+    `LogitPositionsHook` are the only places that rely on it."""
 
     def _postprocess(self, hidden_states, **_):
         return self.postprocess(hidden_states)
 
     def postprocess(self, hidden_states):
         raise NotImplementedError
+
+
+class LogitPositionsHook:
+    """Mixed into a GPTModel subclass ahead of GPTModel: while `logit_positions` (sequence
+    positions [n], sorted) is set, the LM head runs at those positions only, and the model
+    returns logits [b, n, vocab] instead of [b, s, vocab]. The decoder's output is cut before
+    megatron-core's `_postprocess` (see PostprocessHook) makes the logits.
+
+    Under sequence parallelism the decoder's output is split over the TP ranks along the
+    sequence: it is gathered first (the gather's backward splits the gradient: the output
+    layer, told it is not sequence-parallel for the call, all-reduces its input gradient over
+    TP itself, as a column-parallel layer does). Multi-token prediction needs every position
+    and ignores the cut."""
+
+    logit_positions: torch.Tensor | None = None
+
+    def _postprocess(self, hidden_states, **kwargs):
+        positions = self.logit_positions
+        if positions is None or not self.post_process or self.config.mtp_num_layers:
+            return super()._postprocess(hidden_states=hidden_states, **kwargs)
+        layer = self.output_layer
+        if not layer.sequence_parallel:
+            return super()._postprocess(hidden_states=hidden_states.index_select(0, positions),
+                                        **kwargs)
+        from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+        whole = gather_from_sequence_parallel_region(hidden_states,
+                                                     tensor_parallel_output_grad=False,
+                                                     group=layer.tp_group)
+        layer.sequence_parallel = False
+        try:
+            return super()._postprocess(hidden_states=whole.index_select(0, positions),
+                                        **kwargs)
+        finally:
+            layer.sequence_parallel = True

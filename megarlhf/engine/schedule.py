@@ -12,6 +12,10 @@ pipeline stages then send each activation's shape ahead of it. Every pipeline st
 the whole dict: later stages need the mask and positions, and the loss closure on the last
 stage needs labels.
 
+A micro-batch may name the positions its loss reads an LM's logits at (`logit_index`): the
+LM head then runs there only (models/gpt.logits_at), the per-position step gets the logits of
+those positions with their positions in `inputs["logit_positions"]`.
+
 A loss closure `loss_fn(batch, output) -> (loss_sum, num_tokens, metrics: dict)` runs on the
 last stage; with `calculate_per_token_loss` the schedules keep token sums and megatron-core
 divides gradients by the token count of the whole global batch. A `Loss` pairs a closure with
@@ -38,6 +42,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.utils import get_model_config
 
 from megarlhf.models import context_parallel
+from megarlhf.models.gpt import logits_at
 from megarlhf.models.packed import flatten, packed_segments, unflatten
 from megarlhf.models.routing_replay import RoutingReplay, local_order
 from megarlhf.parallel.mesh import Mesh
@@ -127,9 +132,13 @@ def forward_backward(
             inputs = context_parallel.local_inputs(batch, mesh)
         if replaying:
             replay.feed(model, local_order(inputs.pop("routing"), mesh, sequence_parallel))
-        output = model(inputs["tokens"], inputs.get("position_ids"),
-                       inputs.get("attention_mask"),
-                       packed_seq_params=inputs.get("packed_seq_params"))
+        positions = logit_positions(batch, packed=seg is not None, mesh=mesh)
+        if positions is not None:
+            inputs["logit_positions"] = positions
+        with logits_at(model, positions):
+            output = model(inputs["tokens"], inputs.get("position_ids"),
+                           inputs.get("attention_mask"),
+                           packed_seq_params=inputs.get("packed_seq_params"))
         return output, lambda out: loss_on_whole_rows(batch, inputs, out)
 
     iterators = [zip(microbatches, layouts) for _ in chunks]
@@ -143,6 +152,18 @@ def forward_backward(
             micro_batch_size=micro_batch_size,
             forward_only=forward_only,
         )
+
+
+def logit_positions(batch: Batch, *, packed: bool, mesh: Mesh) -> torch.Tensor | None:
+    """The sequence positions at which the model needs its LM head for a micro-batch that
+    names them (`logit_index`, flat in its R x L positions; roles/batching.py): the flat
+    positions themselves when its rows run as one packed row, else the columns any row
+    needs. None (everywhere) under context parallelism, where a rank runs chunks of the
+    sequence."""
+    index = batch.get("logit_index")
+    if index is None or mesh.cp > 1:
+        return None
+    return index if packed else (index % batch["tokens"].shape[1]).unique()
 
 
 def from_last_stage(obj, mesh: Mesh):

@@ -16,13 +16,34 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
 
-from megarlhf.compat.megatron import PostprocessHook
+from megarlhf.compat.megatron import LogitPositionsHook, PostprocessHook
 from megarlhf.models.config import ModelConfig
 from megarlhf.models.layers import ValueHead
 from megarlhf.models.lora import LoraConfig, check_model, freeze_base, init_adapters
 from megarlhf.models.specs import block_spec, resolve_layer_spec
 from megarlhf.models.transformer_config import to_transformer_config
 from megarlhf.parallel.mesh import Mesh, ParallelConfig
+
+
+class GPTLMModel(LogitPositionsHook, GPTModel):
+    """GPT causal LM whose LM head can run at chosen positions only (`logits_at`)."""
+
+
+@contextlib.contextmanager
+def logits_at(chunk: torch.nn.Module, positions: torch.Tensor | None):
+    """Within the block, an LM chunk (possibly wrapped: DDP, Float16Module) makes logits only
+    at sequence `positions` [n] (None: everywhere); a value model's chunk is unchanged."""
+    model = chunk
+    while not isinstance(model, GPTModel):
+        model = model.module
+    if positions is None or not isinstance(model, GPTLMModel):
+        yield
+        return
+    model.logit_positions = positions
+    try:
+        yield
+    finally:
+        model.logit_positions = None
 
 
 class GPTValueModel(PostprocessHook, GPTModel):
@@ -92,7 +113,7 @@ def build_model(spec: ModelSpec, mesh: Mesh, *, meta: bool = False) -> list[GPTM
     """
     vpp = mesh.config.virtual_pipeline_parallel
     stages = range(vpp) if vpp else [None]
-    cls = GPTValueModel if spec.value_head else GPTModel
+    cls = GPTValueModel if spec.value_head else GPTLMModel
     device = torch.device("meta") if meta else mesh.device
     config = spec.transformer
     chunks = []

@@ -78,10 +78,13 @@ def sequence_multiple(engine: TrainEngine) -> int:
 
 
 def microbatches(engine: TrainEngine, batching: Batching, batch: SequenceBatch,
-                 routing: torch.Tensor | None = None, **per_token: torch.Tensor) -> list[dict]:
+                 routing: torch.Tensor | None = None, *, response_logits: bool = False,
+                 **per_token: torch.Tensor) -> list[dict]:
     """This rank's micro-batches of `batch` with `per_token` tensors [B, T] added, and with
     the expert `routing` [B, T, layers, k] (-1: none) to replay laid out as the model's
-    positions (`routing` [R, L, layers, k], -1 on padding)."""
+    positions (`routing` [R, L, layers, k], -1 on padding). With `response_logits`, each
+    also names the model positions whose outputs its response tokens read (`logit_index`,
+    flat in R * L): the LM head runs there only (engine/schedule.py)."""
     batch.check_length(engine.spec.model.max_position_embeddings)
     if routing is not None:
         _check_routing(routing, batch, engine.spec.model)
@@ -111,7 +114,7 @@ def microbatches(engine: TrainEngine, batching: Batching, batch: SequenceBatch,
                          f"response")
     mine = balance(end - first, mesh.dp_size)[mesh.dp_rank]
     return [_microbatch(batch, rows, first, end, pack=batching.pack, multiple=multiple,
-                        per_token=per_token, routing=routing)
+                        per_token=per_token, routing=routing, response_logits=response_logits)
             for rows in fit(mine, first, end, batching.max_tokens, cost)]
 
 
@@ -207,7 +210,7 @@ def fit(rows: list[int], first: torch.Tensor, end: torch.Tensor, budget: int,
 
 def _microbatch(batch: SequenceBatch, rows: list[int], first: torch.Tensor, end: torch.Tensor,
                 *, pack: bool, multiple: int, per_token: dict,
-                routing: torch.Tensor | None) -> dict:
+                routing: torch.Tensor | None, response_logits: bool = False) -> dict:
     r = torch.tensor(rows)
     c0, c1 = int(first[r].min()), int(end[r].max())
     sub = SequenceBatch(tokens=batch.tokens[r, c0:c1],
@@ -227,6 +230,11 @@ def _microbatch(batch: SequenceBatch, rows: list[int], first: torch.Tensor, end:
            "position_ids": inputs["position_ids"], "document_ids": inputs["document_ids"],
            "rows": r, "col0": torch.tensor(c0), "token_index": token_index,
            **{name: value[r, c0:c1] for name, value in per_token.items()}}
+    if response_logits:
+        # The position before each response token (its logprob's); one position at least,
+        # so that a micro-batch without response tokens still has logits to take a loss of.
+        read = _position_before(token_index)[sub.response_mask.bool()]
+        out["logit_index"] = read.unique() if read.numel() else torch.zeros(1, dtype=torch.long)
     if routing is not None:
         R, L = inputs["tokens"].shape
         model_layout = torch.full((R * L, *routing.shape[2:]), -1, dtype=routing.dtype)
@@ -259,10 +267,15 @@ def about_token(mb: dict, per_position: torch.Tensor) -> torch.Tensor:
     """[b, W] from the model's per-position outputs [R, L]: at each real token that follows a
     real token, the output at the token before it (the logprob of producing it, the value of
     the state before it); 0 elsewhere."""
-    index = mb["token_index"]
-    before = F.pad(index, (1, 0), value=-1)[:, :-1]
-    ok = (index >= 0) & (before >= 0)
-    return torch.where(ok, per_position.reshape(-1)[before.clamp(min=0)], 0)
+    before = _position_before(mb["token_index"])
+    return torch.where(before >= 0, per_position.reshape(-1)[before.clamp(min=0)], 0)
+
+
+def _position_before(token_index: torch.Tensor) -> torch.Tensor:
+    """[b, W]: at each real token that follows a real token, the model position (flat) of
+    the token before it; -1 elsewhere."""
+    before = F.pad(token_index, (1, 0), value=-1)[:, :-1]
+    return torch.where((token_index >= 0) & (before >= 0), before, -1)
 
 
 def at_last_token(mb: dict, per_position: torch.Tensor) -> torch.Tensor:

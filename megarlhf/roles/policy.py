@@ -131,13 +131,20 @@ class PolicyRole:
     # The logits [R, L, V] in the micro-batch's layout (batching.py) become log p(label) and
     # the entropy per position [R, L, 2] (on this rank's positions under context
     # parallelism); the closures give per-token quantities [b, W] in the global batch's rows
-    # and columns from those.
+    # and columns from those. The micro-batches name the positions their response tokens
+    # read: the model makes logits [R, n, V] there only, and the other positions hold 0.
     def _per_position(self, inputs, logits_RLV):
         mesh = self.engine.mesh
-        return torch.stack(vocab_parallel_logprobs_and_entropy(
-            logits_RLV, inputs["labels"], tp_group=mesh.tp_group,
-            vocab_start=mesh.tp_rank * logits_RLV.shape[-1], vocab_size=self._vocab_size),
-            dim=-1)
+        labels, positions = inputs["labels"], inputs.get("logit_positions")
+        out = torch.stack(vocab_parallel_logprobs_and_entropy(
+            logits_RLV, labels if positions is None else labels[:, positions],
+            tp_group=mesh.tp_group, vocab_start=mesh.tp_rank * logits_RLV.shape[-1],
+            vocab_size=self._vocab_size), dim=-1)
+        if positions is None:
+            return out
+        whole = out.new_zeros(*labels.shape, 2)
+        whole[:, positions] = out
+        return whole
 
     @staticmethod
     def _logp_entropy(mb, per_position_RL2):
@@ -145,16 +152,19 @@ class PolicyRole:
 
     def logprobs(self, batch: SequenceBatch, *, with_entropy: bool = False,
                  routing: torch.Tensor | None = None):
-        """log p(token_t | tokens_<t) [B, T] (and entropy [B, T]) on every rank; with
-        `routing` [B, T, layers, k] the tokens go through those experts."""
+        """log p(token_t | tokens_<t) [B, T] (and entropy [B, T]) at the response tokens
+        (response_mask; 0 elsewhere: the LM head runs only where they read it) on every rank;
+        with `routing` [B, T, layers, k] the tokens go through those experts."""
 
         def keep(mb, per_position):
-            logp, entropy = self._logp_entropy(mb, per_position)
+            # 0 off the response tokens whatever the layout (batched rows share columns)
+            logp, entropy = (torch.where(mb["response_mask"].bool(), t.detach(), 0)
+                             for t in self._logp_entropy(mb, per_position))
             zero = torch.zeros((), device=logp.device)
-            return zero, torch.ones((), dtype=torch.int), {"logp": logp.detach(),
-                                                           "entropy": entropy.detach()}
+            return zero, torch.ones((), dtype=torch.int), {"logp": logp, "entropy": entropy}
 
-        mbs = microbatches(self.engine, self.batching, batch, routing)
+        mbs = microbatches(self.engine, self.batching, batch, routing, response_logits=True,
+                           response_mask=batch.response_mask)
         out = self.engine.forward(mbs, Loss(closure=keep, per_position=self._per_position))
         logp = to_global(mbs, out, "logp", batch.shape, self.engine)
         return (logp, to_global(mbs, out, "entropy", batch.shape, self.engine)) \
@@ -258,7 +268,7 @@ class PolicyRole:
 
     def _microbatches(self, batch: SequenceBatch, old_logp, advantages, *, is_ptx: bool,
                       ref_logp, is_weight, routing):
-        return microbatches(self.engine, self.batching, batch, routing,
+        return microbatches(self.engine, self.batching, batch, routing, response_logits=True,
                             response_mask=batch.response_mask.float(),
                             old_logp=old_logp.float(), advantages=advantages.float(),
                             ref_logp=ref_logp.float(), is_weight=is_weight.float(),
