@@ -99,7 +99,8 @@ def microbatches(engine: TrainEngine, batching: Batching, batch: SequenceBatch,
         everything = (torch.zeros(batch.shape[0], dtype=torch.long),
                       torch.full((batch.shape[0],), T))
         return [_microbatch(batch, list(rows), *everything, pack=False, multiple=multiple,
-                            per_token=per_token, routing=routing)
+                            per_token=per_token, routing=routing,
+                            response_logits=response_logits)
                 for rows in rank_rows(batch.shape[0], mesh.dp_size, mesh.dp_rank,
                                       batching.num_microbatches)]
     first, end = spans(batch)
@@ -210,7 +211,7 @@ def fit(rows: list[int], first: torch.Tensor, end: torch.Tensor, budget: int,
 
 def _microbatch(batch: SequenceBatch, rows: list[int], first: torch.Tensor, end: torch.Tensor,
                 *, pack: bool, multiple: int, per_token: dict,
-                routing: torch.Tensor | None, response_logits: bool = False) -> dict:
+                routing: torch.Tensor | None, response_logits: bool) -> dict:
     r = torch.tensor(rows)
     c0, c1 = int(first[r].min()), int(end[r].max())
     sub = SequenceBatch(tokens=batch.tokens[r, c0:c1],
