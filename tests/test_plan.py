@@ -295,15 +295,18 @@ def test_activation_terms_count_the_tensors_a_llama_layer_keeps():
     vocab = 129024  # 128256 padded to a multiple of 128 x TP8
     logits = tokens * vocab // t * (P + 12)
     grads = tokens * 2 * f // t * P
-    assert memory.backward_peak(model, sp, 2, 2048, P, recompute="full", logits=True) \
+    assert memory.backward_peak(model, sp, 2, 2048, P, recompute="full",
+                                logit_positions=2048) \
         == max(logits, memory.layer_activations(model, sp, 2, 2048, P) + grads) == logits
-    assert memory.backward_peak(model, sp, 2, 2048, P, recompute="full", logits=False) \
+    assert memory.backward_peak(model, sp, 2, 2048, P, recompute="full",
+                                logit_positions=0) \
         == memory.layer_activations(model, sp, 2, 2048, P) + grads
-    assert memory.backward_peak(model, sp, 2, 2048, P, recompute="none", logits=False) == grads
+    assert memory.backward_peak(model, sp, 2, 2048, P, recompute="none",
+                                logit_positions=0) == grads
     # Forward only: one layer or the logits (no gradient: P + 8, + 4 for the float copy).
-    assert memory.forward_pass(model, sp, 16, 2048, P, logits=True) \
+    assert memory.forward_pass(model, sp, 16, 2048, P, logit_positions=2048) \
         == 16 * 2048 * vocab // t * (P + 12)
-    assert memory.forward_pass(model, sp, 16, 2048, 4, logits=True) \
+    assert memory.forward_pass(model, sp, 16, 2048, 4, logit_positions=2048) \
         == 16 * 2048 * vocab // t * (4 + 8)
 
 
@@ -328,12 +331,18 @@ def test_context_parallel_splits_the_per_token_terms_and_keeps_the_gathered_keys
     # The logits and their workspace are this rank's positions' (log-probabilities are what
     # the CP ranks gather).
     vocab = 129024
-    assert memory.backward_peak(model, cp2, 2, 2048, P, recompute="none", logits=True) \
+    assert memory.backward_peak(model, cp2, 2, 2048, P, recompute="none",
+                                logit_positions=1024) \
         == local * vocab // t * (P + 12)
-    assert memory.forward_pass(model, cp2, 2, 2048, P, logits=True) \
+    assert memory.forward_pass(model, cp2, 2, 2048, P, logit_positions=1024) \
         == local * vocab // t * (P + 12)
-    # CP1 is the same arithmetic on whole rows (every term doubles), without gathered keys.
+    # A policy's LM head: every local position under CP; at CP1 those before response
+    # tokens (512 new tokens of 2048; a packed row of 1024 tokens: its share, 256).
     cp1 = dataclasses.replace(cp2, context_parallel=1)
+    assert memory.lm_head_positions(cp2, 2048, 512, 2048) == 1024
+    assert memory.lm_head_positions(cp1, 2048, 512, 2048) == 512
+    assert memory.lm_head_positions(cp1, 1024, 512, 2048) == 256
+    # CP1 is the same arithmetic on whole rows (every term doubles), without gathered keys.
     assert memory.layer_activations(model, cp1, 2, 2048, P) == 2 * (layer - gathered)
 
 

@@ -395,8 +395,11 @@ def _stage(config: PPOConfig, spec: GroupSpec, models: dict[str, ModelSource],
                           expert_params=experts, trainable=trainable,
                           expert_dp=parallel.tensor_parallel * parallel.context_parallel
                           * dp // parallel.expert_group_size).items()]
+        head = memory.lm_head_positions(parallel, mb_seq, config.max_new_tokens, seq) \
+            if lm and last else 0
         terms.append(Term(role, "forward pass", memory.forward_pass(
-            model, parallel, exp_rows, mb_seq, nbytes, logits=lm and last), running=experience))
+            model, parallel, exp_rows, mb_seq, nbytes, logit_positions=head),
+            running=experience))
         if trained:
             recompute = config.recompute_of(role)
             terms.append(Term(role, "activations", memory.train_activations(
@@ -405,7 +408,7 @@ def _stage(config: PPOConfig, spec: GroupSpec, models: dict[str, ModelSource],
                 running=train))
             terms.append(Term(role, "backward", memory.backward_peak(
                 model, parallel, train_rows, mb_seq, nbytes, recompute=recompute,
-                logits=lm and last), running=train))
+                logit_positions=head), running=train))
     actor = models["actor"].model
     if "actor" in spec.roles:  # the sender of the weight sync
         terms.append(Term("actor", "sync buffers", memory.sync_buffers(

@@ -87,7 +87,9 @@ LM logits on the last stage, one micro-batch, b s V/t x:
 - training: the larger of that and backward's 2P + 8 (logits and softmax kept, the fp32
   gradient and its cast to the logits' dtype): P + 12 for fp32 and for 16-bit params.
 Sequence parallelism does not shard them: megatron-core's output layer gathers the sequence
-before its matmul, so the logits are the whole sequence's, vocab-split.
+before its matmul, so the logits are the whole sequence's, vocab-split. A policy's LM head
+runs only at the positions before response tokens (at CP1, engine/schedule.py): s is then
+those positions (lm_head_positions).
 
 Context parallelism (models/context_parallel.py) gives each rank s/c of every row: every
 per-token term above and the mask's rows divide by c. Attention gathers every rank's K and V
@@ -249,16 +251,26 @@ def layer_gradients(model: ModelConfig, parallel: ParallelConfig, rows: int, seq
 
 
 def backward_peak(model: ModelConfig, parallel: ParallelConfig, rows: int, seq: int,
-                  param_bytes: int, *, recompute: str, logits: bool) -> int:
+                  param_bytes: int, *, recompute: str, logit_positions: int) -> int:
     """Bytes a backward adds to the kept activations at its peak: the last stage's logits
-    workspace (`logits`: an LM's last stage), or later, once those are freed, the layer being
-    back-propagated: what recomputation rebuilds of it and its gradients."""
+    workspace (`logit_positions` per row: lm_head_positions; 0 without an LM head), or
+    later, once those are freed, the layer being back-propagated: what recomputation
+    rebuilds of it and its gradients."""
     layer = rebuilt(model, parallel, rows, seq, param_bytes, recompute) \
         + layer_gradients(model, parallel, rows, seq, param_bytes)
-    if not logits:
-        return layer
-    return max(layer, lm_logits(model, parallel.tensor_parallel, rows,
-                                _local(seq, parallel), param_bytes))
+    return max(layer, lm_logits(model, parallel.tensor_parallel, rows, logit_positions,
+                                param_bytes))
+
+
+def lm_head_positions(parallel: ParallelConfig, seq: int, new_tokens: int,
+                      full_seq: int) -> int:
+    """Positions of a micro-batch row (`seq` long) at which a policy's LM head runs on this
+    rank: under context parallelism all of its s/c; at CP1 only those before response tokens
+    (engine/schedule.py): at full length new_tokens of every full_seq (prompt + response)
+    positions."""
+    if parallel.context_parallel > 1:
+        return _local(seq, parallel)
+    return -(-seq * new_tokens // full_seq)
 
 
 def forwards_in_flight(parallel: ParallelConfig, pp_rank: int, microbatches: int) -> int:
@@ -304,14 +316,13 @@ def lm_logits(model: ModelConfig, tp: int, rows: int, seq: int, param_bytes: int
 
 
 def forward_pass(model: ModelConfig, parallel: ParallelConfig, rows: int, seq: int,
-                 param_bytes: int, *, logits: bool) -> int:
+                 param_bytes: int, *, logit_positions: int) -> int:
     """Peak bytes of a forward-only pass over one micro-batch: one layer's tensors at a time
-    (none is kept), or on the last stage of an LM its logits, whichever is larger."""
+    (none is kept), or on the last stage of an LM its logits at `logit_positions` per row
+    (lm_head_positions; 0 without an LM head), whichever is larger."""
     layer = layer_activations(model, parallel, rows, seq, param_bytes)
-    if not logits:
-        return layer
-    return max(layer, lm_logits(model, parallel.tensor_parallel, rows,
-                                _local(seq, parallel), param_bytes, backward=False))
+    return max(layer, lm_logits(model, parallel.tensor_parallel, rows, logit_positions,
+                                param_bytes, backward=False))
 
 
 def inference_layer(model: ModelConfig, tp: int, rows: int, seq: int, param_bytes: int) -> int:
