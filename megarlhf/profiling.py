@@ -4,9 +4,10 @@ a Chrome trace per rank and phase call, and a table per phase.
 A rank's `PhaseProfiler` is off until `start(step)`; then every `phase(name)` block records its
 own profile, writes `<out_dir>/profile/step_<N>/<phase>_<call>_<group>_rank<R>.json` (open in
 chrome://tracing or https://ui.perfetto.dev) and adds its operators to the phase's table, which
-`take()` returns and clears. A phase called more than once in a step (rollout rounds) sums.
+`take()` returns and clears. A phase called more than once in a step (rollout rounds, the
+turns of multi-turn episodes) sums over its calls.
 
-A table (`summarize`) splits the phase's wall time into the operators' own (self) times, by
+A table (`_Tally`) splits the phase's wall time into the operators' own (self) times, by
 category, and what is left: time outside any torch operator, which is Python, the host's
 bookkeeping and waiting on other processes (a rank ahead of its peers waits inside the
 collective, so that wait counts as communication). Categories go by operator name
@@ -79,43 +80,39 @@ def _categories(events) -> list[str]:
             for e, own in ((e, category(e.name)) for e in events)]
 
 
-def summarize(events, wall_s: float, skip: frozenset[str] = frozenset()) -> dict:
-    """A phase's table from torch.profiler's events (`prof.events()`): wall seconds, the
-    operators' own (self) seconds by category, the time outside operators ("host_s"), and
-    the top operators by self time. `skip`: the phase's own record_function range."""
-    by_category: dict[str, float] = {}
-    by_op: dict[str, list] = {}
-    for event, kind in zip(events, _categories(events)):
-        if event.name in skip:
-            continue
-        seconds = event.self_cpu_time_total / 1e6
-        by_category[kind] = by_category.get(kind, 0.0) + seconds
-        row = by_op.setdefault(event.name, [0, 0.0])
-        row[0] += 1
-        row[1] += seconds
-    inside = sum(by_category.values())
-    top = sorted(by_op.items(), key=lambda kv: -kv[1][1])[:TOP]
-    return {"wall_s": wall_s, "operators_s": inside, "host_s": max(0.0, wall_s - inside),
-            "categories": dict(sorted(by_category.items(), key=lambda kv: -kv[1])),
-            "top": [{"op": op, "calls": calls, "self_s": seconds}
-                    for op, (calls, seconds) in top]}
+class _Tally:
+    """A phase's seconds over its calls in a step: wall, and operator self time by category
+    and by operator (every operator, so that a phase called many times, as generation is per
+    turn of multi-turn episodes, ranks its operators over all calls)."""
 
+    def __init__(self):
+        self.wall_s = 0.0
+        self.categories: dict[str, float] = {}
+        self.ops: dict[str, list] = {}  # name -> [calls, self seconds]
 
-def merge(a: dict | None, b: dict) -> dict:
-    """Two tables of one phase (two calls in a step) as one."""
-    if a is None:
-        return b
-    categories = {k: a["categories"].get(k, 0.0) + b["categories"].get(k, 0.0)
-                  for k in {*a["categories"], *b["categories"]}}
-    top: dict[str, dict] = {}
-    for row in a["top"] + b["top"]:
-        seen = top.setdefault(row["op"], {"op": row["op"], "calls": 0, "self_s": 0.0})
-        seen["calls"] += row["calls"]
-        seen["self_s"] += row["self_s"]
-    return {"wall_s": a["wall_s"] + b["wall_s"], "operators_s": a["operators_s"] +
-            b["operators_s"], "host_s": a["host_s"] + b["host_s"],
-            "categories": dict(sorted(categories.items(), key=lambda kv: -kv[1])),
-            "top": sorted(top.values(), key=lambda r: -r["self_s"])[:TOP]}
+    def add(self, events, wall_s: float, skip: frozenset[str]) -> None:
+        """One call's torch.profiler events (`prof.events()`); `skip`: the phase's own
+        record_function range."""
+        self.wall_s += wall_s
+        for event, kind in zip(events, _categories(events)):
+            if event.name in skip:
+                continue
+            seconds = event.self_cpu_time_total / 1e6
+            self.categories[kind] = self.categories.get(kind, 0.0) + seconds
+            row = self.ops.setdefault(event.name, [0, 0.0])
+            row[0] += 1
+            row[1] += seconds
+
+    def table(self) -> dict:
+        """Wall seconds, the operators' own seconds by category, the time outside operators
+        ("host_s"), and the top operators by self time."""
+        inside = sum(self.categories.values())
+        top = sorted(self.ops.items(), key=lambda kv: -kv[1][1])[:TOP]
+        return {"wall_s": self.wall_s, "operators_s": inside,
+                "host_s": max(0.0, self.wall_s - inside),
+                "categories": dict(sorted(self.categories.items(), key=lambda kv: -kv[1])),
+                "top": [{"op": op, "calls": calls, "self_s": seconds}
+                        for op, (calls, seconds) in top]}
 
 
 def format_tables(step: int, who: str, tables: dict[str, dict]) -> str:
@@ -137,15 +134,16 @@ class PhaseProfiler:
         """`who`: the rank's name in trace files ("<group>_rank<R>")."""
         self.out_dir, self.who = out_dir, who
         self.step: int | None = None
-        self._tables: dict[str, dict] = {}
+        self._tallies: dict[str, _Tally] = {}
         self._calls: dict[str, int] = {}
 
     def start(self, step: int) -> None:
-        self.step, self._tables, self._calls = step, {}, {}
+        self.step, self._tallies, self._calls = step, {}, {}
 
     def take(self) -> dict[str, dict]:
         """The step's tables (phase -> table), and profiling off until the next start."""
-        tables, self.step, self._tables = self._tables, None, {}
+        tables = {phase: tally.table() for phase, tally in self._tallies.items()}
+        self.step, self._tallies = None, {}
         return tables
 
     @contextmanager
@@ -164,8 +162,7 @@ class PhaseProfiler:
         directory = os.path.join(self.out_dir, "profile", f"step_{self.step}")
         os.makedirs(directory, exist_ok=True)
         prof.export_chrome_trace(os.path.join(directory, f"{name}_{call}_{self.who}.json"))
-        self._tables[name] = merge(self._tables.get(name),
-                                   summarize(prof.events(), wall, frozenset({name})))
+        self._tallies.setdefault(name, _Tally()).add(prof.events(), wall, frozenset({name}))
 
 
 def config_problems(profile: bool, profile_steps: tuple[int, ...] | None, steps: int,
@@ -188,7 +185,8 @@ def profiled(profile: bool, profile_steps: tuple[int, ...] | None, step: int) ->
 
 
 def cuda_refusal() -> str | None:
-    """Why `profile` cannot run here: its CUDA activities and NVTX ranges have not been run."""
+    """Why `profile` cannot run here: it records CPU activity only, and no GPU test has run
+    it."""
     if torch.cuda.is_available():
         return ("profile=true: the profiler has run on CPU only so far (no GPU test has "
                 "checked its CUDA traces); profile on a CPU run or set profile=false")

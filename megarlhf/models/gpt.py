@@ -34,7 +34,7 @@ def logits_at(chunk: torch.nn.Module, positions: torch.Tensor | None):
     """Within the block, an LM chunk (possibly wrapped: DDP, Float16Module) makes logits only
     at sequence `positions` [n] (None: everywhere); a value model's chunk is unchanged."""
     model = chunk
-    while not isinstance(model, GPTModel):
+    while positions is not None and not isinstance(model, GPTModel):
         model = model.module
     if positions is None or not isinstance(model, GPTLMModel):
         yield

@@ -106,8 +106,8 @@ def preflight(config: PPOConfig, prompts: list[list[int]],
     if bad_stops:
         problems.append(f"stop_token_ids {bad_stops} are outside the actor's vocabulary "
                         f"({model.vocab_size})")
-    if config.profile and profiling.cuda_refusal():
-        problems.append(profiling.cuda_refusal())
+    if config.profile and (refusal := profiling.cuda_refusal()):
+        problems.append(refusal)
     size = None
     if config.rollout_backend == "vllm":
         if not torch.cuda.is_available() and config.rollout_cuda_graphs:

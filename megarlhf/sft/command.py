@@ -57,8 +57,8 @@ def check_layout(cfg: SFTConfig | RMConfig, checked: Plan, world: int) -> tuple[
     """(DP size, micro-batches per step) of the layout on `world` ranks; ValueError if the
     model's heads, layers or vocabulary, the world size or the batch do not divide."""
     checked.model.check_parallel(cfg.parallel, training=True)
-    if cfg.train.profile and profiling.cuda_refusal():
-        raise ValueError(profiling.cuda_refusal())
+    if cfg.train.profile and (refusal := profiling.cuda_refusal()):
+        raise ValueError(refusal)
     # The layer spec the ranks will resolve (te needs a GPU and runs without CP).
     resolve_layer_spec(cfg.model.layer_spec, on_gpu=accelerator_available(),
                        context_parallel=cfg.parallel.context_parallel)
