@@ -14,6 +14,12 @@ collective, so that wait counts as communication). Categories go by operator nam
 (`CATEGORIES`): on CPU both attention's softmax and the vocabulary's log-softmax land in
 "softmax/logprob"; elementwise work (norms, activations, the logprob's arithmetic) is
 "other".
+
+On a GPU rank the profile also records CUDA activity: each operator's own kernels' device time
+goes to the operator's category, so the table also splits the kernels' busy time ("device_s")
+by category, and the trace shows the kernels under the operators that launched them. Every
+phase a GPU rank runs, profiled or not, is an NVTX range of the phase's name, for Nsight
+Systems.
 """
 
 from __future__ import annotations
@@ -80,49 +86,80 @@ def _categories(events) -> list[str]:
             for e, own in ((e, category(e.name)) for e in events)]
 
 
+def _by_seconds(seconds: dict[str, float]) -> dict[str, float]:
+    return dict(sorted(seconds.items(), key=lambda kv: -kv[1]))
+
+
 class _Tally:
-    """A phase's seconds over its calls in a step: wall, and operator self time by category
-    and by operator (every operator, so that a phase called many times, as generation is per
-    turn of multi-turn episodes, ranks its operators over all calls)."""
+    """A phase's seconds over its calls in a step: wall, operator self time (host) and the
+    device time of each operator's own kernels, by category and by operator (every operator,
+    so that a phase called many times, as generation is per turn of multi-turn episodes, ranks
+    its operators over all calls)."""
 
     def __init__(self):
         self.wall_s = 0.0
         self.categories: dict[str, float] = {}
-        self.ops: dict[str, list] = {}  # name -> [calls, self seconds]
+        self.device: dict[str, float] = {}
+        self.ops: dict[str, list] = {}  # name -> [calls, self seconds, device seconds]
 
     def add(self, events, wall_s: float, skip: frozenset[str]) -> None:
         """One call's torch.profiler events (`prof.events()`); `skip`: the phase's own
         record_function range."""
+        from torch.autograd import DeviceType
+
         self.wall_s += wall_s
-        for event, kind in zip(events, _categories(events)):
+        # Kernels are events of their own as well as the `kernels` of the operator that
+        # launched them: counted once, through their operator.
+        host = [e for e in events if e.device_type == DeviceType.CPU]
+        for event, kind in zip(host, _categories(host)):
             if event.name in skip:
                 continue
             seconds = event.self_cpu_time_total / 1e6
+            device = sum(kernel.duration for kernel in event.kernels) / 1e6
             self.categories[kind] = self.categories.get(kind, 0.0) + seconds
-            row = self.ops.setdefault(event.name, [0, 0.0])
+            if device:
+                self.device[kind] = self.device.get(kind, 0.0) + device
+            row = self.ops.setdefault(event.name, [0, 0.0, 0.0])
             row[0] += 1
             row[1] += seconds
+            row[2] += device
 
     def table(self) -> dict:
         """Wall seconds, the operators' own seconds by category, the time outside operators
-        ("host_s"), and the top operators by self time."""
+        ("host_s"), and the top operators by self time. With kernels (a GPU rank) also their
+        device seconds by category ("device_s", "device_categories"), and the top operators
+        by device time."""
         inside = sum(self.categories.values())
-        top = sorted(self.ops.items(), key=lambda kv: -kv[1][1])[:TOP]
-        return {"wall_s": self.wall_s, "operators_s": inside,
-                "host_s": max(0.0, self.wall_s - inside),
-                "categories": dict(sorted(self.categories.items(), key=lambda kv: -kv[1])),
-                "top": [{"op": op, "calls": calls, "self_s": seconds}
-                        for op, (calls, seconds) in top]}
+        order = 2 if self.device else 1
+        top = sorted(self.ops.items(), key=lambda kv: -kv[1][order])[:TOP]
+        table = {"wall_s": self.wall_s, "operators_s": inside,
+                 "host_s": max(0.0, self.wall_s - inside),
+                 "categories": _by_seconds(self.categories),
+                 "top": [{"op": op, "calls": calls, "self_s": seconds}
+                         for op, (calls, seconds, _) in top]}
+        if self.device:
+            table["device_s"] = sum(self.device.values())
+            table["device_categories"] = _by_seconds(self.device)
+            for row, (_, (_, _, device)) in zip(table["top"], top):
+                row["device_s"] = device
+        return table
+
+
+def _shares(seconds: dict[str, float]) -> str:
+    return ", ".join(f"{c} {s:.2f}" for c, s in seconds.items() if s >= 0.005)
 
 
 def format_tables(step: int, who: str, tables: dict[str, dict]) -> str:
     """The console's view of one rank's tables."""
     lines = [f"profile of step {step}, {who}:"]
     for phase, t in tables.items():
-        shares = ", ".join(f"{c} {s:.2f}" for c, s in t["categories"].items() if s >= 0.005)
         lines.append(f"  {phase}: wall {t['wall_s']:.2f} s = operators {t['operators_s']:.2f}"
-                     f" ({shares}) + outside operators {t['host_s']:.2f}")
+                     f" ({_shares(t['categories'])}) + outside operators {t['host_s']:.2f}")
+        if "device_s" in t:
+            lines.append(f"    kernels {t['device_s']:.2f} s on the device "
+                         f"({_shares(t['device_categories'])})")
         lines += [f"    {row['self_s']:8.3f} s {row['calls']:6d}x  {row['op']}"
+                  + (f"  (device {row['device_s']:.3f} s)" if "device_s" in row else "")
                   for row in t["top"][:5]]
     return "\n".join(lines)
 
@@ -148,21 +185,44 @@ class PhaseProfiler:
 
     @contextmanager
     def phase(self, name: str):
-        if self.step is None:
-            yield
-            return
+        # A rank that runs on the GPU (a CPU rank on a GPU machine records no kernels).
+        cuda = torch.cuda.is_initialized()
+        with _nvtx(name, cuda):
+            if self.step is None:
+                yield
+                return
+            with self._profiled(name, cuda):
+                yield
+
+    @contextmanager
+    def _profiled(self, name: str, cuda: bool):
         from torch.profiler import ProfilerActivity, profile, record_function
 
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        with profile(activities=activities) as prof:
             start = time.perf_counter()
             with record_function(name):
                 yield
+            if cuda:  # the phase's wall time includes its last kernels
+                torch.cuda.synchronize()
             wall = time.perf_counter() - start
         self._calls[name] = call = self._calls.get(name, 0) + 1
         directory = os.path.join(self.out_dir, "profile", f"step_{self.step}")
         os.makedirs(directory, exist_ok=True)
         prof.export_chrome_trace(os.path.join(directory, f"{name}_{call}_{self.who}.json"))
         self._tallies.setdefault(name, _Tally()).add(prof.events(), wall, frozenset({name}))
+
+
+@contextmanager
+def _nvtx(name: str, cuda: bool):
+    if not cuda:
+        yield
+        return
+    torch.cuda.nvtx.range_push(name)
+    try:
+        yield
+    finally:
+        torch.cuda.nvtx.range_pop()
 
 
 def config_problems(profile: bool, profile_steps: tuple[int, ...] | None, steps: int,
@@ -185,9 +245,9 @@ def profiled(profile: bool, profile_steps: tuple[int, ...] | None, step: int) ->
 
 
 def cuda_refusal() -> str | None:
-    """Why `profile` cannot run here: it records CPU activity only, and no GPU test has run
-    it."""
+    """Why SFT/RM's `train.profile` cannot run here: a GPU run has checked the profiler's CUDA
+    tables and traces through PPO's phases (bench/gpu, item 8), not through SFT's loop."""
     if torch.cuda.is_available():
-        return ("profile=true: the profiler has run on CPU only so far (no GPU test has "
-                "checked its CUDA traces); profile on a CPU run or set profile=false")
+        return ("train.profile=true: SFT/RM profiling has not run on a GPU yet (PPO's "
+                "profile has); profile on a CPU run or set train.profile=false")
     return None

@@ -59,7 +59,7 @@ def test_dry_run_runs_each_measurement_at_tiny_size(dry_run):
     _, output, _ = dry_run
     table = output[output.index("DRY RUN - results"):]
     assert "tokens/s" in table.split("1a. training MFU, SDPA spec |")[1].splitlines()[0]
-    for spec in ("local", "sdpa"):
+    for spec in ("local", "sdpa", "sdpa+lora"):
         row = table.split(f"2. CPU vs GPU parity, fp32: GPU spec {spec} |")[1].splitlines()[0]
         assert "PASS" in row, row
     assert "tokens/s" in table.split("3a. generation, Megatron engine |")[1].splitlines()[0]
@@ -75,6 +75,9 @@ def test_dry_run_runs_each_measurement_at_tiny_size(dry_run):
     assert "GB/s" in offload and "bytes equal after the round trip: True" in offload, offload
     phase = table.split("7. RL training phase: the actor's old-logprob pass and update |")[1]
     assert phase.splitlines()[0].count("tokens/s") == 2, phase
+    for part in ("rollout", "experience", "train", "sync"):
+        row = table.split(f"8. profile: true on a GPU rank (GRPO, step 2 profiled): {part} |")
+        assert "host operators" in row[1].splitlines()[0], part
 
 
 def test_mfu_formula_by_hand():
@@ -103,7 +106,7 @@ def test_gpu_plan_skips_what_is_missing():
     reasons = {item.key: plan.gpu_skip(item, bare) for item in plan.ITEMS}
     assert reasons == {"mfu-sdpa": None, "mfu-te": plan.NO_TE, "parity": None,
                        "gen-megatron": None, "gen-vllm": plan.NO_VLLM, "bridge": None,
-                       "ppo": None, "offload": None, "rl-phase": None}
+                       "ppo": None, "offload": None, "rl-phase": None, "profile": None}
     full = plan.Machine(cuda=True, gpu_name="NVIDIA H200", te=True, vllm=True)
     assert all(plan.gpu_skip(item, full) is None for item in plan.ITEMS)
     cpu = plan.Machine(cuda=False, gpu_name=None, te=True, vllm=True)

@@ -96,6 +96,8 @@ def _measure(item: plan.Item, sizes: plan.Sizes, run, peak, no_peak: str):
         return offload.measure(sizes, run)
     if item.key == "rl-phase":
         return rl_phase.measure(sizes, run, peak, no_peak)
+    if item.key == "profile":
+        return ppo.measure_profile(sizes, run)
     return bridge.measure(sizes, run)
 
 

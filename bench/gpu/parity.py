@@ -3,7 +3,11 @@
 The same weights (written from one seeded CPU generator after the model is built, so they do
 not depend on the device's init or RNG) and the same batch go through a forward (logits) and
 one train_step (loss, grad norm before clipping) on CPU with the reference "local" spec, and
-on the GPU with "local" and with "sdpa" (what a torch-only GPU trains with).
+on the GPU with "local" and with "sdpa" (what a torch-only GPU trains with). The same again
+with LoRA adapters on all seven projections, with dropout (the "+lora" rows: B is seeded
+non-zero like every weight, so the adapters change the logits; the masks come from a hash of
+each element's index, which must give the same numbers on both devices; the grad norm is the
+adapters' alone).
 
 Tolerances, and why: fp32 rounds at 2^-24 ~ 6e-8 relative per operation. CPU (MKL/oneDNN)
 and GPU (cuBLAS, SDPA kernels) sum in different orders and block sizes, which through the
@@ -40,12 +44,18 @@ def _seeded_weights(module: torch.nn.Module) -> None:
         p.copy_(1 + 0.1 * noise if p.dim() == 1 else 0.02 * noise)
 
 
+LORA = "+lora"
+"""A spec name's suffix: the spec with LoRA adapters (rank 4, all-linear, dropout 0.1)."""
+
+
 def side(sizes: Sizes, specs: list[str]) -> dict[str, dict]:
-    """Per layer spec: logits, loss and grad norm of one step on this process's device."""
+    """Per layer spec (with LORA: and adapters): logits, loss and grad norm of one step on
+    this process's device."""
     from megarlhf.engine.losses import lm_loss
     from megarlhf.engine.optim import OptimConfig
     from megarlhf.engine.train import TrainEngine
     from megarlhf.models.gpt import model_spec
+    from megarlhf.models.lora import LoraConfig
 
     mesh, on_gpu = mesh_here()
     if on_gpu:
@@ -56,7 +66,9 @@ def side(sizes: Sizes, specs: list[str]) -> dict[str, dict]:
     V = model.vocab_size
     out = {}
     for name in specs:
-        spec = model_spec(model, ONE_RANK, dtype=torch.float32, layer_spec=name, on_gpu=on_gpu)
+        lora = LoraConfig(rank=4, alpha=8.0, dropout=0.1) if name.endswith(LORA) else None
+        spec = model_spec(model, ONE_RANK, dtype=torch.float32,
+                          layer_spec=name.removesuffix(LORA), on_gpu=on_gpu, lora=lora)
         engine = TrainEngine(spec, mesh, OptimConfig(lr=1e-3))
         _seeded_weights(engine.unwrapped()[0])
         loss_fn = lm_loss(mesh, V)
@@ -85,12 +97,13 @@ def compare(ref: dict, other: dict) -> tuple[bool, str]:
 def measure(sizes: Sizes, run) -> list[Row]:
     # The CPU reference runs in a process that cannot see the GPU, so megatron-core takes its
     # CPU code paths exactly as on a machine without one.
-    cpu = run(side, sizes, ["local"], env={"CUDA_VISIBLE_DEVICES": ""})["local"]
-    gpu = run(side, sizes, ["local", "sdpa"])
-    setting = (f"{sizes.parity_preset}, {sizes.parity_rows} x {sizes.parity_seq} tokens, fp32, "
-               f"one step; CPU 'local' spec vs {gpu['local']['device']}")
+    cpu = run(side, sizes, ["local", "local" + LORA], env={"CUDA_VISIBLE_DEVICES": ""})
+    gpu = run(side, sizes, ["local", "sdpa", "sdpa" + LORA])
     rows = []
     for name, result in gpu.items():
-        ok, text = compare(cpu, result)
+        reference = "local" + LORA if name.endswith(LORA) else "local"
+        setting = (f"{sizes.parity_preset}, {sizes.parity_rows} x {sizes.parity_seq} tokens, "
+                   f"fp32, one step; CPU '{reference}' spec vs {result['device']}")
+        ok, text = compare(cpu[reference], result)
         rows.append((f"GPU spec {name}", setting, text))
     return rows

@@ -134,6 +134,7 @@ ITEMS = (
     Item("ppo", "5. GRPO through the controller, one rank"),
     Item("offload", "6. offload round trip, pinned host memory"),
     Item("rl-phase", "7. RL training phase: the actor's old-logprob pass and update"),
+    Item("profile", "8. profile: true on a GPU rank (GRPO, step 2 profiled)"),
 )
 
 

@@ -443,7 +443,9 @@ class PPOConfig:
     """Profile the phases (rollout, experience, train, sync) of the steps in profile_steps on
     every rank: a Chrome trace per rank and phase in out_dir/profile/step_<N>/, and a table
     per phase (operator time by category, the top operators, time outside operators) printed
-    and logged as a "profile" event in metrics.jsonl (megarlhf/profiling.py). CPU only so far."""
+    and logged as a "profile" event in metrics.jsonl (megarlhf/profiling.py). On a GPU rank
+    the table also splits the kernels' device time by category and the traces hold the
+    kernels."""
     profile_steps: tuple[int, ...] | None = None
     """The steps `profile` profiles; None: every step the run takes."""
 

@@ -14,7 +14,6 @@ import os
 import torch
 
 from megarlhf.data.tokenizer import eos_token_ids, tokenizer_fingerprint
-from megarlhf import profiling
 from megarlhf.engine.checkpoint import HF_SIDECAR
 from megarlhf.ppo.config import PPOConfig
 from megarlhf.ppo.sources import MODEL_ROLES, check_models, resolve_models
@@ -106,8 +105,6 @@ def preflight(config: PPOConfig, prompts: list[list[int]],
     if bad_stops:
         problems.append(f"stop_token_ids {bad_stops} are outside the actor's vocabulary "
                         f"({model.vocab_size})")
-    if config.profile and (refusal := profiling.cuda_refusal()):
-        problems.append(refusal)
     size = None
     if config.rollout_backend == "vllm":
         if not torch.cuda.is_available() and config.rollout_cuda_graphs:
