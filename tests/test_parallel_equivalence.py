@@ -15,6 +15,7 @@ from megarlhf.data.embedded import byte_batches
 from megarlhf.parallel import ParallelConfig as P
 from megarlhf.parallel import launch_local
 from tests import workers
+from tests.grouping import grouped_launches, selected_ids
 
 pytestmark = pytest.mark.slow
 ATOL = 1e-5
@@ -38,23 +39,11 @@ def batch(tiny):
 
 
 def _grouped_outputs(cases: dict, batch: dict):
-    """Look up forward outputs of named cases {name: (nprocs, ckpt, parallel, kwargs)}; the
-    first look-up of a case runs every case of its process count in one launch (each case
-    builds its own mesh and engine there, exactly as a launch of its own would), so the same
-    outputs are compared for a fraction of the process start-ups."""
-    cache: dict = {}
-
-    def get(name):
-        if name not in cache:
-            nprocs = cases[name][0]
-            group = [n for n in cases if cases[n][0] == nprocs]
-            per_rank = launch_local(workers.in_sequence, nprocs, [
-                (workers.forward_outputs, (cases[n][1], cases[n][2], batch), cases[n][3])
-                for n in group])
-            for i, n in enumerate(group):
-                cache[n] = [outs[i] for outs in per_rank]
-        return cache[name]
-    return get
+    """Forward outputs of named cases {name: (nprocs, ckpt, parallel, kwargs)}, each process
+    count's cases in one launch (conftest.grouped_launches)."""
+    return grouped_launches({name: (nprocs, workers.forward_outputs, (ckpt, parallel, batch),
+                                    kwargs)
+                             for name, (nprocs, ckpt, parallel, kwargs) in cases.items()})
 
 
 @pytest.fixture(scope="module")
@@ -115,13 +104,19 @@ def ref_curve(lm_ref, tiny, train_batches):
     return curve
 
 
+@pytest.fixture(scope="module")
+def train_curves(request, lm_ref, tiny, train_batches):
+    """Each layout's curve; the selected layouts of one process count train in one launch."""
+    return grouped_launches(
+        {layout: (nprocs, workers.train_curve, (lm_ref, tiny, parallel, train_batches),
+                  {"microbatches": 2})
+         for layout, (parallel, nprocs) in TRAIN_LAYOUTS.items()},
+        selected_ids(request, "test_train_curve_with_distopt_equals_tp1pp1dp2"))
+
+
 @pytest.mark.parametrize("layout", list(TRAIN_LAYOUTS))
-def test_train_curve_with_distopt_equals_tp1pp1dp2(layout, lm_ref, tiny, train_batches,
-                                                   ref_curve):
-    parallel, nprocs = TRAIN_LAYOUTS[layout]
-    out = launch_local(workers.train_curve, nprocs, lm_ref, tiny, parallel, train_batches,
-                       microbatches=2)
-    workers.assert_same_curves(out, ref_curve)
+def test_train_curve_with_distopt_equals_tp1pp1dp2(layout, train_curves, ref_curve):
+    workers.assert_same_curves(train_curves(layout), ref_curve)
 
 
 @pytest.fixture(scope="module")

@@ -28,6 +28,7 @@ from megarlhf.parallel.mesh import ParallelConfig as P
 from megarlhf.roles.policy import PolicyLossConfig, ptx_scale
 from megarlhf.roles.batching import Batching
 from tests import role_workers
+from tests.grouping import grouped_launches, selected_ids
 
 TOL = 1e-5
 VOCAB = 300  # the tiny preset's
@@ -148,41 +149,56 @@ def test_reference_step_is_meaningful(ppo_reference):
     assert (ref["values_after"] - ref["values"]).abs().max() > 1e-3
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("parallel,nprocs,batching,recompute", [
+STEP_LAYOUTS = {
     # Sequence parallelism on a mesh without it (as in a PPO worker), across pipeline stages
     # (the p2p shapes are the padded sequence over TP); the actor recomputes whole layers in
     # backward, the critic its core attention. Without them, TP2xPP2xDP2 training is
     # tests/test_parallel_equivalence.py's and the roles at TP2xDP2 the policy-terms test's
     # below: the roles add nothing to a layout but this padding.
-    (P(tensor_parallel=2, pipeline_parallel=2, sequence_parallel=True), 8, Batching(2),
-     ("full", "selective")),
-    (P(), 1, Batching(4), ("none", "none")),
+    "TP2xPP2xDP2+SP+recompute": (P(tensor_parallel=2, pipeline_parallel=2,
+                                   sequence_parallel=True), 8, Batching(2),
+                                 ("full", "selective")),
+    "TP1x4microbatches": (P(), 1, Batching(4), ("none", "none")),
     # Token budgets: rows of 4-17 tokens (and as many ptx rows), so each DP rank runs 5-8
     # micro-batches of different shapes. Packed under sequence parallelism (packed rows
     # padded to a multiple of TP) and across pipeline stages (the stages exchange each
     # micro-batch's shape); padded across pipeline stages, where the two DP ranks run 6 and 8
     # micro-batches (ranks meet only in the gradient reduction).
-    (P(tensor_parallel=2, sequence_parallel=True), 4, Batching(max_tokens=24, pack=True),
-     ("none", "none")),
-    (P(pipeline_parallel=2), 4, Batching(max_tokens=24, pack=True), ("none", "none")),
-    (P(pipeline_parallel=2), 4, Batching(max_tokens=24), ("none", "none")),
+    "TP2xDP2+SP+packed": (P(tensor_parallel=2, sequence_parallel=True), 4,
+                          Batching(max_tokens=24, pack=True), ("none", "none")),
+    "PP2xDP2+packed": (P(pipeline_parallel=2), 4, Batching(max_tokens=24, pack=True),
+                       ("none", "none")),
+    "PP2xDP2+token-budget-padded": (P(pipeline_parallel=2), 4, Batching(max_tokens=24),
+                                    ("none", "none")),
     # Context parallelism: rows padded to a multiple of 2 x CP (x TP under SP); every role's
     # outputs gathered to whole rows. Count mode over DP, a packed budget under TP + SP, a
     # padded budget across pipeline stages with full recomputation.
-    (P(context_parallel=2), 4, Batching(2), ("none", "none")),
-    (P(tensor_parallel=2, sequence_parallel=True, context_parallel=2), 4,
-     Batching(max_tokens=24, pack=True), ("selective", "none")),
-    (P(pipeline_parallel=2, context_parallel=2), 4, Batching(max_tokens=24), ("full", "none")),
-], ids=["TP2xPP2xDP2+SP+recompute", "TP1x4microbatches", "TP2xDP2+SP+packed",
-        "PP2xDP2+packed", "PP2xDP2+token-budget-padded", "CP2xDP2", "TP2xCP2+SP+packed",
-        "PP2xCP2+token-budget-padded+recompute"])
-def test_ppo_step_equals_tp1(refs, ppo_batch, ppo_reference, tmp_path, parallel, nprocs,
-                             batching, recompute):
+    "CP2xDP2": (P(context_parallel=2), 4, Batching(2), ("none", "none")),
+    "TP2xCP2+SP+packed": (P(tensor_parallel=2, sequence_parallel=True, context_parallel=2), 4,
+                          Batching(max_tokens=24, pack=True), ("selective", "none")),
+    "PP2xCP2+token-budget-padded+recompute": (P(pipeline_parallel=2, context_parallel=2), 4,
+                                              Batching(max_tokens=24), ("full", "none")),
+}
+
+
+@pytest.fixture(scope="module")
+def ppo_steps(request, refs, ppo_batch, tmp_path_factory):
+    """Each layout's (per-rank results, out dir); the selected layouts of one process count
+    run in one launch."""
+    outs = {name: str(tmp_path_factory.mktemp("ppo")) for name in STEP_LAYOUTS}
+    results = grouped_launches(
+        {name: (nprocs, role_workers.ppo_step, (*refs, parallel, ppo_batch, batching,
+                                                outs[name]), {"recompute": recompute})
+         for name, (parallel, nprocs, batching, recompute) in STEP_LAYOUTS.items()},
+        selected_ids(request, "test_ppo_step_equals_tp1"))
+    return lambda name: (results(name), outs[name])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(STEP_LAYOUTS))
+def test_ppo_step_equals_tp1(layout, ppo_steps, ppo_reference):
     ref, ref_dir = ppo_reference
-    out = str(tmp_path / "ppo")
-    results = launch_local(role_workers.ppo_step, nprocs, *refs, parallel, ppo_batch, batching,
-                           out, recompute=recompute)
+    results, out = ppo_steps(layout)
     for result in results:
         _compare(result, ref, out, ref_dir)
 

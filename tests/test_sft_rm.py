@@ -37,6 +37,7 @@ from megarlhf.sft.loop import plan, run_checkpoints
 from megarlhf.sft.rm import pairwise_loss, rm_metrics, rm_stage, run_rm
 from megarlhf.sft.sft import run_sft, sft_stage
 from tests import sft_workers
+from tests.grouping import grouped_launches, selected_ids
 from tests.test_ppo_metrics import tensorboard_scalars
 
 REL = 1e-5
@@ -299,15 +300,33 @@ def sft_tp1(corpus, lm_ref, tmp_path_factory):
     return ref
 
 
+SFT_LAYOUTS = {"TP2xPP2": P(tensor_parallel=2, pipeline_parallel=2),
+               # rows padded to a multiple of 4, split over 2 ranks
+               "CP2xPP2": P(context_parallel=2, pipeline_parallel=2)}
+RM_LAYOUTS = {"TP2xPP2": P(tensor_parallel=2, pipeline_parallel=2),
+              "TP2xCP2": P(tensor_parallel=2, context_parallel=2)}
+
+
+@pytest.fixture(scope="module")
+def layout_runs(request, corpus, lm_ref, value_refs, tmp_path_factory):
+    """Each 4-rank SFT and RM run of the layout tests; the selected ones in one launch."""
+    root = tmp_path_factory.mktemp("layouts")
+    model = ModelSource(checkpoint=value_refs[False][1], layer_spec="local")
+    cases = {f"sft-{name}": (4, run_sft, (sft_config(corpus, root / f"sft-{name}", lm_ref,
+                                                      parallel, micro_batch_size=1),), {})
+             for name, parallel in SFT_LAYOUTS.items()}
+    cases |= {f"rm-{name}": (4, run_rm, (rm_config(corpus, root / f"rm-{name}", model, parallel,
+                                                   optim=RM_OPTIM, micro_batch_size=1),), {})
+              for name, parallel in RM_LAYOUTS.items()}
+    wanted = ({f"sft-{i}" for i in selected_ids(request, "test_sft_layout_equals_tp1")}
+              | {f"rm-{i}" for i in selected_ids(request, "test_rm_layout_equals_tp1")})
+    return grouped_launches(cases, wanted)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("parallel", [P(tensor_parallel=2, pipeline_parallel=2),
-                                      # rows padded to a multiple of 4, split over 2 ranks
-                                      P(context_parallel=2, pipeline_parallel=2)],
-                         ids=["TP2xPP2", "CP2xPP2"])
-def test_sft_layout_equals_tp1(corpus, lm_ref, tmp_path, sft_tp1, parallel):
-    outs = launch_local(run_sft, 4, sft_config(corpus, tmp_path / "run", lm_ref, parallel,
-                                               micro_batch_size=1))
-    for out in outs:  # every rank reports the same metrics
+@pytest.mark.parametrize("layout", list(SFT_LAYOUTS))
+def test_sft_layout_equals_tp1(layout, layout_runs, sft_tp1):
+    for out in layout_runs(f"sft-{layout}"):  # every rank reports the same metrics
         _assert_same_run(out, sft_tp1)
 
 
@@ -339,15 +358,10 @@ def rm_tp1(corpus, value_refs, tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("parallel", [P(tensor_parallel=2, pipeline_parallel=2),
-                                      P(tensor_parallel=2, context_parallel=2)],
-                         ids=["TP2xPP2", "TP2xCP2"])
-def test_rm_layout_equals_tp1(corpus, value_refs, tmp_path, rm_tp1, parallel):
+@pytest.mark.parametrize("layout", list(RM_LAYOUTS))
+def test_rm_layout_equals_tp1(layout, layout_runs, rm_tp1):
     """Under CP the score is read at each row's last real token of the gathered rows."""
-    model = ModelSource(checkpoint=value_refs[False][1], layer_spec="local")
-    outs = launch_local(run_rm, 4, rm_config(corpus, tmp_path / "run", model, parallel,
-                                             optim=RM_OPTIM, micro_batch_size=1))
-    for out in outs:
+    for out in layout_runs(f"rm-{layout}"):
         _assert_same_run(out, rm_tp1)
 
 
