@@ -23,6 +23,7 @@ from megarlhf.convert.verify import compare, hf_outputs, verification_batch
 from megarlhf.parallel import launch_local
 from megarlhf.parallel.mesh import ParallelConfig
 from tests import hf_models, workers
+from tests.grouping import selected_ids
 from tests.test_convert import assert_same_tensors, load_json
 
 pytestmark = pytest.mark.slow
@@ -128,25 +129,41 @@ def test_verify_command_passes_ours_as_close_to_float64_as_hf_fp32(hf_dirs, conv
     assert "rule: ours <= max(tolerance 0.0e+00, 2 x HF fp32) = " in ok.stdout, ok.stdout
 
 
-@pytest.mark.parametrize("name", ["qwen2", "llama_rm"])
+SAVED = ("qwen2", "llama_rm")  # tied embeddings split across pipeline stages; a value head
+RELOADED = ("TP1xPP2", "TP2xPP1")
+
+
+@pytest.fixture(scope="module")
+def saved_by_training(request, hf_dirs, converted, tmp_path_factory):
+    """name -> (checkpoint saved by a training engine at TP2xPP2, its outputs loaded at each
+    RELOADED layout, the batch): the selected models resave in one 4-rank launch and load in
+    one 2-rank launch (a mesh for each)."""
+    test = "test_saved_by_training_at_tp2pp2_exports_exactly_and_loads_at_other_layouts"
+    names = [n for n in SAVED if n in selected_ids(request, test)]
+    root = tmp_path_factory.mktemp("trained")
+    trained = {n: str(root / n) for n in names}
+    launch_local(workers.in_sequence, 4, [
+        (workers.resave_for_training, (converted[n], trained[n], TP2PP2), {}) for n in names])
+    batches = {n: _batch(hf_dirs[n], n.endswith("_rm")) for n in names}
+    outs = iter(launch_local(workers.in_sequence, 2, [
+        (workers.outputs_of_checkpoints, ([trained[n]], LAYOUTS[layout], [batches[n][0]]), {})
+        for n in names for layout in RELOADED])[0])
+    return {n: (trained[n], {layout: next(outs)[0] for layout in RELOADED}, batches[n])
+            for n in names}
+
+
+@pytest.mark.parametrize("name", SAVED)
 def test_saved_by_training_at_tp2pp2_exports_exactly_and_loads_at_other_layouts(
-        hf_dirs, converted, tmp_path, name):
-    # qwen2: tied embeddings split across pipeline stages; llama_rm: value head on the last.
-    trained = str(tmp_path / "trained")
-    launch_local(workers.resave_for_training, 4, converted[name], trained, TP2PP2)
+        hf_dirs, saved_by_training, tmp_path, name):
+    trained, reloaded, (tokens, pad_id) = saved_by_training[name]
     assert load_json(f"{trained}/megarlhf_complete.json")["layout"]["tp"] == 2
     exported = mcore_to_hf(trained, str(tmp_path / "hf"))
     assert_same_tensors(hf_dirs[name], exported)
     assert load_json(f"{exported}/config.json") == load_json(f"{hf_dirs[name]}/config.json")
 
     value_head = name.endswith("_rm")
-    tokens, pad_id = _batch(hf_dirs[name], value_head)
     ref = hf_outputs(hf_dirs[name], tokens, value_head=value_head, pad_id=pad_id)
-    layouts = ("TP1xPP2", "TP2xPP1")  # both on 2 ranks: one launch, a mesh for each
-    outs = launch_local(workers.in_sequence, 2, [
-        (workers.outputs_of_checkpoints, ([trained], LAYOUTS[layout], [tokens]), {})
-        for layout in layouts])[0]
-    for layout, (out,) in zip(layouts, outs):
+    for layout, out in reloaded.items():
         report = compare(ref, out, tokens, value_head=value_head, pad_id=pad_id, tolerance=TOL,
                          layout=layout)
         assert report.ours_diff <= TOL, report
