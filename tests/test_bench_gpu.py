@@ -2,8 +2,8 @@
 writes nothing unless told; the MFU formula against a hand count; the plan's skip reasons for
 GPU machines that lack a piece.
 
-The dry run takes ~15 s on a 2-core machine (most of it imports and vLLM's start), so it runs
-once per module and is not marked slow.
+The dry run takes ~40 s on a 2-core machine (two GRPO runs, vLLM's start, imports): it runs
+once per module, and its tests are marked slow.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ def dry_run(tmp_path_factory):
     return proc.returncode, proc.stdout + proc.stderr, sorted(os.listdir(cwd))
 
 
+@pytest.mark.slow
 def test_dry_run_succeeds_and_writes_nothing(dry_run):
     code, output, files = dry_run
     assert code == 0, output
@@ -40,6 +41,7 @@ def test_dry_run_succeeds_and_writes_nothing(dry_run):
     assert "Traceback" not in output and "FAILED" not in output, output
 
 
+@pytest.mark.slow
 def test_dry_run_names_every_measurement_and_skip_reason(dry_run):
     _, output, _ = dry_run
     for item in plan.ITEMS:
@@ -55,6 +57,7 @@ def test_dry_run_names_every_measurement_and_skip_reason(dry_run):
     assert (plan.NO_VLLM in output) != vllm
 
 
+@pytest.mark.slow
 def test_dry_run_runs_each_measurement_at_tiny_size(dry_run):
     _, output, _ = dry_run
     table = output[output.index("DRY RUN - results"):]
