@@ -18,11 +18,12 @@ MCORE_NEWEST := 0.19.2
 MCORE_NEWEST_DIR := $(VENV)/megatron-core-$(MCORE_NEWEST)
 # One test of each kind (checkpoint across layouts, a training curve at TP2xPP2xDP2, whose
 # first loss is computed from the forward's logits, converters at TP2xPP2 and from a training
-# checkpoint, a PPO step on token-budget micro-batches of different shapes through PP2 at CP2, which also leans on
-# megatron-core's RoPE slicing per CP rank, an MoE training curve at TP2+SP x EP2, whose
-# load-balancing loss megatron-core weights differently across versions, and LoRA adapters
-# (subclasses of its parallel linear layers) at TP2+SP x PP2 against TP1, and the LM head cut
-# to the response positions inside its private postprocess at TP2+SP): about 5 minutes.
+# checkpoint, a PPO step on token-budget micro-batches of different shapes through PP2 at CP2,
+# which also leans on megatron-core's RoPE slicing per CP rank, an MoE training curve at
+# TP2+SP x EP2, whose load-balancing loss megatron-core weights differently across versions,
+# and LoRA adapters (subclasses of its parallel linear layers) at TP2+SP x PP2 against TP1,
+# and the LM head cut to the response positions inside its private postprocess at TP2+SP):
+# about 5 minutes.
 MCORE_NEWEST_TESTS := \
 	"tests/test_roles.py::test_ppo_step_equals_tp1[PP2xCP2+token-budget-padded+recompute]" \
 	"tests/test_parallel_equivalence.py::test_checkpoint_tp2pp2_resumes_at_tp1pp1" \
