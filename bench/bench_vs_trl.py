@@ -4,12 +4,13 @@ bf16.
 
 The same for both: SmolLM2-135M-Instruct (fp32 weights), the recipe's training rows (chat
 template), 8 prompts x 4 samples x <= 12 new tokens at temperature 1, one update per step
-(one mini-batch of 32), lr 1e-5 constant, Adam (0.9, 0.95), gradient clip 1, GRPO's group advantages divided by the group's std, a k3
-KL loss of 0.001 against a frozen reference, the token-mean loss (TRL's `loss_type="dapo"`,
-its token mean over the batch), clip 0.2, the built-in `math` checker, seed 0. TRL runs in one
-process with this machine's threads (HF generate, `use_cpu=True`; bf16 is its `bf16=True`,
-autocast over fp32 weights); megarlhf as the recipe says (2 colocated ranks, Megatron
-rollouts; bf16 is `dtype=bf16`, bf16 weights with fp32 master copies). Accuracy: each
+(one mini-batch of 32), lr 1e-5 constant, Adam (0.9, 0.95), gradient clip 1, GRPO's group
+advantages divided by the group's std, a k3 KL loss of 0.001 against a frozen reference, the
+token-mean loss (TRL's `loss_type="dapo"`, its token mean over the batch), clip 0.2, the
+built-in `math` checker, seed 0. TRL runs in one process with this machine's threads (HF
+generate, `use_cpu=True`; bf16 is its `bf16=True`, autocast over fp32 weights); megarlhf as
+the recipe says (2 colocated ranks, Megatron rollouts; bf16 is `dtype=bf16`, bf16 weights with
+fp32 master copies). Accuracy: each
 trained model's greedy answers to the recipe's 64 held-out questions through HF transformers
 (bench_rlvr.hf_accuracy, the same function for both), and the source model's.
 
@@ -98,9 +99,7 @@ def trl_worker(spec_path: str) -> None:
     trainer.train()
     trainer.save_model(spec["export"])
     with open(spec["result"], "w") as f:
-        json.dump({"step_times": times, "threads": torch.get_num_threads(),
-                   "rewards": [h["reward"] for h in trainer.state.log_history
-                               if "reward" in h]}, f)
+        json.dump({"step_times": times, "threads": torch.get_num_threads()}, f)
 
 
 def run_trl(tmp: str, hf_dir: str, config: PPOConfig, dtype: str) -> dict:

@@ -40,7 +40,7 @@ def batch(tiny):
 
 def _grouped_outputs(cases: dict, batch: dict):
     """Forward outputs of named cases {name: (nprocs, ckpt, parallel, kwargs)}, each process
-    count's cases in one launch (conftest.grouped_launches)."""
+    count's cases in one launch (tests/grouping.py)."""
     return grouped_launches({name: (nprocs, workers.forward_outputs, (ckpt, parallel, batch),
                                     kwargs)
                              for name, (nprocs, ckpt, parallel, kwargs) in cases.items()})

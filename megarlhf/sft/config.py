@@ -97,7 +97,8 @@ class LoopConfig:
     """Profile the training step (and evaluation) of the steps in profile_steps on every
     rank: a Chrome trace per rank in output_dir/profile/step_<N>/, and a table per phase
     (operator time by category, the top operators, time outside operators) printed and
-    logged as a "profile" event in metrics.jsonl (megarlhf/profiling.py). CPU only so far: refused on a GPU machine."""
+    logged as a "profile" event in metrics.jsonl (megarlhf/profiling.py). CPU only so far:
+    refused on a GPU machine."""
     profile_steps: tuple[int, ...] | None = None
     """The steps `profile` profiles; None: every step the run takes."""
 
