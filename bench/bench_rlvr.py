@@ -81,15 +81,18 @@ def train_and_export(tmp: str, recipe: str, inputs: list[str], steps: int | None
     return config, history, exported
 
 
-def hf_accuracy(hf_dir: str, val: list[dict], max_new_tokens: int) -> float:
-    """Greedy accuracy of the HF model in `hf_dir` on `val` (chat template, math checker)."""
+def hf_accuracy(hf_dir: str, val: list[dict], max_new_tokens: int,
+                dtype: str = "float32") -> float:
+    """Greedy accuracy of the HF model in `hf_dir` on `val` (chat template, math checker),
+    its weights cast to torch's `dtype`."""
     import torch
     import transformers
 
     from megarlhf.rewards import math_reward
 
     tok = transformers.AutoTokenizer.from_pretrained(hf_dir)
-    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir,
+                                                              dtype=getattr(torch, dtype))
     tok.padding_side = "left"
     texts = [tok.apply_chat_template([{"role": "user", "content": r["prompt"]}],
                                      add_generation_prompt=True, tokenize=False) for r in val]

@@ -126,53 +126,92 @@ def run_trl(tmp: str, hf_dir: str, config: PPOConfig, dtype: str) -> dict:
             "model": spec["export"], "threads": result["threads"]}
 
 
-def run_megarlhf(tmp: str, inputs: list[str], dtype: str, steps: int) -> tuple[PPOConfig, dict]:
-    root = os.path.join(tmp, f"megarlhf-{dtype}")
+def run_megarlhf(tmp: str, inputs: list[str], dtype: str, steps: int,
+                 old_logprobs: str) -> tuple[PPOConfig, dict]:
+    root = os.path.join(tmp, f"megarlhf-{dtype}-{old_logprobs}")
     os.makedirs(root)
     config, history, exported = train_and_export(
-        root, RECIPE, [*inputs, f"dtype={dtype}", "val_every=0", "val_prompts=null", "seed=0"],
-        steps)
+        root, RECIPE, [*inputs, f"dtype={dtype}", "val_every=0", "val_prompts=null", "seed=0",
+                       f"old_logprobs={old_logprobs}"], steps)
     return config, {"step": statistics.median(m["time/step"] for m in history[1:] or history),
                     "model": exported}
+
+
+def bf16_changed_share(source_dir: str, trained_dir: str) -> float:
+    """The share of the weights' elements whose bf16 value differs from the source's: what a
+    bf16 model can hold of the training (tensors both directories have)."""
+    import glob
+
+    import torch
+    from safetensors.torch import load_file
+
+    def tensors(directory):
+        out = {}
+        for path in sorted(glob.glob(os.path.join(directory, "*.safetensors"))):
+            out.update(load_file(path))
+        return out
+
+    source, trained = tensors(source_dir), tensors(trained_dir)
+    changed = total = 0
+    for name in source.keys() & trained.keys():
+        a, b = source[name].to(torch.bfloat16), trained[name].to(torch.bfloat16)
+        changed += int((a != b).sum())
+        total += a.numel()
+    return changed / total
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--variants", default="fp32,bf16")
+    parser.add_argument("--experience-pass", action="store_true",
+                        help="also run megarlhf with old_logprobs=experience_pass (the actor's "
+                             "separate old-logprob forward: the step before it was cut)")
     parser.add_argument("--append", default=None, help="append the result to this file")
     parser.add_argument("--trl-worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.trl_worker:
         trl_worker(args.trl_worker)
         return
-    lines = ["| dtype | TRL step (s) | megarlhf step (s) | TRL / megarlhf | accuracy TRL | "
-             "accuracy megarlhf |", "|---" * 6 + "|"]
+    ours = ["auto"] + (["experience_pass"] if args.experience_pass else [])
+    lines = ["| dtype | trainer | step (s) | TRL step / this | accuracy (fp32 weights) | "
+             "accuracy (bf16 weights) | bf16 elements changed |", "|---" * 7 + "|"]
     with tempfile.TemporaryDirectory() as tmp:
         hf_dir, val, inputs = recipe_inputs(tmp)
         source = None
         for dtype in args.variants.split(","):
-            config, ours = run_megarlhf(tmp, inputs, dtype, args.steps)
-            theirs = run_trl(tmp, hf_dir, config, dtype)
+            runs = {}
+            for mode in ours:
+                config, runs[f"megarlhf, old_logprobs={mode}"] = run_megarlhf(
+                    tmp, inputs, dtype, args.steps, mode)
+            theirs = runs["TRL"] = run_trl(tmp, hf_dir, config, dtype)
             if source is None:
-                source = hf_accuracy(hf_dir, val, config.max_new_tokens)
-            accuracy = {name: hf_accuracy(r["model"], val, config.max_new_tokens)
-                        for name, r in (("trl", theirs), ("ours", ours))}
-            lines.append(f"| {dtype} | {theirs['step']:.2f} | {ours['step']:.2f} | "
-                         f"{theirs['step'] / ours['step']:.2f}x | {accuracy['trl']:.3f} | "
-                         f"{accuracy['ours']:.3f} |")
-            print(lines[-1], flush=True)
+                source = {d: hf_accuracy(hf_dir, val, config.max_new_tokens, d)
+                          for d in ("float32", "bfloat16")}
+            for name in ["TRL"] + [n for n in runs if n != "TRL"]:
+                r = runs[name]
+                accuracy = [hf_accuracy(r["model"], val, config.max_new_tokens, d)
+                            for d in ("float32", "bfloat16")]
+                lines.append(f"| {dtype} | {name} | {r['step']:.2f} | "
+                             f"{theirs['step'] / r['step']:.2f}x | {accuracy[0]:.3f} | "
+                             f"{accuracy[1]:.3f} | "
+                             f"{bf16_changed_share(hf_dir, r['model']):.3f} |")
+                print(lines[-1], flush=True)
     body = "\n".join(lines) + (
         f"\n\nSteps: medians of steps 2-{args.steps} of each run. Accuracy: greedy answers to "
         f"the recipe's 64 held-out questions after {args.steps} steps (HF transformers, the "
-        f"same function for both; the source model: {source:.3f}). TRL {TRL_VERSION} in one "
-        f"process ({theirs['threads']} threads); megarlhf at {os.path.relpath(RECIPE, REPO)} "
-        f"(2 colocated ranks). Settings in bench/bench_vs_trl.py's docstring.")
+        f"same function for all), the trained weights loaded in fp32 and cast to bf16; the "
+        f"source model: {source['float32']:.3f} (fp32), {source['bfloat16']:.3f} (bf16). "
+        f"bf16 elements changed: the share of weight elements whose bf16 value differs from "
+        f"the source's. TRL {TRL_VERSION} in one process ({theirs['threads']} threads); "
+        f"megarlhf at {os.path.relpath(RECIPE, REPO)} (2 colocated ranks). Settings in "
+        f"bench/bench_vs_trl.py's docstring.")
     print(body)
     if args.append:
         append_entry(args.append, "GRPO step: megarlhf vs TRL's GRPOTrainer (arithmetic "
                      "recipe)", f"python -m bench.bench_vs_trl --steps {args.steps} "
-                     f"--variants {args.variants}", body)
+                     f"--variants {args.variants}"
+                     + (" --experience-pass" if args.experience_pass else ""), body)
 
 
 if __name__ == "__main__":

@@ -85,6 +85,36 @@ def ppo_step(actor_ckpt: str, critic_ckpt: str, parallel: ParallelConfig, batch:
     return result
 
 
+def one_pass_update(actor_ckpt: str, parallel: ParallelConfig, batch: SequenceBatch,
+                    batching: Batching, seed: int = 5) -> dict:
+    """The actor's one update of a batch (with an entropy bonus and a ptx term), its old
+    logprobs once from a separate pass and once from the update pass itself, by two actors
+    built from one checkpoint. The second first refuses its step in `check_logprobs` (its
+    weights must not move), then accepts it; the logprobs and entropy each check got."""
+    mesh = init_mesh(parallel)
+    loss = PolicyLossConfig(entropy_coef=0.01, ptx_coef=0.5)
+    g = torch.Generator().manual_seed(seed)
+    advantages = torch.randn(batch.shape, generator=g)
+    separate, one_pass = (PolicyRole(_engine(actor_ckpt, parallel, mesh, OPTIM),
+                                     batching=batching, loss=loss) for _ in range(2))
+    ptx = experience_batch(separate.engine.spec.model.vocab_size, rows=batch.shape[0],
+                           seed=seed + 100, columns=batch.shape[1])
+    logp, entropy = separate.logprobs(batch, with_entropy=True)
+    step, metrics = separate.train_step(batch, logp, advantages, ptx)
+    checked = []
+    refused, _ = one_pass.train_step(batch, None, advantages, ptx, check_logprobs=lambda *t: (
+        checked.append(t), False)[1])
+    unmoved = one_pass.logprobs(batch)
+    accepted, one_pass_metrics = one_pass.train_step(
+        batch, None, advantages, ptx, check_logprobs=lambda *t: (checked.append(t), True)[1])
+    return {"logp": logp, "entropy": entropy, "checked": checked, "unmoved": unmoved,
+            "refused_skipped": refused.skipped,
+            "separate": {**metrics, "loss": step.loss, "grad_norm": step.grad_norm},
+            "one_pass": {**one_pass_metrics, "loss": accepted.loss,
+                         "grad_norm": accepted.grad_norm},
+            "separate_after": separate.logprobs(batch), "one_pass_after": one_pass.logprobs(batch)}
+
+
 def reward_scores(ckpt: str, parallel: ParallelConfig, batch: SequenceBatch,
                   batching: Batching = Batching()) -> torch.Tensor:
     mesh = init_mesh(parallel)

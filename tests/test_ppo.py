@@ -854,6 +854,8 @@ RUN_ELSEWHERE = {
     "nan_policy": {"stop": "test_grpo_reward_rises"},
     "layer_spec": {"auto": "test_grpo_reward_rises"},
     "logprob_gap_policy": {"stop": "test_gap_over_the_limit_stops_before_training"},
+    "old_logprobs": {"auto": "test_one_pass_old_logprobs_equal_an_experience_pass",
+                     "experience_pass": "test_one_pass_old_logprobs_equal_an_experience_pass"},
     "worker_group": {"local": "test_grpo_reward_rises",
                      "ray": "test_ppo_reward_rises_at_tp2_dp2_under_ray"},
     # How text prompts are read ("auto": the real-model tier's GRPO, on a chat model).
@@ -980,6 +982,7 @@ def test_every_enum_value_and_placement_backend_pair_has_a_run():
                 "rollout_correction_level": CORRECTION_LEVELS,
                 "nan_policy": ppo_config.NAN_POLICIES,
                 "logprob_gap_policy": GAP_POLICIES, "worker_group": ppo_config.WORKER_GROUPS,
+                "old_logprobs": ppo_config.OLD_LOGPROBS,
                 "template": TEMPLATES, "on_bad_record": BAD_RECORD_POLICIES,
                 "recompute": ppo_config.RECOMPUTE, "layer_spec": ppo_config.LAYER_SPECS,
                 "on_env_error": ENV_ERROR_POLICIES, "tool_parser": PARSERS,
@@ -1108,14 +1111,46 @@ def test_an_engine_row_no_sample_draws_is_caught_at_the_sync(base, tmp_path, mon
 
 
 @pytest.mark.slow
-def test_gap_over_the_limit_stops_before_training(base, tmp_path):
+def test_one_pass_old_logprobs_equal_an_experience_pass(base, tmp_path):
+    """GRPO with one update per step: the actor's old logprobs from its update pass
+    (old_logprobs=auto, no experience forward) and from a separate experience pass give the
+    same steps. Step 1 samples from the same weights, so every metric compares; the two
+    passes' logprobs differ by fp32 noise (~1e-7), so ratios, losses and the gap agree to
+    1e-5 relative or 1e-6 absolute; step 2 samples from the weights those steps made."""
+    config = dataclasses.replace(base, algorithm="grpo", critic=None, nproc=1,
+                                 tensor_parallel=1, steps=2, ppo_epochs=1, mini_batches=1)
+    assert config.one_pass_old_logprobs
+    runs = {}
+    for mode in ("auto", "experience_pass"):
+        runs[mode] = run(dataclasses.replace(config, old_logprobs=mode,
+                                             out_dir=str(tmp_path / mode)))
+    assert not dataclasses.replace(config, old_logprobs="experience_pass").one_pass_old_logprobs
+    for one_pass, separate in zip(runs["auto"], runs["experience_pass"]):
+        compared = [k for k in separate if not k.startswith(("time/", "memory/"))
+                    and k != "tokens_per_s"]
+        assert set(compared) <= set(one_pass)
+        for key in compared:
+            assert one_pass[key] == pytest.approx(separate[key], rel=1e-5, abs=1e-6), key
+    assert runs["auto"][1]["actor/kl_loss"] > 0  # the actor moved in step 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("one_pass", [False, True], ids=["experience_pass", "update_pass"])
+def test_gap_over_the_limit_stops_before_training(base, tmp_path, one_pass):
     """fp32 Megatron rollouts differ from the trainer by ~1e-7: over a 1e-12 per-token limit
     the first step stops, before any update or checkpoint (the mean's limit, 1e-12 in
-    VALUE_RUNS' reinforce_pp, warns there)."""
+    VALUE_RUNS' reinforce_pp, warns there). Checked before training when the experience pass
+    computes the old logprobs (PPO, two epochs), and inside the update pass, before its
+    optimizer step, when that pass does (GRPO, one update; test_roles.py checks that a
+    refused step leaves the weights as they were)."""
     from megarlhf.rollout.gap import LogprobGapError
 
     config = dataclasses.replace(base, out_dir=str(tmp_path), nproc=1, tensor_parallel=1,
                                  steps=2, logprob_gap_max_limit=1e-12)
+    if one_pass:
+        config = dataclasses.replace(config, algorithm="grpo", critic=None, ppo_epochs=1,
+                                     mini_batches=1)
+    assert config.one_pass_old_logprobs == one_pass
     with pytest.raises(LogprobGapError, match=r"step 1: the rollout engine's logprobs .* nats on "
                                               r"\d+ of \d+ tokens .*logprob_gap_max_limit=1e-12"):
         run(config)

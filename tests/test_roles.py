@@ -181,26 +181,59 @@ STEP_LAYOUTS = {
 }
 
 
+# Old logprobs from the update pass itself, over pipeline stages (the outputs reach every
+# stage) and DP ranks that run different numbers of micro-batches (token budgets), with ptx
+# micro-batches after the PPO ones.
+ONE_PASS_LAYOUT = (P(pipeline_parallel=2), 4, Batching(max_tokens=24))
+
+
 @pytest.fixture(scope="module")
-def ppo_steps(request, refs, ppo_batch, tmp_path_factory):
-    """Each layout's (per-rank results, out dir); the selected layouts of one process count
-    run in one launch."""
+def role_launches(request, refs, ppo_batch, tmp_path_factory):
+    """Each layout's (per-rank results, out dir), and the one-pass update's per-rank results
+    as "one_pass"; the selected cases of one process count run in one launch."""
     outs = {name: str(tmp_path_factory.mktemp("ppo")) for name in STEP_LAYOUTS}
-    results = grouped_launches(
-        {name: (nprocs, role_workers.ppo_step, (*refs, parallel, ppo_batch, batching,
-                                                outs[name]), {"recompute": recompute})
-         for name, (parallel, nprocs, batching, recompute) in STEP_LAYOUTS.items()},
-        selected_ids(request, "test_ppo_step_equals_tp1"))
-    return lambda name: (results(name), outs[name])
+    cases = {name: (nprocs, role_workers.ppo_step, (*refs, parallel, ppo_batch, batching,
+                                                    outs[name]), {"recompute": recompute})
+             for name, (parallel, nprocs, batching, recompute) in STEP_LAYOUTS.items()}
+    parallel, nprocs, batching = ONE_PASS_LAYOUT
+    cases["one_pass"] = (nprocs, role_workers.one_pass_update,
+                         (refs[0], parallel, ppo_batch, batching), {})
+    wanted = selected_ids(request, "test_ppo_step_equals_tp1") | (
+        {"one_pass"} if any(item.name == "test_update_pass_old_logprobs_equal_a_separate_pass"
+                            for item in request.session.items) else set())
+    results = grouped_launches(cases, wanted)
+    return lambda name: (results(name), outs.get(name))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(STEP_LAYOUTS))
-def test_ppo_step_equals_tp1(layout, ppo_steps, ppo_reference):
+def test_ppo_step_equals_tp1(layout, role_launches, ppo_reference):
     ref, ref_dir = ppo_reference
-    results, out = ppo_steps(layout)
+    results, out = role_launches(layout)
     for result in results:
         _compare(result, ref, out, ref_dir)
+
+
+@pytest.mark.slow
+def test_update_pass_old_logprobs_equal_a_separate_pass(role_launches):
+    """One update per batch: the update pass's own logprobs (detached) as the old ones give
+    the step a separate pass gives. What the pass hands its check equals the separate pass's
+    logprobs and entropy (fp32; the same forward in train and eval mode, no dropout: 1e-6);
+    a refused check leaves the weights bitwise as they were; the accepted step's metrics and
+    the logprobs after it equal the separate-pass step's (the ratios differ from 1 by ~1e-7:
+    TOL)."""
+    results, _ = role_launches("one_pass")
+    for r in results:
+        assert r["refused_skipped"] and len(r["checked"]) == 2
+        for logp, entropy in r["checked"]:
+            torch.testing.assert_close(logp, r["logp"], atol=1e-6, rtol=0)
+            torch.testing.assert_close(entropy, r["entropy"], atol=1e-6, rtol=0)
+        assert torch.equal(r["unmoved"], r["logp"])
+        assert r["one_pass"]["clip_fraction"] == 0 and r["one_pass"]["ptx_loss"] > 1.0
+        for key, value in r["separate"].items():
+            assert r["one_pass"][key] == pytest.approx(value, rel=TOL, abs=1e-9), key
+        torch.testing.assert_close(r["one_pass_after"], r["separate_after"], atol=TOL, rtol=0)
+        assert (r["one_pass_after"] - r["logp"]).abs().max() > 1e-3  # the step moved
 
 
 @pytest.mark.slow

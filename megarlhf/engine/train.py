@@ -7,6 +7,7 @@ The four PPO roles, SFT and RM all stand on this: `forward` for inference passes
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -88,11 +89,16 @@ class TrainEngine:
                                    forward_only=True, replay=self.routing_replay)
         return outputs_from_last_stage(out, self.mesh)
 
-    def train_step(self, microbatches: list[Batch], loss_fn: LossFn | Loss) -> StepMetrics:
+    def train_step(self, microbatches: list[Batch], loss_fn: LossFn | Loss, *,
+                   before_step: Callable[[list[dict]], bool] | None = None) -> StepMetrics:
         """One optimizer step over `microbatches` (this DP rank's share of the global batch).
 
         `loss_fn` must return the loss as a token sum with its token count (see
         engine.schedule); the gradient is the token mean over the global batch.
+        `before_step`: called on every rank after the backward pass with the loss closures'
+        dicts (every stage's, as `forward` returns them); when it returns False the optimizer
+        does not step (a guard that needs the pass's own outputs), and the step is `skipped`.
+        It must answer alike on every rank.
         """
         if self.optimizer is None:
             raise ValueError("this engine was built without an optimizer (frozen role)")
@@ -109,8 +115,11 @@ class TrainEngine:
                                + self.scheduler.num_steps)
         out = forward_backward(self.chunks, self.mesh, microbatches, loss_fn,
                                forward_only=False, replay=self.routing_replay)
-        ok, grad_norm, _ = self.optimizer.step()
-        self.scheduler.step(increment=1)
+        if before_step is None or before_step(outputs_from_last_stage(out, self.mesh)):
+            ok, grad_norm, _ = self.optimizer.step()
+            self.scheduler.step(increment=1)
+        else:  # the gradients are dropped by the next step's zeroing
+            ok, grad_norm = False, None
         self._check_tied_copies()
 
         sums = self.global_sums(out)

@@ -32,6 +32,7 @@ from megarlhf.rl.losses import POLICY_LOSSES, RATIO_LEVELS
 KL_IN = ("reward", "loss")
 ROLLOUT_BACKENDS = ("megatron", "vllm")
 NAN_POLICIES = ("stop", "skip")
+OLD_LOGPROBS = ("auto", "experience_pass")
 WORKER_GROUPS = ("local", "ray")
 PLACEMENTS = ("colocated", "disaggregated")
 LAYER_SPECS = ("auto", "local", "sdpa")
@@ -334,6 +335,11 @@ class PPOConfig:
     ppo_epochs: int = 1
     mini_batches: int = 1
     """Optimizer steps per epoch (the rollout batch is cut into this many parts)."""
+    old_logprobs: str = "auto"
+    """Where the actor's "old" logprobs (the importance ratio's denominator) come from.
+    'auto': from the update pass itself (detached) when they cannot differ from a separate
+    pass (`one_pass_old_logprobs`), which saves the actor's experience forward; otherwise, and
+    always with 'experience_pass', from a forward over the batch before training."""
     micro_batches: int = 1
     """Micro-batches per mini-batch and DP rank (pipeline schedule)."""
     max_tokens_per_micro_batch: int | None = None
@@ -464,6 +470,7 @@ class PPOConfig:
         choice("rollout_backend", ROLLOUT_BACKENDS)
         choice("nan_policy", NAN_POLICIES)
         choice("logprob_gap_policy", GAP_POLICIES)
+        choice("old_logprobs", OLD_LOGPROBS)
         for name in ("logprob_gap_limit", "logprob_gap_max_limit"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 problems.append(f"{name} must be > 0, got {getattr(self, name)}")
@@ -744,6 +751,22 @@ class PPOConfig:
             sequence_parallel=self.sequence_parallel and (override.tensor_parallel or
                                                           self.tensor_parallel) > 1)
         return default.with_overrides(override)
+
+    @property
+    def one_pass_old_logprobs(self) -> bool:
+        """Whether the update pass gives the actor's old logprobs (old_logprobs='auto'): one
+        optimizer step per rollout batch (one epoch, one mini-batch), so the update pass runs
+        the weights that would compute them, over the same batch. Not with what reads them
+        before training: rollout correction (its weights), the KL in the reward (the
+        advantages), async_rollout (its samples are of older weights: the ratio to the engine
+        needs them first); nor with LoRA dropout, which the update pass applies and a forward
+        pass does not. The gap guard then runs inside the update pass, before its optimizer
+        step."""
+        lora = self.lora_of("actor")
+        kl_in_reward = self.options.kl_in == "reward" and self.options.kl_coef > 0
+        return (self.old_logprobs == "auto" and self.ppo_epochs == 1 and self.mini_batches == 1
+                and self.rollout_correction == "none" and not kl_in_reward
+                and not self.async_rollout and (lora is None or not lora.dropout))
 
     def lora_of(self, role: str) -> LoraConfig | None:
         """The LoRA adapters model role `role` trains (layout.actor.lora, layout.critic.lora);

@@ -41,7 +41,7 @@ from megarlhf.rl import (
 from megarlhf.rl.correction import rollout_correction
 from megarlhf.roles.policy import PolicyInputs
 from megarlhf.rollout.experience import rollout_batch
-from megarlhf.rollout.gap import check_gap, logprob_gap
+from megarlhf.rollout.gap import GapGuard, LogprobGap, check_gap, logprob_gap
 
 
 _log = logging.getLogger(__name__)
@@ -147,22 +147,22 @@ def ppo_step(config: PPOConfig, data: RunInputs, workers: Placement,
     routing = rollout.routing if config.routing_replay else None
     if config.routing_replay and routing is None:
         raise RuntimeError("routing_replay=true, but the rollout engine returned no routing")
-    exp = workers.experience(batch, EXPERIENCE - {"reward"}, routing)  # scored with the rollout
-    limits = config.gap_limits
-    gap = logprob_gap(rollout.engine_logp, exp["logp"], batch.response_mask, limits.max)
-    # Before training on samples from another policy. Samples of older weights (async
-    # rollouts) differ by the updates since, which the rollout correction weighs: the guard
-    # holds for samples of the actor's own weights (the first step, and after a resume).
-    warning = check_gap(gap, limits, policy=config.logprob_gap_policy,
-                        step=step) if lag == 0 else None
-    if warning:
-        _log.warning(warning)
+    # The reward was scored with the rollout. With one_pass_old_logprobs the actor's update
+    # pass gives its logprobs, and holds them to the gap guard before its optimizer step.
+    one_pass = config.one_pass_old_logprobs
+    roles = EXPERIENCE - {"reward"} - ({"actor"} if one_pass else set())
+    exp = workers.experience(batch, roles, routing)
+    gap = guard_gap(config, rollout.engine_logp, exp, batch, lag, step) \
+        if not one_pass else None
     timer["experience"], t = time.perf_counter() - t, time.perf_counter()
 
     values = exp.get("values")
     advantages, returns = compute_advantages(config, score, exp, mask, kl_ctl.value,
                                              rollout.rewards_at)
     policy, correction = PolicyInputs(routing=routing), {}
+    if one_pass and lag == 0:
+        policy = dataclasses.replace(policy, gap_guard=GapGuard(
+            rollout.engine_logp, config.gap_limits, config.logprob_gap_policy))
     if o.kl_in == "loss" and kl_ctl.value > 0:
         policy = dataclasses.replace(policy, ref_logp=exp["ref_logp"], kl_coef=kl_ctl.value)
     if config.rollout_correction != "none":
@@ -178,10 +178,16 @@ def ppo_step(config: PPOConfig, data: RunInputs, workers: Placement,
                              f"nan_policy=skip to skip such batches")
     if _finite(score, advantages):
         log.phase("train")
-        train_metrics = workers.train(batch, exp["logp"], advantages, values, returns, policy)
-        losses = [v for m in train_metrics for k, v in m.items() if k.endswith("_loss")]
-        if not all(math.isfinite(v) for v in losses) and config.nan_policy == "stop":
-            raise NonFiniteError(f"step {step}: non-finite loss {losses}")
+        train_metrics, own = workers.train(batch, None if one_pass else exp["logp"],
+                                           advantages, values, returns, policy)
+        exp.update(own)
+    if one_pass and "logp" not in exp:  # the step trained nothing: a pass for the metrics
+        exp.update(workers.experience(batch, frozenset({"actor"}), routing))
+    if gap is None:  # the update pass stepped only if this passes (or warns)
+        gap = guard_gap(config, rollout.engine_logp, exp, batch, lag, step)
+    losses = [v for m in train_metrics for k, v in m.items() if k.endswith("_loss")]
+    if not all(math.isfinite(v) for v in losses) and config.nan_policy == "stop":
+        raise NonFiniteError(f"step {step}: non-finite loss {losses}")
     timer["train"], t = time.perf_counter() - t, time.perf_counter()
     span["time/learn_end"] = time.time()
 
@@ -204,7 +210,8 @@ def ppo_step(config: PPOConfig, data: RunInputs, workers: Placement,
     kl = ((exp["logp"] - exp["ref_logp"]) * mask).sum() / mask.sum()
     kl_ctl.update(float(kl), config.rows_per_step)
     metrics = step_metrics(step=step, score=score, exp=exp, mask=mask, values=values,
-                           advantages=advantages, returns=returns, train=train_metrics, gap=gap, kl=float(kl),
+                           advantages=advantages, returns=returns, train=train_metrics,
+                           gap=gap, kl=float(kl),
                            kl_coef=kl_ctl.value, timer=timer, skipped=not train_metrics)
     # Samples that ended on a stop id rather than at max_new_tokens (a chat model that never
     # stops has a wrong stop id or template).
@@ -224,6 +231,22 @@ def ppo_step(config: PPOConfig, data: RunInputs, workers: Placement,
             **{f"time/ahead/{k}": v for k, v in drawn.seconds.items() if drawn.busy},
             **{f"time/worker_ahead/{k}": v for k, v in drawn.busy.items()},
             **overhead_metrics(time.perf_counter() - start, workers.take_busy())}
+
+
+def guard_gap(config: PPOConfig, engine_logp: torch.Tensor, exp: dict, batch, lag: int,
+              step: int) -> LogprobGap:
+    """The step's engine/trainer logprob gap, held to the run's limits (check_gap: a stop
+    raises, a warning is logged). Samples of older weights (async rollouts) differ by the
+    updates since, which the rollout correction weighs: the guard holds for samples of the
+    actor's own weights (lag 0: every synchronous step, the first asynchronous one, and the
+    first after a resume)."""
+    limits = config.gap_limits
+    gap = logprob_gap(engine_logp, exp["logp"], batch.response_mask, limits.max)
+    warning = check_gap(gap, limits, policy=config.logprob_gap_policy,
+                        step=step) if lag == 0 else None
+    if warning:
+        _log.warning(warning)
+    return gap
 
 
 def log_profile(log: MetricsLog, step: int, groups: dict[str, dict[str, dict]]) -> None:
@@ -256,14 +279,17 @@ def compute_advantages(config: PPOConfig, score: torch.Tensor, exp: dict, mask: 
     o = config.options
     in_reward = kl_coef if o.kl_in == "reward" else 0.0
     kl = dict(kind=o.kl_estimator, clip_reward=config.clip_reward, kl_clamp=config.kl_clamp)
+    # The logprobs matter only to a KL in the reward (one_pass_old_logprobs: the actor's are
+    # not computed yet without one).
+    logp, ref_logp = (exp["logp"], exp["ref_logp"]) if in_reward else (None, None)
     if o.estimator == "gae":
         placed = rewards_at if rewards_at is not None else torch.zeros_like(mask)
-        rewards = kl_shaped_rewards(score - placed.sum(dim=1), exp["logp"], exp["ref_logp"],
+        rewards = kl_shaped_rewards(score - placed.sum(dim=1), logp, ref_logp,
                                     mask, kl_coef=in_reward, **kl) + placed
         advantages, returns = gae(rewards, exp["values"], mask, gamma=config.gamma,
                                   lam=config.lam)
     elif o.estimator.startswith("reinforce++"):
-        options = dict(logp_BT=exp["logp"], ref_logp_BT=exp["ref_logp"], kl_coef=in_reward,
+        options = dict(logp_BT=logp, ref_logp_BT=ref_logp, kl_coef=in_reward,
                        kl_kind=kl.pop("kind"), gamma=config.gamma, **kl)
         if o.estimator == "reinforce++_baseline":
             options["group_size"] = config.samples_per_prompt

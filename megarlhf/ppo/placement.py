@@ -102,12 +102,16 @@ class Placement:
         return {key: value for part in parts for key, value in part.items()}
 
     def train(self, batch: SequenceBatch, old_logp, advantages, old_values, returns,
-              policy: PolicyInputs) -> list[dict]:
-        """Metrics of every optimizer step (actor and critic steps of one mini-batch merged)."""
+              policy: PolicyInputs) -> tuple[list[dict], dict[str, torch.Tensor]]:
+        """Metrics of every optimizer step (actor and critic steps of one mini-batch merged),
+        and with `old_logp` None what the actor's update pass gives in its place
+        (PPOWorker.train)."""
         parts, self.busy["train"] = self._run(WorkerAPI.train, TRAIN, batch, old_logp,
                                               advantages, old_values, returns,
                                               for_actor=policy)
-        return [{k: v for step in steps for k, v in step.items()} for steps in zip(*parts)]
+        steps = [{k: v for step in steps for k, v in step.items()}
+                 for steps in zip(*(metrics for metrics, _ in parts))]
+        return steps, {k: v for _, own in parts for k, v in own.items()}
 
     def sync(self) -> None:
         _, self.busy["sync"] = self._run(WorkerAPI.sync_weights, SYNC)

@@ -263,24 +263,41 @@ class PPOWorker:
         return out
 
     @_phase("train")
-    def train(self, batch: SequenceBatch, old_logp: torch.Tensor, advantages: torch.Tensor,
-              old_values: torch.Tensor | None, returns: torch.Tensor | None,
-              policy: PolicyInputs | None) -> list[dict]:
-        """PPO epochs over mini-batches for this group's actor and/or critic; metrics of every
-        optimizer step. `policy`: the actor's inputs (None in a group without the actor)."""
+    def train(self, batch: SequenceBatch, old_logp: torch.Tensor | None,
+              advantages: torch.Tensor, old_values: torch.Tensor | None,
+              returns: torch.Tensor | None, policy: PolicyInputs | None
+              ) -> tuple[list[dict], dict[str, torch.Tensor]]:
+        """PPO epochs over mini-batches for this group's actor and/or critic: the metrics of
+        every optimizer step, and with `old_logp` None (one_pass_old_logprobs: one update
+        pass, whose own logprobs are the old ones) the actor's logp and entropy [B, T] from
+        that pass (and routing_moved with a routing), as `experience` would have given them.
+        `policy`: the actor's inputs (None in a group without the actor)."""
         c = self.config
         self._engine_sleeps()
         self.residency.keep("train", residency.TRAIN)
         size = batch.shape[0] // c.mini_batches
-        metrics = []
+        metrics, own = [], {}
+        if old_logp is None and (c.ppo_epochs, c.mini_batches) != (1, 1):
+            raise ValueError("the update pass gives the old logprobs only as the batch's one "
+                             "update (ppo_epochs=1, mini_batches=1)")
+
+        def check(logp, entropy):  # the update pass's own logprobs, before its optimizer step
+            own.update(logp=logp, entropy=entropy)
+            guard = policy.gap_guard
+            return guard is None or guard.allows_step(logp, batch.response_mask)
+
         for _ in range(c.ppo_epochs):
             for k in range(c.mini_batches):
                 rows = slice(k * size, (k + 1) * size)
                 part = _rows(batch, rows)
                 m = {}
                 if self.actor is not None:
-                    step, actor = self.actor.train_step(part, old_logp[rows], advantages[rows],
-                                                        **policy.rows(rows))
+                    one_pass = old_logp is None
+                    step, actor = self.actor.train_step(
+                        part, None if one_pass else old_logp[rows], advantages[rows],
+                        **policy.rows(rows), check_logprobs=check if one_pass else None)
+                    if one_pass and policy.routing is not None:
+                        own["routing_moved"] = torch.tensor(actor["routing_replay_moved"])
                     m.update({f"actor/{k}": v for k, v in actor.items()})
                     m.update({"actor/grad_norm": step.grad_norm, "actor/lr": step.lr,
                               "actor/skipped": float(step.skipped)})
@@ -295,7 +312,7 @@ class PPOWorker:
                         m["critic/moe_load"] = vstep.moe_load
                 metrics.append(m)
         self.residency.note("train")
-        return metrics
+        return metrics, own
 
     @_phase("sync")
     def sync_weights(self) -> None:

@@ -25,9 +25,10 @@ class WorkerAPI(Protocol):
     def experience(self, batch: SequenceBatch, roles: frozenset[str],
                    routing: torch.Tensor | None) -> dict[str, torch.Tensor]: ...
 
-    def train(self, batch: SequenceBatch, old_logp: torch.Tensor, advantages: torch.Tensor,
-              old_values: torch.Tensor | None, returns: torch.Tensor | None,
-              policy: PolicyInputs | None) -> list[dict]: ...
+    def train(self, batch: SequenceBatch, old_logp: torch.Tensor | None,
+              advantages: torch.Tensor, old_values: torch.Tensor | None,
+              returns: torch.Tensor | None, policy: PolicyInputs | None
+              ) -> tuple[list[dict], dict[str, torch.Tensor]]: ...
 
     def sync_weights(self) -> None: ...
 

@@ -74,8 +74,8 @@ def kl_penalty(logp_BT: torch.Tensor, ref_logp_BT: torch.Tensor, kind: str, *,
 
 def kl_shaped_rewards(
     score_B: torch.Tensor,
-    logp_BT: torch.Tensor,
-    ref_logp_BT: torch.Tensor,
+    logp_BT: torch.Tensor | None,
+    ref_logp_BT: torch.Tensor | None,
     mask_BT: torch.Tensor,
     *,
     kl_coef: float,
@@ -91,13 +91,19 @@ def kl_shaped_rewards(
         r_t = 0                                    elsewhere
 
     as in DeepSpeed-Chat's `compute_rewards`; `last` is each row's last response token.
+    With kl_coef 0 the logprobs are not read and may be None.
     """
-    check_same_shape(logp=logp_BT, ref_logp=ref_logp_BT, mask=mask_BT)
     check_rows(score_B, mask_BT)
     if clip_reward is not None and clip_reward <= 0:
         raise ValueError(f"clip_reward must be > 0 or None, got {clip_reward}")
-    kl_BT = kl_penalty(logp_BT, ref_logp_BT, kind, clamp=kl_clamp)
-    rewards_BT = torch.where(mask_BT.bool(), -kl_coef * kl_BT, 0.0)
+    if logp_BT is None or ref_logp_BT is None:
+        if kl_coef != 0:
+            raise ValueError(f"kl_coef={kl_coef} needs logp_BT and ref_logp_BT")
+        rewards_BT = torch.zeros(mask_BT.shape, dtype=torch.float32, device=mask_BT.device)
+    else:
+        check_same_shape(logp=logp_BT, ref_logp=ref_logp_BT, mask=mask_BT)
+        kl_BT = kl_penalty(logp_BT, ref_logp_BT, kind, clamp=kl_clamp)
+        rewards_BT = torch.where(mask_BT.bool(), -kl_coef * kl_BT, 0.0)
     if clip_reward is not None:
         score_B = score_B.clamp(-clip_reward, clip_reward)
     last_B = last_token_index(mask_BT)

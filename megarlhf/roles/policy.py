@@ -5,6 +5,7 @@ schedules."""
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import torch
 
@@ -14,6 +15,7 @@ from megarlhf.engine.schedule import Loss
 from megarlhf.parallel.vocab import vocab_parallel_logprobs_and_entropy
 from megarlhf.rl.kl import KL_ESTIMATORS, kl_penalty
 from megarlhf.rl.losses import aggregate, policy_loss
+from megarlhf.rollout.gap import GapGuard
 from megarlhf.roles.batching import Batching, about_token, microbatches, to_global
 
 
@@ -82,6 +84,9 @@ class PolicyInputs:
     routing: torch.Tensor | None = None
     """[B, T, layers, k]: the rollout engine's expert routing to replay (None: the routers
     choose)."""
+    gap_guard: GapGuard | None = None
+    """With the update pass's own logprobs as the old ones: what they are held to before the
+    optimizer steps (the worker applies it; not a train_step argument)."""
 
     def rows(self, rows: slice) -> dict:
         """train_step's keyword arguments for the mini-batch `rows`."""
@@ -175,10 +180,11 @@ class PolicyRole:
         would have chosen otherwise (collective; see RoutingReplay.moved_fraction)."""
         return self.engine.routing_replay.moved_fraction(self.engine.mesh.device)
 
-    def train_step(self, batch: SequenceBatch, old_logp: torch.Tensor,
+    def train_step(self, batch: SequenceBatch, old_logp: torch.Tensor | None,
                    advantages: torch.Tensor, ptx: SequenceBatch | None = None, *,
                    ref_logp: torch.Tensor | None = None, kl_coef: float = 0.0,
-                   is_weight: torch.Tensor | None = None, routing: torch.Tensor | None = None
+                   is_weight: torch.Tensor | None = None, routing: torch.Tensor | None = None,
+                   check_logprobs: Callable[[torch.Tensor, torch.Tensor], bool] | None = None
                    ) -> tuple[StepMetrics, dict[str, float]]:
         """One optimizer step over the global batch of
 
@@ -195,6 +201,12 @@ class PolicyRole:
         known up front (every rank holds the global batches), so ptx micro-batches contribute
         `ptx_coef * D_ppo / D_ptx * NLL_sum` with denominator 0: the step's loss is then
         PPO + ptx_coef * ptx however the batches are split.
+
+        `old_logp` None: the pass's own logprobs, detached, are the old ones (the step is the
+        batch's only update, so a separate pass would compute the same); `check_logprobs`
+        then gets them and the entropy, [B, T] over the global batch (0 off the response
+        tokens), on every rank after the backward pass, and the optimizer steps only if it
+        returns True.
 
         Returns the engine's step metrics and global means: policy loss, KL loss (the
         aggregated KL estimate, before kl_coef), clip fraction, approximate KL (k3, to
@@ -219,7 +231,8 @@ class PolicyRole:
             logp, entropy = self._logp_entropy(mb, per_position)
             mask = mb["response_mask"]
             m = mask.bool()
-            pg_BT, stats = policy_loss(logp, mb["old_logp"], mb["advantages"], mask,
+            old = logp.detach() if old_logp is None else mb["old_logp"]
+            pg_BT, stats = policy_loss(logp, old, mb["advantages"], mask,
                                        clip_eps=cfg.clip_eps, clip_eps_high=cfg.clip_eps_high,
                                        dual_clip=cfg.dual_clip, ratio_level=cfg.ratio_level,
                                        kind=cfg.kind, log_ratio_clamp=cfg.log_ratio_clamp)
@@ -232,28 +245,40 @@ class PolicyRole:
                 kl_num, _ = cfg.aggregate(kl_BT.detach(), mask)
             num, den = cfg.aggregate(loss_BT, mask)
             pg_num, _ = cfg.aggregate(pg_BT.detach(), mask)
-            return num, den.to(torch.int), _step_metrics(
+            # With no old_logp given, the pass's own, for check_logprobs (0 off the response
+            # tokens, as `logprobs` gives them).
+            own = {} if old_logp is not None else {
+                "token_logp": torch.where(m, logp.detach(), 0),
+                "token_entropy": torch.where(m, entropy.detach(), 0)}
+            return num, den.to(torch.int), {**_step_metrics(
                 loss_sum=num.detach().clone(), num_tokens=den.detach().clone(),
                 pg_sum=pg_num, kl_sum=kl_num, tokens=m.sum(),
                 clipped=stats["clipped"][m].sum(), approx_kl=stats["approx_kl"][m].sum(),
-                entropy=entropy.detach()[m].sum())
+                entropy=entropy.detach()[m].sum()), **own}
 
         def loss_fn(mb, per_position):
             return (ptx_loss if bool(mb["is_ptx"][0, 0]) else ppo_loss)(mb, per_position)
 
-        zeros = torch.zeros(batch.shape)
-        mbs = self._microbatches(batch, old_logp, advantages, is_ptx=False,
-                                 ref_logp=zeros if ref_logp is None else ref_logp,
-                                 is_weight=torch.ones(batch.shape) if is_weight is None
-                                 else is_weight, routing=routing)
+        per_token = {"advantages": advantages,
+                     "ref_logp": torch.zeros(batch.shape) if ref_logp is None else ref_logp,
+                     "is_weight": torch.ones(batch.shape) if is_weight is None else is_weight}
+        if old_logp is not None:
+            per_token["old_logp"] = old_logp
+        ppo_mbs = mbs = self._microbatches(batch, is_ptx=False, routing=routing, **per_token)
         if ptx is not None:
-            zeros = torch.zeros(ptx.shape)
             free = None if routing is None else torch.full(
                 (*ptx.shape, *routing.shape[2:]), -1, dtype=routing.dtype)
-            mbs += self._microbatches(ptx, zeros, zeros, is_ptx=True, ref_logp=zeros,
-                                      is_weight=zeros, routing=free)
-        step = self.engine.train_step(mbs, Loss(closure=loss_fn,
-                                                per_position=self._per_position))
+            mbs = mbs + self._microbatches(ptx, is_ptx=True, routing=free,
+                                           **{k: torch.zeros(ptx.shape) for k in per_token})
+
+        def before_step(outputs):  # the PPO micro-batches' outputs come first, in order
+            ppo = outputs[:len(ppo_mbs)]
+            return check_logprobs(*(to_global(ppo_mbs, ppo, key, batch.shape, self.engine)
+                                    for key in ("token_logp", "token_entropy")))
+
+        step = self.engine.train_step(
+            mbs, Loss(closure=loss_fn, per_position=self._per_position),
+            before_step=before_step if old_logp is None and check_logprobs else None)
         s = step.sums
         metrics = {"policy_loss": s["pg_sum"] / s["num_tokens"],
                    "kl_loss": s["kl_sum"] / s["num_tokens"],
@@ -266,10 +291,9 @@ class PolicyRole:
             metrics["routing_replay_moved"] = self.routing_moved()
         return step, metrics
 
-    def _microbatches(self, batch: SequenceBatch, old_logp, advantages, *, is_ptx: bool,
-                      ref_logp, is_weight, routing):
+    def _microbatches(self, batch: SequenceBatch, *, is_ptx: bool, routing,
+                      **per_token: torch.Tensor):
         return microbatches(self.engine, self.batching, batch, routing, response_logits=True,
                             response_mask=batch.response_mask.float(),
-                            old_logp=old_logp.float(), advantages=advantages.float(),
-                            ref_logp=ref_logp.float(), is_weight=is_weight.float(),
-                            is_ptx=torch.full(batch.shape, float(is_ptx)))
+                            is_ptx=torch.full(batch.shape, float(is_ptx)),
+                            **{k: v.float() for k, v in per_token.items()})

@@ -85,6 +85,31 @@ class GapLimits:
                    max=max_ or DEFAULT_GAP_MAX_LIMITS[dtype], tail_share=GAP_TAIL_SHARES[dtype])
 
 
+def within(gap: LogprobGap, limits: GapLimits) -> bool:
+    """Whether `gap` (computed with max_limit=limits.max) is within `limits`."""
+    return gap.mean_abs <= limits.mean and gap.over <= limits.tail_share * gap.num_tokens
+
+
+@dataclasses.dataclass(frozen=True)
+class GapGuard:
+    """The gap guard of an update pass that computes the old logprobs itself (one update per
+    batch): the pass holds its logprobs to the engine's before its optimizer step, and does
+    not step when the guard would stop the run (the controller then raises with
+    check_gap's message)."""
+
+    engine_logp: torch.Tensor
+    """[B, T]: the rollout engine's logprobs of the batch's sampled tokens."""
+    limits: GapLimits
+    policy: str
+
+    def allows_step(self, trainer_logp_BT: torch.Tensor, response_mask_BT: torch.Tensor) -> bool:
+        if self.policy != "stop":
+            return True
+        device = self.engine_logp.device
+        return within(logprob_gap(self.engine_logp, trainer_logp_BT.to(device),
+                                  response_mask_BT.to(device), self.limits.max), self.limits)
+
+
 class LogprobGapError(RuntimeError):
     """The engine's logprobs are too far from the trainer's and the policy is 'stop'."""
 
@@ -94,7 +119,7 @@ def check_gap(gap: LogprobGap, limits: GapLimits, *, policy: str, step: int,
     """None when `gap` (computed with max_limit=limits.max) is within `limits`; else raise
     LogprobGapError ('stop') or return the warning ('warn'). The message says what the gap
     means and where to look; `probe`: the samples were a probe's after the step's sync."""
-    if gap.mean_abs <= limits.mean and gap.over <= limits.tail_share * gap.num_tokens:
+    if within(gap, limits):
         return None
     over = (f"{gap.mean_abs:.3g} nats per token on average (max {gap.max_abs:.3g}; "
             f"logprob_gap_limit={limits.mean:g})" if gap.mean_abs > limits.mean else
