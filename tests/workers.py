@@ -131,10 +131,11 @@ def resave_for_training(ckpt: str, out: str, parallel: ParallelConfig) -> None:
 
 
 def weight_change_of_a_16_bit_step(ckpt: str, dtype: str, distributed: bool) -> float:
-    """Largest |weight change| of the first 16-bit update at lr 1e-9 after a model-only load
-    of `ckpt` (a fresh optimizer). The step moves no weight by a representable amount, so the
-    weights stay the loaded ones, unless the optimizer's fp32 master weights are stale (the
-    random init the engine was built with): then the step writes those back."""
+    """The share of weight elements the first 16-bit update at lr 1e-9 changes after a
+    model-only load of `ckpt` (a fresh optimizer). The step moves a weight by a representable
+    amount only where its fp32 master lies within ~1e-9 of a 16-bit rounding midpoint, so
+    almost every weight stays the loaded one, unless the optimizer's fp32 master weights are
+    stale (the random init the engine was built with): then the step writes those back."""
     from megarlhf.engine.checkpoint import engine_from_checkpoint, read_meta
     from megarlhf.models.transformer_config import parse_dtype
 
@@ -149,9 +150,33 @@ def weight_change_of_a_16_bit_step(ckpt: str, dtype: str, distributed: bool) -> 
     batch = make_batch(model, batch=2, seq=8, seed=0)
     for _ in range(8):  # fp16: until the dynamic loss scale stops skipping the update
         if not engine.train_step([batch], lm_loss(mesh, model.vocab_size)).skipped:
-            return max(float((p.detach().float() - b).abs().max())
-                       for p, b in zip(params, before))
+            changed = sum(int((p.detach().float() != b).sum()) for p, b in zip(params, before))
+            return changed / sum(b.numel() for b in before)
     raise AssertionError("every step was skipped")
+
+
+def sixteen_bit_masters(ckpt: str, dtype: str) -> tuple[dict, dict]:
+    """After a model-only load of `ckpt` into a 16-bit engine with the distributed optimizer
+    (one rank: each master shard is its whole weight): parameter name -> its fp32 master, and
+    name -> the weight an fp32 engine loads from `ckpt`."""
+    from megarlhf.engine.checkpoint import engine_from_checkpoint
+    from megarlhf.models.transformer_config import parse_dtype
+
+    parallel = ParallelConfig()
+    mesh = init_mesh(parallel)
+    fp32 = engine_from_checkpoint(ckpt, parallel, mesh, None, on_gpu=False)
+    loaded = {n: p.detach().clone() for chunk in fp32.chunks for n, p in chunk.named_parameters()}
+    engine = engine_from_checkpoint(ckpt, parallel, mesh, OptimConfig(),
+                                    dtype=parse_dtype(dtype), on_gpu=False)
+    names = {p: n.removeprefix("module.") for chunk in engine.chunks
+             for n, p in chunk.named_parameters()}
+    masters = {}
+    for opt in getattr(engine.optimizer, "chained_optimizers", [engine.optimizer]):
+        for params, shards in zip(opt.model_float16_groups, opt.shard_fp32_from_float16_groups):
+            for param, shard in zip(params, shards):
+                assert shard.numel() == param.numel()  # one rank: the whole weight
+                masters[names[param]] = shard.detach().view(param.shape).clone()
+    return masters, loaded
 
 
 def offload_round_trip(ckpt: str, model: ModelConfig, parallel: ParallelConfig,

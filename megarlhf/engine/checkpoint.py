@@ -16,7 +16,10 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.dict_utils import nested_values
-from megatron.core.dist_checkpointing.mapping import ShardedBase, ShardedTensorFactory
+from megatron.core.dist_checkpointing.mapping import (
+    ShardedBase, ShardedTensor, ShardedTensorFactory,
+)
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
 from megarlhf.compat.megatron import load_dist_checkpoint, torch_adam_load_fixes
 from megarlhf.models.arch import Architecture, architecture_for_model
@@ -267,6 +270,13 @@ def load_checkpoint(path: str, engine, *, with_optimizer: bool = True) -> dict:
     if with_optimizer:
         _materialise_optimizer_state(engine.optimizer)
     template = _sharded_state(engine, is_loading=True, with_optimizer=with_optimizer)
+    # A fresh 16-bit optimizer's fp32 master weights start at the checkpoint's values where it
+    # holds them wider: read into fp32 host tensors, then cast into the model.
+    # (Not under LoRA: its 16-bit base weights are frozen, with no masters.)
+    wide_masters = (not with_optimizer and meta["dtype"] == "fp32" and engine.spec.lora is None
+                    and engine.dtype != torch.float32 and _exact_masters(engine.optimizer))
+    if wide_masters:
+        _widen(template["model"])
     # A base checkpoint (no adapters) loaded under LoRA: the adapters keep their initial
     # values (B = 0, the base model), every other tensor is read.
     base_only = engine.spec.lora is not None and meta.get("lora") is None
@@ -290,6 +300,31 @@ def load_checkpoint(path: str, engine, *, with_optimizer: bool = True) -> dict:
     elif engine.optimizer is not None:
         # A 16-bit engine's optimizer holds fp32 master copies of the weights, made when it
         # was built: refresh them from the loaded weights, or the first step writes the
-        # build-time init back over them.
-        engine.optimizer.reload_model_params()
+        # build-time init back over them. From an fp32 checkpoint, its values: masters
+        # rounded to 16 bits sit on the 16-bit grid, so an update below half a 16-bit step
+        # never moves the model's weights until the updates add up to one, where masters off
+        # the grid move about that fraction of them (Adam at lr 1e-5 on SmolLM2-135M in bf16:
+        # 3.8% of the weights moved after 5 steps, 8.8% from the fp32 values; BENCHMARKS.md).
+        engine.optimizer.reload_model_params(
+            state_dict={f"model{i}": sd for i, sd in enumerate(loaded["model"].values())}
+            if wide_masters else None)
     return meta["extra"]
+
+
+def _exact_masters(optimizer) -> bool:
+    """Whether `optimizer` can start its master weights from given fp32 tensors (megatron-core
+    does that for its distributed optimizer only)."""
+    if optimizer is None:
+        return False
+    inner = getattr(optimizer, "chained_optimizers", [optimizer])
+    return all(isinstance(o, DistributedOptimizer) for o in inner)
+
+
+def _widen(model_template: dict) -> None:
+    """Give the template's tensors fp32 host buffers of their shapes to load into."""
+    for value in nested_values(model_template):
+        if isinstance(value, (ShardedTensor, ShardedTensorFactory)) and value.data is not None \
+                and value.data.is_floating_point():
+            value.data = torch.empty(value.data.shape, dtype=torch.float32)
+            if isinstance(value, ShardedTensor):
+                value.dtype = torch.float32
