@@ -185,12 +185,14 @@ def test_a_16_bit_engine_trains_from_the_weights_it_loaded(seed5_ckpt, dtype, di
 
 
 @pytest.mark.slow
-def test_16_bit_masters_start_at_an_fp32_checkpoints_values(seed5_ckpt):
+@pytest.mark.parametrize("stage", ["ppo", "sft"])
+def test_16_bit_masters_start_at_an_fp32_checkpoints_values(seed5_ckpt, stage):
     """Masters rounded to bf16 would sit on bf16's grid, where an update below half a bf16
     step never moves the model's weight (SmolLM2 at lr 1e-5: 3.8% of the weights moved after 5
     steps instead of 8.8%); the distributed optimizer's masters are the checkpoint's fp32
     values, bitwise, most of them off the grid."""
-    masters, stored = launch_local(workers.sixteen_bit_masters, 1, seed5_ckpt, "bf16")[0]
+    masters, stored = launch_local(workers.sixteen_bit_masters, 1, seed5_ckpt, "bf16",
+                                   stage)[0]
     assert masters and set(masters) == set(stored), set(masters) ^ set(stored)
     off_grid = 0
     for name, master in masters.items():

@@ -1140,9 +1140,10 @@ def test_gap_over_the_limit_stops_before_training(base, tmp_path, one_pass):
     """fp32 Megatron rollouts differ from the trainer by ~1e-7: over a 1e-12 per-token limit
     the first step stops, before any update or checkpoint (the mean's limit, 1e-12 in
     VALUE_RUNS' reinforce_pp, warns there). Checked before training when the experience pass
-    computes the old logprobs (PPO, two epochs), and inside the update pass, before its
-    optimizer step, when that pass does (GRPO, one update; test_roles.py checks that a
-    refused step leaves the weights as they were)."""
+    computes the old logprobs (PPO, two epochs), and inside the update pass, before the
+    actor's optimizer step, when that pass does (GRPO, one update; test_roles.py checks that
+    a refused step leaves the weights as they were, test_vllm_engine.py's gap test that the
+    guard refuses what check_gap stops)."""
     from megarlhf.rollout.gap import LogprobGapError
 
     config = dataclasses.replace(base, out_dir=str(tmp_path), nproc=1, tensor_parallel=1,

@@ -31,15 +31,18 @@ def test_nan_reward_stops_the_run_with_the_step_and_the_remedy(base, tmp_path): 
     assert checkpoints.of_run(config.out_dir).latest() is None  # nothing half-trained was saved
 
 
-def test_nan_reward_skips_the_update_and_keeps_going(base, tmp_path):  # noqa: F811
-    """GRPO with one update per step, whose update pass would give the old logprobs: a
-    skipped step has no update pass, so the actor's forward runs for the step's logprob gap
-    (still guarded), entropy and KL."""
+@pytest.mark.parametrize("one_pass", [False, True], ids=["experience_pass", "update_pass"])
+def test_nan_reward_skips_the_update_and_keeps_going(base, tmp_path, one_pass):  # noqa: F811
+    """PPO (two epochs: the experience pass gives the old logprobs), and GRPO with one update
+    per step, whose update pass would give them: a skipped step has no update pass, so the
+    actor's forward runs for the step's logprob gap (still guarded), entropy and KL."""
     config = dataclasses.replace(base, reward_fn="tests.ppo_tasks:nan_reward", nproc=1,
                                  tensor_parallel=1, steps=2, nan_policy="skip",
-                                 out_dir=str(tmp_path), algorithm="grpo", critic=None,
-                                 ppo_epochs=1, mini_batches=1)
-    assert config.one_pass_old_logprobs
+                                 out_dir=str(tmp_path))
+    if one_pass:
+        config = dataclasses.replace(config, algorithm="grpo", critic=None, ppo_epochs=1,
+                                     mini_batches=1)
+    assert config.one_pass_old_logprobs == one_pass
     history = run(config)
     assert [m["skipped"] for m in history] == [1.0, 1.0]
     for m in history:  # fp32 Megatron rollouts: the trainer's logprobs of the same weights

@@ -357,7 +357,7 @@ def test_tp_engines_name_their_shared_memory_uniquely_and_remove_it(tensor_paral
 
 def test_gap_guard_stops_or_warns_above_the_limit():
     from megarlhf.rollout.gap import (
-        GapLimits, LogprobGap, LogprobGapError, check_gap, logprob_gap,
+        GapGuard, GapLimits, LogprobGap, LogprobGapError, check_gap, logprob_gap,
     )
 
     limits = GapLimits.of("fp32", 1e-3, 5e-2)  # tail_share 0
@@ -388,3 +388,10 @@ def test_gap_guard_stops_or_warns_above_the_limit():
                   sixteen_bit, policy="stop", step=1)
     warning = check_gap(broken, limits, policy="warn", step=3)
     assert "weight sync" in warning and "logprob_gap_policy=warn" in warning
+    # Inside an update pass that computes the old logprobs itself, the same limits decide
+    # whether its optimizer steps: not over them when the run will stop, always under warn.
+    mask = torch.ones(4, 500)
+    assert GapGuard(trainer + 1e-7, limits, "stop").allows_step(trainer, mask)
+    assert not GapGuard(engine, limits, "stop").allows_step(trainer, mask)  # 3 tokens over
+    assert not GapGuard(engine, sixteen_bit, "stop").allows_step(trainer, mask)
+    assert GapGuard(engine, limits, "warn").allows_step(trainer, mask)

@@ -155,19 +155,28 @@ def weight_change_of_a_16_bit_step(ckpt: str, dtype: str, distributed: bool) -> 
     raise AssertionError("every step was skipped")
 
 
-def sixteen_bit_masters(ckpt: str, dtype: str) -> tuple[dict, dict]:
+def sixteen_bit_masters(ckpt: str, dtype: str, stage: str) -> tuple[dict, dict]:
     """After a model-only load of `ckpt` into a 16-bit engine with the distributed optimizer
-    (one rank: each master shard is its whole weight): parameter name -> its fp32 master, and
-    name -> the weight an fp32 engine loads from `ckpt`."""
-    from megarlhf.engine.checkpoint import engine_from_checkpoint
+    (one rank: each master shard is its whole weight), as the PPO roles ("ppo":
+    engine_from_checkpoint) or SFT ("sft": its init_weights) load it: parameter name -> its
+    fp32 master, and name -> the weight an fp32 engine loads from `ckpt`."""
+    from megarlhf.engine.checkpoint import engine_from_checkpoint, read_meta
     from megarlhf.models.transformer_config import parse_dtype
+    from megarlhf.sft.config import ModelSource
+    from megarlhf.sft.model import init_weights, new_engine
 
     parallel = ParallelConfig()
     mesh = init_mesh(parallel)
     fp32 = engine_from_checkpoint(ckpt, parallel, mesh, None, on_gpu=False)
     loaded = {n: p.detach().clone() for chunk in fp32.chunks for n, p in chunk.named_parameters()}
-    engine = engine_from_checkpoint(ckpt, parallel, mesh, OptimConfig(),
-                                    dtype=parse_dtype(dtype), on_gpu=False)
+    if stage == "ppo":
+        engine = engine_from_checkpoint(ckpt, parallel, mesh, OptimConfig(),
+                                        dtype=parse_dtype(dtype), on_gpu=False)
+    else:
+        source = ModelSource(checkpoint=ckpt, dtype=dtype)
+        engine = new_engine(source, ModelConfig.from_dict(read_meta(ckpt)["model"]), parallel,
+                            mesh, OptimConfig(), value_head=False)
+        init_weights(source, engine)
     names = {p: n.removeprefix("module.") for chunk in engine.chunks
              for n, p in chunk.named_parameters()}
     masters = {}

@@ -312,12 +312,15 @@ def load_checkpoint(path: str, engine, *, with_optimizer: bool = True) -> dict:
 
 
 def _exact_masters(optimizer) -> bool:
-    """Whether `optimizer` can start its master weights from given fp32 tensors (megatron-core
-    does that for its distributed optimizer only)."""
+    """Whether `optimizer` can start its master weights from given fp32 tensors: megatron-core
+    does that for its distributed optimizer only, and (0.16) hands the tensors to the first
+    of several chained optimizers only (a mixture-of-experts model's dense and expert ones)
+    and matches parameter names by substring (expert weight1 in weight10): so one distributed
+    optimizer, and the other cases keep masters rounded from the model."""
     if optimizer is None:
         return False
     inner = getattr(optimizer, "chained_optimizers", [optimizer])
-    return all(isinstance(o, DistributedOptimizer) for o in inner)
+    return len(inner) == 1 and isinstance(inner[0], DistributedOptimizer)
 
 
 def _widen(model_template: dict) -> None:

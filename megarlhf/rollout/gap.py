@@ -93,9 +93,10 @@ def within(gap: LogprobGap, limits: GapLimits) -> bool:
 @dataclasses.dataclass(frozen=True)
 class GapGuard:
     """The gap guard of an update pass that computes the old logprobs itself (one update per
-    batch): the pass holds its logprobs to the engine's before its optimizer step, and does
-    not step when the guard would stop the run (the controller then raises with
-    check_gap's message)."""
+    batch): the pass holds its logprobs to the engine's before its optimizer step, and the
+    actor does not step when the guard would stop the run (the controller then raises with
+    check_gap's message, before any checkpoint; a critic in the same group has stepped in
+    memory by then, and is dropped with the run)."""
 
     engine_logp: torch.Tensor
     """[B, T]: the rollout engine's logprobs of the batch's sampled tokens."""
