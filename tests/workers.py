@@ -188,6 +188,18 @@ def sixteen_bit_masters(ckpt: str, dtype: str, stage: str) -> tuple[dict, dict]:
     return masters, loaded
 
 
+def check_fp32_masters(masters: dict, stored: dict, off_grid_share: float) -> None:
+    """sixteen_bit_masters' results: every master is the fp32 weight, bitwise, and more than
+    `off_grid_share` of their elements lie off bf16's grid (so the check tells them from
+    rounded copies)."""
+    assert masters and set(masters) == set(stored), set(masters) ^ set(stored)
+    off_grid = 0
+    for name, master in masters.items():
+        assert master.dtype == torch.float32 and torch.equal(master, stored[name]), name
+        off_grid += int((master.bfloat16().float() != master).sum())
+    assert off_grid > off_grid_share * sum(m.numel() for m in masters.values())
+
+
 def offload_round_trip(ckpt: str, model: ModelConfig, parallel: ParallelConfig,
                        dtype_name: str) -> dict:
     """One train step (so Adam's state exists), then every kind offloaded and reloaded:
