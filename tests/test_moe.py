@@ -144,11 +144,15 @@ def test_train_curve_equals_ep1(layout, moe, moe_ref, batches, ref_curve):
 
 
 def test_expert_parallel_equals_ep1_through_the_controller(moe, moe_ref, tmp_path):
-    """PPO with a mixture-of-experts actor, reference and critic (value head on the MoE
-    trunk), disaggregated with a Megatron rollout rank (the same engine and samples for any
-    trainer layout): every role at EP2 (each rank half the experts) against EP1, both DP2.
-    Tolerance as the CP one's (tests/test_ppo.py): rel 1e-5, abs 1e-6 near 0."""
-    from megarlhf.ppo.config import PPOConfig
+    """PPO with a mixture-of-experts actor and critic (value head on the MoE trunk),
+    disaggregated with a Megatron rollout rank (the same engine and samples for any trainer
+    layout): every role at EP2 (each rank half the experts) against EP1, both DP2. The actor
+    trains LoRA adapters on its attention (frozen experts and router; its reference is its
+    base with the adapters off, so no reference group), synced merged; the critic trains
+    every weight, experts included. Tolerance as the CP one's (tests/test_ppo.py): rel 1e-5,
+    abs 1e-6 near 0."""
+    from megarlhf.models.lora import LoraConfig
+    from megarlhf.ppo.config import Layout, PPOConfig, RoleLayout
     from megarlhf.ppo.controller import run
     from megarlhf.ppo.layout import group_specs
     from tests.test_ppo import _without_timings
@@ -162,12 +166,14 @@ def test_expert_parallel_equals_ep1_through_the_controller(moe, moe_ref, tmp_pat
     base = PPOConfig(actor=moe_ref, critic=critic, prompts=str(prompts),
                      reward_fn="tests.ppo_tasks:low_token_fraction", nproc=2, steps=2,
                      prompts_per_step=4, samples_per_prompt=2, max_new_tokens=8, ppo_epochs=2,
-                     mini_batches=2, actor_lr=3e-3, critic_lr=1e-3, kl_coef=0.01,
-                     placement="disaggregated", out_dir=str(tmp_path / "ep1"))
+                     mini_batches=2, actor_lr=3e-2, critic_lr=1e-3, kl_coef=0.01,
+                     placement="disaggregated", out_dir=str(tmp_path / "ep1"),
+                     layout=Layout(actor=RoleLayout(lora=LoraConfig(
+                         rank=4, target_modules=["q_proj", "v_proj", "o_proj"]))))
     ep1 = run(base)
     config = dataclasses.replace(base, out_dir=str(tmp_path / "ep2"), expert_parallel=2)
     assert [(g.name, g.parallel.expert_parallel) for g in group_specs(config)] == [
-        ("actor", 2), ("critic", 2), ("ref", 2), ("rollout", 1)]
+        ("actor+ref", 2), ("critic", 2), ("rollout", 1)]
     ep2 = run(config)
     for step, (ours, theirs) in enumerate(zip(ep2, ep1), start=1):
         strip = {k: v for k, v in _without_timings(theirs).items()
@@ -176,6 +182,8 @@ def test_expert_parallel_equals_ep1_through_the_controller(moe, moe_ref, tmp_pat
         assert {k: ours[k] for k in strip} == pytest.approx(strip, rel=1e-5, abs=1e-6), step
         assert theirs["actor/moe_load"] == 1.0 and 1.0 <= ours["actor/moe_load"] <= 2.0
     assert len(ep2) == 2 and ep2[-1]["actor/grad_norm"] > 0 and ep2[-1]["critic/grad_norm"] > 0
+    # The adapters moved the policy away from its base (the reference): KL 0 at step 1 only.
+    assert ep2[0]["kl"] == 0 and ep2[1]["kl"] != 0
 
 
 HF_PPO_RUNS = {

@@ -114,10 +114,10 @@ def test_config_errors_name_the_problem(prompts_file, tmp_path):
                                          "the reference is the actor's own engine"):
         dataclasses.replace(base, placement="disaggregated", layout=Layout(
             actor=RoleLayout(lora=LoraConfig()), reference=RoleLayout(tensor_parallel=1)))
-    with pytest.raises(ValueError, match="layout.actor.lora: LoRA with expert_parallel > 1 has "
-                                         "not run in a test yet"):
+    with pytest.raises(ValueError, match="layout.actor.lora: lora.dropout > 0 with context "
+                                         "parallelism is not built"):
         dataclasses.replace(base, layout=Layout(actor=RoleLayout(lora=LoraConfig(
-            target_modules=["q_proj"]), expert_parallel=2)))
+            dropout=0.1), context_parallel=2)))
     with pytest.raises(ValueError, match="layout.reference.lora: the reference model is frozen"):
         dataclasses.replace(base, layout=Layout(reference=RoleLayout(lora=LoraConfig())))
     with pytest.raises(ValueError, match=r"profile_steps \[0, 9\] are not steps of this run "

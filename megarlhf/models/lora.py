@@ -144,14 +144,8 @@ def projection_shapes(model) -> dict[str, tuple[int, int]]:
             "gate_proj": (h, f), "up_proj": (h, f), "down_proj": (f, h)}
 
 
-EP_REFUSED = ("LoRA with expert_parallel > 1 has not run in a test yet (adapters sit on the "
-              "attention of a mixture-of-experts model); use expert_parallel=1")
-
-
 def layout_problem(lora: LoraConfig, parallel) -> str | None:
     """Why `lora` cannot run at `parallel` (a ParallelConfig), or None."""
-    if parallel.expert_parallel > 1:
-        return EP_REFUSED
     if lora.dropout and parallel.context_parallel > 1:
         return ("lora.dropout > 0 with context parallelism is not built (a rank's sequence "
                 "chunks have no global positions in the linear layers); use dropout 0 there")
