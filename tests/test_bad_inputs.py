@@ -20,7 +20,9 @@ import torch
 import yaml
 
 from megarlhf.cli import main as cli
+from megarlhf.engine.checkpoint import COMPLETE_MARKER
 from megarlhf.metrics import MetricsLog
+from megarlhf.models.lora import LoraConfig
 from megarlhf.parallel.mesh import ParallelConfig
 from megarlhf.ppo import checkpoints, run_dir
 from megarlhf.ppo.config import PPOConfig
@@ -311,6 +313,26 @@ def test_a_moved_but_identical_actor_resumes(world, capsys, tmp_path):
     with pytest.raises(SystemExit) as exit_:
         cli(ppo(world, f"out_dir={out}", f"actor={tmp_path}/actor_moved", dry_run=True))
     assert exit_.value.code == 0, capsys.readouterr().err
+
+
+def test_a_resume_with_other_lora_settings_is_refused(world, capsys, tmp_path):
+    """The checkpoint's actor trained every weight: resuming it with adapters is refused, and
+    one that trained adapters cannot resume without them or with another rank."""
+    out = str(tmp_path / "out")
+    _fake_checkpoint(world, out)
+    actor = os.path.join(checkpoints.of_run(out).path(2), "actor")
+    shutil.copytree(world / "actor", actor)
+    for dry_run in (True, False):
+        refused(ppo(world, f"out_dir={out}", "layout.actor.lora.rank=4", dry_run=dry_run),
+                capsys, tmp_path, names="it trained every weight (no LoRA), layout.actor.lora "
+                                        "now gives adapters {'rank': 4")
+    with open(os.path.join(actor, COMPLETE_MARKER)) as f:
+        meta = json.load(f)
+    with open(os.path.join(actor, COMPLETE_MARKER), "w") as f:
+        json.dump({**meta, "lora": LoraConfig(rank=8).to_dict()}, f)
+    for lora in ([], ["layout.actor.lora.rank=4"]):
+        refused(ppo(world, f"out_dir={out}", *lora, dry_run=True), capsys, tmp_path,
+                names="it trained LoRA adapters {'rank': 8")
 
 
 # ---------------------------------------------------------------------- plan, sft and rm

@@ -28,6 +28,7 @@ from megarlhf.data import synthetic
 from megarlhf.data.config import DataConfig, DatasetSource
 from megarlhf.data.tokenizer import train_sentencepiece
 from megarlhf.engine.optim import OptimConfig
+from megarlhf.models.lora import LoraConfig
 from megarlhf.parallel import launch_local
 from megarlhf.parallel.mesh import ParallelConfig as P
 from megarlhf.sft.config import LoopConfig, ModelSource, RMConfig, SFTConfig
@@ -233,6 +234,13 @@ def test_runs_refuse_bad_setups_before_any_process_group(corpus, tmp_path, tiny)
         _plan(dataclasses.replace(ok, train=dataclasses.replace(ok.train, resume=False)))
     with pytest.raises(ValueError, match=r"cannot resume .*'train_examples': \(99, 190\)"):
         _plan(ok)
+    # The same data, but the checkpoint trained adapters the recipe no longer has.
+    _fake_checkpoint(tmp_path / "run" / "checkpoints" / "step_0000004",
+                     extra={"stage": "sft", "train_examples": 190, "data_seed": 0},
+                     lora=LoraConfig(rank=4).to_dict())
+    with pytest.raises(ValueError, match=r"it trained LoRA adapters \{'rank': 4.*model.lora "
+                                         r"now gives none"):
+        _plan(ok)
 
 
 def test_pairwise_loss_and_metrics_match_the_formula():
@@ -382,7 +390,6 @@ def test_lora_dropout_masks_do_not_depend_on_the_layout(corpus, lm_ref, tmp_path
     """LoRA dropout 0.2: TP2+SP x PP2 trains TP1's curve (1e-5 relative: each element's mask
     is a hash of its global index and a seed of step, layer and call), and the masks matter:
     the step-1 gradient norm (B's; A's is 0 while B is) moves off the run without dropout."""
-    from megarlhf.models.lora import LoraConfig
     from tests import workers
 
     def config(out, parallel, dropout):
@@ -409,7 +416,6 @@ def test_lora_rm_from_an_lm_trains_its_adapters_and_value_head_only(corpus, lm_r
     (adapters at their start), and after two steps only the adapters and the new value head
     differ from it."""
     from megarlhf.convert.mcore_io import CheckpointReader
-    from megarlhf.models.lora import LoraConfig
 
     model = ModelSource(checkpoint=lm_ref, layer_spec="local",
                         lora=LoraConfig(rank=2, target_modules=["q_proj", "v_proj"],

@@ -210,6 +210,17 @@ def test_bridged_engine_logprobs_match_the_trainer(colocated):
 
 @needs_vllm
 @pytest.mark.slow
+def test_a_lora_actor_syncs_merged_weights_within_the_gap_limit(colocated):
+    """LoRA on every projection of the untied toy: after an adapter update the merged sync
+    keeps the gap at fp32 noise (max 1e-5, LoRA's own bound; the file's TOL is 2e-5); the
+    engine left at the base is > 1e-2 off, so the adapters' update is what the sync carries."""
+    gap = colocated["lora_scored"]["gap"]
+    assert gap.max_abs <= 1e-5 and gap.num_tokens == colocated["lora_scored"]["mask"].sum()
+    assert colocated["lora_stale_gap"].max_abs > 1e-2
+
+
+@needs_vllm
+@pytest.mark.slow
 def test_gap_reports_a_perturbation_and_a_missed_sync(colocated):
     scored = colocated["greedy_scored"]
     mask = scored["mask"].bool()

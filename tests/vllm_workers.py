@@ -18,6 +18,7 @@ from megarlhf.engine.checkpoint import (checkpoint_architecture, engine_from_che
 from megarlhf.engine.optim import OptimConfig
 from megarlhf.models.config import ModelConfig
 from megarlhf.models.gpt import model_spec
+from megarlhf.models.lora import LoraConfig
 from megarlhf.parallel.mesh import ParallelConfig, init_mesh
 from megarlhf.roles.policy import PolicyRole
 from megarlhf.rollout.bridge import WeightBridge
@@ -38,11 +39,12 @@ OPTIM = OptimConfig(lr=1e-2, weight_decay=0.0, clip_grad=1.0)
 """Large enough that one step changes greedy outputs (the test checks it did)."""
 
 
-def _actor(ckpt: str, parallel: ParallelConfig):
-    mesh = init_mesh(parallel)
-    engine = engine_from_checkpoint(ckpt, parallel, mesh, OPTIM, on_gpu=False)
+def _actor(ckpt: str, parallel: ParallelConfig, mesh=None, lora: LoraConfig | None = None):
+    mesh = mesh or init_mesh(parallel)
+    engine = engine_from_checkpoint(ckpt, parallel, mesh, OPTIM, on_gpu=False, lora=lora)
     bridge = WeightBridge(engine.chunks, mesh, engine.spec.model,
-                          checkpoint_architecture(read_meta(ckpt)), bucket_bytes=BUCKET_BYTES)
+                          checkpoint_architecture(read_meta(ckpt)), bucket_bytes=BUCKET_BYTES,
+                          lora=lora)
     return PolicyRole(engine), bridge, mesh
 
 
@@ -100,6 +102,7 @@ def colocated(hf_dir: str, ckpt: str, out_dir: str, prompts: list[list[int]]) ->
     out["trained_greedy"] = as_tuples(trained)
     out["trained_scored"] = _scored(actor, prompts, trained)
     out["trained_sampled"] = as_tuples(engine.generate(prompts, SAMPLED))
+    out.update(_lora_sync(engine, ckpt, mesh, prompts))
 
     save_checkpoint(f"{out_dir}/actor", actor.engine, mesh, with_optimizer=False)
     mcore_to_hf(f"{out_dir}/actor", f"{out_dir}/actor_hf")
@@ -111,6 +114,25 @@ def colocated(hf_dir: str, ckpt: str, out_dir: str, prompts: list[list[int]]) ->
     out.update(_failing_forward(fresh, prompts))
     fresh.shutdown()
     out["after_shutdown"] = error_of(lambda: fresh.generate(prompts, GREEDY))
+    return out
+
+
+def _lora_sync(engine: VLLMEngine, ckpt: str, mesh, prompts) -> dict:
+    """A LoRA actor over the same base (adapters on every projection) trains one step, so B
+    is no longer zero, and syncs W + scale * B @ A: the engine scores as the trainer does.
+    Before that sync the engine holds the base, which the step moved away from."""
+    actor, bridge, _ = _actor(ckpt, ParallelConfig(), mesh,
+                              LoraConfig(rank=4, alpha=8.0, target_modules="all-linear"))
+    engine.update_weights(bridge.stream())
+    greedy = engine.generate(prompts, GREEDY)
+    before = _scored(actor, prompts, greedy)
+    batch = rollout_batch(prompts, greedy).sequences
+    advantages = torch.randn(batch.shape, generator=torch.Generator().manual_seed(1))
+    actor.train_step(batch, before["trainer"], advantages)
+    out = {"lora_stale_gap": logprob_gap(before["engine"], actor.logprobs(batch),
+                                         batch.response_mask)}
+    engine.update_weights(bridge.stream())
+    out["lora_scored"] = _scored(actor, prompts, engine.generate(prompts, GREEDY))
     return out
 
 

@@ -238,6 +238,19 @@ def adapter_shape(lora: dict | None) -> dict | None:
     return {k: lora[k] for k in ("rank", "alpha", "use_rslora", "target_modules")}
 
 
+def check_resumed_adapters(path: str, lora: LoraConfig | None, field: str) -> None:
+    """A resume from checkpoint `path` keeps its adapters: ValueError (one line, naming the
+    recipe's `field`) when `lora` would train other ones, or adapters over its full weights,
+    or full weights where it trained adapters. Read in the launching process."""
+    saved = adapter_shape(read_meta(path).get("lora"))
+    ours = adapter_shape(lora and lora.to_dict())
+    if saved != ours:
+        trained = f"LoRA adapters {saved}" if saved else "every weight (no LoRA)"
+        raise ValueError(f"cannot resume from {path}: it trained {trained}, {field} now gives "
+                         f"{f'adapters {ours}' if ours else 'none'}; resume with the "
+                         f"checkpoint's settings, or start a new run from it")
+
+
 def engine_from_checkpoint(path: str, parallel: ParallelConfig, mesh: Mesh,
                            optim: OptimConfig | None = None, *, lora: LoraConfig | None = None,
                            **spec) -> TrainEngine:

@@ -17,9 +17,9 @@ import logging
 import os
 import socket
 
-from megarlhf.engine.checkpoint import COMPLETE_MARKER
+from megarlhf.engine.checkpoint import COMPLETE_MARKER, check_resumed_adapters, is_complete
 from megarlhf.ppo import checkpoints
-from megarlhf.ppo.config import RESUME_INPUTS
+from megarlhf.ppo.config import LAYOUT_KEYS, RESUME_INPUTS, TRAINED_ROLES
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +80,10 @@ def resume_point(config, inputs: dict) -> tuple[str | None, dict | None]:
         return None, None
     state = checkpoints.read_state(latest)
     check_resume(latest, state.get("inputs"), inputs, config.resume_allow_changes)
+    for role in TRAINED_ROLES:
+        if role in config.roles and is_complete(os.path.join(latest, role)):
+            check_resumed_adapters(os.path.join(latest, role), config.lora_of(role),
+                                   f"layout.{LAYOUT_KEYS[role]}.lora")
     return latest, state
 
 

@@ -22,8 +22,8 @@ from megarlhf.data.dataset import Examples, load_examples
 from megarlhf.data.encode import Example
 from megarlhf.data.order import EpochStream
 from megarlhf.data.tokenizer import Tokenizer, is_tokenizer, load_tokenizer
-from megarlhf.engine.checkpoint import (COMPLETE_MARKER, HF_SIDECAR, load_checkpoint, read_meta,
-                                        save_checkpoint)
+from megarlhf.engine.checkpoint import (COMPLETE_MARKER, HF_SIDECAR, check_resumed_adapters,
+                                       load_checkpoint, read_meta, save_checkpoint)
 from megarlhf.engine.run_checkpoints import RunCheckpoints
 from megarlhf.engine.schedule import Batch, LossFn, pad_to_multiple, rank_microbatches
 from megarlhf.engine.train import TrainEngine
@@ -95,6 +95,7 @@ def plan(cfg: SFTConfig | RMConfig, make_stage: Callable[[int], Stage]) -> Plan:
     if latest:
         extra = read_meta(latest)["extra"]
         _check_resume(latest, extra, fingerprint)
+        check_resumed_adapters(latest, cfg.model.lora, "model.lora")
         resume_step = extra["step"]
     return Plan(tokenizer=tokenizer, stage=stage, model=model, examples=examples,
                 resume_from=latest, resume_step=resume_step, fingerprint=fingerprint)
