@@ -69,10 +69,14 @@ $(MCORE_NEWEST_DIR)/.installed: $(STAMP)
 	  --target $(MCORE_NEWEST_DIR) "megatron-core==$(MCORE_NEWEST)"
 	touch $@
 
+# Test modules that exercise no megatron-core code (rewards, environments, datasets, logs,
+# Slurm scripts) run once, in the main tier.
+MCORE_FREE_TESTS := test_rewards test_envs test_data test_logs test_slurm
+
 # MEGARLHF_EXPECT_MCORE makes tests/test_compat.py fail unless that version is the one loaded.
 test-mcore-newest: $(MCORE_NEWEST_DIR)/.installed
 	MEGARLHF_EXPECT_MCORE=$(MCORE_NEWEST) PYTHONPATH=$(MCORE_NEWEST_DIR) \
-	  $(PY) -m pytest -q -m "not slow" tests
+	  $(PY) -m pytest -q -m "not slow" tests $(MCORE_FREE_TESTS:%=--ignore=tests/%.py)
 	MEGARLHF_EXPECT_MCORE=$(MCORE_NEWEST) PYTHONPATH=$(MCORE_NEWEST_DIR) \
 	  $(PY) -m pytest -q -m slow $(MCORE_NEWEST_TESTS)
 

@@ -562,6 +562,32 @@ def _final_weights(out_dir: str, role: str) -> dict[str, torch.Tensor]:
     return role_workers.checkpoint_tensors(f"{checkpoints.of_run(out_dir).latest()}/{role}")
 
 
+def _initial_adapter(ckpt: str, lora: LoraConfig, directory, b_std: float = 0.0) -> str:
+    """The adapters a LoRA actor over checkpoint `ckpt` starts with (A drawn from the
+    adapters' own seed, B zero, or normal with std `b_std`), written as a PEFT adapter
+    directory."""
+    from megarlhf.convert.peft_adapter import write_adapter
+    from megarlhf.engine.checkpoint import read_meta
+    from megarlhf.models.config import ModelConfig
+    from megarlhf.models.gpt import build_model, model_spec
+    from megarlhf.models.lora import lora_layers
+    from tests.fake_world import fake_rank
+
+    model = ModelConfig.from_dict(read_meta(ckpt)["model"])
+    with fake_rank(ParallelConfig(), 0) as mesh:
+        chunks = build_model(model_spec(model, ParallelConfig(), lora=lora, on_gpu=False), mesh)
+        factors = {(number - 1, p, f): getattr(linear, f"lora_{f}")[p].detach()
+                   for number, linear in lora_layers(chunks) for p in linear.lora_A
+                   for f in "AB"}
+    generator = torch.Generator().manual_seed(0)
+    for key, factor in factors.items():
+        if key[2] == "B" and b_std:
+            factors[key] = b_std * torch.randn(factor.shape, generator=generator)
+    os.makedirs(directory)
+    write_adapter(str(directory), lora, model.num_layers, lambda *key: factors[key])
+    return str(directory)
+
+
 @pytest.mark.slow
 def test_disaggregated_equals_colocated_and_resumes_exactly(base, tmp_path, monkeypatch):
     """At nproc=1 with Megatron rollouts both placements run the same computations on the
@@ -569,7 +595,10 @@ def test_disaggregated_equals_colocated_and_resumes_exactly(base, tmp_path, monk
     processes: every metric must be bitwise equal. Then a fresh disaggregated job resumed from
     the step-2 checkpoint must repeat steps 3-4 and the final actor and critic exactly. The
     actor trains LoRA adapters (its reference then runs in the actor's group, its base with
-    the adapters off), the critic every weight."""
+    the adapters off), the critic every weight. An actor started from a PEFT adapter holding
+    those same initial adapters has a frozen reference model of its own (the base with that
+    adapter, B = 0): its steps equal the colocated run's bitwise, as adding B @ A x = 0 is
+    exact."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # same threads everywhere: same summation order
     short = dict(nproc=1, tensor_parallel=1, steps=4, save_every=2,
                  layout=Layout(actor=RoleLayout(lora=LoraConfig(rank=4))))
@@ -583,6 +612,23 @@ def test_disaggregated_equals_colocated_and_resumes_exactly(base, tmp_path, monk
                       if not k.startswith("memory/")}
     assert [same(m) for m in straight] == [same(m) for m in colocated]
     assert straight[-1]["time/worker/experience"] > 0
+
+    peft_dir = _initial_adapter(base.actor, short["layout"].actor.lora, tmp_path / "peft")
+    from_peft = dataclasses.replace(base, out_dir=str(tmp_path / "from_peft"), **{
+        **short, "steps": 2,
+        "layout": Layout(actor=RoleLayout(lora=LoraConfig(from_peft=peft_dir)))})
+    assert not from_peft.reference_is_actor_base
+    assert [same(m) for m in run(from_peft)] == [same(m) for m in colocated[:2]]
+    # An adapter that moves the policy: the reference holds it too (KL exactly 0 at step 1,
+    # where a reference without it would differ), and the engine got it merged.
+    peft_dir = _initial_adapter(base.actor, short["layout"].actor.lora, tmp_path / "peft_b",
+                                b_std=0.5)
+    (moved,) = run(dataclasses.replace(from_peft, out_dir=str(tmp_path / "moved"), steps=1,
+                                       layout=Layout(actor=RoleLayout(lora=LoraConfig(
+                                           from_peft=peft_dir)))))
+    assert moved["kl"] == 0 and moved["rollout/logprob_gap_max"] < 1e-5, moved
+    # The same seed sampled other answers than from the base: the adapter moved the policy.
+    assert moved["reward/mean"] != colocated[0]["reward/mean"]
 
     resumed = dataclasses.replace(apart, out_dir=str(tmp_path / "resumed"))
     shutil.copytree(f"{checkpoints.of_run(apart.out_dir).root}/step_2",

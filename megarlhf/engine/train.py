@@ -173,6 +173,14 @@ class TrainEngine:
         """The GPT modules without the DDP wrapper."""
         return [getattr(c, "module", c) for c in self.chunks]
 
+    def refresh_masters(self) -> None:
+        """A 16-bit engine's optimizer holds fp32 master copies made when it was built: after
+        weights are written outside load_checkpoint (which refreshes them itself, from an fp32
+        checkpoint's own values), they must take the written values, or the first step writes
+        the build-time ones back."""
+        if self.optimizer is not None:
+            self.optimizer.reload_model_params()
+
 
 _INT_OF_WIDTH = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 

@@ -85,9 +85,9 @@ class LoraConfig:
     """Seeds A, per layer and projection, so every parallel layout starts from the same
     adapters."""
     from_peft: str | None = None
-    """Start from this HF PEFT LoRA adapter directory (SFT and RM): rank, alpha, use_rslora,
-    dropout and target_modules then come from its adapter_config.json and the projections
-    its weights hold."""
+    """Start from this HF PEFT LoRA adapter directory (SFT, RM, the PPO actor): rank, alpha,
+    use_rslora, dropout and target_modules then come from its adapter_config.json and the
+    projections its weights hold."""
 
     def __post_init__(self):
         if isinstance(self.target_modules, list):

@@ -385,8 +385,10 @@ def _stage(config: PPOConfig, spec: GroupSpec, models: dict[str, ModelSource],
             n, trainable, experts = n + adapters, adapters, 0
         else:
             trainable = None
-        # With the actor's adapters the reference is the actor's own weights.
-        if not (role == "ref" and config.lora_of("actor") is not None):
+            if role == "ref" and config.reference_adapter is not None:  # frozen, beside it
+                n += rank_adapter_params(model, parallel, config.reference_adapter)
+        # With the actor's adapters from zero the reference is the actor's own weights.
+        if not (role == "ref" and config.reference_is_actor_base):
             terms += [Term(role, what, b, **residency(config, role, what))
                       # The distributed optimizer shards over DP x CP (CP ranks hold the
                       # same weights), experts over the ranks holding the same experts.

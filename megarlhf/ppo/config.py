@@ -39,7 +39,8 @@ LAYER_SPECS = ("auto", "local", "sdpa")
 """Megatron layer specs of every role and of the Megatron rollout engine (models/specs.py;
 'te' is refused there: TE_REFUSED)."""
 PROMPT_FIELDS = KIND_FIELDS["prompt"] + OPTIONAL_FIELDS["prompt"]
-RESUME_INPUTS = ("actor", "critic", "reward_model", "prompts", "seed", "algorithm")
+RESUME_INPUTS = ("actor", "actor_adapter", "critic", "reward_model", "prompts", "seed",
+                 "algorithm")
 EPISODE_FIELDS = {"env_args": {}, "max_turns": 8, "max_turn_tokens": None,
                   "max_observation_tokens": None, "on_env_error": "stop", "tools": (),
                   "tool_parser": "hermes", "tool_timeout": 30.0, "tool_workers": 2,
@@ -421,9 +422,10 @@ class PPOConfig:
     """Checkpoint every N steps (0: only at the end)."""
     keep_last: int = 2
     resume_allow_changes: tuple[str, ...] = ()
-    """Inputs a resumed run may change on purpose (of RESUME_INPUTS: actor, critic,
-    reward_model, prompts, seed, algorithm); any other difference from what the checkpoint in
-    out_dir was trained with stops the run before it starts."""
+    """Inputs a resumed run may change on purpose (of RESUME_INPUTS: actor, actor_adapter
+    (layout.actor.lora.from_peft: the reference's adapter), critic, reward_model, prompts,
+    seed, algorithm); any other difference from what the checkpoint in out_dir was trained
+    with stops the run before it starts."""
     skip_overlong: bool = False
     """Drop prompts that do not fit the model's positions (or rollout_max_model_len) next to
     max_new_tokens, with a count, instead of refusing the prompts file."""
@@ -532,11 +534,10 @@ class PPOConfig:
             problem = lora and layout and layout_problem(lora, layout)
             if problem:
                 problems.append(f"layout.{key}.lora: {problem}")
-            if lora is not None and lora.from_peft is not None:
-                problems.append(f"layout.{key}.lora.from_peft is for SFT and RM (PPO's "
-                                f"reference would be the base without that adapter): merge it "
-                                f"first (an SFT checkpoint exported with mcore_to_hf, then "
-                                f"converted back)")
+            if role == "critic" and lora is not None and lora.from_peft is not None:
+                problems.append("layout.critic.lora.from_peft: a PEFT adapter is a language "
+                                "model's; the critic's adapters start at zero over its value "
+                                "model")
         if self.async_rollout and self.placement != "disaggregated":
             problems.append("async_rollout=true needs placement=disaggregated (colocated, "
                             "rollout and training share the ranks and cannot overlap)")
@@ -740,7 +741,7 @@ class PPOConfig:
         """The layout of model role `role` (actor, ref, critic, reward), with its sequence
         parallelism (the group's mesh is the same without it: ppo/layout.py). With the actor's
         LoRA adapters the reference is the actor's engine: the actor's layout."""
-        if role == "ref" and self.lora_of("actor") is not None:
+        if role == "ref" and self.reference_is_actor_base:
             role = "actor"
         override = getattr(self.layout, LAYOUT_KEYS[role])
         default = ParallelConfig(
@@ -772,6 +773,22 @@ class PPOConfig:
         """The LoRA adapters model role `role` trains (layout.actor.lora, layout.critic.lora);
         None for a role trained whole and for the frozen roles."""
         return getattr(self.layout, LAYOUT_KEYS[role]).lora if role in TRAINED_ROLES else None
+
+    @property
+    def reference_is_actor_base(self) -> bool:
+        """The reference is the initial policy. An actor whose adapters start at zero (B = 0)
+        starts as its base, so the reference is the actor's own engine with its adapters
+        switched off: no copy is loaded. An actor starting from a PEFT adapter
+        (lora.from_peft) has a reference of its own: the base with that adapter, frozen."""
+        lora = self.lora_of("actor")
+        return lora is not None and lora.from_peft is None
+
+    @property
+    def reference_adapter(self) -> LoraConfig | None:
+        """The frozen adapter the reference model holds over its base: the actor's starting
+        PEFT adapter, or None."""
+        lora = self.lora_of("actor")
+        return lora if lora is not None and lora.from_peft is not None else None
 
     def recompute_of(self, role: str) -> str:
         """Model role `role`'s activation recomputation (none, full or selective). The frozen
@@ -807,7 +824,7 @@ class PPOConfig:
                 problems.append(f"layout.{key}.recompute={override.recompute}: the {key} "
                                 f"model is frozen (forward passes only, nothing to recompute);"
                                 f" recompute applies to the actor and critic")
-            if role == "ref" and override.is_set and self.lora_of("actor") is not None:
+            if role == "ref" and override.is_set and self.reference_is_actor_base:
                 problems.append("layout.reference is set, but with layout.actor.lora the "
                                 "reference is the actor's own engine with its adapters off: "
                                 "it has the actor's layout")
@@ -849,7 +866,7 @@ class PPOConfig:
         colocated = self.placement == "colocated"
         # Disaggregated: the reference and reward group, or with the actor's adapters the
         # reference in the actor's group (the actor's own engine) and the reward alone.
-        apart = ("reward",) if self.lora_of("actor") is not None else ("ref", "reward")
+        apart = ("reward",) if self.reference_is_actor_base else ("ref", "reward")
         sharing = [r for r in (layouts if colocated else apart) if r in layouts]
         fix = ", or use placement=disaggregated" if colocated else ""
         for role in sharing[1:]:

@@ -35,7 +35,7 @@ def group_specs(config: PPOConfig) -> tuple[GroupSpec, ...]:
         return (GroupSpec("colocated", roles, config.nproc, actor),)
     # With the actor's LoRA adapters the reference is the actor with them off: in its group.
     ref = {"ref"}
-    actor_roles = frozenset({"actor"} | (ref if config.lora_of("actor") else set()))
+    actor_roles = frozenset({"actor"} | (ref if config.reference_is_actor_base else set()))
     groups = [GroupSpec("+".join(sorted(actor_roles)), actor_roles, config.nproc, actor)]
     if critic:
         groups.append(GroupSpec("critic", frozenset(critic), config.nproc,

@@ -18,6 +18,7 @@ import os
 import socket
 
 from megarlhf.engine.checkpoint import COMPLETE_MARKER, check_resumed_adapters, is_complete
+from megarlhf.models.peft_format import CONFIG_FILE, WEIGHTS_FILE
 from megarlhf.ppo import checkpoints
 from megarlhf.ppo.config import LAYOUT_KEYS, RESUME_INPUTS, TRAINED_ROLES
 
@@ -96,6 +97,10 @@ def run_inputs(config, prompts) -> dict:
     for field in ("actor", "critic", "reward_model"):
         path = getattr(config, field)
         inputs[field] = None if path is None else _checkpoint_fingerprint(path)
+    # The reference is rebuilt from it on a resume.
+    adapter = config.reference_adapter
+    inputs["actor_adapter"] = None if adapter is None else _files_fingerprint(
+        adapter.from_peft, (CONFIG_FILE, WEIGHTS_FILE))
     return inputs
 
 
@@ -138,8 +143,13 @@ def _prompts_fingerprint(path: str, prompts) -> dict:
 def _checkpoint_fingerprint(path: str) -> dict:
     """A checkpoint's metadata (its completion marker and DCP's .metadata), not its weights:
     every save writes new metadata, so two checkpoints never share one."""
+    return _files_fingerprint(path, (COMPLETE_MARKER, ".metadata"))
+
+
+def _files_fingerprint(path: str, names: tuple[str, ...]) -> dict:
+    """The directory `path` by the contents of its files `names`."""
     digest = hashlib.sha256()
-    for name in (COMPLETE_MARKER, ".metadata"):
+    for name in names:
         file = os.path.join(path, name)
         if os.path.isfile(file):
             with open(file, "rb") as f:

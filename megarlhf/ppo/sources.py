@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from megarlhf.convert.peft_adapter import check_adapter
 from megarlhf.engine.checkpoint import is_complete, read_meta
 from megarlhf.models.config import ModelConfig
 from megarlhf.models.lora import check_model as check_lora_targets
@@ -49,9 +50,10 @@ def resolve(path: str, *, field: str, value_head: bool) -> ModelSource:
     if is_complete(path):
         meta = read_meta(path)
         if meta.get("lora"):
-            raise ValueError(f"{field}: checkpoint {path} holds LoRA adapters, and PPO does not "
-                             f"train or load adapters yet: export it merged (python -m "
-                             f"tools.convert_hf.mcore_to_hf) and convert that back")
+            raise ValueError(f"{field}: checkpoint {path} holds LoRA adapters: start from its "
+                             f"base with layout.actor.lora.from_peft=DIR (DIR from python -m "
+                             f"tools.convert_hf.mcore_to_hf --lora adapter), or export it "
+                             f"merged and convert that back")
         if meta["value_head"] != value_head:
             kind = "a value head" if meta["value_head"] else "an LM head"
             raise ValueError(f"{field}: checkpoint {path} has {kind}, the role needs "
@@ -80,9 +82,12 @@ def check_models(config: PPOConfig, models: dict[str, ModelSource], seq: int) ->
     """What makes the models unrunnable at the recipe's layout, each with a fix."""
     problems = []
     for role in ("actor", "critic"):
-        if config.lora_of(role) is not None and role in models:
+        lora = config.lora_of(role)
+        if lora is not None and role in models:
             try:
-                check_lora_targets(config.lora_of(role), is_moe=models[role].model.is_moe)
+                check_lora_targets(lora, is_moe=models[role].model.is_moe)
+                if lora.from_peft is not None:
+                    check_adapter(lora.from_peft, models[role].model, lora)
             except ValueError as e:
                 problems.append(f"{role}: {e}")
     for role, source in models.items():

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megarlhf.convert.peft_adapter import load_adapter
 from megarlhf.data.sequences import SequenceBatch
 from megarlhf.engine.checkpoint import (
     checkpoint_architecture, engine_from_checkpoint, load_checkpoint, read_meta, save_checkpoint,
@@ -89,9 +90,9 @@ class PPOWorker:
             self.actor = PolicyRole(self._engine("actor", c.actor, c.actor_lr), loss=loss,
                                     batching=batching)
         if "ref" in roles:
-            # With LoRA the reference is the actor's own engine with its adapters off
-            # (`_reference_weights`): the base is frozen, so it is the initial policy.
-            self.ref = PolicyRole(self.actor.engine if c.lora_of("actor") else
+            # With LoRA from zero the reference is the actor's own engine with its adapters
+            # off: the base is frozen, so it is the initial policy.
+            self.ref = PolicyRole(self.actor.engine if c.reference_is_actor_base else
                                   self._engine("ref", c.actor, None), batching=batching)
         if "critic" in roles:
             self.critic = ValueRole(self._engine("critic", c.critic, c.critic_lr),
@@ -104,7 +105,7 @@ class PPOWorker:
                                     batching=batching)
         self.residency = Residency(
             {role: r.engine for role, r in self._models().items()
-             if not (role == "ref" and c.lora_of("actor"))},
+             if not (role == "ref" and c.reference_is_actor_base)},
             params=c.offload_params, grads=c.offload_grads, optimizer=c.offload_optimizer)
         model, arch = self._actor_model()
         self.bridge = self.engine = self.channel = None
@@ -131,16 +132,22 @@ class PPOWorker:
     def _engine(self, role: str, ckpt: str, lr: float | None) -> TrainEngine:
         """Model role `role` on the group's mesh, at its own layout: the mesh's TP x PP with
         the role's sequence parallelism (a per-model flag; the ranks' megatron-core parallel
-        state is the group's) and its activation recomputation."""
+        state is the group's) and its activation recomputation. An actor starting from a PEFT
+        adapter, and its reference, get that adapter over the checkpoint's weights (a resume
+        then loads the actor's trained adapters over it)."""
         optim = OptimConfig(lr=lr, clip_grad=1.0) if lr is not None else None
         parallel = self.config.parallel_of(role)
         if not parallel.same_mesh(self.group.parallel):
             raise ValueError(f"{role}'s layout {parallel} is not its group's mesh "
                              f"{self.group.parallel} (the config's checks should have said)")
-        return engine_from_checkpoint(ckpt, parallel, self.mesh, optim, dtype=self.dtype,
-                                      lora=self.config.lora_of(role),
-                                      layer_spec=self.config.layer_spec,
-                                      recompute=self.config.recompute_of(role))
+        lora = self.config.reference_adapter if role == "ref" else self.config.lora_of(role)
+        engine = engine_from_checkpoint(ckpt, parallel, self.mesh, optim, dtype=self.dtype,
+                                        lora=lora, layer_spec=self.config.layer_spec,
+                                        recompute=self.config.recompute_of(role))
+        if lora is not None and lora.from_peft is not None:
+            load_adapter(lora.from_peft, engine.unwrapped())
+            engine.refresh_masters()
+        return engine
 
     def _actor_model(self):
         """The actor's model config and architecture (HF names for the bridge and engines)."""
@@ -245,7 +252,7 @@ class PPOWorker:
                 continue
             # One role's weights at a time, when they are offloaded (LoRA's reference is the
             # actor's weights).
-            shares_actor = role == "ref" and self.config.lora_of("actor") is not None
+            shares_actor = role == "ref" and self.config.reference_is_actor_base
             self.residency.keep("experience",
                                 residency.forward_of("actor" if shares_actor else role))
             if role == "actor":

@@ -66,17 +66,8 @@ def init_weights(source: ModelSource, engine: TrainEngine) -> str:
     if source.lora is not None and source.lora.from_peft is not None:
         load_adapter(source.lora.from_peft, engine.unwrapped())
         line += f", LoRA adapter from {source.lora.from_peft}"
-        _refresh_masters(engine)
+        engine.refresh_masters()
     return line
-
-
-def _refresh_masters(engine: TrainEngine) -> None:
-    """A 16-bit engine's optimizer holds fp32 master copies made when it was built: after
-    weights are written outside load_checkpoint (which refreshes them itself, from an fp32
-    checkpoint's own values), they must take the written values, or the first step writes
-    the build-time ones back."""
-    if engine.optimizer is not None:
-        engine.optimizer.reload_model_params()
 
 
 def _init_base(source: ModelSource, engine: TrainEngine) -> str:
@@ -89,7 +80,7 @@ def _init_base(source: ModelSource, engine: TrainEngine) -> str:
         return f"weights from {source.checkpoint}"
     assert value_head, "model_config refuses value checkpoints for LM stages"
     load_trunk(source.checkpoint, engine, meta)
-    _refresh_masters(engine)
+    engine.refresh_masters()
     return f"trunk from LM {source.checkpoint}, new value head"
 
 
