@@ -619,13 +619,16 @@ def test_disaggregated_equals_colocated_and_resumes_exactly(base, tmp_path, monk
         "layout": Layout(actor=RoleLayout(lora=LoraConfig(from_peft=peft_dir)))})
     assert not from_peft.reference_is_actor_base
     assert [same(m) for m in run(from_peft)] == [same(m) for m in colocated[:2]]
-    # An adapter that moves the policy: the reference holds it too (KL exactly 0 at step 1,
-    # where a reference without it would differ), and the engine got it merged.
+    # An adapter that moves the policy, disaggregated (the reference in a group of its own):
+    # the reference holds the adapter too (KL exactly 0 at step 1, where a reference without
+    # it would differ), and the engine got it merged.
     peft_dir = _initial_adapter(base.actor, short["layout"].actor.lora, tmp_path / "peft_b",
                                 b_std=0.5)
-    (moved,) = run(dataclasses.replace(from_peft, out_dir=str(tmp_path / "moved"), steps=1,
-                                       layout=Layout(actor=RoleLayout(lora=LoraConfig(
-                                           from_peft=peft_dir)))))
+    moving = dataclasses.replace(from_peft, out_dir=str(tmp_path / "moved"), steps=1,
+                                 placement="disaggregated", layout=Layout(actor=RoleLayout(
+                                     lora=LoraConfig(from_peft=peft_dir))))
+    assert [s.name for s in group_specs(moving)] == ["actor", "critic", "ref", "rollout"]
+    (moved,) = run(moving)
     assert moved["kl"] == 0 and moved["rollout/logprob_gap_max"] < 1e-5, moved
     # The same seed sampled other answers than from the base: the adapter moved the policy.
     assert moved["reward/mean"] != colocated[0]["reward/mean"]

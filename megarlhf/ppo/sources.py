@@ -50,10 +50,12 @@ def resolve(path: str, *, field: str, value_head: bool) -> ModelSource:
     if is_complete(path):
         meta = read_meta(path)
         if meta.get("lora"):
-            raise ValueError(f"{field}: checkpoint {path} holds LoRA adapters: start from its "
-                             f"base with layout.actor.lora.from_peft=DIR (DIR from python -m "
-                             f"tools.convert_hf.mcore_to_hf --lora adapter), or export it "
-                             f"merged and convert that back")
+            peft = ("start from its base with layout.actor.lora.from_peft=DIR (DIR from "
+                    "python -m tools.convert_hf.mcore_to_hf --lora adapter), or "
+                    if field == "actor" else "")
+            raise ValueError(f"{field}: checkpoint {path} holds LoRA adapters: {peft}export it "
+                             f"merged (python -m tools.convert_hf.mcore_to_hf) and convert "
+                             f"that back")
         if meta["value_head"] != value_head:
             kind = "a value head" if meta["value_head"] else "an LM head"
             raise ValueError(f"{field}: checkpoint {path} has {kind}, the role needs "

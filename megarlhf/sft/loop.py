@@ -23,7 +23,7 @@ from megarlhf.data.encode import Example
 from megarlhf.data.order import EpochStream
 from megarlhf.data.tokenizer import Tokenizer, is_tokenizer, load_tokenizer
 from megarlhf.engine.checkpoint import (COMPLETE_MARKER, HF_SIDECAR, check_resumed_adapters,
-                                       load_checkpoint, read_meta, save_checkpoint)
+                                        load_checkpoint, read_meta, save_checkpoint)
 from megarlhf.engine.run_checkpoints import RunCheckpoints
 from megarlhf.engine.schedule import Batch, LossFn, pad_to_multiple, rank_microbatches
 from megarlhf.engine.train import TrainEngine
