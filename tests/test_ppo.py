@@ -491,13 +491,6 @@ def test_a_rank_that_meets_a_corrupt_file_stops_the_run_naming_it(base, tmp_path
     assert 'File "' in failure.value.__notes__[0]  # the rank's traceback (Ray's form has no header)
 
 
-def test_a_value_checkpoint_as_actor_is_refused_before_any_rank_starts(base, tmp_path):
-    config = dataclasses.replace(base, actor=base.critic, out_dir=str(tmp_path))
-    with pytest.raises(ValueError, match=r"actor: checkpoint .* has a value head, the role "
-                                         r"needs an LM head"):
-        run(config)
-
-
 def _ppo_process(config: PPOConfig, **popen) -> subprocess.Popen:
     """`megarlhf ppo` on `config`, its stdout and stderr in <out_dir>.yaml.out / .err."""
     overrides = [f"{k}={json.dumps(v) if isinstance(v, (list, tuple, dict)) else v}"
