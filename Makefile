@@ -71,7 +71,7 @@ $(MCORE_NEWEST_DIR)/.installed: $(STAMP)
 
 # Test modules that exercise no megatron-core code (rewards, environments, datasets, logs,
 # Slurm scripts) run once, in the main tier.
-MCORE_FREE_TESTS := test_rewards test_envs test_data test_logs test_slurm
+MCORE_FREE_TESTS := test_rewards test_remote_reward test_envs test_data test_logs test_slurm
 
 # MEGARLHF_EXPECT_MCORE makes tests/test_compat.py fail unless that version is the one loaded.
 test-mcore-newest: $(MCORE_NEWEST_DIR)/.installed

@@ -163,6 +163,9 @@ CONFIG_CASES = [  # (overrides, what the message must name)
     (["environment=arithmetic_retry", "on_env_error=ignore"],
      "on_env_error='ignore' is not one of ['stop', 'zero_reward']"),
     (["tool_parser=nope"], "tool_parser='nope' is not one of"),
+    (["reward_url=ftp://rm/score"], "reward_url='ftp://rm/score' is not an http:// or https://"),
+    (["reward_url_headers_env=RM"], "reward_url_headers_env is set, but no reward_url"),
+    (["reward_url=http://rm/x", "reward_url_format=grpc"], "reward_url_format='grpc' is not"),
 ]
 
 
@@ -213,6 +216,13 @@ def path_cases(world) -> dict[str, tuple[list[str], str]]:
         "rollout_max_model_len too short": (["rollout_backend=vllm", f"vllm_model_dir={world}/hf",
                                              "rollout_max_model_len=17"],
                                             "rollout_max_model_len=17"),
+        # Port 1 of this machine: nothing listens there.
+        "reward server unreachable": (["reward_url=http://127.0.0.1:1/score"],
+                                      "reward_url http://127.0.0.1:1/score: cannot connect to "
+                                      "127.0.0.1:1"),
+        "reward_url headers variable unset": (["reward_url=http://127.0.0.1:1/score",
+                                               "reward_url_headers_env=MEGARLHF_UNSET_HEADERS"],
+                                              "MEGARLHF_UNSET_HEADERS is not set"),
     }
 
 
@@ -223,7 +233,8 @@ PATH_CASES = ["actor missing", "actor is an HF dir", "actor is a value checkpoin
               "reward_fn not module:function", "reward_fn not callable",
               "reward model of another vocabulary", "out_dir is a file",
               "out_dir under a file", "vllm_model_dir without config.json",
-              "stop ids outside the vocabulary", "rollout_max_model_len too short"]
+              "stop ids outside the vocabulary", "rollout_max_model_len too short",
+              "reward server unreachable", "reward_url headers variable unset"]
 
 
 @pytest.mark.parametrize("dry_run", [True, False], ids=["dry-run", "run"])

@@ -440,6 +440,40 @@ def test_ppo_with_lora_actor_and_critic_syncs_merged_weights_and_keeps_the_bases
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["native", "openrlhf"])
+def test_a_reward_service_scores_the_rollouts(base, hf_chat_dir, tmp_path, fmt):
+    """reward_url is the run's only reward, served by a real HTTP server (tests/
+    reward_server.py: the low-token fraction of the token ids, or OpenRLHF's format, the
+    length of prompt + response text): the step's reward/mean is the mean of the scores the
+    server computed for the 16 samples it was sent, in batches of 5, with the header from
+    the environment variable; a per-sample metric of the native reply is logged."""
+    from tests.reward_server import RewardServer
+
+    server = RewardServer()
+    os.environ["TEST_RM_HEADERS"] = '{"X-Run": "ppo-test"}'
+    try:
+        config = dataclasses.replace(
+            base, out_dir=str(tmp_path), algorithm="grpo", critic=None, nproc=1,
+            tensor_parallel=1, steps=1, ppo_epochs=1, mini_batches=1, prompts_per_step=4,
+            samples_per_prompt=4, kl_coef=None, reward_fn=None, reward_url=server.url,
+            reward_url_format=fmt, reward_url_batch_size=5,
+            reward_url_headers_env="TEST_RM_HEADERS",
+            tokenizer=hf_chat_dir if fmt == "openrlhf" else None)
+        (metrics,) = run(config)
+    finally:
+        server.close()
+        del os.environ["TEST_RM_HEADERS"]
+    key = "rewards" if fmt == "openrlhf" else "scores"
+    scores = [s for body, _ in server.requests for s in RewardServer.score(body)[key]]
+    assert [len(next(iter(body.values()))) for body, _ in server.requests] == [5, 5, 5, 1]
+    assert all(h["X-Run"] == "ppo-test" for _, h in server.requests)
+    assert metrics["reward/mean"] == pytest.approx(sum(scores) / 16, rel=1e-6), metrics
+    assert len(set(scores)) > 1 and metrics["reward/url_failed_samples"] == 0
+    if fmt == "native":
+        assert metrics["reward/length"] == config.max_new_tokens  # no EOS: every token
+
+
+@pytest.mark.slow
 def test_dynamic_sampling_replaces_groups_whose_rewards_are_all_equal(base, tmp_path):
     """The step's first prompts (in the sampler's order) get one reward for every answer: DAPO
     drops their groups and generates more prompts, so the update sees none of them."""
@@ -896,6 +930,8 @@ RUN_ELSEWHERE = {
     "nan_policy": {"stop": "test_grpo_reward_rises"},
     "layer_spec": {"auto": "test_grpo_reward_rises"},
     "logprob_gap_policy": {"stop": "test_gap_over_the_limit_stops_before_training"},
+    "reward_url_format": {"native": "test_a_reward_service_scores_the_rollouts",
+                          "openrlhf": "test_a_reward_service_scores_the_rollouts"},
     "old_logprobs": {"auto": "test_one_pass_old_logprobs_equal_an_experience_pass",
                      "experience_pass": "test_one_pass_old_logprobs_equal_an_experience_pass"},
     "worker_group": {"local": "test_grpo_reward_rises",
@@ -1025,6 +1061,7 @@ def test_every_enum_value_and_placement_backend_pair_has_a_run():
                 "nan_policy": ppo_config.NAN_POLICIES,
                 "logprob_gap_policy": GAP_POLICIES, "worker_group": ppo_config.WORKER_GROUPS,
                 "old_logprobs": ppo_config.OLD_LOGPROBS,
+                "reward_url_format": ppo_config.REWARD_URL_FORMATS,
                 "template": TEMPLATES, "on_bad_record": BAD_RECORD_POLICIES,
                 "recompute": ppo_config.RECOMPUTE, "layer_spec": ppo_config.LAYER_SPECS,
                 "on_env_error": ENV_ERROR_POLICIES, "tool_parser": PARSERS,

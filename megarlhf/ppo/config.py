@@ -25,6 +25,7 @@ from megarlhf.rollout.gap import GAP_POLICIES, GapLimits
 from megarlhf.rollout.sizing import EngineSize
 from megarlhf.models.transformer_config import DTYPES, RECOMPUTE
 from megarlhf.ppo.algorithms import ALGORITHMS, PRESETS, AlgorithmOptions, resolve
+from megarlhf.ppo.remote_reward import url_problem
 from megarlhf.rl import AGGREGATION_MODES, KL_ESTIMATORS
 from megarlhf.rl.correction import CORRECTION_LEVELS, CORRECTIONS
 from megarlhf.rl.losses import POLICY_LOSSES, RATIO_LEVELS
@@ -33,6 +34,7 @@ KL_IN = ("reward", "loss")
 ROLLOUT_BACKENDS = ("megatron", "vllm")
 NAN_POLICIES = ("stop", "skip")
 OLD_LOGPROBS = ("auto", "experience_pass")
+REWARD_URL_FORMATS = ("native", "openrlhf")
 WORKER_GROUPS = ("local", "ray")
 PLACEMENTS = ("colocated", "disaggregated")
 LAYER_SPECS = ("auto", "local", "sdpa")
@@ -151,7 +153,28 @@ class PPOConfig:
     """Seconds one reward-function call may take; a call past it scores its samples 0 and
     is counted in reward/timeouts."""
     reward_max_timeout_fraction: float = 0.5
-    """Stop the run when more than this share of a step's samples timed out."""
+    """Stop the run when more than this share of a step's samples timed out (or, with
+    reward_url, failed after every retry)."""
+    reward_url: str | None = None
+    """An HTTP(S) endpoint that scores samples (megarlhf/ppo/remote_reward.py): each step's
+    samples are POSTed as JSON in batches; its scores are added to the other rewards' (and
+    score validation). Requests time out after reward_timeout seconds."""
+    reward_url_format: str = "native"
+    """native: lists of prompts, responses, ground_truths, data_sources, prompt_ids,
+    response_ids and every dataset column in, {"scores": [...], <metric>: [...]} out;
+    openrlhf: OpenRLHF's remote reward model, query/prompts/labels in, {"rewards": [...]}
+    out (texts: needs a tokenizer)."""
+    reward_url_batch_size: int = 64
+    """Samples per request."""
+    reward_url_concurrency: int = 4
+    """Requests in flight at once."""
+    reward_url_retries: int = 3
+    """Retries of a request that timed out, could not connect or got a 429 / 5xx answer
+    (waits of 0.5 s, doubling); a batch that still fails scores 0, counted in
+    reward/url_failed_samples."""
+    reward_url_headers_env: str | None = None
+    """Name of an environment variable holding the requests' extra headers as a JSON object
+    (e.g. an Authorization token); read in the launching process, never logged."""
     # -- data and output --
     prompts: str
     """Prompt dataset: a JSONL or Parquet file, or a directory written by HF datasets'
@@ -473,6 +496,7 @@ class PPOConfig:
         choice("nan_policy", NAN_POLICIES)
         choice("logprob_gap_policy", GAP_POLICIES)
         choice("old_logprobs", OLD_LOGPROBS)
+        choice("reward_url_format", REWARD_URL_FORMATS)
         for name in ("logprob_gap_limit", "logprob_gap_max_limit"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 problems.append(f"{name} must be > 0, got {getattr(self, name)}")
@@ -504,7 +528,7 @@ class PPOConfig:
                      "prompts_per_step",
                      "samples_per_prompt", "max_new_tokens", "steps", "ppo_epochs",
                      "mini_batches", "micro_batches", "keep_last", "rollout_nproc",
-                     "reward_workers"):
+                     "reward_workers", "reward_url_batch_size", "reward_url_concurrency"):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be >= 1, got {getattr(self, name)}")
         problems += self._range_problems()
@@ -519,8 +543,14 @@ class PPOConfig:
                             "or a role's layout)")
         if self.algorithm in ALGORITHMS:
             problems += self._algorithm_problems()
-        if self.reward_model is None and self.reward_fn is None and \
-                not self.reward_fn_by_source and self.environment is None:
+        if self.reward_url is not None and url_problem(self.reward_url):
+            problems.append(url_problem(self.reward_url))
+        if self.reward_url_retries < 0:
+            problems.append(f"reward_url_retries must be >= 0, got {self.reward_url_retries}")
+        if self.reward_url_headers_env is not None and self.reward_url is None:
+            problems.append("reward_url_headers_env is set, but no reward_url")
+        if self.reward_model is None and self.reward_fn is None and self.reward_url is None \
+                and not self.reward_fn_by_source and self.environment is None:
             problems.append("no reward: set reward_model=CKPT and/or reward_fn=math|exact_match|"
                             "module:function, or an environment that gives rewards")
         if self.placement != "colocated":

@@ -15,6 +15,7 @@ from megarlhf.envs.tools import Toolbox
 from megarlhf.ppo.config import PPOConfig
 from megarlhf.ppo.data import read_run_prompts, run_format, run_tokenizer, tokenizer_path
 from megarlhf.ppo.preflight import Preflight, preflight
+from megarlhf.ppo.remote_reward import RemoteReward, check_reachable, read_headers
 from megarlhf.ppo.rewards import RewardFunction
 from megarlhf.rewards.calls import Sample
 
@@ -32,6 +33,8 @@ class RunInputs:
     episodes: EpisodeRunner | None = None
     """With an environment: runs the multi-turn episodes."""
     toolbox: Toolbox | None = None
+    remote: RemoteReward | None = None
+    """With reward_url: the reward service's client."""
 
     def samples(self, prompts: list[Prompt], completions,
                 episodes: list[Episode] | None = None) -> list[Sample]:
@@ -60,7 +63,7 @@ class RunInputs:
 
     def close(self) -> None:
         """End the reward and tool worker processes."""
-        for pool in (self.reward, self.toolbox):
+        for pool in (self.reward, self.toolbox, self.remote):
             if pool is not None:
                 pool.close()
 
@@ -73,18 +76,25 @@ def read_inputs(config: PPOConfig) -> RunInputs:
                                 allow_non_finite=config.nan_policy == "skip",
                                 workers=config.reward_workers, timeout=config.reward_timeout,
                                 max_timeout_fraction=config.reward_max_timeout_fraction)
+    remote = _remote_reward(config) if config.reward_url is not None else None
     path = tokenizer_path(config)
     if reward is not None and reward.needs_text and path is None:
         raise ValueError(f"the reward function reads text, but no tokenizer is known to "
                          f"decode responses (the actor checkpoint has no {config.actor}/hf "
                          f"tokenizer); set tokenizer=HF_DIR")
+    if remote is not None and remote.needs_text and path is None:
+        raise ValueError(f"reward_url_format={config.reward_url_format} sends texts, but no "
+                         f"tokenizer is known to decode responses (the actor checkpoint has no "
+                         f"{config.actor}/hf tokenizer); set tokenizer=HF_DIR, or use "
+                         f"reward_url_format=native (token ids)")
     if config.environment is not None and path is None:
         raise ValueError(f"environment: episodes are rendered as text, but no tokenizer is "
                          f"known (the actor checkpoint has no {config.actor}/hf tokenizer); "
                          f"set tokenizer=HF_DIR")
-    if config.val_prompts and reward is None and config.environment is None:
+    if config.val_prompts and reward is None and remote is None and config.environment is None:
         raise ValueError("val_prompts: validation scores answers with the reward function; "
-                         "set reward_fn (the reward model does not score validation)")
+                         "set reward_fn or reward_url (the reward model does not score "
+                         "validation)")
     train, train_report = read_run_prompts(config, "prompts")
     val, val_report = read_run_prompts(config, "val_prompts") if config.val_prompts \
         else ([], None)
@@ -108,7 +118,19 @@ def read_inputs(config: PPOConfig) -> RunInputs:
                                        checked.max_prompt_tokens)
     return RunInputs(train=kept_train, val=kept_val,
                      checked=checked, reward=reward, tokenizer=tokenizer, report=report,
-                     episodes=runner, toolbox=toolbox)
+                     episodes=runner, toolbox=toolbox, remote=remote)
+
+
+def _remote_reward(config: PPOConfig) -> RemoteReward:
+    """The reward service's client, its headers read and its server reachable."""
+    headers = read_headers(config.reward_url_headers_env)
+    check_reachable(config.reward_url)
+    return RemoteReward(config.reward_url, fmt=config.reward_url_format,
+                        batch_size=config.reward_url_batch_size,
+                        concurrency=config.reward_url_concurrency,
+                        timeout=config.reward_timeout, retries=config.reward_url_retries,
+                        headers=headers, max_failed_fraction=config.reward_max_timeout_fraction,
+                        allow_non_finite=config.nan_policy == "skip")
 
 
 def _environment(config: PPOConfig, tokenizer: Tokenizer, first: Prompt,

@@ -86,7 +86,8 @@ class RewardFunction:
                 raise RewardFnError(f"{where} {outcome.value}")
             values, metrics = self._read(spec, outcome.value, len(indices), where)
             for i, value in zip(indices, values):
-                scores[i] = self._checked(value, f"reward_fn {spec} at step {step}, sample {i}")
+                scores[i] = check_score(value, f"reward_fn {spec} at step {step}, sample {i}",
+                                        self.allow_non_finite)
             for name, per_sample in metrics.items():
                 extras[name] += [v for v in per_sample if v is not None]
         if timed_out > self.max_timeout_fraction * len(samples):
@@ -106,7 +107,7 @@ class RewardFunction:
                 if "score" not in value:
                     raise RewardFnError(f"{where} returned a dict without 'score' "
                                         f"({sorted(value)[:6]})")
-                extra = {k: [self._metric(v, k, where)] for k, v in value.items()
+                extra = {k: [check_metric(v, k, where)] for k, v in value.items()
                          if k != "score"}
                 return [value["score"]], extra
             return [value], {}
@@ -129,28 +130,31 @@ class RewardFunction:
             if not isinstance(per_sample, (list, tuple)) or len(per_sample) != count:
                 raise RewardFnError(f"{where} returned metric {name!r} that is not a list of "
                                     f"{count} values")
-            extra[name] = [self._metric(v, name, where) for v in per_sample]
+            extra[name] = [check_metric(v, name, where) for v in per_sample]
         return list(value), extra
 
-    @staticmethod
-    def _metric(value, name: str, where: str) -> float | None:
-        if value is None:
-            return None
-        if isinstance(value, torch.Tensor) and value.numel() == 1:
-            value = value.item()
-        if isinstance(value, bool) or isinstance(value, numbers.Real):
-            return float(value)
-        raise RewardFnError(f"{where} returned metric {name!r} = {value!r}; metrics must be "
-                            f"numbers (or None)")
 
-    def _checked(self, value, where: str) -> float:
-        if isinstance(value, torch.Tensor) and value.numel() == 1:
-            value = value.item()
-        if not isinstance(value, numbers.Real):
-            raise RewardFnError(f"{where} returned {value!r} ({type(value).__name__}); it must "
-                                f"return a real number")
-        value = float(value)
-        if not math.isfinite(value) and not self.allow_non_finite:
-            raise RewardFnError(f"{where} returned {value}; return a finite number, or set "
-                                f"nan_policy=skip to skip steps with such rewards")
-        return value
+def check_metric(value, name: str, where: str) -> float | None:
+    """A reported metric's value as a float (None stays None: not counted)."""
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    if isinstance(value, bool) or isinstance(value, numbers.Real):
+        return float(value)
+    raise RewardFnError(f"{where} returned metric {name!r} = {value!r}; metrics must be "
+                        f"numbers (or None)")
+
+
+def check_score(value, where: str, allow_non_finite: bool) -> float:
+    """A returned score as a float; RewardFnError naming `where` for anything else."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    if not isinstance(value, numbers.Real):
+        raise RewardFnError(f"{where} returned {value!r} ({type(value).__name__}); it must "
+                            f"return a real number")
+    value = float(value)
+    if not math.isfinite(value) and not allow_non_finite:
+        raise RewardFnError(f"{where} returned {value}; return a finite number, or set "
+                            f"nan_policy=skip to skip steps with such rewards")
+    return value

@@ -211,6 +211,8 @@ def settings(config: PPOConfig) -> dict:
     drawn = {name: getattr(config, name) for name in (
         "prompts_per_step", "samples_per_prompt", "max_new_tokens", "temperature", "top_p",
         "top_k", "stop_token_ids", "reward_fn", "reward_model", "async_rollout")}
+    if config.reward_url is not None:  # named only when set, as routing_replay below
+        drawn["reward_url"] = config.reward_url
     if config.routing_replay:  # the rollout must carry its routing; named only when on, so
         drawn["routing_replay"] = True  # checkpoints from before the field still match
     if config.environment is not None:  # likewise
@@ -232,9 +234,9 @@ def score_answers(config: PPOConfig, data: RunInputs, workers: Placement, answer
                   samples: list[Sample], step: int, *, validation: bool = False
                   ) -> tuple[torch.Tensor, dict[str, float]]:
     """[B] scores of one round: the episodes' rewards, plus the reward model's, plus the
-    reward function's, plus the overlong penalty; and the reward function's and the
-    environment's metrics. Validation scores with the episodes' rewards and the reward
-    function only."""
+    reward function's, plus the reward service's (reward_url), plus the overlong penalty;
+    and the reward function's, the service's and the environment's metrics. Validation
+    scores with the episodes' rewards, the reward function and the service only."""
     score = torch.zeros(len(samples))
     metrics = dict(answers.metrics)
     if answers.episodes is not None:
@@ -243,10 +245,11 @@ def score_answers(config: PPOConfig, data: RunInputs, workers: Placement, answer
         batch = rollout_batch([list(p.ids) for p in answers.prompts],
                               answers.completions).sequences
         score += workers.experience(batch, frozenset({"reward"}))["rm_scores"].float()
-    if data.reward is not None:
-        fn_score, fn_metrics = data.reward.score(step, samples)
-        score += fn_score
-        metrics.update(fn_metrics)
+    for scorer in (data.reward, data.remote):
+        if scorer is not None:
+            fn_score, fn_metrics = scorer.score(step, samples)
+            score += fn_score
+            metrics.update(fn_metrics)
     buffer = config.options.overlong_buffer
     if buffer and not validation:
         lengths = torch.tensor([len(c.token_ids) for c in answers.completions])
@@ -257,7 +260,8 @@ def score_answers(config: PPOConfig, data: RunInputs, workers: Placement, answer
     return score, metrics
 
 
-_COUNTS = ("reward/timeouts", "env/errors", "env/tool_errors", "env/observations_cut",
+_COUNTS = ("reward/timeouts", "reward/url_failed_samples", "reward/url_retries",
+           "reward/url_seconds", "env/errors", "env/tool_errors", "env/observations_cut",
            "env/seconds")
 """Metrics of a round that are totals (the step's is their sum over rounds)."""
 
