@@ -396,27 +396,32 @@ def _changed_keys(base: str, trained: str) -> set[str]:
 def test_ppo_with_lora_actor_and_critic_syncs_merged_weights_and_keeps_the_bases(
         base, lm_ref, value_refs, tmp_path):
     """PPO with LoRA adapters on the actor and on the critic (TP2 with sequence parallelism,
-    the actor with full recomputation, Megatron engine, idle state offloaded): after each
-    update the engine gets W + scale * B @ A and its logprobs equal the trainer's at fp32
-    noise (1e-5; the adapters move the logprobs by far more: an unmerged sync trips the
-    guard); the reference is the actor's base with adapters off, so the rollout's KL is
-    exactly 0 at step 1 (actor = base) and not after; the saved actor differs from its base
-    checkpoint in the adapters only, the critic in its adapters and value head."""
+    the actor with full recomputation, Megatron engine, idle state offloaded). The actor
+    starts from a PEFT adapter whose B is not zero (its slices loaded at TP2), so its
+    reference is a frozen model of its own: the base with that adapter. After each update
+    the engine gets W + scale * B @ A and its logprobs equal the trainer's at fp32 noise
+    (1e-5; the adapters move the logprobs by far more: an unmerged sync trips the guard);
+    the rollout's KL is exactly 0 at step 1 (a reference without the adapter would differ)
+    and not after; the saved actor differs from its base checkpoint in the adapters only,
+    the critic in its adapters and value head."""
     from megarlhf.models.lora import is_adapter_key
 
     targets = ["q_proj", "v_proj", "o_proj", "up_proj", "down_proj"]
+    # Dropout on the actor's adapters (read from the PEFT directory): the recomputed layers
+    # replay their masks.
+    peft_dir = _initial_adapter(base.actor, LoraConfig(rank=4, alpha=8.0, target_modules=targets,
+                                                       dropout=0.1), tmp_path / "peft", b_std=0.5)
     config = dataclasses.replace(
-        base, nproc=2, tensor_parallel=2, steps=3, out_dir=str(tmp_path), actor_lr=1e-2,
+        base, nproc=2, tensor_parallel=2, steps=3, out_dir=str(tmp_path / "run"), actor_lr=1e-2,
         critic_lr=1e-2, prompts_per_step=4, sequence_parallel=True,
         # Full recomputation: the frozen embedding's output is marked as needing a gradient,
         # or the recomputed layers would return none.
-        # Dropout on the actor's adapters: the recomputed layers replay their masks.
-        layout=Layout(actor=RoleLayout(recompute="full", lora=LoraConfig(
-            rank=4, alpha=8.0, target_modules=targets, dropout=0.1)),
+        layout=Layout(actor=RoleLayout(recompute="full", lora=LoraConfig(from_peft=peft_dir)),
                       critic=RoleLayout(lora=LoraConfig(rank=2, target_modules=["q_proj"]))),
         # Idle state offloaded: a frozen base has weights but no gradients or optimizer
-        # state, and the reference shares the actor's.
+        # state; the reference is weights only.
         offload_params=True, offload_grads=True, offload_optimizer=True)
+    assert config.lora_of("actor").dropout == 0.1 and not config.reference_is_actor_base
     history = run(config)
     for m in history:
         assert m["rollout/logprob_gap_max"] < 1e-5, m
@@ -425,7 +430,7 @@ def test_ppo_with_lora_actor_and_critic_syncs_merged_weights_and_keeps_the_bases
     kl = [m["kl"] for m in history]
     assert kl[0] == 0 and all(k != 0 for k in kl[1:]), kl
     assert all(m["critic/grad_norm"] > 0 for m in history)
-    latest = checkpoints.of_run(str(tmp_path)).latest()
+    latest = checkpoints.of_run(config.out_dir).latest()
     prefix = "decoder.layers.self_attention."
     adapted = {"q_proj": "linear_qkv", "v_proj": "linear_qkv", "o_proj": "linear_proj"}
     assert _changed_keys(lm_ref, os.path.join(latest, "actor")) == {
@@ -624,8 +629,8 @@ def test_disaggregated_equals_colocated_and_resumes_exactly(base, tmp_path, monk
     actor trains LoRA adapters (its reference then runs in the actor's group, its base with
     the adapters off), the critic every weight. An actor started from a PEFT adapter holding
     those same initial adapters has a frozen reference model of its own (the base with that
-    adapter, B = 0): its steps equal the colocated run's bitwise, as adding B @ A x = 0 is
-    exact."""
+    adapter, B = 0; disaggregated, in a group of its own): its steps equal the others'
+    bitwise, as adding B @ A x = 0 is exact."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # same threads everywhere: same summation order
     short = dict(nproc=1, tensor_parallel=1, steps=4, save_every=2,
                  layout=Layout(actor=RoleLayout(lora=LoraConfig(rank=4))))
@@ -641,24 +646,11 @@ def test_disaggregated_equals_colocated_and_resumes_exactly(base, tmp_path, monk
     assert straight[-1]["time/worker/experience"] > 0
 
     peft_dir = _initial_adapter(base.actor, short["layout"].actor.lora, tmp_path / "peft")
-    from_peft = dataclasses.replace(base, out_dir=str(tmp_path / "from_peft"), **{
-        **short, "steps": 2,
-        "layout": Layout(actor=RoleLayout(lora=LoraConfig(from_peft=peft_dir)))})
-    assert not from_peft.reference_is_actor_base
-    assert [same(m) for m in run(from_peft)] == [same(m) for m in colocated[:2]]
-    # An adapter that moves the policy, disaggregated (the reference in a group of its own):
-    # the reference holds the adapter too (KL exactly 0 at step 1, where a reference without
-    # it would differ), and the engine got it merged.
-    peft_dir = _initial_adapter(base.actor, short["layout"].actor.lora, tmp_path / "peft_b",
-                                b_std=0.5)
-    moving = dataclasses.replace(from_peft, out_dir=str(tmp_path / "moved"), steps=1,
-                                 placement="disaggregated", layout=Layout(actor=RoleLayout(
-                                     lora=LoraConfig(from_peft=peft_dir))))
-    assert [s.name for s in group_specs(moving)] == ["actor", "critic", "ref", "rollout"]
-    (moved,) = run(moving)
-    assert moved["kl"] == 0 and moved["rollout/logprob_gap_max"] < 1e-5, moved
-    # The same seed sampled other answers than from the base: the adapter moved the policy.
-    assert moved["reward/mean"] != colocated[0]["reward/mean"]
+    from_peft = dataclasses.replace(apart, out_dir=str(tmp_path / "from_peft"), steps=2,
+                                    layout=Layout(actor=RoleLayout(lora=LoraConfig(
+                                        from_peft=peft_dir))))
+    assert [s.name for s in group_specs(from_peft)] == ["actor", "critic", "ref", "rollout"]
+    assert [same(m) for m in run(from_peft)] == [same(m) for m in straight[:2]]
 
     resumed = dataclasses.replace(apart, out_dir=str(tmp_path / "resumed"))
     shutil.copytree(f"{checkpoints.of_run(apart.out_dir).root}/step_2",
