@@ -244,6 +244,13 @@ def test_a_bad_path_or_file_is_refused(world, capsys, case, dry_run):
     refused(ppo(world, *overrides, dry_run=dry_run), capsys, world, names=names)
 
 
+def test_reward_url_check_false_lets_a_run_start_before_its_reward_server(world, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli(ppo(world, "reward_url=http://127.0.0.1:1/score", "reward_url_check=false",
+                dry_run=True))
+    assert exit_.value.code == 0, capsys.readouterr().err
+
+
 def test_skip_overlong_drops_what_does_not_fit_and_says_so(world, capsys):
     path_cases(world)
     with pytest.raises(SystemExit) as exit_:

@@ -175,6 +175,10 @@ class PPOConfig:
     reward_url_headers_env: str | None = None
     """Name of an environment variable holding the requests' extra headers as a JSON object
     (e.g. an Authorization token); read in the launching process, never logged."""
+    reward_url_check: bool = True
+    """Refuse the run before any rank starts when the reward server accepts no connection;
+    false for a server that starts after the trainer (its first step then waits on the
+    retries)."""
     # -- data and output --
     prompts: str
     """Prompt dataset: a JSONL or Parquet file, or a directory written by HF datasets'

@@ -124,7 +124,8 @@ def read_inputs(config: PPOConfig) -> RunInputs:
 def _remote_reward(config: PPOConfig) -> RemoteReward:
     """The reward service's client, its headers read and its server reachable."""
     headers = read_headers(config.reward_url_headers_env)
-    check_reachable(config.reward_url)
+    if config.reward_url_check:
+        check_reachable(config.reward_url)
     return RemoteReward(config.reward_url, fmt=config.reward_url_format,
                         batch_size=config.reward_url_batch_size,
                         concurrency=config.reward_url_concurrency,
