@@ -166,6 +166,17 @@ CONFIG_CASES = [  # (overrides, what the message must name)
     (["reward_url=ftp://rm/score"], "reward_url='ftp://rm/score' is not an http:// or https://"),
     (["reward_url_headers_env=RM"], "reward_url_headers_env is set, but no reward_url"),
     (["reward_url=http://rm/x", "reward_url_format=grpc"], "reward_url_format='grpc' is not"),
+    (["rewards=[{name: a, kind: math}]"], "reward_fn / reward_fn_by_source and rewards are "
+                                          "both set"),
+    (["reward_fn=null", "rewards=[{name: a, kind: math}, {name: a, kind: exact_match}]"],
+     "rewards: names ['a', 'a'] repeat"),
+    (["reward_fn=null", "rewards=[{name: j, kind: judge}]"], "rewards[0] (j): kind='judge' is "
+                                                            "not one of"),
+    (["reward_fn=null", "rewards=[{name: f, kind: fn}]"], "'function' goes with kind fn"),
+    (["reward_fn=null", "rewards=[{name: u, kind: url}]"], "kind url needs reward_url set"),
+    (["reward_fn=null", "reward_url=http://127.0.0.1:1/x", "rewards=[{name: a, kind: math}]"],
+     "reward_url is set, but no rewards term of kind url uses it"),
+    (["reward_fn=null", "rewards=[{name: a b, kind: math}]"], "rewards[0].name='a b'"),
 ]
 
 

@@ -447,21 +447,28 @@ def test_ppo_with_lora_actor_and_critic_syncs_merged_weights_and_keeps_the_bases
 @pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["native", "openrlhf"])
 def test_a_reward_service_scores_the_rollouts(base, hf_chat_dir, tmp_path, fmt):
-    """reward_url is the run's only reward, served by a real HTTP server (tests/
-    reward_server.py: the low-token fraction of the token ids, or OpenRLHF's format, the
-    length of prompt + response text): the step's reward/mean is the mean of the scores the
-    server computed for the 16 samples it was sent, in batches of 5, with the header from
-    the environment variable; a per-sample metric of the native reply is logged."""
+    """A real HTTP reward server (tests/reward_server.py) scores the 16 samples of a GRPO
+    step, sent in batches of 5 with the header from the environment variable.
+    - openrlhf: reward_url is the run's only reward (the server: the length of prompt +
+      response text); reward/mean is the mean of the scores the server computed.
+    - native: in `rewards` beside a function, weighted: {low: the low-token fraction in a
+      reward worker, weight 2} and {svc: the server's low-token fraction of the token ids,
+      weight -0.5}; each is logged as reward/<name>, equal to the server's mean, and
+      reward/mean is their weighted sum; the reply's per-sample metric is logged."""
+    from megarlhf.ppo.config import RewardTerm
     from tests.reward_server import RewardServer
 
     server = RewardServer()
     os.environ["TEST_RM_HEADERS"] = '{"X-Run": "ppo-test"}'
+    terms = (RewardTerm(name="low", kind="fn", function="tests.ppo_tasks:low_token_fraction",
+                        weight=2.0),
+             RewardTerm(name="svc", kind="url", weight=-0.5)) if fmt == "native" else ()
     try:
         config = dataclasses.replace(
             base, out_dir=str(tmp_path), algorithm="grpo", critic=None, nproc=1,
             tensor_parallel=1, steps=1, ppo_epochs=1, mini_batches=1, prompts_per_step=4,
             samples_per_prompt=4, kl_coef=None, reward_fn=None, reward_url=server.url,
-            reward_url_format=fmt, reward_url_batch_size=5,
+            reward_url_format=fmt, reward_url_batch_size=5, rewards=terms,
             reward_url_headers_env="TEST_RM_HEADERS",
             tokenizer=hf_chat_dir if fmt == "openrlhf" else None)
         (metrics,) = run(config)
@@ -472,10 +479,15 @@ def test_a_reward_service_scores_the_rollouts(base, hf_chat_dir, tmp_path, fmt):
     scores = [s for body, _ in server.requests for s in RewardServer.score(body)[key]]
     assert [len(next(iter(body.values()))) for body, _ in server.requests] == [5, 5, 5, 1]
     assert all(h["X-Run"] == "ppo-test" for _, h in server.requests)
-    assert metrics["reward/mean"] == pytest.approx(sum(scores) / 16, rel=1e-6), metrics
+    served = sum(scores) / 16
     assert len(set(scores)) > 1 and metrics["reward/url_failed_samples"] == 0
-    if fmt == "native":
-        assert metrics["reward/length"] == config.max_new_tokens  # no EOS: every token
+    if fmt == "openrlhf":
+        assert metrics["reward/mean"] == pytest.approx(served, rel=1e-6), metrics
+        return
+    assert metrics["reward/svc"] == pytest.approx(served, rel=1e-6), metrics
+    assert metrics["reward/low"] == pytest.approx(served, rel=1e-6), metrics
+    assert metrics["reward/mean"] == pytest.approx(1.5 * served, rel=1e-6), metrics
+    assert metrics["reward/length"] == config.max_new_tokens  # no EOS: every token
 
 
 @pytest.mark.slow
@@ -702,13 +714,21 @@ def test_async_rollout_overlaps_training_and_resumes_exactly(base, value_refs, t
     the weights of step n-1 (lag 1, after the first step). A job resumed from the step-2
     checkpoint trains on the rollout that checkpoint kept and repeats steps 3-4 and the
     final weights exactly; a damaged kept rollout is refused naming its file, one drawn with
-    other sampling settings is drawn again."""
+    other sampling settings is drawn again. The rewards are named terms: the reward model's
+    at weight 0.5 beside the task's function; reward/mean is their weighted sum."""
+    from megarlhf.ppo.config import RewardTerm
+
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # same threads everywhere: same summation order
     config = dataclasses.replace(
         base, out_dir=str(tmp_path / "async"), nproc=1, tensor_parallel=1, steps=4,
         save_every=2, placement="disaggregated", async_rollout=True, rollout_correction="tis",
-        reward_model=value_refs[True][1])
+        reward_model=value_refs[True][1], reward_fn=None, rewards=(
+            RewardTerm(name="rm", kind="reward_model", weight=0.5),
+            RewardTerm(name="low", kind="fn", function=base.reward_fn)))
     straight = run(config)
+    for m in straight:
+        assert m["reward/mean"] == pytest.approx(0.5 * m["reward/rm"] + m["reward/low"],
+                                                 rel=1e-5, abs=1e-6), m
     assert [m["rollout/weight_version"] for m in straight] == [0, 0, 1, 2]
     assert [m["rollout/policy_lag"] for m in straight] == [0, 1, 1, 1]
     for m in straight[:3]:  # the rollout drawn beside each step but the last

@@ -105,7 +105,29 @@ class RoleLayout(LayoutOverride):
     every weight, its checkpoint the frozen base (a critic's value head trains too). With an
     actor's adapters the reference is the actor with them switched off, in the actor's own
     ranks (no reference copy is loaded; disaggregated, the reference runs in the actor's
-    group), and the weight sync sends W + scale * B @ A, merged one tensor at a time."""
+    group), unless they start from a PEFT adapter (lora.from_peft): then the reference is a
+    frozen model of its own, the base with that adapter. The weight sync sends
+    W + scale * B @ A, merged one tensor at a time."""
+
+
+REWARD_KINDS = ("math", "exact_match", "fn", "url", "reward_model")
+"""A reward term's kinds: a built-in checker by name, a function, the reward service, the
+reward model."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardTerm:
+    """One term of `rewards`: the step's score of a sample is the weighted sum of its terms,
+    each logged as reward/<name> (its mean over the step's samples, before the weight)."""
+
+    name: str
+    kind: str
+    """math | exact_match (built-in checkers against the row's ground_truth), fn (`function`),
+    url (the run's reward_url and its reward_url_* settings), reward_model (the run's
+    reward_model checkpoint)."""
+    weight: float = 1.0
+    function: str | None = None
+    """kind fn: 'module:function', called as reward_fn's are."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,6 +197,12 @@ class PPOConfig:
     reward_url_headers_env: str | None = None
     """Name of an environment variable holding the requests' extra headers as a JSON object
     (e.g. an Authorization token); read in the launching process, never logged."""
+    rewards: tuple[RewardTerm, ...] = ()
+    """Named, weighted reward terms, e.g. [{name: correct, kind: math}, {name: style, kind:
+    fn, function: my.rewards:style, weight: 0.5}, {name: rm, kind: reward_model, weight:
+    0.1}]: a sample's score is the weighted sum, each term logged as reward/<name>. Empty:
+    the reward model's, reward_fn's (reward_fn_by_source's) and reward_url's scores are
+    added with weight 1, unnamed."""
     reward_url_check: bool = True
     """Refuse the run before any rank starts when the reward server accepts no connection;
     false for a server that starts after the trainer (its first step then waits on the
@@ -553,6 +581,7 @@ class PPOConfig:
             problems.append(f"reward_url_retries must be >= 0, got {self.reward_url_retries}")
         if self.reward_url_headers_env is not None and self.reward_url is None:
             problems.append("reward_url_headers_env is set, but no reward_url")
+        problems += self._reward_term_problems()
         if self.reward_model is None and self.reward_fn is None and self.reward_url is None \
                 and not self.reward_fn_by_source and self.environment is None:
             problems.append("no reward: set reward_model=CKPT and/or reward_fn=math|exact_match|"
@@ -802,6 +831,39 @@ class PPOConfig:
         return (self.old_logprobs == "auto" and self.ppo_epochs == 1 and self.mini_batches == 1
                 and self.rollout_correction == "none" and not kl_in_reward
                 and not self.async_rollout and (lora is None or not lora.dropout))
+
+    def _reward_term_problems(self) -> list[str]:
+        if not self.rewards:
+            return []
+        problems = []
+        if self.reward_fn is not None or self.reward_fn_by_source:
+            problems.append("reward_fn / reward_fn_by_source and rewards are both set: name the "
+                            "function in rewards ({name: ..., kind: fn, function: ...})")
+        names = [t.name for t in self.rewards]
+        if len(set(names)) != len(names):
+            problems.append(f"rewards: names {names} repeat; give each term its own name")
+        for i, term in enumerate(self.rewards):
+            where = f"rewards[{i}] ({term.name})"
+            if not term.name.replace("_", "").isalnum():
+                problems.append(f"rewards[{i}].name={term.name!r}: use letters, digits and _ "
+                                f"(it names the metric reward/<name>)")
+            if term.kind not in REWARD_KINDS:
+                problems.append(f"{where}: kind={term.kind!r} is not one of "
+                                f"{list(REWARD_KINDS)}")
+            if not math.isfinite(term.weight):
+                problems.append(f"{where}: weight must be a finite number, got {term.weight}")
+            if (term.kind == "fn") != (term.function is not None):
+                problems.append(f"{where}: 'function' goes with kind fn, and kind fn needs one")
+            needs = {"url": ("reward_url", self.reward_url),
+                     "reward_model": ("reward_model", self.reward_model)}.get(term.kind)
+            if needs and needs[1] is None:
+                problems.append(f"{where}: kind {term.kind} needs {needs[0]} set")
+        kinds = {t.kind for t in self.rewards}
+        for kind, field in (("url", "reward_url"), ("reward_model", "reward_model")):
+            if getattr(self, field) is not None and kind not in kinds:
+                problems.append(f"{field} is set, but no rewards term of kind {kind} uses it: "
+                                f"add {{name: ..., kind: {kind}}} (with its weight)")
+        return problems
 
     def lora_of(self, role: str) -> LoraConfig | None:
         """The LoRA adapters model role `role` trains (layout.actor.lora, layout.critic.lora);

@@ -20,21 +20,30 @@ from megarlhf.ppo.rewards import RewardFunction
 from megarlhf.rewards.calls import Sample
 
 
+@dataclasses.dataclass(frozen=True)
+class Scorer:
+    """A reward computed in the launching process: a function or the reward service."""
+
+    name: str | None
+    """Its `rewards` term's name (logged as reward/<name>); None: reward_fn or reward_url
+    without `rewards`."""
+    weight: float
+    scorer: RewardFunction | RemoteReward
+
+
 @dataclasses.dataclass
 class RunInputs:
     train: list[Prompt]
     """The prompts rollouts draw from (skip_overlong's drops removed)."""
     val: list[Prompt]
     checked: Preflight
-    reward: RewardFunction | None
+    scorers: list[Scorer]
     tokenizer: Tokenizer | None
     report: dict
     """Per dataset: rows kept and skipped (by reason), prompt format; and what was dropped."""
     episodes: EpisodeRunner | None = None
     """With an environment: runs the multi-turn episodes."""
     toolbox: Toolbox | None = None
-    remote: RemoteReward | None = None
-    """With reward_url: the reward service's client."""
 
     def samples(self, prompts: list[Prompt], completions,
                 episodes: list[Episode] | None = None) -> list[Sample]:
@@ -63,35 +72,27 @@ class RunInputs:
 
     def close(self) -> None:
         """End the reward and tool worker processes."""
-        for pool in (self.reward, self.toolbox, self.remote):
+        for pool in [s.scorer for s in self.scorers] + [self.toolbox]:
             if pool is not None:
                 pool.close()
 
 
 def read_inputs(config: PPOConfig) -> RunInputs:
     """ValueError naming what is wrong with the run's inputs (see the module doc)."""
-    reward = None
-    if config.reward_fn or config.reward_fn_by_source:
-        reward = RewardFunction(config.reward_fn, config.reward_fn_by_source,
-                                allow_non_finite=config.nan_policy == "skip",
-                                workers=config.reward_workers, timeout=config.reward_timeout,
-                                max_timeout_fraction=config.reward_max_timeout_fraction)
-    remote = _remote_reward(config) if config.reward_url is not None else None
+    scorers = _scorers(config)
     path = tokenizer_path(config)
-    if reward is not None and reward.needs_text and path is None:
-        raise ValueError(f"the reward function reads text, but no tokenizer is known to "
-                         f"decode responses (the actor checkpoint has no {config.actor}/hf "
-                         f"tokenizer); set tokenizer=HF_DIR")
-    if remote is not None and remote.needs_text and path is None:
-        raise ValueError(f"reward_url_format={config.reward_url_format} sends texts, but no "
-                         f"tokenizer is known to decode responses (the actor checkpoint has no "
-                         f"{config.actor}/hf tokenizer); set tokenizer=HF_DIR, or use "
-                         f"reward_url_format=native (token ids)")
+    for s in scorers:
+        if s.scorer.needs_text and path is None:
+            what = (f"reward_url_format={config.reward_url_format} sends texts"
+                    if isinstance(s.scorer, RemoteReward) else "the reward function reads text")
+            raise ValueError(f"{what}, but no tokenizer is known to decode responses (the "
+                             f"actor checkpoint has no {config.actor}/hf tokenizer); set "
+                             f"tokenizer=HF_DIR")
     if config.environment is not None and path is None:
         raise ValueError(f"environment: episodes are rendered as text, but no tokenizer is "
                          f"known (the actor checkpoint has no {config.actor}/hf tokenizer); "
                          f"set tokenizer=HF_DIR")
-    if config.val_prompts and reward is None and remote is None and config.environment is None:
+    if config.val_prompts and not scorers and config.environment is None:
         raise ValueError("val_prompts: validation scores answers with the reward function; "
                          "set reward_fn or reward_url (the reward model does not score "
                          "validation)")
@@ -117,8 +118,30 @@ def read_inputs(config: PPOConfig) -> RunInputs:
         toolbox, runner = _environment(config, tokenizer, kept_train[0],
                                        checked.max_prompt_tokens)
     return RunInputs(train=kept_train, val=kept_val,
-                     checked=checked, reward=reward, tokenizer=tokenizer, report=report,
-                     episodes=runner, toolbox=toolbox, remote=remote)
+                     checked=checked, scorers=scorers, tokenizer=tokenizer, report=report,
+                     episodes=runner, toolbox=toolbox)
+
+
+def _scorers(config: PPOConfig) -> list[Scorer]:
+    """The rewards scored in this process (the reward model's runs on its ranks): each
+    `rewards` term but the reward model's, or else reward_fn (with reward_fn_by_source) and
+    reward_url, unnamed, weight 1."""
+    def function(spec: str | None, by_source: dict | None = None) -> RewardFunction:
+        return RewardFunction(spec, by_source, allow_non_finite=config.nan_policy == "skip",
+                              workers=config.reward_workers, timeout=config.reward_timeout,
+                              max_timeout_fraction=config.reward_max_timeout_fraction)
+
+    if not config.rewards:
+        out = []
+        if config.reward_fn or config.reward_fn_by_source:
+            out.append(Scorer(None, 1.0, function(config.reward_fn,
+                                                  config.reward_fn_by_source)))
+        if config.reward_url is not None:
+            out.append(Scorer(None, 1.0, _remote_reward(config)))
+        return out
+    return [Scorer(t.name, t.weight, _remote_reward(config) if t.kind == "url"
+                   else function(t.function or t.kind))
+            for t in config.rewards if t.kind != "reward_model"]
 
 
 def _remote_reward(config: PPOConfig) -> RemoteReward:

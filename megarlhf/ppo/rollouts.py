@@ -213,6 +213,8 @@ def settings(config: PPOConfig) -> dict:
         "top_k", "stop_token_ids", "reward_fn", "reward_model", "async_rollout")}
     if config.reward_url is not None:  # named only when set, as routing_replay below
         drawn["reward_url"] = config.reward_url
+    if config.rewards:
+        drawn["rewards"] = [dataclasses.asdict(t) for t in config.rewards]
     if config.routing_replay:  # the rollout must carry its routing; named only when on, so
         drawn["routing_replay"] = True  # checkpoints from before the field still match
     if config.environment is not None:  # likewise
@@ -244,12 +246,17 @@ def score_answers(config: PPOConfig, data: RunInputs, workers: Placement, answer
     if config.reward_model and not validation:
         batch = rollout_batch([list(p.ids) for p in answers.prompts],
                               answers.completions).sequences
-        score += workers.experience(batch, frozenset({"reward"}))["rm_scores"].float()
-    for scorer in (data.reward, data.remote):
-        if scorer is not None:
-            fn_score, fn_metrics = scorer.score(step, samples)
-            score += fn_score
-            metrics.update(fn_metrics)
+        rm = workers.experience(batch, frozenset({"reward"}))["rm_scores"].float()
+        term = next((t for t in config.rewards if t.kind == "reward_model"), None)
+        score += rm * (term.weight if term else 1.0)
+        if term:
+            metrics[f"reward/{term.name}"] = float(rm.mean())
+    for s in data.scorers:
+        values, fn_metrics = s.scorer.score(step, samples)
+        score += s.weight * values
+        metrics.update(fn_metrics)
+        if s.name is not None:
+            metrics[f"reward/{s.name}"] = float(values.mean())
     buffer = config.options.overlong_buffer
     if buffer and not validation:
         lengths = torch.tensor([len(c.token_ids) for c in answers.completions])
