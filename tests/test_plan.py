@@ -1153,3 +1153,31 @@ def test_a_token_budget_bounds_the_planned_activations_by_the_budget():
         assert one_row[(role, "backward")] < whole[(role, "backward")]
         assert packed[(role, "backward")] == one_row[(role, "backward")]  # the same tokens
         assert one_row[(role, "weights")] == whole[(role, "weights")]
+
+
+def test_a_peft_started_actor_plans_a_reference_copy_with_its_adapter(tmp_path):
+    """An actor whose adapters start at zero has no reference weights (its base, adapters
+    off, is the reference); one started from a PEFT adapter has a reference of its own: the
+    base's weights plus that adapter, frozen (16-bit: 2 bytes a parameter)."""
+    from megarlhf.convert.peft_adapter import write_adapter
+    from megarlhf.models.lora import LoraConfig, projection_shapes
+    from megarlhf.plan.job import Cluster, plan
+    from megarlhf.plan.params import rank_adapter_params
+    from megarlhf.ppo.config import Layout, RoleLayout
+
+    model, lora = preset("tiny"), LoraConfig(rank=4, target_modules=["q_proj", "down_proj"])
+    shapes = projection_shapes(model)
+    write_adapter(str(tmp_path), lora, model.num_layers, lambda i, p, f: torch.zeros(
+        (lora.rank, shapes[p][0]) if f == "A" else (shapes[p][1], lora.rank)))
+
+    def reference(lora):
+        config = config_of(layout=Layout(actor=RoleLayout(lora=lora)))
+        stage = plan(config, Cluster(nodes=1), 16, tiny_models()).groups[0].stages[0]
+        return {t.what: t.bytes for t in stage.terms if t.role == "ref"}, config
+
+    full, _ = reference(None)
+    off, _ = reference(LoraConfig(rank=4))
+    started, config = reference(LoraConfig(from_peft=str(tmp_path)))
+    assert "weights" not in off and "forward pass" in off
+    assert started["weights"] - full["weights"] == 2 * rank_adapter_params(
+        model, config.parallel_of("ref"), config.lora_of("actor")) > 0
