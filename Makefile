@@ -70,8 +70,9 @@ $(MCORE_NEWEST_DIR)/.installed: $(STAMP)
 	touch $@
 
 # Test modules that exercise no megatron-core code (rewards, environments, datasets, logs,
-# Slurm scripts) run once, in the main tier.
-MCORE_FREE_TESTS := test_rewards test_remote_reward test_envs test_data test_logs test_slurm
+# Slurm scripts, the generated config reference) run once, in the main tier.
+MCORE_FREE_TESTS := test_rewards test_remote_reward test_config_reference test_envs test_data \
+	test_logs test_slurm
 
 # MEGARLHF_EXPECT_MCORE makes tests/test_compat.py fail unless that version is the one loaded.
 test-mcore-newest: $(MCORE_NEWEST_DIR)/.installed

@@ -35,6 +35,7 @@ class DatasetSource:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DataConfig:
     train: DatasetSource
+    """The training records."""
     eval: DatasetSource | None = None
     """Held-out records; None holds out `eval_fraction` of the training records instead."""
     eval_fraction: float = 0.0

@@ -19,15 +19,22 @@ class OptimConfig:
     min_lr: float = 0.0
     """Learning rate at the end of the decay."""
     weight_decay: float = 0.0
+    """Adam's decoupled weight decay (AdamW)."""
     adam_beta1: float = 0.9
+    """Adam's first-moment decay."""
     adam_beta2: float = 0.95
+    """Adam's second-moment decay."""
     adam_eps: float = 1e-8
+    """Adam's epsilon."""
     clip_grad: float = 1.0
     """Global gradient-norm clip (0 disables clipping)."""
     warmup_steps: int = 0
+    """Steps of linear warm-up from 0 to lr."""
     decay_steps: int | None = None
     """Steps from the start to the end of the decay; None keeps the peak LR after warm-up."""
     lr_decay_style: str = "cosine"
+    """How the learning rate falls from lr to min_lr over decay_steps: cosine, linear
+    or constant."""
     use_distributed_optimizer: bool = True
     """Shard optimizer states (and the fp32 master weights) across data-parallel ranks."""
 

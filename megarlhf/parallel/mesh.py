@@ -176,11 +176,17 @@ class LayoutOverride:
     `layout` section); a field left None keeps the job's default."""
 
     tensor_parallel: int | None = None
+    """Tensor-parallel ranks (None: the job's)."""
     pipeline_parallel: int | None = None
+    """Pipeline stages (None: the job's)."""
     sequence_parallel: bool | None = None
+    """Sequence parallelism within the tensor-parallel group (None: the job's)."""
     context_parallel: int | None = None
+    """Ranks splitting each sequence (None: the job's)."""
     expert_parallel: int | None = None
+    """Ranks splitting a mixture-of-experts layer's experts (None: the job's)."""
     expert_tensor_parallel: int | None = None
+    """Tensor-parallel ranks within an expert (None: the job's)."""
 
     @property
     def is_set(self) -> bool:

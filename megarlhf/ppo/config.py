@@ -100,6 +100,8 @@ class RoleLayout(LayoutOverride):
     layout.reward.recompute may only be 'none', those models are frozen)."""
 
     recompute: str | None = None
+    """Activation recomputation of a trained role: none, full or selective (None: the
+    run's `recompute`)."""
     lora: LoraConfig | None = None
     """A trained role (actor, critic): LoRA adapters on its linear layers instead of training
     every weight, its checkpoint the frozen base (a critic's value head trains too). With an
@@ -121,11 +123,13 @@ class RewardTerm:
     each logged as reward/<name> (its mean over the step's samples, before the weight)."""
 
     name: str
+    """Names its metric, reward/<name>."""
     kind: str
     """math | exact_match (built-in checkers against the row's ground_truth), fn (`function`),
     url (the run's reward_url and its reward_url_* settings), reward_model (the run's
     reward_model checkpoint)."""
     weight: float = 1.0
+    """Its factor in the sum (any finite number; negative penalises)."""
     function: str | None = None
     """kind fn: 'module:function', called as reward_fn's are."""
 
@@ -138,10 +142,15 @@ class Layout:
     reward when disaggregated) must resolve to one layout."""
 
     actor: RoleLayout = dataclasses.field(default_factory=RoleLayout)
+    """The actor's layout and adapters."""
     critic: RoleLayout = dataclasses.field(default_factory=RoleLayout)
+    """The critic's layout and adapters."""
     reference: RoleLayout = dataclasses.field(default_factory=RoleLayout)
+    """The reference model's layout (frozen: no adapters, no recomputation)."""
     reward: RoleLayout = dataclasses.field(default_factory=RoleLayout)
+    """The reward model's layout (frozen: no adapters, no recomputation)."""
     rollout: RolloutLayout = dataclasses.field(default_factory=RolloutLayout)
+    """The rollout engines' size."""
 
 
 LAYOUT_KEYS = {"actor": "actor", "ref": "reference", "critic": "critic", "reward": "reward"}
@@ -224,6 +233,7 @@ class PPOConfig:
     """Held-out prompts (same forms and prompt_fields as prompts) for validation: greedy
     answers scored before the first step, every val_every steps and after the last."""
     val_prompts_split: str | None = None
+    """The split of a val_prompts dataset directory (as prompts_split)."""
     val_every: int = 0
     """Validate every N steps (0: only before the first and after the last step)."""
     val_samples: int = 0
@@ -242,12 +252,16 @@ class PPOConfig:
     on_bad_record: str = "error"
     """A prompt row that cannot be read: 'error' stops, 'skip' drops and counts it."""
     out_dir: str
+    """Where the run writes: checkpoints, metrics.jsonl, samples.jsonl, the dashboards;
+    a resumed run continues from its latest checkpoint."""
     # -- layout --
     nproc: int = 1
     """Ranks of a model group (TP x PP x CP x DP = nproc): colocated, every role shares them;
     disaggregated, actor, critic and ref+reward get nproc ranks each."""
     tensor_parallel: int = 1
+    """Tensor-parallel ranks of every model role (unless `layout` sets the role's)."""
     pipeline_parallel: int = 1
+    """Pipeline stages of every model role (unless `layout` sets the role's)."""
     context_parallel: int = 1
     """The layout of every model role (TP x PP x CP x DP = nproc), unless `layout` sets a
     role's. Context parallelism splits every sequence over CP ranks (long responses); the
@@ -310,6 +324,7 @@ class PPOConfig:
     GPU, local on CPU), local or sdpa."""
     # -- rollout --
     rollout_backend: str = "megatron"
+    """megatron (the actor's own engine, no extra install) or vllm (vllm_model_dir)."""
     vllm_model_dir: str | None = None
     """HF directory with the actor's config.json (vLLM backend)."""
     rollout_max_model_len: int | None = None
@@ -333,11 +348,17 @@ class PPOConfig:
     critic route freely. Megatron rollout backend only: vLLM returns its routing only with
     its V2 model runner, which needs Triton (not on CPU); not verified here."""
     prompts_per_step: int = 8
+    """Prompts drawn per step."""
     samples_per_prompt: int = 1
+    """Responses sampled per prompt (the group of group estimators: >= 2)."""
     max_new_tokens: int = 16
+    """Longest response (a multi-turn episode: all the model's turns together)."""
     temperature: float = 1.0
+    """Sampling temperature of the rollouts."""
     top_p: float = 1.0
+    """Nucleus sampling: the smallest set of tokens whose probability reaches top_p (1: all)."""
     top_k: int = 0
+    """Sample among the k most likely tokens (0: all)."""
     stop_token_ids: tuple[int, ...] | None = None
     """Tokens that end a sample (kept as its last token). None: the actor's EOS ids, from the
     config, generation config and tokenizer files its checkpoint carries (a chat model's
@@ -388,7 +409,9 @@ class PPOConfig:
     advantage estimator, and the value of every option below that says "(algorithm's)" while
     it is unset (megarlhf/ppo/algorithms.py; the README's algorithm table)."""
     steps: int = 10
+    """Steps of the run (rollout, experience, updates, weight sync)."""
     ppo_epochs: int = 1
+    """Passes over a step's rollout batch."""
     mini_batches: int = 1
     """Optimizer steps per epoch (the rollout batch is cut into this many parts)."""
     old_logprobs: str = "auto"
@@ -430,7 +453,9 @@ class PPOConfig:
     """(algorithm's) Whiten the advantages over the batch once more (ppo's GAE: yes; group
     estimators: no). REINFORCE++ whitens inside its estimator and refuses this field."""
     value_clip_eps: float = 0.2
+    """The critic's value clip around the old values."""
     entropy_coef: float = 0.0
+    """Weight of the entropy bonus in the actor's loss (0: none)."""
     kl_coef: float | None = None
     """(algorithm's) KL(actor || reference) coefficient: in the reward or the loss (kl_in);
     the adaptive controller's start value with kl_target."""
@@ -446,9 +471,13 @@ class PPOConfig:
     kl_target: float | None = None
     """Adaptive KL controller's target (None: fixed kl_coef)."""
     kl_horizon: int = 10000
+    """Adaptive KL controller's horizon, in samples."""
     clip_reward: float | None = None
+    """Clip each sample's score to [-clip_reward, clip_reward] (None: no clip)."""
     gamma: float = 1.0
+    """GAE's discount."""
     lam: float = 0.95
+    """GAE's lambda."""
     dynamic_sampling: bool | None = None
     """(algorithm's) Train only on prompts whose samples' rewards differ (DAPO): groups of
     equal rewards are dropped and more prompts generated to replace them."""
@@ -460,6 +489,7 @@ class PPOConfig:
     """(algorithm's) DAPO's soft overlong penalty: responses longer than max_new_tokens -
     overlong_buffer lose up to overlong_penalty, linearly (0: off)."""
     overlong_penalty: float = 1.0
+    """The largest overlong_buffer penalty (at max_new_tokens)."""
     rollout_correction: str = "none"
     """Reweight the policy gradient for the rollout engine's sampling distribution:
     'tis' truncates the weights pi_old / pi_engine at rollout_correction_threshold, 'mis'
@@ -467,15 +497,20 @@ class PPOConfig:
     rollout_correction_level: str = "token"
     """'token' weights, or 'sequence' (the product over a row's tokens)."""
     rollout_correction_threshold: float = 2.0
+    """TIS's truncation and MIS's upper bound of the weights pi_old / pi_engine."""
     rollout_correction_threshold_low: float | None = None
     """MIS's lower bound (None: 1 / rollout_correction_threshold)."""
     actor_lr: float = 1e-5
+    """The actor's learning rate (Adam)."""
     critic_lr: float = 1e-5
+    """The critic's learning rate (Adam)."""
     # -- run control --
     seed: int = 0
+    """Seeds the prompt order and the sampling."""
     save_every: int = 0
     """Checkpoint every N steps (0: only at the end)."""
     keep_last: int = 2
+    """Checkpoints kept in out_dir (older ones are removed once a newer one is complete)."""
     resume_allow_changes: tuple[str, ...] = ()
     """Inputs a resumed run may change on purpose (of RESUME_INPUTS: actor, actor_adapter
     (layout.actor.lora.from_peft: the reference's adapter), critic, reward_model, prompts,

@@ -134,10 +134,15 @@ class StageConfig:
     RECORD_KIND: ClassVar[str]
     """The records the stage reads ('sft' or 'pairwise')."""
     model: ModelSource
+    """The model trained: a preset or a checkpoint, its dtype, layer spec and adapters."""
     data: DataConfig
+    """The datasets, tokenizer, template and lengths."""
     train: LoopConfig
+    """Steps, batch sizes, evaluation, checkpoints, logging."""
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    """TP x PP x CP x EP (x DP: the rest of --nproc)."""
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+    """The optimizer and learning-rate schedule."""
 
     def __post_init__(self):
         _check_data(self.data, self.train, self.RECORD_KIND)
