@@ -7,10 +7,10 @@ template), 8 prompts x 4 samples x <= 12 new tokens at temperature 1, one update
 (one mini-batch of 32), lr 1e-5 constant, Adam (0.9, 0.95), gradient clip 1, GRPO's group
 advantages divided by the group's std, a k3 KL loss of 0.001 against a frozen reference, the
 token-mean loss (TRL's `loss_type="dapo"`, its token mean over the batch), clip 0.2, the
-built-in `math` checker, seed 0. TRL runs in one process with this machine's threads (HF
-generate, `use_cpu=True`; bf16 is its `bf16=True`, autocast over fp32 weights); megarlhf as
-the recipe says (2 colocated ranks, Megatron rollouts; bf16 is `dtype=bf16`, bf16 weights with
-fp32 master copies). Accuracy: each
+built-in `math` checker, seed 0 (`--seed`). TRL runs in one process with this machine's
+threads (HF generate, `use_cpu=True`; bf16 is its `bf16=True`, autocast over fp32
+weights); megarlhf as the recipe says (2 colocated ranks, Megatron rollouts; bf16 is
+`dtype=bf16`, bf16 weights with fp32 master copies). Accuracy: each
 trained model's greedy answers to the recipe's 64 held-out questions through HF transformers
 (bench_rlvr.hf_accuracy, the same function for both), and the source model's.
 
@@ -91,7 +91,7 @@ def trl_worker(spec_path: str) -> None:
         weight_decay=0.0, adam_beta1=OPTIM.adam_beta1, adam_beta2=OPTIM.adam_beta2,
         adam_epsilon=OPTIM.adam_eps, max_grad_norm=OPTIM.clip_grad, max_steps=config["steps"],
         beta=config["kl_coef"], epsilon=config["clip_eps"], loss_type="dapo",
-        scale_rewards="group", num_iterations=1, shuffle_dataset=False, seed=0,
+        scale_rewards="group", num_iterations=1, shuffle_dataset=False, seed=config["seed"],
         logging_steps=1, save_strategy="no", report_to=[], disable_tqdm=True,
         model_init_kwargs={"dtype": "float32"})
     trainer = GRPOTrainer(model=spec["model"], reward_funcs=reward, args=args,
@@ -112,7 +112,7 @@ def run_trl(tmp: str, hf_dir: str, config: PPOConfig, dtype: str) -> dict:
                        "samples_per_prompt": config.samples_per_prompt,
                        "max_new_tokens": config.max_new_tokens,
                        "temperature": config.temperature, "actor_lr": config.actor_lr,
-                       "steps": config.steps,
+                       "steps": config.steps, "seed": config.seed,
                        "kl_coef": config.options.kl_coef, "clip_eps": config.options.clip_eps}}
     with open(os.path.join(root, "spec.json"), "w") as f:
         json.dump(spec, f)
@@ -127,12 +127,12 @@ def run_trl(tmp: str, hf_dir: str, config: PPOConfig, dtype: str) -> dict:
 
 
 def run_megarlhf(tmp: str, inputs: list[str], dtype: str, steps: int,
-                 old_logprobs: str) -> tuple[PPOConfig, dict]:
+                 old_logprobs: str, seed: int) -> tuple[PPOConfig, dict]:
     root = os.path.join(tmp, f"megarlhf-{dtype}-{old_logprobs}")
     os.makedirs(root)
     config, history, exported = train_and_export(
-        root, RECIPE, [*inputs, f"dtype={dtype}", "val_every=0", "val_prompts=null", "seed=0",
-                       f"old_logprobs={old_logprobs}"], steps)
+        root, RECIPE, [*inputs, f"dtype={dtype}", "val_every=0", "val_prompts=null",
+                       f"seed={seed}", f"old_logprobs={old_logprobs}"], steps)
     return config, {"step": statistics.median(m["time/step"] for m in history[1:] or history),
                     "model": exported}
 
@@ -167,6 +167,7 @@ def main() -> None:
     parser.add_argument("--experience-pass", action="store_true",
                         help="also run megarlhf with old_logprobs=experience_pass (the actor's "
                              "separate old-logprob forward: the step before it was cut)")
+    parser.add_argument("--seed", type=int, default=0, help="both trainers' seed")
     parser.add_argument("--append", default=None, help="append the result to this file")
     parser.add_argument("--trl-worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -183,7 +184,7 @@ def main() -> None:
             runs = {}
             for mode in ours:
                 config, runs[f"megarlhf, old_logprobs={mode}"] = run_megarlhf(
-                    tmp, inputs, dtype, args.steps, mode)
+                    tmp, inputs, dtype, args.steps, mode, args.seed)
             theirs = runs["TRL"] = run_trl(tmp, hf_dir, config, dtype)
             if source is None:
                 source = {d: hf_accuracy(hf_dir, val, config.max_new_tokens, d)
@@ -210,7 +211,7 @@ def main() -> None:
     if args.append:
         append_entry(args.append, "GRPO step: megarlhf vs TRL's GRPOTrainer (arithmetic "
                      "recipe)", f"python -m bench.bench_vs_trl --steps {args.steps} "
-                     f"--variants {args.variants}"
+                     f"--variants {args.variants} --seed {args.seed}"
                      + (" --experience-pass" if args.experience_pass else ""), body)
 
 

@@ -3,7 +3,8 @@
 It scores each sample with tests.ppo_tasks.low_token_fraction on its token ids (native
 format) or with the length of the query text (openrlhf format), records every request (body
 and headers), and can be told to fail: `fail_next` answers the next requests with HTTP
-status codes, `delay` sleeps before answering, `reply` replaces the answer.
+status codes (a 301/302/307 redirects elsewhere), `delay` sleeps before answering, `reply`
+replaces the answer.
 """
 
 from __future__ import annotations
@@ -32,6 +33,12 @@ class RewardServer:
                     owner.requests.append((body, dict(self.headers)))
                     status = owner.fail_next.pop(0) if owner.fail_next else 200
                 time.sleep(owner.delay)
+                if status in (301, 302, 307):
+                    self.send_response(status)
+                    self.send_header("Location", "http://127.0.0.1:1/elsewhere")
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
                 if status != 200:
                     self.send_error(status, "told to fail")
                     return

@@ -177,6 +177,11 @@ CONFIG_CASES = [  # (overrides, what the message must name)
     (["reward_fn=null", "reward_url=http://127.0.0.1:1/x", "rewards=[{name: a, kind: math}]"],
      "reward_url is set, but no rewards term of kind url uses it"),
     (["reward_fn=null", "rewards=[{name: a b, kind: math}]"], "rewards[0].name='a b'"),
+    (["reward_fn=null", "rewards=[{name: mean, kind: math}]"], "rewards: names ['mean'] are "
+                                                              "metrics the run logs itself"),
+    (["reward_fn=null", "reward_url=http://127.0.0.1:1/x", "reward_url_check=false",
+      "rewards=[{name: a, kind: url}, {name: b, kind: url}]"],
+     "rewards: more than one term of kind url"),
 ]
 
 
@@ -253,6 +258,13 @@ PATH_CASES = ["actor missing", "actor is an HF dir", "actor is a value checkpoin
 def test_a_bad_path_or_file_is_refused(world, capsys, case, dry_run):
     overrides, names = path_cases(world)[case]
     refused(ppo(world, *overrides, dry_run=dry_run), capsys, world, names=names)
+
+
+def test_a_run_rewarded_by_rewards_terms_alone_passes_the_dry_run(world, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli(ppo(world, "reward_fn=null", "rewards=[{name: low, kind: fn, function: "
+                "tests.ppo_tasks:low_token_fraction, weight: 2}]", dry_run=True))
+    assert exit_.value.code == 0, capsys.readouterr().err
 
 
 def test_reward_url_check_false_lets_a_run_start_before_its_reward_server(world, capsys):

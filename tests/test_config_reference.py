@@ -15,7 +15,7 @@ def test_every_config_field_has_a_docstring():
 
 
 def test_the_reference_is_up_to_date(capsys):
-    with open(PATH) as f:
+    with open(PATH, encoding="utf-8") as f:
         assert f.read() == render(), "run python -m tools.config_reference"
     assert main(["--check"]) == 0
 

@@ -55,6 +55,16 @@ def test_native_batches_carry_every_field_and_headers_and_return_scores(server):
     assert all(h["Authorization"] == "Bearer t0ken" for _, h in server.requests)
 
 
+def test_reply_keys_that_are_not_numbers_per_sample_are_ignored(server):
+    server.reply = {"scores": [1, 0, 1], "reasons": ["right", "wrong", "right"], "n": 3,
+                    "valid": [True, None, False]}
+    client = _client(server)
+    scores, metrics = client.score(1, _samples(3))
+    client.close()
+    assert scores.tolist() == [1.0, 0.0, 1.0] and metrics["reward/valid"] == 0.5
+    assert "reward/reasons" not in metrics and "reward/n" not in metrics
+
+
 def test_openrlhf_format_sends_query_prompts_labels_and_reads_rewards(server):
     samples = _samples(4)
     client = _client(server, fmt="openrlhf", batch_size=8)
@@ -93,6 +103,7 @@ def test_transient_failures_are_retried_then_counted_then_stop_the_run(server):
 
 @pytest.mark.parametrize("status,reply,names", [
     (400, None, "answered HTTP 400"),
+    (307, None, "answered HTTP 307, a redirect to http://127.0.0.1:1/elsewhere"),
     (200, {"score": [1]}, "the reply has no 'scores' (['score'])"),
     (200, {"scores": [1, 2]}, "'scores' holds 2 values for 3 samples"),
     (200, {"scores": ["high", 1, 1]}, "returned 'high' (str)"),
@@ -118,6 +129,10 @@ def test_settings_are_checked_before_any_rank(monkeypatch):
     assert "secret" not in str(caught.value)
     with pytest.raises(ValueError, match="RM_MISSING is not set"):
         read_headers("RM_MISSING")
+    monkeypatch.setenv("RM_HEADERS", '{"Authorization": "Bearer secret\\n"}')  # a line break
+    with pytest.raises(ValueError, match="'Authorization' is not a valid HTTP header") as caught:
+        read_headers("RM_HEADERS")
+    assert "secret" not in str(caught.value)
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -23,14 +23,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     text = render()
     if args.check:
-        with open(PATH) as f:
+        with open(PATH, encoding="utf-8") as f:
             if f.read() != text:
                 print(f"error: {PATH} is out of date: run python -m tools.config_reference",
                       file=sys.stderr)
                 return 1
         return 0
     tmp = PATH + ".tmp"
-    with open(tmp, "w") as f:
+    with open(tmp, "w", encoding="utf-8") as f:
         f.write(text)
     os.replace(tmp, PATH)
     print(f"wrote {PATH}")

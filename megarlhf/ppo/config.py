@@ -115,6 +115,9 @@ class RoleLayout(LayoutOverride):
 REWARD_KINDS = ("math", "exact_match", "fn", "url", "reward_model")
 """A reward term's kinds: a built-in checker by name, a function, the reward service, the
 reward model."""
+RESERVED_REWARD_NAMES = ("mean", "std", "timeouts", "overlong_penalty", "url_failed_samples",
+                         "url_retries", "url_seconds")
+"""reward/<name> metrics the run logs itself: no term may take their names."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -618,7 +621,8 @@ class PPOConfig:
             problems.append("reward_url_headers_env is set, but no reward_url")
         problems += self._reward_term_problems()
         if self.reward_model is None and self.reward_fn is None and self.reward_url is None \
-                and not self.reward_fn_by_source and self.environment is None:
+                and not self.reward_fn_by_source and not self.rewards \
+                and self.environment is None:
             problems.append("no reward: set reward_model=CKPT and/or reward_fn=math|exact_match|"
                             "module:function, or an environment that gives rewards")
         if self.placement != "colocated":
@@ -877,6 +881,15 @@ class PPOConfig:
         names = [t.name for t in self.rewards]
         if len(set(names)) != len(names):
             problems.append(f"rewards: names {names} repeat; give each term its own name")
+        taken = sorted(set(names) & set(RESERVED_REWARD_NAMES))
+        if taken:
+            problems.append(f"rewards: names {taken} are metrics the run logs itself "
+                            f"(reward/<name>); rename those terms")
+        for kind in ("url", "reward_model"):
+            if sum(t.kind == kind for t in self.rewards) > 1:
+                problems.append(f"rewards: more than one term of kind {kind} (the run has one "
+                                f"{'reward_url' if kind == 'url' else 'reward_model'}); "
+                                f"weigh it once")
         for i, term in enumerate(self.rewards):
             where = f"rewards[{i}] ({term.name})"
             if not term.name.replace("_", "").isalnum():

@@ -5,26 +5,30 @@ and come back as one score per sample.
 Formats (`reward_url_format`):
 - `native`: the request holds lists, one entry per sample: `prompts`, `responses`,
   `ground_truths`, `data_sources`, `prompt_ids`, `response_ids` and every other dataset column
-  by its name (texts are null without a tokenizer); the reply is `{"scores": [...]}`, and any
-  other key holding a number per sample is logged as reward/<key> (their mean).
+  by its name (texts are null without a tokenizer; a column named like one of these is left
+  out); the reply is `{"scores": [...]}`, and any other key holding a number (or null) per
+  sample is logged as reward/<key> (their mean); other keys are ignored.
 - `openrlhf`: OpenRLHF's remote reward model (`--remote_rm_url`): `query` (prompt and response
   texts joined), `prompts` and `labels` (the ground truths) in; `rewards` out.
 
-Failures: a request that times out (`reward_timeout` seconds), cannot connect, or gets a
-429 or 5xx answer is retried `reward_url_retries` times with doubling waits; a batch that still
+Failures: a request that times out (`reward_timeout` seconds), cannot connect or loses its
+connection, or gets a 429 or 5xx answer is retried `reward_url_retries` times with doubling waits; a batch that still
 fails scores 0 and is counted (reward/url_failed_samples), and a step where more than
 `reward_max_timeout_fraction` of the samples failed stops the run with one line naming the URL
 and the last error. Any other answer (a 4xx, a reply that is not JSON or lacks its scores) is a
-mistake no retry mends: it stops the run at once. Headers (`reward_url_headers_env`) come from
-an environment variable holding a JSON object, and are never logged.
+mistake no retry mends: it stops the run at once, as does a redirect (urllib would resend the
+POST as a GET, headers included, to wherever it points). Headers (`reward_url_headers_env`)
+come from an environment variable holding a JSON object, and are never logged.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import http.client
 import json
 import os
 import socket
+import threading
 import time
 import urllib.error
 import urllib.parse
@@ -41,7 +45,16 @@ FIRST_WAIT_S = 0.5
 
 
 class _Transient(Exception):
-    """A failure a retry may mend (timeout, no connection, 429 / 5xx)."""
+    """A failure a retry may mend (timeout, no or a lost connection, 429 / 5xx)."""
+
+
+class _NoRedirects(urllib.request.HTTPRedirectHandler):
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        raise RewardFnError(f"reward_url {req.full_url} answered HTTP {code}, a redirect to "
+                            f"{newurl}: set reward_url to where the service answers")
+
+
+_OPENER = urllib.request.build_opener(_NoRedirects)
 
 
 def url_problem(url: str) -> str | None:
@@ -68,7 +81,17 @@ def read_headers(variable: str | None) -> dict[str, str]:
             isinstance(k, str) and isinstance(v, str) for k, v in headers.items()):
         raise ValueError(f"reward_url_headers_env: {variable} must hold a JSON object of "
                          f'strings, e.g. {{"Authorization": "Bearer ..."}}')
+    for name, value in headers.items():  # what http.client would refuse in a request
+        if not _header_text(name) or ":" in name or " " in name or not _header_text(value):
+            raise ValueError(f"reward_url_headers_env: {variable}'s header {name!r} is not "
+                             f"a valid HTTP header (a line break, a non-Latin-1 character, "
+                             f"or a name with ':' or a space)")
     return headers
+
+
+def _header_text(text: str) -> bool:
+    return text == text.strip("\r\n") and "\n" not in text and "\r" not in text and \
+        all(ord(c) < 256 for c in text)
 
 
 def check_reachable(url: str, timeout: float = 5.0) -> None:
@@ -93,6 +116,7 @@ class RemoteReward:
         self.max_failed_fraction, self.allow_non_finite = max_failed_fraction, allow_non_finite
         self._pool = concurrent.futures.ThreadPoolExecutor(concurrency,
                                                            thread_name_prefix="reward_url")
+        self._closed = threading.Event()  # in-flight requests make no further attempts
 
     @property
     def needs_text(self) -> bool:
@@ -100,6 +124,7 @@ class RemoteReward:
         return self.fmt == "openrlhf"
 
     def close(self) -> None:
+        self._closed.set()
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def score(self, step: int, samples: list[Sample]) -> tuple[torch.Tensor, dict[str, float]]:
@@ -141,13 +166,13 @@ class RemoteReward:
                     "prompts": [s.prompt for s in samples],
                     "labels": [s.ground_truth for s in samples]}
         columns = sorted({k for s in samples for k in s.metadata})
-        return {"prompts": [s.prompt for s in samples],
+        return {**{c: [s.metadata.get(c) for s in samples] for c in columns},
+                "prompts": [s.prompt for s in samples],
                 "responses": [s.response for s in samples],
                 "ground_truths": [s.ground_truth for s in samples],
                 "data_sources": [s.data_source for s in samples],
                 "prompt_ids": [list(s.prompt_ids) for s in samples],
-                "response_ids": [list(s.response_ids) for s in samples],
-                **{c: [s.metadata.get(c) for s in samples] for c in columns}}
+                "response_ids": [list(s.response_ids) for s in samples]}
 
     def _post(self, body: dict) -> tuple[object, int, str | None]:
         """(reply, retries taken, None) or (None, retries taken, the last error) once every
@@ -156,7 +181,8 @@ class RemoteReward:
         error = None
         for attempt in range(self.retries + 1):
             if attempt:
-                time.sleep(FIRST_WAIT_S * 2 ** (attempt - 1))
+                if self._closed.wait(FIRST_WAIT_S * 2 ** (attempt - 1)):
+                    return None, attempt - 1, "the run stopped"
             try:
                 return self._request(data), attempt, None
             except _Transient as e:
@@ -168,7 +194,7 @@ class RemoteReward:
             self.url, data=data, method="POST",
             headers={"Content-Type": "application/json", **self.headers})
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout) as response:
+            with _OPENER.open(request, timeout=self.timeout) as response:
                 text = response.read()
         except urllib.error.HTTPError as e:
             detail = f"HTTP {e.code} {e.reason}"
@@ -178,12 +204,12 @@ class RemoteReward:
             raise RewardFnError(f"reward_url {self.url} answered {detail}: {body!r}; fix the "
                                 f"request format (reward_url_format={self.fmt}) or the "
                                 f"server") from None
-        except (urllib.error.URLError, TimeoutError, ConnectionError) as e:
+        except (OSError, http.client.HTTPException) as e:  # URLError, timeouts, lost links
             reason = getattr(e, "reason", e)
             raise _Transient(f"{reason.__class__.__name__}: {reason}") from None
         try:
             return json.loads(text)
-        except json.JSONDecodeError:
+        except ValueError:  # not JSON, or not UTF-8
             raise RewardFnError(f"reward_url {self.url} answered with something that is not "
                                 f"JSON: {text[:200]!r}") from None
 
@@ -201,6 +227,7 @@ class RemoteReward:
         extras = {}
         if self.fmt == "native":
             for name, per_sample in reply.items():
-                if name != key and isinstance(per_sample, list) and len(per_sample) == count:
+                if name != key and isinstance(per_sample, list) and len(per_sample) == count \
+                        and all(v is None or isinstance(v, (int, float)) for v in per_sample):
                     extras[name] = [check_metric(v, name, where) for v in per_sample]
         return values, extras

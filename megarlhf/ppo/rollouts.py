@@ -254,7 +254,8 @@ def score_answers(config: PPOConfig, data: RunInputs, workers: Placement, answer
     for s in data.scorers:
         values, fn_metrics = s.scorer.score(step, samples)
         score += s.weight * values
-        metrics.update(fn_metrics)
+        for key, value in fn_metrics.items():  # several functions' counts add up
+            metrics[key] = metrics.get(key, 0.0) + value if key in _COUNTS else value
         if s.name is not None:
             metrics[f"reward/{s.name}"] = float(values.mean())
     buffer = config.options.overlong_buffer
