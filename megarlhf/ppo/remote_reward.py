@@ -37,7 +37,7 @@ import urllib.request
 import torch
 
 from megarlhf.ppo.rewards import RewardFnError, check_metric, check_score
-from megarlhf.rewards.calls import Sample
+from megarlhf.rewards.calls import Sample, batch_fields
 
 RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
 FIRST_WAIT_S = 0.5
@@ -90,8 +90,7 @@ def read_headers(variable: str | None) -> dict[str, str]:
 
 
 def _header_text(text: str) -> bool:
-    return text == text.strip("\r\n") and "\n" not in text and "\r" not in text and \
-        all(ord(c) < 256 for c in text)
+    return "\n" not in text and "\r" not in text and all(ord(c) < 256 for c in text)
 
 
 def check_reachable(url: str, timeout: float = 5.0) -> None:
@@ -165,14 +164,7 @@ class RemoteReward:
             return {"query": [s.prompt + s.response for s in samples],
                     "prompts": [s.prompt for s in samples],
                     "labels": [s.ground_truth for s in samples]}
-        columns = sorted({k for s in samples for k in s.metadata})
-        return {**{c: [s.metadata.get(c) for s in samples] for c in columns},
-                "prompts": [s.prompt for s in samples],
-                "responses": [s.response for s in samples],
-                "ground_truths": [s.ground_truth for s in samples],
-                "data_sources": [s.data_source for s in samples],
-                "prompt_ids": [list(s.prompt_ids) for s in samples],
-                "response_ids": [list(s.response_ids) for s in samples]}
+        return batch_fields(samples)  # as a batched reward function gets them
 
     def _post(self, body: dict) -> tuple[object, int, str | None]:
         """(reply, retries taken, None) or (None, retries taken, the last error) once every

@@ -74,18 +74,24 @@ def batch_kwargs(fn: Callable, samples: list[Sample]) -> dict:
     """The keyword arguments of a batched call on `samples`: what `fn` names, or everything
     when it takes **kwargs."""
     params = inspect.signature(fn).parameters
-    response_name = next(n for n in RESPONSE_NAMES if n in params)
-    columns = sorted({k for s in samples for k in s.metadata})
-    offered = {name: [s.metadata.get(name) for s in samples] for name in columns}
-    offered.update({"prompts": [s.prompt for s in samples],
-                    response_name: [s.response for s in samples],
-                    "ground_truths": [s.ground_truth for s in samples],
-                    "data_sources": [s.data_source for s in samples],
-                    "prompt_ids": [s.prompt_ids for s in samples],
-                    "response_ids": [s.response_ids for s in samples]})
+    offered = batch_fields(samples, next(n for n in RESPONSE_NAMES if n in params))
     if any(p.kind == p.VAR_KEYWORD for p in params.values()):
         return offered
     return {k: v for k, v in offered.items() if k in params}
+
+
+def batch_fields(samples: list[Sample], response_name: str = "responses") -> dict:
+    """Every field of `samples` as lists, one entry per sample: each dataset column by its
+    name, then prompts, responses (as `response_name`), ground_truths, data_sources,
+    prompt_ids and response_ids (a column named like one of these is left out)."""
+    columns = sorted({k for s in samples for k in s.metadata})
+    return {**{name: [s.metadata.get(name) for s in samples] for name in columns},
+            "prompts": [s.prompt for s in samples],
+            response_name: [s.response for s in samples],
+            "ground_truths": [s.ground_truth for s in samples],
+            "data_sources": [s.data_source for s in samples],
+            "prompt_ids": [s.prompt_ids for s in samples],
+            "response_ids": [s.response_ids for s in samples]}
 
 
 def sample_args(style: str, sample: Sample) -> tuple[tuple, dict]:
