@@ -103,8 +103,7 @@ def apply() -> None:
         os.environ.setdefault(key, value)
     for logger in LIBRARY_LOGGERS:
         logging.getLogger(logger).setLevel(python_level(logger))
-    if name == LEVELS[0]:
-        quiet_known_warnings()
+    quiet_known_warnings(name == LEVELS[0])
     own = logging.getLogger("megarlhf")
     if not any(isinstance(h, _OwnLines) for h in own.handlers):
         own.addHandler(_OwnLines())

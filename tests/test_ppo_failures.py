@@ -57,13 +57,15 @@ def test_nan_reward_skips_the_update_and_keeps_going(base, tmp_path, one_pass): 
 
 
 def _rank_processes(controller: psutil.Process, worker_group: str) -> list[psutil.Process]:
-    """The job's rank processes; local ranks in start order (rank 0 first). The reward
-    worker processes are spawned too, but lead process groups of their own (local ranks do
-    not; Ray's workers lead theirs)."""
-    marker = "spawn_main" if worker_group == "local" else "ray::_Rank"
-    ranks = [p for p in controller.children(recursive=True)
-             if marker in " ".join(p.cmdline())
-             and (worker_group != "local" or os.getpgid(p.pid) != p.pid)]
+    """The job's rank processes; local ranks in start order (rank 0 first). Local ranks are
+    the children of the launcher's fork server (megarlhf/parallel/launcher.py)."""
+    if worker_group == "local":
+        (server,) = [p for p in controller.children()
+                     if "multiprocessing.forkserver" in " ".join(p.cmdline())]
+        ranks = server.children()
+    else:
+        ranks = [p for p in controller.children(recursive=True)
+                 if "ray::_Rank" in " ".join(p.cmdline())]
     return sorted(ranks, key=lambda p: p.create_time())
 
 

@@ -48,6 +48,9 @@ KNOWN = (
 )
 
 
-def quiet_known_warnings() -> None:
+def quiet_known_warnings(quiet: bool = True) -> None:
+    """Ignore the known warnings, or (quiet=False) show them as Python's default does: a rank
+    forked from a process that ignored them may be asked for the libraries' output."""
     for category, start in KNOWN:
-        warnings.filterwarnings("ignore", message=re.escape(start), category=category)
+        warnings.filterwarnings("ignore" if quiet else "default", message=re.escape(start),
+                                category=category)

@@ -304,7 +304,7 @@ class PPOConfig:
     freed) and wake them in stages at the weight sync: weights, the sync, then the KV
     cache."""
     worker_group: str = "local"
-    """'local' (spawned processes) or 'ray' (one Ray actor per rank)."""
+    """'local' (processes on this machine) or 'ray' (one Ray actor per rank)."""
     placement: str = "colocated"
     """'colocated': all roles and the rollout engine on the same nproc ranks;
     'disaggregated': a group of ranks per role, each its own torch.distributed world, the

@@ -168,7 +168,7 @@ class LocalWorkerGroup:
 
     def __init__(self, name: str, nproc: int, worker_args: tuple, *, threads: int = 1):
         self.name, self.nproc = name, nproc
-        pipes = [mp.get_context("spawn").Pipe() for _ in range(nproc)]
+        pipes = [mp.Pipe() for _ in range(nproc)]
         self.conns = [parent for parent, _ in pipes]
         self.procs = spawn_ranks(_serve, [(rank, worker_args, child)
                                           for rank, (_, child) in enumerate(pipes)],
