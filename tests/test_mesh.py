@@ -92,6 +92,33 @@ def test_a_rank_has_its_environment_from_its_start():
     assert "MEGARLHF_LAUNCH_MARK" not in os.environ  # the launching process's is restored
 
 
+def _threads_and_site_mark():
+    import builtins
+
+    import torch
+
+    print(f"rank {os.environ['RANK']} writes here")
+    return torch.get_num_threads(), getattr(builtins, "_megarlhf_site_mark", None)
+
+
+def test_a_rank_writes_where_this_process_does_and_starts_with_its_startup_variables(
+        tmp_path, monkeypatch, capfd):
+    """Ranks fork from a server (parallel/launcher.py): their stdout is this process's as it is
+    at their start (here the test's capture), their thread count the one their environment
+    names, and what an interpreter reads only at its start (PYTHONPATH's sitecustomize) comes
+    from a server started with this process's current settings."""
+    (tmp_path / "sitecustomize.py").write_text("import builtins\n"
+                                               "builtins._megarlhf_site_mark = 'site'\n")
+    assert launch_local(_threads_and_site_mark, 1, env={"OMP_NUM_THREADS": "1"}) == [(1, None)]
+    assert "rank 0 writes here" in capfd.readouterr().out
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path),
+                                                      os.environ.get("PYTHONPATH", "")]))
+    assert launch_local(_threads_and_site_mark, 1, env={"OMP_NUM_THREADS": "2"}) == [
+        (2, "site")]
+    monkeypatch.undo()
+    assert launch_local(_threads_and_site_mark, 1) == [(max(1, os.cpu_count() or 1), None)]
+
+
 def test_launcher_reports_failing_rank_with_traceback():
     with pytest.raises(RankError, match=r"(?s)rank 1 of 2 raised.*KeyError: 'boom on purpose'"):
         launch_local(_fails_on_rank1, 2)

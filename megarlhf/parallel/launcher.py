@@ -14,7 +14,10 @@ them again (5 s of CPU per rank on a 2-core machine: a PPO run with four roles s
 starting). The server is a fresh interpreter that never ran anything else, so a fork of it
 holds no threads or state of the launching process. A rank starts with exactly the
 environment a spawned one would have (the launching process's at that moment plus its own
-variables) and sets its thread count itself, since torch read OMP_NUM_THREADS in the server.
+variables), writes to the launching process's stdout and stderr as they are when it starts,
+and sets its thread count itself, since torch read OMP_NUM_THREADS in the server. What a
+process reads only when it starts (PYTHONPATH, LD_PRELOAD, OpenMP's settings) comes from the
+server: a change of those in the launching process starts a new server.
 Where a CUDA device is visible the server imports nothing: megatron-core's import loads
 Transformer Engine, which must not be initialised before a fork, and no GPU run has shown
 that it is not; ranks there import everything themselves, as spawned ones do.
@@ -59,7 +62,7 @@ def spawn_ranks(target: Callable, rank_args: list[tuple], *, name: str,
                    "LOCAL_WORLD_SIZE": str(nprocs), "MASTER_ADDR": "127.0.0.1",
                    "MASTER_PORT": str(port)}
         proc = ctx.Process(target=rank_entry.main,
-                           args=(rank_entry.Environ(environ), threads, target, args),
+                           args=(rank_entry.Start(environ), target, args),
                            name=f"{name}-rank{rank}")
         proc.start()
         procs.append(proc)
@@ -67,19 +70,38 @@ def spawn_ranks(target: Callable, rank_args: list[tuple], *, name: str,
 
 
 _START = threading.Lock()
+_server_startup: dict[str, str] | None = None
+"""The startup variables (`_startup_variables`) the running server was started with."""
+
+
+def _startup_variables() -> dict[str, str]:
+    """What a process reads once, when it starts (the interpreter's PYTHON* settings such as
+    PYTHONPATH and its sitecustomize, the loader's LD_*, OpenMP's and MKL's settings) or
+    when the server's preloaded modules are imported (TORCH_*): a rank can only have these
+    from its server, so a change in this process starts a new server."""
+    prefixes = ("PYTHON", "LD_", "OMP_", "KMP_", "MKL_", "TORCH_")
+    return {k: v for k, v in os.environ.items() if k.startswith(prefixes)}
 
 
 def rank_context() -> mp.context.BaseContext:
-    """The multiprocessing context ranks start from (module docstring), its server running."""
+    """The multiprocessing context ranks start from (module docstring), its server running
+    with this process's startup variables."""
+    global _server_startup
     ctx = mp.get_context("forkserver")
     with _START:  # two groups starting in threads of one process start one server
         import torch
 
         if not torch.cuda.is_available():
             ctx.set_forkserver_preload(["megarlhf", "megatron.core"])
+        startup = _startup_variables()
+        if _server_startup is not None and startup != _server_startup:
+            # multiprocessing's own way to end its server (its tests use it); ranks already
+            # forked from it run on.
+            forkserver._forkserver._stop()
         # Started here, not by the first rank's start, so the server's own environment is
-        # this process's: what torch and megatron-core read at import is read from it.
+        # this process's, not a rank's.
         forkserver.ensure_running()
+        _server_startup = startup
     return ctx
 
 

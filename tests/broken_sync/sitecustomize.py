@@ -7,8 +7,9 @@
   half-loaded copy would.
 
 Every MegatronEngine.update_weights of this process but its first is broken. tests/test_ppo.py
-puts this directory on the ranks' PYTHONPATH, so only the spawned ranks of that one run import
-it (Python imports `sitecustomize` at start-up)."""
+puts this directory on the test process's PYTHONPATH for one run: the launcher then starts a
+new server for that run's ranks (megarlhf/parallel/launcher.py), which imports `sitecustomize`
+at start-up as every Python process does, so only the ranks of that one run are broken."""
 
 import os
 
@@ -16,7 +17,6 @@ import torch
 
 from megarlhf.rollout import megatron_engine
 
-MODE = os.environ["MEGARLHF_TEST_BROKEN_SYNC"]
 _update = megatron_engine.MegatronEngine.update_weights
 _calls = 0
 
@@ -32,7 +32,9 @@ def update_weights(self, buckets):
     _calls += 1
     if _calls == 1:
         return _update(self, buckets)
-    if MODE == "norm":
+    # Read per call: this module is imported once by the rank server, whose forks then take
+    # their run's environment.
+    if os.environ["MEGARLHF_TEST_BROKEN_SYNC"] == "norm":
         return _update(self, _scaled_norm(buckets))
     _update(self, buckets)
     model = self.model
