@@ -920,9 +920,11 @@ VALUE_RUNS = {
     # An algorithm's preset values count as run (the enum test resolves them).
     "rloo_fp16": dict(algorithm="rloo", aggregation="seq_mean_token_mean", kl_estimator="k2",
                       dtype="fp16"),
-    # A limit below fp32 noise: every step is over it, and 'warn' goes on.
+    # A limit below fp32 noise: every step is over it, and 'warn' goes on. One sample per
+    # prompt: REINFORCE++ whitens over the batch, needing no groups.
     "reinforce_pp": dict(algorithm="reinforce++", kl_estimator="k3", nan_policy="skip",
-                         logprob_gap_policy="warn", logprob_gap_limit=1e-12),
+                         logprob_gap_policy="warn", logprob_gap_limit=1e-12,
+                         samples_per_prompt=1, prompts_per_step=16),
     "reinforce_pp_baseline": dict(algorithm="reinforce++_baseline", kl_estimator="k1",
                                   dual_clip=3.0),
     "dapo_tis": dict(algorithm="dapo", rollout_correction="tis"),
@@ -1144,9 +1146,10 @@ def test_each_config_value_runs_a_step(base, tmp_path, name):
     critic_free = fields.get("algorithm", "ppo") != "ppo"
     # kl_coef: the algorithm's (base sets one for its own runs)
     config = dataclasses.replace(base, out_dir=str(tmp_path), nproc=1, tensor_parallel=1,
-                                 steps=1, ppo_epochs=1, mini_batches=1, prompts_per_step=4,
-                                 samples_per_prompt=4, critic=None if critic_free else base.critic,
-                                 log_samples=16, **{"kl_coef": None, **fields})
+                                 steps=1, ppo_epochs=1, mini_batches=1,
+                                 critic=None if critic_free else base.critic, log_samples=16,
+                                 **{"kl_coef": None, "prompts_per_step": 4,
+                                    "samples_per_prompt": 4, **fields})
     (metrics,) = run(config)
     _check_group_advantages(config, metrics)
     assert metrics["actor/skipped"] == 0.0 and math.isfinite(metrics["actor/policy_loss"]), metrics

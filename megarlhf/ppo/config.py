@@ -410,7 +410,7 @@ class PPOConfig:
     algorithm: str = "ppo"
     """ppo, grpo, rloo, reinforce++, reinforce++_baseline, dapo, dr_grpo, gspo or cispo: an
     advantage estimator, and the value of every option below that says "(algorithm's)" while
-    it is unset (megarlhf/ppo/algorithms.py; the README's algorithm table)."""
+    it is unset (megarlhf/ppo/algorithms.py; the table in docs/guides/algorithms.md)."""
     steps: int = 10
     """Steps of the run (rollout, experience, updates, weight sync)."""
     ppo_epochs: int = 1
@@ -728,7 +728,8 @@ class PPOConfig:
         if o.critic and self.critic is None:
             problems.append(f"algorithm {self.algorithm!r} needs a critic checkpoint "
                             f"(critic=...), or choose a critic-free algorithm")
-        if not o.critic and self.samples_per_prompt < 2:
+        # REINFORCE++ whitens over the whole batch; the others compare samples of a prompt.
+        if not o.critic and o.estimator != "reinforce++" and self.samples_per_prompt < 2:
             problems.append(f"algorithm {self.algorithm!r} compares samples of one prompt: "
                             f"set samples_per_prompt >= 2")
         if o.estimator.startswith("reinforce++") and self.whiten_advantages is not None:
