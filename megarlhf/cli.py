@@ -43,10 +43,12 @@ def main(argv: list[str] | None = None) -> None:
     plan.add_argument("overrides", nargs="*", help="key=value settings on top of the recipe")
     stages = []
     for name, help in (("sft", "supervised fine-tuning (stage 1)"),
-                       ("rm", "pairwise reward-model training (stage 2)")):
+                       ("rm", "pairwise reward-model training (stage 2)"),
+                       ("dpo", "offline preference optimization on pairs (DPO, IPO, SimPO)")):
         stage = sub.add_parser(name, help=help)
         stages.append(stage)
-        stage.add_argument("--config", required=True, help="YAML file of SFTConfig / RMConfig")
+        stage.add_argument("--config", required=True, help="YAML file of SFTConfig / RMConfig / "
+                           "DPOConfig")
         stage.add_argument("--nproc", type=int, default=None,
                            help="spawn this many local ranks (instead of torchrun / srun)")
         stage.add_argument("overrides", nargs="*", metavar="key=value",
@@ -73,7 +75,7 @@ def _run(args: argparse.Namespace) -> int:
         from megarlhf.ppo.plot import plot_run
 
         print(plot_run(args.run_dir, args.out))
-    elif args.command in ("sft", "rm"):
+    elif args.command in ("sft", "rm", "dpo"):
         from megarlhf.sft import command
 
         command.main(args.command, args.config, args.overrides, args.nproc,

@@ -13,9 +13,10 @@ import textwrap
 import typing
 
 from megarlhf.ppo.config import PPOConfig
-from megarlhf.sft.config import RMConfig, SFTConfig
+from megarlhf.sft.config import DPOConfig, RMConfig, SFTConfig
 
-COMMANDS = (("megarlhf ppo", PPOConfig), ("megarlhf sft", SFTConfig), ("megarlhf rm", RMConfig))
+COMMANDS = (("megarlhf ppo", PPOConfig), ("megarlhf sft", SFTConfig), ("megarlhf rm", RMConfig),
+            ("megarlhf dpo", DPOConfig))
 
 
 @dataclasses.dataclass(frozen=True)

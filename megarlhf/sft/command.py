@@ -1,5 +1,6 @@
-"""`megarlhf sft` and `megarlhf rm`: load and check the YAML config, then train on the ranks
-torchrun / srun started, on `--nproc` ranks spawned here, or in this process alone."""
+"""`megarlhf sft`, `megarlhf rm` and `megarlhf dpo`: load and check the YAML config, then
+train on the ranks torchrun / srun started, on `--nproc` ranks started here, or in this
+process alone."""
 
 from __future__ import annotations
 
@@ -12,13 +13,15 @@ from megarlhf.parallel import launch_local
 from megarlhf.parallel.device import accelerator_available
 from megarlhf.parallel.mesh import started_by_launcher
 from megarlhf.parallel.mesh import DistEnv
-from megarlhf.sft.config import RMConfig, SFTConfig
+from megarlhf.sft.config import DPOConfig, RMConfig, SFTConfig, StageConfig
 from megarlhf.configio import load_config
 from megarlhf.sft.loop import Plan, plan
+from megarlhf.sft.dpo import dpo_stage, run_dpo
 from megarlhf.sft.rm import rm_stage, run_rm
 from megarlhf.sft.sft import run_sft, sft_stage
 
-STAGES = {"sft": (SFTConfig, sft_stage, run_sft), "rm": (RMConfig, rm_stage, run_rm)}
+STAGES = {"sft": (SFTConfig, sft_stage, run_sft), "rm": (RMConfig, rm_stage, run_rm),
+          "dpo": (DPOConfig, dpo_stage, run_dpo)}
 
 
 def main(stage: str, config_path: str, overrides: list[str], nproc: int | None, *,
@@ -39,7 +42,7 @@ def main(stage: str, config_path: str, overrides: list[str], nproc: int | None, 
     return launch_local(run, nproc, cfg, timeout_s=math.inf)[0]
 
 
-def describe(stage: str, cfg: SFTConfig | RMConfig, checked: Plan, nproc: int | None) -> str:
+def describe(stage: str, cfg: StageConfig, checked: Plan, nproc: int | None) -> str:
     """`--dry-run`: the layout checked against the model and the world size (the ranks --nproc
     would spawn, or torchrun's / srun's), and what the run would do."""
     world = nproc if nproc is not None else DistEnv.detect().world_size
@@ -53,7 +56,7 @@ def describe(stage: str, cfg: SFTConfig | RMConfig, checked: Plan, nproc: int | 
             f"{cfg.train.output_dir}")
 
 
-def check_layout(cfg: SFTConfig | RMConfig, checked: Plan, world: int) -> tuple[int, int]:
+def check_layout(cfg: StageConfig, checked: Plan, world: int) -> tuple[int, int]:
     """(DP size, micro-batches per step) of the layout on `world` ranks; ValueError if the
     model's heads, layers or vocabulary, the world size or the batch do not divide."""
     checked.model.check_parallel(cfg.parallel, training=True)

@@ -167,6 +167,65 @@ class RMConfig(StageConfig):
     data.train.fields.margin) replaces it."""
 
 
+DPO_LOSSES = ("dpo", "ipo", "simpo")
+DPO_DEFAULT_BETA = {"dpo": 0.1, "ipo": 0.1, "simpo": 2.0}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DPOSettings:
+    loss: str = "dpo"
+    """dpo: -log sigmoid(beta h), h = the chosen response's log-ratio to the reference minus
+    the rejected one's (logprobs summed over response tokens); ipo: (h' - 1/(2 beta))^2 with
+    h' from logprobs averaged over response tokens; simpo: -log sigmoid(beta (chosen's mean
+    token logprob - rejected's) - gamma), no reference model."""
+    beta: float | None = None
+    """The loss's temperature; None: the loss's own default (dpo 0.1, ipo 0.1, simpo 2.0)."""
+    label_smoothing: float = 0.0
+    """dpo and simpo: the share of pairs assumed mislabeled (conservative DPO): the loss is
+    (1 - e) of the pair's term plus e of the term with chosen and rejected swapped."""
+    gamma: float = 0.5
+    """simpo: the target reward margin subtracted inside the sigmoid."""
+    sft_weight: float = 0.0
+    """Adds this weight times the chosen response's mean token negative log-likelihood."""
+
+    def __post_init__(self):
+        if self.loss not in DPO_LOSSES:
+            raise ValueError(f"dpo.loss={self.loss!r}: choose one of {', '.join(DPO_LOSSES)}")
+        if self.beta is not None and not self.beta > 0:
+            raise ValueError(f"dpo.beta={self.beta} must be > 0")
+        if not 0 <= self.label_smoothing < 0.5:
+            raise ValueError(f"dpo.label_smoothing={self.label_smoothing} must be in [0, 0.5)")
+        if self.label_smoothing and self.loss == "ipo":
+            raise ValueError("dpo.label_smoothing applies to dpo and simpo, not ipo")
+        if self.sft_weight < 0:
+            raise ValueError(f"dpo.sft_weight={self.sft_weight} must be >= 0")
+
+    @property
+    def temperature(self) -> float:
+        return self.beta if self.beta is not None else DPO_DEFAULT_BETA[self.loss]
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.loss != "simpo"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DPOConfig(StageConfig):
+    RECORD_KIND: ClassVar[str] = "pairwise"
+    dpo: DPOSettings = dataclasses.field(default_factory=DPOSettings)
+    """The preference loss. The reference (dpo, ipo) is a frozen copy of the model the run
+    starts from (model.checkpoint), at the same layout, on the same ranks."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.model.checkpoint is None:
+            raise ValueError("dpo: model.checkpoint is required (preference optimization starts "
+                             "from a trained model, usually the SFT stage's output)")
+        if self.model.lora is not None:
+            raise ValueError("dpo: model.lora is not supported yet (no test has run DPO with "
+                             "adapters); train every weight")
+
+
 def _check_data(data: DataConfig, train: LoopConfig, kind: str) -> None:
     for source in (data.train, data.eval):
         if source is not None:

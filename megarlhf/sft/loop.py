@@ -32,7 +32,7 @@ from megarlhf.metrics import MetricsLog
 from megarlhf.profiling import PhaseProfiler
 from megarlhf.models.config import ModelConfig
 from megarlhf.parallel.mesh import Mesh, init_mesh
-from megarlhf.sft.config import RMConfig, SFTConfig
+from megarlhf.sft.config import StageConfig
 from megarlhf.configio import to_dict
 from megarlhf.sft.model import init_weights, model_config, new_engine
 
@@ -40,7 +40,7 @@ from megarlhf.sft.model import init_weights, model_config, new_engine
 @dataclasses.dataclass(frozen=True)
 class Stage:
     name: str
-    """'sft' or 'rm': log prefix, and recorded in checkpoints so a resume cannot mix them."""
+    """'sft', 'rm' or 'dpo': log prefix, and recorded in checkpoints so a resume cannot mix them."""
     kind: str
     """Record kind read from the data ('sft' or 'pairwise')."""
     value_head: bool
@@ -56,6 +56,12 @@ class Stage:
     metrics: Callable[[dict[str, float]], dict[str, float]]
     """The loss closure's global sums -> named metrics."""
     default_margin: float = 0.0
+    fingerprint: dict = dataclasses.field(default_factory=dict)
+    """What else a resume must find unchanged (DPO: its loss settings and reference)."""
+    annotator: Callable[[Mesh, ModelConfig], Callable[[list[Batch]], None]] | None = None
+    """Built on every rank once the trained engine exists: a function that adds per-row
+    values to a step's (or an evaluation's) micro-batches before they run (DPO's reference
+    logprobs)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +80,7 @@ class Plan:
     """Recorded in checkpoints; a resume must match it (same stage, same data order)."""
 
 
-def plan(cfg: SFTConfig | RMConfig, make_stage: Callable[[int], Stage]) -> Plan:
+def plan(cfg: StageConfig, make_stage: Callable[[int], Stage]) -> Plan:
     """`make_stage(pad_id)` gives the stage for the configured tokenizer's padding id."""
     tokenizer = load_tokenizer(_tokenizer_path(cfg))
     stage = make_stage(tokenizer.pad_id)
@@ -83,7 +89,7 @@ def plan(cfg: SFTConfig | RMConfig, make_stage: Callable[[int], Stage]) -> Plan:
     examples = load_examples(cfg.data, stage.kind, tokenizer,
                              default_margin=stage.default_margin)
     fingerprint = {"stage": stage.name, "train_examples": len(examples.train),
-                   "data_seed": cfg.data.seed}
+                   "data_seed": cfg.data.seed, **stage.fingerprint}
     if cfg.train.export_hf:  # found now, not after the training it would follow
         check_output(cfg.train.export_hf, replace=True, what="train.export_hf",
                      inputs=[run_checkpoints(cfg.train.output_dir).root])
@@ -106,7 +112,7 @@ def run_checkpoints(output_dir: str) -> RunCheckpoints:
     return RunCheckpoints(output_dir, marker=COMPLETE_MARKER)
 
 
-def run(cfg: SFTConfig | RMConfig, make_stage: Callable[[int], Stage]) -> dict:
+def run(cfg: StageConfig, make_stage: Callable[[int], Stage]) -> dict:
     """Train on every rank of the job; returns (on every rank) the final checkpoint path, the
     HF export path, the metric history and the data report."""
     p = plan(cfg, make_stage)
@@ -122,7 +128,7 @@ def run(cfg: SFTConfig | RMConfig, make_stage: Callable[[int], Stage]) -> dict:
         log.close()
 
 
-def _train(cfg: SFTConfig | RMConfig, p: Plan, mesh: Mesh, log: MetricsLog) -> dict:
+def _train(cfg: StageConfig, p: Plan, mesh: Mesh, log: MetricsLog) -> dict:
     stage, train = p.stage, cfg.train
     num_microbatches = train.num_microbatches(mesh.dp_size)
     checkpoints = run_checkpoints(train.output_dir)
@@ -148,6 +154,7 @@ def _train(cfg: SFTConfig | RMConfig, p: Plan, mesh: Mesh, log: MetricsLog) -> d
     engine.provenance["hf_files"] = {**engine.provenance["hf_files"], **p.tokenizer.files()}
 
     loss_fn = stage.loss_fn(mesh, p.model)
+    annotate = stage.annotator(mesh, p.model) if stage.annotator else None
     stream = EpochStream(p.examples.train, seed=cfg.data.seed, arrange=stage.arrange)
     eval_batches = _eval_batches(p.examples.eval, stage, train.global_batch_size,
                                  cfg.parallel.sequence_multiple)
@@ -161,10 +168,12 @@ def _train(cfg: SFTConfig | RMConfig, p: Plan, mesh: Mesh, log: MetricsLog) -> d
             profiler.start(step)
         t0 = time.perf_counter()
         with profiler.phase("train"):
-            m = engine.train_step(
-                rank_microbatches(pad_to_multiple(stage.to_batch(items),
-                                                  cfg.parallel.sequence_multiple),
-                                  mesh, num_microbatches), loss_fn)
+            microbatches = rank_microbatches(
+                pad_to_multiple(stage.to_batch(items), cfg.parallel.sequence_multiple), mesh,
+                num_microbatches)
+            if annotate:
+                annotate(microbatches)
+            m = engine.train_step(microbatches, loss_fn)
         record = {"step": step, "split": "train", **stage.metrics(m.sums),
                   "grad_norm": m.grad_norm, "lr": m.lr, "epoch": round(epoch, 4),
                   "step_s": round(time.perf_counter() - t0, 4)}
@@ -177,7 +186,7 @@ def _train(cfg: SFTConfig | RMConfig, p: Plan, mesh: Mesh, log: MetricsLog) -> d
             with profiler.phase("eval"):
                 record = {"step": step, "split": "eval",
                           **evaluate(engine, mesh, eval_batches, loss_fn, num_microbatches,
-                                     stage.metrics)}
+                                     stage.metrics, annotate)}
             log.write(record)
             history.append(record)
         if profiler.step is not None:  # rank 0's tables; every rank wrote its traces
@@ -198,11 +207,13 @@ def _train(cfg: SFTConfig | RMConfig, p: Plan, mesh: Mesh, log: MetricsLog) -> d
 
 
 def evaluate(engine: TrainEngine, mesh: Mesh, batches: list[Batch], loss_fn: LossFn,
-             num_microbatches: int, metrics) -> dict[str, float]:
+             num_microbatches: int, metrics, annotate=None) -> dict[str, float]:
     totals: dict[str, float] = {}
     for batch in batches:
-        sums = engine.global_sums(
-            engine.forward(rank_microbatches(batch, mesh, num_microbatches), loss_fn))
+        microbatches = rank_microbatches(batch, mesh, num_microbatches)
+        if annotate:
+            annotate(microbatches)
+        sums = engine.global_sums(engine.forward(microbatches, loss_fn))
         for k, v in sums.items():
             totals[k] = totals.get(k, 0.0) + v
     return metrics(totals)
@@ -231,7 +242,8 @@ def _check_resume(path: str, extra: dict, fingerprint: dict) -> None:
     if changed:
         raise ValueError(
             f"cannot resume from {path}: {changed} (checkpoint vs now) changed, so the run "
-            f"would not continue the same data; use a new output_dir and start it from the "
+            f"would not continue the same data and objective; use a new output_dir and start "
+            f"it from the "
             f"checkpoint with model.checkpoint={path}")
 
 

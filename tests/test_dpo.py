@@ -1,0 +1,217 @@
+"""Offline preference optimization (`megarlhf dpo`): the losses against a reference written
+from the papers' formulas, and (slow) whole runs: the first step's loss where the policy is
+still its reference (DPO: ln 2, IPO: 1/(4 beta^2), exactly), learning on warm-vs-cold pairs,
+TP2 x PP2 against TP1, a resume split at step 2 against a straight run (the resumed run's
+reference is the starting model, not the resumed weights), and the command line (SimPO, two
+DP ranks, HF export).
+
+Tolerances as in tests/test_sft_rm.py: layouts change only fp32 summation order, so over a
+few Adam steps metrics stay within 1e-5 relative; a pair split across micro-batches or a
+reference that moved changes them by far more.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+import yaml
+
+from megarlhf.data import synthetic
+from megarlhf.data.config import DataConfig, DatasetSource
+from megarlhf.data.encode import Example
+from megarlhf.data.tokenizer import train_sentencepiece
+from megarlhf.engine.optim import OptimConfig
+from megarlhf.configio import to_dict
+from megarlhf.metrics import read_metrics
+from megarlhf.parallel import launch_local
+from megarlhf.parallel.mesh import ParallelConfig as P
+from megarlhf.sft.config import DPOConfig, DPOSettings, LoopConfig, ModelSource
+from megarlhf.sft.dpo import dpo_batch, dpo_metrics, preference_loss, run_dpo
+
+REL = 1e-5
+OPTIM = OptimConfig(lr=3e-4, weight_decay=0.0, clip_grad=1.0, adam_eps=1e-6)
+
+
+# -- the losses (fast) --
+
+def _reference_losses(settings: DPOSettings, logits_BTV, pairs, ref_logp_B):
+    """Per pair, from full-vocabulary log-softmax and explicit loops over response tokens."""
+    b, e, g = settings.temperature, settings.label_smoothing, settings.gamma
+    logp, n = [], []
+    rows = [(ex.prompt, r) for ex in pairs for r in ex.responses]
+    for i, (prompt, resp) in enumerate(rows):
+        seq = prompt + resp
+        logprobs = torch.log_softmax(logits_BTV[i].double(), dim=-1)
+        logp.append(sum(logprobs[t - 1, seq[t]] for t in range(len(prompt), len(seq))))
+        n.append(len(resp))
+    out = []
+    for k in range(len(pairs)):
+        c, r = 2 * k, 2 * k + 1
+        rc, rr = float(ref_logp_B[c]), float(ref_logp_B[r])
+        if settings.loss == "dpo":
+            h = b * ((logp[c] - rc) - (logp[r] - rr))
+            loss = -(1 - e) * F.logsigmoid(h) - e * F.logsigmoid(-h)
+        elif settings.loss == "ipo":
+            h = (logp[c] - rc) / n[c] - (logp[r] - rr) / n[r]
+            loss = (h - 1 / (2 * b)) ** 2
+        else:
+            h = b * (logp[c] / n[c] - logp[r] / n[r]) - g
+            loss = -(1 - e) * F.logsigmoid(h) - e * F.logsigmoid(-h)
+        out.append(loss - settings.sft_weight * logp[c] / n[c])
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("settings", [
+    DPOSettings(), DPOSettings(loss="dpo", beta=0.5, label_smoothing=0.2, sft_weight=0.3),
+    DPOSettings(loss="ipo", beta=0.3), DPOSettings(loss="simpo"),
+    DPOSettings(loss="simpo", gamma=1.0, label_smoothing=0.1)], ids=str)
+def test_losses_match_the_formulas(settings):
+    torch.manual_seed(0)
+    pairs = [Example(prompt=[1, 2, 3], responses=([4, 5], [6, 7, 8, 9])),
+             Example(prompt=[2, 3], responses=([5, 5, 5], [7]))]
+    batch = dpo_batch(pairs, pad_id=0)
+    logits = torch.randn(*batch["tokens"].shape, 11)
+    logp_BT = torch.log_softmax(logits, -1).gather(-1, batch["labels"][..., None])[..., 0]
+    batch["ref_logp"] = torch.randn(4) - 5
+    loss_sum, count, sums = preference_loss(settings, batch, logp_BT)
+    expected = _reference_losses(settings, logits, pairs, batch["ref_logp"])
+    assert int(count) == 2
+    assert float(loss_sum) == pytest.approx(float(expected.sum()), rel=1e-6)
+    metrics = dpo_metrics({k: float(v) for k, v in sums.items()})
+    assert metrics["loss"] == pytest.approx(float(expected.mean()), rel=1e-6)
+    assert metrics["chosen_logp"] < 0 and metrics["pairs"] == 2
+
+
+def test_filler_pairs_count_for_nothing():
+    pairs = [Example(prompt=[1, 2], responses=([3], [4, 5]))] * 2
+    batch = dpo_batch(pairs, pad_id=0)
+    batch["ref_logp"] = torch.zeros(4)
+    batch["pair_weight"][2:] = 0
+    logp_BT = -torch.rand(batch["tokens"].shape)
+    logp_BT[2:] = logp_BT[:2]  # the second pair is the first again
+    one, count, _ = preference_loss(DPOSettings(), batch, logp_BT)
+    batch["pair_weight"][2:] = 1
+    two, _, _ = preference_loss(DPOSettings(), batch, logp_BT)
+    assert int(count) == 1 and float(two) == pytest.approx(2 * float(one))
+
+
+@pytest.mark.parametrize("fields, match", [
+    ({"dpo": {"loss": "kto"}}, "dpo.loss='kto'"),
+    ({"dpo": {"beta": 0}}, "dpo.beta=0"),
+    ({"dpo": {"loss": "ipo", "label_smoothing": 0.1}}, "not ipo"),
+    ({"dpo": {"label_smoothing": 0.5}}, "must be in [0, 0.5)"),
+    ({"model": {"preset": "tiny"}}, "model.checkpoint is required"),
+    ({"model": {"checkpoint": "c", "lora": {"rank": 4}}}, "model.lora is not supported yet"),
+])
+def test_config_errors_name_the_field(fields, match):
+    from megarlhf.configio import from_dict
+
+    recipe = {"model": {"checkpoint": "c"}, "data": {"train": {"path": "x.jsonl"}},
+              "train": {"output_dir": "out", "steps": 1, "global_batch_size": 2}}
+    with pytest.raises(ValueError, match=match.replace("[", r"\[").replace(")", r"\)")):
+        from_dict(DPOConfig, {**recipe, **fields}, where="dpo.yaml")
+
+
+# -- whole runs (slow) --
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dpo_corpus")
+    return {"sp": train_sentencepiece(synthetic.tokenizer_corpus(), str(root / "sp.model"),
+                                      vocab_size=256),
+            "pairs": synthetic.write_jsonl(synthetic.preference_records(200, seed=1),
+                                           str(root / "pairs.jsonl"))}
+
+
+def dpo_config(corpus, out, ckpt, parallel=P(), settings=DPOSettings(), **train) -> DPOConfig:
+    return DPOConfig(
+        model=ModelSource(checkpoint=ckpt, layer_spec="local"),
+        data=DataConfig(train=DatasetSource(path=corpus["pairs"]), tokenizer=corpus["sp"],
+                        max_length=48, eval_fraction=0.05),
+        train=LoopConfig(output_dir=str(out), **{"steps": 6, "global_batch_size": 8,
+                                                 "eval_interval": 3, **train}),
+        parallel=parallel, optim=OPTIM, dpo=settings)
+
+
+def _train(out: dict) -> list[dict]:
+    return [r for r in out["history"] if r["split"] == "train"]
+
+
+def _assert_same(a: list[dict], b: list[dict], *, bitwise: bool = False) -> None:
+    assert [(r["step"], r["split"]) for r in a] == [(r["step"], r["split"]) for r in b]
+    if bitwise:  # the same layout and data: the same numbers
+        keys = ("loss", "grad_norm", "reward_accuracy", "reward_margin", "chosen_logp")
+        assert [[r[k] for k in keys] for r in a] == [[r[k] for k in keys] for r in b]
+    for ra, rb in zip(a, b):
+        for k in ("loss", "grad_norm", "reward_accuracy", "chosen_logp", "rejected_logp"):
+            if k in rb:
+                assert ra[k] == pytest.approx(rb[k], rel=REL, abs=1e-9), (ra["step"], k)
+        # Near 0 at the start: absolute.
+        assert ra["reward_margin"] == pytest.approx(rb["reward_margin"], abs=1e-5), ra["step"]
+
+
+@pytest.fixture(scope="module")
+def tp1(corpus, lm_ref, tmp_path_factory):
+    return launch_local(run_dpo, 1, dpo_config(corpus, tmp_path_factory.mktemp("tp1"),
+                                               lm_ref))[0]
+
+
+@pytest.mark.slow
+def test_dpo_starts_at_ln2_and_learns_the_preference(tp1):
+    train = _train(tp1)
+    # Step 1: the policy is its reference (the same weights, the same forward), so every
+    # pair's log-ratio difference is 0 and its loss is -log sigmoid(0).
+    assert train[0]["loss"] == pytest.approx(math.log(2), rel=1e-6)
+    assert train[0]["reward_margin"] == pytest.approx(0, abs=1e-6)
+    evals = [r for r in tp1["history"] if r["split"] == "eval"]
+    print([(r["step"], round(r["loss"], 4), round(r["reward_margin"], 4),
+            r["reward_accuracy"]) for r in evals])
+    assert evals[-1]["loss"] < evals[0]["loss"] < math.log(2)
+    assert evals[-1]["reward_margin"] > 0 and evals[-1]["reward_accuracy"] > 0.8
+
+
+@pytest.mark.slow
+def test_tp2_pp2_equals_tp1_and_a_resume_equals_a_straight_run(corpus, lm_ref, tmp_path, tp1):
+    layout = launch_local(run_dpo, 4, dpo_config(
+        corpus, tmp_path / "tp2pp2", lm_ref, P(tensor_parallel=2, pipeline_parallel=2)))
+    for out in layout:
+        _assert_same(out["history"], tp1["history"])
+    # Stopped after step 2 (a checkpoint), then continued to step 6: the reference the
+    # resumed run builds is the starting checkpoint again.
+    first = launch_local(run_dpo, 1, dpo_config(corpus, tmp_path / "split", lm_ref,
+                                                steps=2))[0]
+    assert first["checkpoint"].endswith("step_2")
+    second = launch_local(run_dpo, 1, dpo_config(corpus, tmp_path / "split", lm_ref))[0]
+    _assert_same(_train(first) + _train(second), _train(tp1), bitwise=True)
+
+
+@pytest.mark.slow
+def test_ipo_starts_at_its_target_gap(corpus, lm_ref, tmp_path):
+    settings = DPOSettings(loss="ipo", beta=0.2)
+    out = launch_local(run_dpo, 1, dpo_config(corpus, tmp_path, lm_ref, settings=settings,
+                                              steps=1, eval_interval=0))[0]
+    assert _train(out)[0]["loss"] == pytest.approx(1 / (4 * 0.2 ** 2), rel=1e-6)
+
+
+@pytest.mark.slow
+def test_cli_simpo_on_two_ranks_exports_hf(corpus, lm_ref, tmp_path):
+    recipe = to_dict(dpo_config(corpus, tmp_path / "run", lm_ref,
+                                settings=DPOSettings(loss="simpo"), steps=2))
+    recipe["train"]["export_hf"] = str(tmp_path / "hf")
+    path = tmp_path / "simpo.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    done = subprocess.run([sys.executable, "-m", "megarlhf.cli", "dpo", "--config", str(path),
+                           "--nproc", "2"], capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    steps = [r for r in read_metrics(str(tmp_path / "run")) if r.get("split") == "train"]
+    assert [r["step"] for r in steps] == [1, 2]
+    # SimPO has no reference: its first loss is -log sigmoid(beta h - gamma) of the starting
+    # model's own length-normalised margins, not a constant; finite and logged per pair.
+    assert all(math.isfinite(r["loss"]) and r["pairs"] == 8 for r in steps), steps
+    assert os.path.isfile(tmp_path / "hf" / "config.json")
