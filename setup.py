@@ -23,9 +23,10 @@ setup(
         # tensorboard: the test of PPO's TensorBoard logging (optional for users). gguf and
         # accelerate: the real-model tier dequantizes a GGUF checkpoint from the package index.
         # pyarrow and datasets: the Parquet and HF-directory dataset forms. peft: LoRA
-        # adapters exported and imported are checked against HF PEFT.
+        # adapters exported and imported are checked against HF PEFT. mkdocs-material and
+        # mkdocstrings: the documentation site, built with --strict by the tests.
         "test": ["pytest>=8", "pytest-timeout", "tensorboard", "gguf", "accelerate",
-                 "pyarrow", "datasets", "peft"],
+                 "pyarrow", "datasets", "peft", "mkdocs-material", "mkdocstrings[python]"],
         # Parquet files and HF `datasets` directories as datasets (JSONL needs neither).
         "data": ["pyarrow", "datasets"],
         # Dashboards, used when installed: `tensorboard=true`, `wandb_project=...`.

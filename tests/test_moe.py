@@ -188,7 +188,7 @@ def test_expert_parallel_equals_ep1_through_the_controller(moe, moe_ref, tmp_pat
 
 HF_PPO_RUNS = {
     # name: (architecture, rollout backend, placement, expert_parallel); the Megatron engine
-    # runs with routing replay (vLLM's routing is refused, README).
+    # runs with routing replay (vLLM's routing is refused, docs/guides/moe.md).
     "qwen3_moe-vllm-colocated": ("qwen3_moe", "vllm", "colocated", 1),
     "qwen3_moe-megatron-replay-colocated": ("qwen3_moe", "megatron", "colocated", 1),
     "mixtral-megatron-replay-disaggregated-ep2": ("mixtral", "megatron", "disaggregated", 2),

@@ -1,5 +1,5 @@
 """The real-model tier: SmolLM2-135M-Instruct (tests/real_model.py) through every user-facing
-path, with the commands the README's "Bring your own model" section gives.
+path, with the commands docs/guides/own-model.md ("Bring your own model") gives.
 
 1. Convert at TP3 x PP2 (a non-power-of-two TP, with pipeline stages, tied embeddings), verify
    logits against HF transformers' float64 forward with verify's defaults, export back to HF
@@ -33,6 +33,7 @@ import glob
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -316,8 +317,6 @@ def test_tool_calls_on_the_real_model(hf_dir, actor, work):
     Megatron engine: the model's calls are parsed and run, each result comes back as a tool
     message equal to the expression's value computed here, tool messages are never trained
     on, and the gap on the model's tokens stays below 1e-4."""
-    import re
-
     from megarlhf.data import synthetic
 
     train, _ = synthetic.tool_arithmetic_records(rows=16, held_out=0)
@@ -351,3 +350,37 @@ def test_tool_calls_on_the_real_model(hf_dir, actor, work):
                 assert f"<|im_start|>tool\n{shown}<|im_end|>" in tool["text"], (model, tool)
                 calls += 1
     assert calls > 0
+
+
+QUICKSTART = os.path.join(REPO, "docs", "quickstart.md")
+
+
+def _quickstart_commands() -> tuple[str, str]:
+    """The shell blocks of the Quickstart's own-model steps: the download (step 1, which this
+    machine cannot reach) and the rest, as a user would paste them."""
+    text = open(QUICKSTART).read()
+    blocks = re.findall(r"```bash\n(.*?)```", text[text.index("## Your own model"):], re.S)
+    (download,) = [b for b in blocks if b.startswith("hf download")]
+    return download, "".join(b for b in blocks if b is not download)
+
+
+def test_the_quickstart_reaches_a_grpo_step(hf_dir, tmp_path):
+    """docs/quickstart.md's commands, run as written from an empty directory where step 1's
+    download is SmolLM2 from the test cache: a GRPO step on the user's own reward."""
+    download, commands = _quickstart_commands()
+    os.symlink(hf_dir, tmp_path / download.split("--local-dir")[1].strip())
+    bin_dir = os.path.dirname(sys.executable)  # the venv's python and megarlhf, as activated
+    done = subprocess.run(["bash", "-euo", "pipefail", "-c", commands], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=1200,
+                          env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"})
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "2 prompts kept, 0 skipped; format chat" in done.stdout, done.stdout
+    run_dir = str(tmp_path / "runs" / "quickstart")
+    (step,) = read_steps(run_dir)
+    assert step["actor/skipped"] == 0.0 and step["rollout/logprob_gap_max"] < 1e-4, step
+    with open(os.path.join(run_dir, "samples.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    assert len(rows) == 4  # log_samples' default
+    for row in rows:  # the page's reward, recomputed here: the answer within the response
+        assert row["reward"] == float(row["ground_truth"].lower() in row["response"].lower())
+    assert checkpoints.of_run(run_dir).latest().endswith("step_1")

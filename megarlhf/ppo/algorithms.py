@@ -2,7 +2,7 @@
 sampling option, as the algorithm's paper and verl define it. A run config's option fields
 default to None, "the algorithm's value"; a value given there wins (`algorithm=dapo
 clip_eps_high=0.3` is DAPO with a wider upper clip). `resolve` gives the options a run uses;
-the README's algorithm table lists them, and `megarlhf ppo --dry-run` prints them.
+docs/guides/algorithms.md's table lists them, and `megarlhf ppo --dry-run` prints them.
 """
 
 from __future__ import annotations
