@@ -1091,7 +1091,7 @@ def test_every_enum_value_and_placement_backend_pair_has_a_run():
     def resolved(run: dict) -> dict:
         """What a VALUE_RUN runs with: its fields, and its algorithm's presets for the rest."""
         config = PPOConfig(actor="a", critic="c", prompts="p", out_dir="o", reward_fn="m:f",
-                           prompts_per_step=4, samples_per_prompt=4, **run)
+                           **{"prompts_per_step": 4, "samples_per_prompt": 4, **run})
         values = {**dataclasses.asdict(config), **dataclasses.asdict(config.options)}
         if config.rollout_correction == "none":  # its level is not used
             del values["rollout_correction_level"]
