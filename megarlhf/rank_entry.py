@@ -27,7 +27,7 @@ class Start:
 
     def __reduce__(self):
         # Pickled while the rank starts, when DupFd can hand the descriptors to the child.
-        streams = [reduction.DupFd(fd) for fd in (1, 2) if _is_open(fd)]
+        streams = [(fd, reduction.DupFd(fd)) for fd in (1, 2) if _is_open(fd)]
         return _enter, (self.environ, streams)
 
 
@@ -42,7 +42,7 @@ def _is_open(fd: int) -> bool:
 def _enter(environ: dict[str, str], streams: list) -> None:
     os.environ.clear()
     os.environ.update(environ)
-    for target, stream in zip((1, 2), streams):
+    for target, stream in streams:
         fd = stream.detach()
         os.dup2(fd, target)
         os.close(fd)

@@ -22,12 +22,12 @@ import torch
 import torch.nn.functional as F
 import yaml
 
+from megarlhf.configio import to_dict
 from megarlhf.data import synthetic
 from megarlhf.data.config import DataConfig, DatasetSource
 from megarlhf.data.encode import Example
 from megarlhf.data.tokenizer import train_sentencepiece
 from megarlhf.engine.optim import OptimConfig
-from megarlhf.configio import to_dict
 from megarlhf.metrics import read_metrics
 from megarlhf.parallel import launch_local
 from megarlhf.parallel.mesh import ParallelConfig as P
@@ -108,6 +108,8 @@ def test_filler_pairs_count_for_nothing():
     ({"dpo": {"label_smoothing": 0.5}}, "must be in [0, 0.5)"),
     ({"model": {"preset": "tiny"}}, "model.checkpoint is required"),
     ({"model": {"checkpoint": "c", "lora": {"rank": 4}}}, "model.lora is not supported yet"),
+    ({"parallel": {"context_parallel": 2}}, "context_parallel and parallel.expert_parallel"),
+    ({"parallel": {"expert_parallel": 2}}, "context_parallel and parallel.expert_parallel"),
 ])
 def test_config_errors_name_the_field(fields, match):
     from megarlhf.configio import from_dict

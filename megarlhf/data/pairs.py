@@ -33,8 +33,12 @@ def pair_sequences(pairs: list[Example], pad_id: int) -> SequenceBatch:
 def pair_batch(pairs: list[Example], pad_id: int) -> dict[str, torch.Tensor]:
     """The engine's micro-batch dict: model inputs, `last_index` of each row, and per-row
     `margin` and `pair_weight` (1; 0 marks filler pairs that must not count)."""
+    return pair_inputs(pairs, pair_sequences(pairs, pad_id))
+
+
+def pair_inputs(pairs: list[Example], batch: SequenceBatch) -> dict[str, torch.Tensor]:
+    """`pair_batch` of the pairs' sequences laid out by `pair_sequences`."""
     margins = torch.tensor([ex.margin for ex in pairs], dtype=torch.float32)
-    batch = pair_sequences(pairs, pad_id)
     return {**batch.model_inputs(),
             "last_index": batch.attention_mask.long().cumsum(1).argmax(1),
             "margin": margins.repeat_interleave(2), "pair_weight": torch.ones(2 * len(pairs))}

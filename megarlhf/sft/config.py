@@ -224,6 +224,10 @@ class DPOConfig(StageConfig):
         if self.model.lora is not None:
             raise ValueError("dpo: model.lora is not supported yet (no test has run DPO with "
                              "adapters); train every weight")
+        if self.parallel.context_parallel > 1 or self.parallel.expert_parallel > 1:
+            raise ValueError("dpo: parallel.context_parallel and parallel.expert_parallel must "
+                             "be 1 (no test has run DPO with them yet); use tensor, pipeline "
+                             "or data parallelism")
 
 
 def _check_data(data: DataConfig, train: LoopConfig, kind: str) -> None:

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from megarlhf.data.encode import Example
-from megarlhf.data.pairs import pair_batch
+from megarlhf.data.pairs import pair_inputs, pair_sequences
 from megarlhf.engine.losses import token_logprobs
 from megarlhf.engine.schedule import Batch, Loss
 from megarlhf.models.config import ModelConfig
@@ -42,10 +42,9 @@ from megarlhf.sft.model import init_weights, new_engine
 def dpo_batch(pairs: list[Example], pad_id: int) -> Batch:
     """The reward model's pair batch plus `label_mask`: 1 where the label is a response
     token (the position before it reads it)."""
-    batch = pair_batch(pairs, pad_id)
-    response = torch.zeros_like(batch["tokens"])
-    for i, (prompt, resp) in enumerate((ex.prompt, r) for ex in pairs for r in ex.responses):
-        response[i, len(prompt):len(prompt) + len(resp)] = 1
+    sequences = pair_sequences(pairs, pad_id)
+    batch = pair_inputs(pairs, sequences)
+    response = sequences.response_mask
     batch["label_mask"] = torch.cat([response[:, 1:], torch.zeros_like(response[:, :1])],
                                     dim=1).float()
     return batch
@@ -62,12 +61,8 @@ def preference_loss(settings: DPOSettings, batch: Batch, logp_BT: torch.Tensor):
     logp, length = _row_logps(batch, logp_BT)
     weight = batch["pair_weight"][0::2]
     b, e = settings.temperature, settings.label_smoothing
-    if settings.needs_reference:
-        ratio = logp - batch["ref_logp"]
-        reward = b * ratio
-    else:
-        ratio = logp / length
-        reward = b * ratio
+    ratio = logp - batch["ref_logp"] if settings.needs_reference else logp / length
+    reward = b * ratio
     chosen, rejected = ratio[0::2], ratio[1::2]
     if settings.loss == "dpo":
         h = b * (chosen - rejected)
