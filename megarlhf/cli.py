@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> None:
     stages = []
     for name, help in (("sft", "supervised fine-tuning (stage 1)"),
                        ("rm", "pairwise reward-model training (stage 2)"),
-                       ("dpo", "offline preference optimization on pairs (DPO, IPO, SimPO)")):
+                       ("dpo", "offline preference optimization (DPO, IPO, SimPO on pairs; KTO)")):
         stage = sub.add_parser(name, help=help)
         stages.append(stage)
         stage.add_argument("--config", required=True, help="YAML file of SFTConfig / RMConfig / "

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import os
+import random
 import subprocess
 import sys
 
@@ -32,7 +33,9 @@ from megarlhf.metrics import read_metrics
 from megarlhf.parallel import launch_local
 from megarlhf.parallel.mesh import ParallelConfig as P
 from megarlhf.sft.config import DPOConfig, DPOSettings, LoopConfig, ModelSource
-from megarlhf.sft.dpo import dpo_batch, dpo_metrics, preference_loss, run_dpo
+from megarlhf.models.lora import LoraConfig
+from megarlhf.sft.dpo import (KL_PREFIX, dpo_batch, dpo_metrics, kto_batch, kto_loss,
+                              kto_metrics, preference_loss, run_dpo)
 
 REL = 1e-5
 OPTIM = OptimConfig(lr=3e-4, weight_decay=0.0, clip_grad=1.0, adam_eps=1e-6)
@@ -88,6 +91,41 @@ def test_losses_match_the_formulas(settings):
     assert metrics["chosen_logp"] < 0 and metrics["pairs"] == 2
 
 
+def test_kto_matches_its_formula_and_pairs_each_prompt_with_the_previous_completion():
+    torch.manual_seed(0)
+    rows = [Example(prompt=(1, 2, 3), responses=((4, 5),), label=True),
+            Example(prompt=(2,), responses=((6, 7, 8, 9),), label=False),
+            Example(prompt=(3, 3), responses=((5,),), label=True)]
+    batch = kto_batch(rows, pad_id=0, max_length=5)
+    # Row i's mismatched row: its prompt, row i-1's completion, cut to max_length=5.
+    kl_tokens = batch[KL_PREFIX + "tokens"]
+    assert kl_tokens[0].tolist() == [1, 2, 3, 5, 0]
+    assert kl_tokens[1].tolist() == [2, 4, 5, 0, 0]
+    assert kl_tokens[2].tolist() == [3, 3, 6, 7, 8]
+    assert batch[KL_PREFIX + "label_mask"][2].tolist() == [0, 1, 1, 1, 0]
+    settings = DPOSettings(loss="kto", beta=0.5, desirable_weight=1.5, undesirable_weight=0.7)
+    logits = torch.randn(*batch["tokens"].shape, 11)
+    logp_BT = torch.log_softmax(logits, -1).gather(-1, batch["labels"][..., None])[..., 0]
+    batch["ref_logp"] = torch.randn(3) - 4
+    batch["kl"] = torch.full((3,), 0.3)
+    loss_sum, count, sums = kto_loss(settings, batch, logp_BT)
+    expected = []
+    for i, ex in enumerate(rows):  # TRL's KTO loss, written out per row
+        seq = ex.prompt + ex.responses[0]
+        lp = torch.log_softmax(logits[i].double(), -1)
+        logp = sum(lp[t - 1, seq[t]] for t in range(len(ex.prompt), len(seq)))
+        r = logp - float(batch["ref_logp"][i])
+        if ex.label:
+            expected.append(1.5 * (1 - torch.sigmoid(0.5 * (r - 0.3))))
+        else:
+            expected.append(0.7 * (1 - torch.sigmoid(0.5 * (0.3 - r))))
+    assert int(count) == 3
+    assert float(loss_sum) == pytest.approx(float(sum(expected)), rel=1e-6)
+    metrics = kto_metrics({k: float(v) for k, v in sums.items()})
+    assert metrics["kl"] == pytest.approx(0.3) and metrics["desirable"] == 2
+    assert metrics["loss"] == pytest.approx(float(sum(expected)) / 3, rel=1e-6)
+
+
 def test_filler_pairs_count_for_nothing():
     pairs = [Example(prompt=[1, 2], responses=([3], [4, 5]))] * 2
     batch = dpo_batch(pairs, pad_id=0)
@@ -102,12 +140,18 @@ def test_filler_pairs_count_for_nothing():
 
 
 @pytest.mark.parametrize("fields, match", [
-    ({"dpo": {"loss": "kto"}}, "dpo.loss='kto'"),
+    ({"dpo": {"loss": "orpo"}}, "dpo.loss='orpo'"),
+    ({"dpo": {"loss": "kto", "sft_weight": 0.1}}, "not kto"),
+    ({"dpo": {"loss": "kto", "desirable_weight": 0}}, "dpo.desirable_weight=0.0 must be > 0"),
+    ({"dpo": {"loss": "kto"}, "train": {"output_dir": "o", "steps": 1,
+                                        "global_batch_size": 1}}, "global_batch_size >= 2"),
+    ({"dpo": {"loss": "kto"}, "data": {"train": {"path": "x.jsonl",
+                                                 "fields": {"chosen": "c"}}}},
+     "fields ['chosen'] are not fields of unpaired records"),
     ({"dpo": {"beta": 0}}, "dpo.beta=0"),
     ({"dpo": {"loss": "ipo", "label_smoothing": 0.1}}, "not ipo"),
     ({"dpo": {"label_smoothing": 0.5}}, "must be in [0, 0.5)"),
     ({"model": {"preset": "tiny"}}, "model.checkpoint is required"),
-    ({"model": {"checkpoint": "c", "lora": {"rank": 4}}}, "model.lora is not supported yet"),
     ({"parallel": {"context_parallel": 2}}, "context_parallel and parallel.expert_parallel"),
     ({"parallel": {"expert_parallel": 2}}, "context_parallel and parallel.expert_parallel"),
 ])
@@ -128,14 +172,27 @@ def corpus(tmp_path_factory):
     return {"sp": train_sentencepiece(synthetic.tokenizer_corpus(), str(root / "sp.model"),
                                       vocab_size=256),
             "pairs": synthetic.write_jsonl(synthetic.preference_records(200, seed=1),
-                                           str(root / "pairs.jsonl"))}
+                                           str(root / "pairs.jsonl")),
+            "unpaired": synthetic.write_jsonl(_unpaired(synthetic.preference_records(200,
+                                                                                     seed=1)),
+                                              str(root / "unpaired.jsonl"))}
 
 
-def dpo_config(corpus, out, ckpt, parallel=P(), settings=DPOSettings(), **train) -> DPOConfig:
+def _unpaired(pairs: list[dict]) -> list[dict]:
+    """Each pair as two KTO rows, shuffled so desirable and undesirable rows interleave."""
+    rows = [{"prompt": p["prompt"], "completion": p[key], "label": key == "chosen"}
+            for p in pairs for key in ("chosen", "rejected")]
+    random.Random(0).shuffle(rows)
+    return rows
+
+
+def dpo_config(corpus, out, ckpt, parallel=P(), settings=DPOSettings(), lora=None,
+               eval_fraction=0.05, **train) -> DPOConfig:
+    data = corpus["unpaired" if settings.loss == "kto" else "pairs"]
     return DPOConfig(
-        model=ModelSource(checkpoint=ckpt, layer_spec="local"),
-        data=DataConfig(train=DatasetSource(path=corpus["pairs"]), tokenizer=corpus["sp"],
-                        max_length=48, eval_fraction=0.05),
+        model=ModelSource(checkpoint=ckpt, layer_spec="local", lora=lora),
+        data=DataConfig(train=DatasetSource(path=data), tokenizer=corpus["sp"],
+                        max_length=48, eval_fraction=eval_fraction),
         train=LoopConfig(output_dir=str(out), **{"steps": 6, "global_batch_size": 8,
                                                  "eval_interval": 3, **train}),
         parallel=parallel, optim=OPTIM, dpo=settings)
@@ -191,6 +248,41 @@ def test_tp2_pp2_equals_tp1_and_a_resume_equals_a_straight_run(corpus, lm_ref, t
     assert first["checkpoint"].endswith("step_2")
     second = launch_local(run_dpo, 1, dpo_config(corpus, tmp_path / "split", lm_ref))[0]
     _assert_same(_train(first) + _train(second), _train(tp1), bitwise=True)
+
+
+@pytest.mark.slow
+def test_kto_starts_at_one_half_learns_and_its_kl_estimate_spans_data_parallel_ranks(
+        corpus, lm_ref, tmp_path):
+    settings = DPOSettings(loss="kto")
+    kto = dict(settings=settings, eval_fraction=0.25, steps=8, eval_interval=4)
+    one = launch_local(run_dpo, 1, dpo_config(corpus, tmp_path / "dp1", lm_ref, **kto))[0]
+    train = _train(one)
+    # Step 1: policy = reference, so every log-ratio and the KL estimate are 0 and each
+    # row's loss is 1 - sigmoid(0).
+    assert train[0]["loss"] == pytest.approx(0.5, rel=1e-6) and train[0]["kl"] == 0
+    evals = [r for r in one["history"] if r["split"] == "eval"]
+    print([(r["step"], round(r["loss"], 4), round(r["kl"], 5), round(r["reward_margin"], 4))
+           for r in one["history"]])
+    assert evals[-1]["loss"] < evals[0]["loss"] < 0.5 and evals[-1]["reward_margin"] > 0
+    assert any(r["kl"] > 0 for r in train)
+    # Two DP ranks: each scores half the mismatched rows; the estimate is the global one.
+    two = launch_local(run_dpo, 2, dpo_config(corpus, tmp_path / "dp2", lm_ref, **kto))
+    for out in two:
+        for ra, rb in zip(out["history"], one["history"], strict=True):
+            for k in ("loss", "kl", "grad_norm", "chosen_logp", "rejected_logp"):
+                if k in rb:
+                    assert ra[k] == pytest.approx(rb[k], rel=REL, abs=1e-9), (ra["step"], k)
+
+
+@pytest.mark.slow
+def test_with_lora_the_reference_is_the_base_with_adapters_off(corpus, lm_ref, tmp_path):
+    out = launch_local(run_dpo, 1, dpo_config(corpus, tmp_path, lm_ref, lora=LoraConfig(
+        rank=8, alpha=16), steps=4, eval_interval=0))[0]
+    train = _train(out)
+    # Adapters start at B = 0: the policy is its base, the loss ln 2. Afterwards the
+    # reference must stay the base: had it followed the adapters, every margin would be 0.
+    assert train[0]["loss"] == pytest.approx(math.log(2), rel=1e-6)
+    assert train[-1]["loss"] < math.log(2) - 1e-3 and train[-1]["reward_margin"] > 0
 
 
 @pytest.mark.slow

@@ -203,7 +203,7 @@ FAKE_SRUN = """#!/bin/bash
 args="$*"
 echo "srun ${args//$'\n'/ }" >>"$FAKE_LOG"
 # The controller's or a rank's exit code; Ray nodes and the join check succeed.
-[[ " $* " == *" ppo "* || " $* " == *" sft "* ]] && exit "${FAKE_RC:-0}"
+[[ " $* " =~ \ (ppo|sft|rm|dpo)\  ]] && exit "${FAKE_RC:-0}"
 exit 0
 """
 FAKE_SCONTROL = """#!/bin/bash
@@ -247,6 +247,7 @@ def test_container_mode_runs_every_step_in_the_image(tmp_path, script, args):
 
 
 @pytest.mark.parametrize("script, args", [("train.sbatch", ("sft", "c.yaml")),
+                                          ("train.sbatch", ("dpo", "c.yaml")),
                                           ("ppo.sbatch", ("r.yaml",))])
 def test_the_job_exit_code_is_the_stage_exit_code(tmp_path, script, args):
     assert _fake_job(tmp_path, script, *args, FAKE_RC="3")[0] == 3

@@ -24,6 +24,8 @@ class Example:
     responses: tuple[Ids, ...]
     """() for prompts, (response,) for SFT, (chosen, rejected) for pairs."""
     margin: float = 0.0
+    label: bool | None = None
+    """Unpaired (KTO) examples: whether the response is desirable."""
 
     def length(self, i: int = 0) -> int:
         """Tokens in prompt + response i (the prompt alone when there are no responses)."""
@@ -72,5 +74,5 @@ def encode_records(records: list[Record], fmt: PromptFormat, *, max_length: int,
         bad.truncated["response"] += any(len(c) < len(r) for c, r in zip(cut, responses))
         margin = default_margin if rec.margin is None else rec.margin
         out.append(Example(prompt=tuple(cut_prompt), responses=tuple(map(tuple, cut)),
-                           margin=margin))
+                           margin=margin, label=rec.label))
     return out

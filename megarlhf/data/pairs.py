@@ -17,7 +17,12 @@ from megarlhf.data.sequences import SequenceBatch
 def pair_sequences(pairs: list[Example], pad_id: int) -> SequenceBatch:
     if any(len(ex.responses) != 2 for ex in pairs):
         raise ValueError("pair batches need examples with exactly two responses")
-    rows = [(ex.prompt, resp) for ex in pairs for resp in ex.responses]
+    return row_sequences([(ex.prompt, resp) for ex in pairs for resp in ex.responses], pad_id)
+
+
+def row_sequences(rows: list[tuple[tuple[int, ...], tuple[int, ...]]],
+                  pad_id: int) -> SequenceBatch:
+    """(prompt, response) rows, right-padded to the longest, with their response mask."""
     T = max(len(p) + len(r) for p, r in rows)
     tokens = torch.full((len(rows), T), pad_id, dtype=torch.long)
     attention = torch.zeros(len(rows), T, dtype=torch.long)

@@ -1,7 +1,8 @@
 """Text records from JSONL, Parquet or an HF `datasets` directory, with field names mapped.
 
-Three kinds of record: 'prompt' (prompts alone, for rollouts), 'sft' (prompt + response) and
-'pairwise' (prompt + chosen + rejected, optionally a per-pair margin). A prompt is text or a
+Four kinds of record: 'prompt' (prompts alone, for rollouts), 'sft' (prompt + response),
+'pairwise' (prompt + chosen + rejected, optionally a per-pair margin) and 'unpaired' (prompt +
+completion + a desirable/undesirable label, for KTO). A prompt is text or a
 list of {role, content} messages. Anything else is a bad record, handled by `BadRecords`.
 
 A field maps to a column, or with a dotted path to a value inside one (`reward_model.
@@ -26,9 +27,12 @@ KIND_FIELDS = {
     "prompt": ("prompt",),
     "sft": ("prompt", "response"),
     "pairwise": ("prompt", "chosen", "rejected"),
+    "unpaired": ("prompt", "completion", "label"),
 }
+TEXT_FIELDS = ("response", "chosen", "rejected", "completion")
+"""The fields that hold a response's text (the others: the prompt and a label)."""
 OPTIONAL_FIELDS = {"prompt": ("ground_truth", "data_source"), "sft": (),
-                   "pairwise": ("margin",)}
+                   "pairwise": ("margin",), "unpaired": ()}
 PROMPT_IDS = "prompt_ids"
 MESSAGES = "messages"
 ROLES = ("system", "user", "assistant", "tool")
@@ -47,6 +51,8 @@ class Record:
     """() for prompts, (response,) for SFT, (chosen, rejected) for pairs."""
     margin: float | None = None
     """Pairwise only: how much more the chosen response should score, if the data says."""
+    label: bool | None = None
+    """Unpaired only: whether the completion is desirable."""
     ground_truth: Any = None
     """Prompt records: what the reward function checks a response against, if the data says."""
     data_source: str | None = None
@@ -101,7 +107,9 @@ def _record(where: str, row: dict, kind: str, columns: dict[str, str]) -> Record
         return _prompt_record(where, row, columns)
     prompt = _prompt(get("prompt"))
     responses = []
-    for name in KIND_FIELDS[kind][1:]:
+    for name in KIND_FIELDS[kind]:
+        if name not in TEXT_FIELDS:
+            continue
         text = _text(get(name), columns[name])
         if not text.strip():
             raise _Bad(f"empty {name}")
@@ -112,7 +120,18 @@ def _record(where: str, row: dict, kind: str, columns: dict[str, str]) -> Record
         if isinstance(margin, bool) or not isinstance(margin, (int, float)):
             raise _Bad(f"field '{columns['margin']}' is not a number", repr(margin)[:60])
         margin = float(margin)
-    return Record(where=where, prompt=prompt, responses=tuple(responses), margin=margin)
+    label = _label(get("label"), columns["label"]) if kind == "unpaired" else None
+    return Record(where=where, prompt=prompt, responses=tuple(responses), margin=margin,
+                  label=label)
+
+
+def _label(value, column: str) -> bool:
+    """true/false, or 1/0 as some datasets write them."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    raise _Bad(f"field '{column}' is not true/false", repr(value)[:60])
 
 
 def _prompt_record(where: str, row: dict, columns: dict[str, str]) -> Record:

@@ -132,7 +132,7 @@ class StageConfig:
     """What both stages configure; each stage adds its own fields."""
 
     RECORD_KIND: ClassVar[str]
-    """The records the stage reads ('sft' or 'pairwise')."""
+    """The records the stage reads ('sft' or 'pairwise'; see record_kind)."""
     model: ModelSource
     """The model trained: a preset or a checkpoint, its dtype, layer spec and adapters."""
     data: DataConfig
@@ -144,8 +144,12 @@ class StageConfig:
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     """The optimizer and learning-rate schedule."""
 
+    def record_kind(self) -> str:
+        """The records this run reads (a stage whose settings choose it overrides this)."""
+        return self.RECORD_KIND
+
     def __post_init__(self):
-        _check_data(self.data, self.train, self.RECORD_KIND)
+        _check_data(self.data, self.train, self.record_kind())
         problem = self.model.lora and layout_problem(self.model.lora, self.parallel)
         if problem:
             raise ValueError(f"model.lora: {problem}")
@@ -167,8 +171,8 @@ class RMConfig(StageConfig):
     data.train.fields.margin) replaces it."""
 
 
-DPO_LOSSES = ("dpo", "ipo", "simpo")
-DPO_DEFAULT_BETA = {"dpo": 0.1, "ipo": 0.1, "simpo": 2.0}
+DPO_LOSSES = ("dpo", "ipo", "simpo", "kto")
+DPO_DEFAULT_BETA = {"dpo": 0.1, "ipo": 0.1, "simpo": 2.0, "kto": 0.1}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -177,16 +181,25 @@ class DPOSettings:
     """dpo: -log sigmoid(beta h), h = the chosen response's log-ratio to the reference minus
     the rejected one's (logprobs summed over response tokens); ipo: (h' - 1/(2 beta))^2 with
     h' from logprobs averaged over response tokens; simpo: -log sigmoid(beta (chosen's mean
-    token logprob - rejected's) - gamma), no reference model."""
+    token logprob - rejected's) - gamma), no reference model; kto: unpaired rows (prompt,
+    completion, label), 1 - sigmoid(beta (r - z)) for a desirable completion and
+    1 - sigmoid(beta (z - r)) for an undesirable one, r its log-ratio to the reference and z
+    the batch's KL estimate from mismatched prompt/completion rows."""
     beta: float | None = None
-    """The loss's temperature; None: the loss's own default (dpo 0.1, ipo 0.1, simpo 2.0)."""
+    """The loss's temperature; None: the loss's own default (dpo 0.1, ipo 0.1, simpo 2.0,
+    kto 0.1)."""
     label_smoothing: float = 0.0
     """dpo and simpo: the share of pairs assumed mislabeled (conservative DPO): the loss is
     (1 - e) of the pair's term plus e of the term with chosen and rejected swapped."""
     gamma: float = 0.5
     """simpo: the target reward margin subtracted inside the sigmoid."""
     sft_weight: float = 0.0
-    """Adds this weight times the chosen response's mean token negative log-likelihood."""
+    """dpo, ipo, simpo: adds this weight times the chosen response's mean token negative
+    log-likelihood."""
+    desirable_weight: float = 1.0
+    """kto: the weight of a desirable row's loss (raise it when desirable rows are rarer)."""
+    undesirable_weight: float = 1.0
+    """kto: the weight of an undesirable row's loss."""
 
     def __post_init__(self):
         if self.loss not in DPO_LOSSES:
@@ -199,6 +212,11 @@ class DPOSettings:
             raise ValueError("dpo.label_smoothing applies to dpo and simpo, not ipo")
         if self.sft_weight < 0:
             raise ValueError(f"dpo.sft_weight={self.sft_weight} must be >= 0")
+        if self.loss == "kto" and self.sft_weight:
+            raise ValueError("dpo.sft_weight applies to dpo, ipo and simpo, not kto")
+        for name in ("desirable_weight", "undesirable_weight"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"dpo.{name}={getattr(self, name)} must be > 0")
 
     @property
     def temperature(self) -> float:
@@ -211,19 +229,22 @@ class DPOSettings:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DPOConfig(StageConfig):
-    RECORD_KIND: ClassVar[str] = "pairwise"
     dpo: DPOSettings = dataclasses.field(default_factory=DPOSettings)
-    """The preference loss. The reference (dpo, ipo) is a frozen copy of the model the run
-    starts from (model.checkpoint), at the same layout, on the same ranks."""
+    """The preference loss. The reference (dpo, ipo, kto) is a frozen copy of the model the run
+    starts from (model.checkpoint), at the same layout, on the same ranks; with model.lora it
+    is the trained model with its adapters off (the base: no second copy)."""
+
+    def record_kind(self) -> str:
+        return "unpaired" if self.dpo.loss == "kto" else "pairwise"
 
     def __post_init__(self):
         super().__post_init__()
+        if self.dpo.loss == "kto" and self.train.global_batch_size < 2:
+            raise ValueError("dpo.loss=kto needs train.global_batch_size >= 2 (its KL estimate "
+                             "pairs each prompt with another row's completion)")
         if self.model.checkpoint is None:
             raise ValueError("dpo: model.checkpoint is required (preference optimization starts "
                              "from a trained model, usually the SFT stage's output)")
-        if self.model.lora is not None:
-            raise ValueError("dpo: model.lora is not supported yet (no test has run DPO with "
-                             "adapters); train every weight")
         if self.parallel.context_parallel > 1 or self.parallel.expert_parallel > 1:
             raise ValueError("dpo: parallel.context_parallel and parallel.expert_parallel must "
                              "be 1 (no test has run DPO with them yet); use tensor, pipeline "

@@ -1,11 +1,13 @@
-"""Offline preference optimization on prompt + chosen + rejected pairs: DPO, IPO and SimPO.
+"""Offline preference optimization: DPO, IPO and SimPO on prompt + chosen + rejected pairs,
+KTO on unpaired prompt + completion + label rows.
 
-Rows are laid out as the reward model's (data/pairs.py: chosen on even rows, rejected on odd
+Pairs are laid out as the reward model's (data/pairs.py: chosen on even rows, rejected on odd
 ones, so every micro-batch and DP share holds whole pairs). A row's logprob is the sum of
-log p(token) over its response tokens, from the vocabulary-parallel logprobs of the labels
-(context parallelism gathers those, not the logits). The reference's row logprobs are
-computed on the same micro-batches by a frozen copy of the starting model just before each
-step (and each evaluation) and ride in the micro-batch as `ref_logp`; SimPO has none.
+log p(token) over its response tokens, from the vocabulary-parallel logprobs of the labels.
+The reference's row logprobs are computed on the same micro-batches just before each step
+(and each evaluation) and ride in the micro-batch as `ref_logp`; SimPO has none. The
+reference is a frozen copy of the starting model, or with LoRA the trained model itself with
+its adapters off.
 
 Per pair, with p the policy's and r the reference's row logprobs, n the response lengths,
 b = beta, e = label_smoothing:
@@ -17,10 +19,22 @@ b = beta, e = label_smoothing:
 (ls = log sigmoid, g = gamma), plus sft_weight x (-p_c/n_c). The implicit rewards logged are
 b (p - r) per response (b p/n for SimPO); accuracy is the share of pairs whose chosen reward
 is the larger. Losses are summed over pairs and the engine divides by the global pair count.
+
+KTO: each row i also has a mismatched row, its prompt with row i-1's completion (the global
+batch's order, so the estimate does not depend on the layout). Before the step, the policy
+and the reference score the mismatched rows (no gradient); z = max(0, mean over the global
+batch of their log-ratio) is the same constant for every row, and with w_d, w_u the row
+weights
+
+    desirable    loss = w_d (1 - sigmoid(b (r - z)))
+    undesirable  loss = w_u (1 - sigmoid(b (z - r)))          r = p - r_ref
+
+averaged over rows.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
@@ -29,10 +43,12 @@ import torch
 import torch.nn.functional as F
 
 from megarlhf.data.encode import Example
-from megarlhf.data.pairs import pair_inputs, pair_sequences
+from megarlhf.data.pairs import pair_inputs, pair_sequences, row_sequences
 from megarlhf.engine.losses import token_logprobs
-from megarlhf.engine.schedule import Batch, Loss
+from megarlhf.engine.schedule import Batch, Loss, pad_to_multiple
+from megarlhf.engine.train import TrainEngine
 from megarlhf.models.config import ModelConfig
+from megarlhf.models.lora import adapters_off
 from megarlhf.parallel.mesh import Mesh
 from megarlhf.sft import loop
 from megarlhf.sft.config import DPOConfig, DPOSettings
@@ -43,11 +59,31 @@ def dpo_batch(pairs: list[Example], pad_id: int) -> Batch:
     """The reward model's pair batch plus `label_mask`: 1 where the label is a response
     token (the position before it reads it)."""
     sequences = pair_sequences(pairs, pad_id)
-    batch = pair_inputs(pairs, sequences)
+    return {**pair_inputs(pairs, sequences), "label_mask": _label_mask(sequences)}
+
+
+KL_PREFIX = "kl_"
+
+
+def kto_batch(rows: list[Example], pad_id: int, max_length: int) -> Batch:
+    """Unpaired rows: model inputs, `label_mask`, `row_weight` (1; 0 on filler rows) and
+    `desirable` (1/0); and under KL_PREFIX the same inputs for each row's prompt with the
+    previous row's completion (cut to `max_length`)."""
+    own = [(ex.prompt, ex.responses[0]) for ex in rows]
+    shifted = [(prompt, rows[i - 1].responses[0][:max_length - len(prompt)])
+               for i, (prompt, _) in enumerate(own)]
+    real, kl = row_sequences(own, pad_id), row_sequences(shifted, pad_id)
+    return {**real.model_inputs(), "label_mask": _label_mask(real),
+            "row_weight": torch.ones(len(rows)),
+            "desirable": torch.tensor([float(ex.label) for ex in rows]),
+            **{KL_PREFIX + k: v for k, v in
+               {**kl.model_inputs(), "label_mask": _label_mask(kl)}.items()}}
+
+
+def _label_mask(sequences) -> torch.Tensor:
+    """1 where the label is a response token (the position before it reads it)."""
     response = sequences.response_mask
-    batch["label_mask"] = torch.cat([response[:, 1:], torch.zeros_like(response[:, :1])],
-                                    dim=1).float()
-    return batch
+    return torch.cat([response[:, 1:], torch.zeros_like(response[:, :1])], dim=1).float()
 
 
 def _row_logps(batch: Batch, logp_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,6 +124,40 @@ def preference_loss(settings: DPOSettings, batch: Batch, logp_BT: torch.Tensor):
     }
 
 
+def kto_loss(settings: DPOSettings, batch: Batch, logp_BT: torch.Tensor):
+    """The KTO closure (module docstring), over this micro-batch's rows."""
+    logp, _ = _row_logps(batch, logp_BT)
+    weight, good = batch["row_weight"], batch["desirable"]
+    b, z = settings.temperature, batch["kl"]
+    ratio = logp - batch["ref_logp"]
+    per_row = (good * settings.desirable_weight * (1 - torch.sigmoid(b * (ratio - z)))
+               + (1 - good) * settings.undesirable_weight * (1 - torch.sigmoid(b * (z - ratio))))
+    loss_sum = (per_row * weight).sum()
+    rows = weight.sum().to(torch.int)
+    good_w, bad_w = good * weight, (1 - good) * weight
+    return loss_sum, rows, {
+        "loss_sum": loss_sum.detach().clone(), "num_tokens": rows.detach().clone(),
+        "kl_sum": (z * weight).sum().detach(), "desirable": good_w.sum().detach(),
+        "chosen_reward_sum": (b * ratio * good_w).sum().detach(),
+        "rejected_reward_sum": (b * ratio * bad_w).sum().detach(),
+        "chosen_logp_sum": (logp * good_w).sum().detach(),
+        "rejected_logp_sum": (logp * bad_w).sum().detach(),
+    }
+
+
+def kto_metrics(sums: dict[str, float]) -> dict[str, float]:
+    """Rewards and logprobs are means over the desirable (chosen_*) and undesirable
+    (rejected_*) rows."""
+    rows = max(sums["num_tokens"], 1.0)
+    good, bad = max(sums["desirable"], 1.0), max(sums["num_tokens"] - sums["desirable"], 1.0)
+    chosen, rejected = sums["chosen_reward_sum"] / good, sums["rejected_reward_sum"] / bad
+    return {"loss": sums["loss_sum"] / rows, "kl": sums["kl_sum"] / rows,
+            "reward_margin": chosen - rejected, "chosen_reward": chosen,
+            "rejected_reward": rejected, "chosen_logp": sums["chosen_logp_sum"] / good,
+            "rejected_logp": sums["rejected_logp_sum"] / bad, "rows": int(sums["num_tokens"]),
+            "desirable": int(sums["desirable"])}
+
+
 def dpo_metrics(sums: dict[str, float]) -> dict[str, float]:
     pairs = max(sums["num_tokens"], 1.0)
     chosen, rejected = sums["chosen_reward_sum"] / pairs, sums["rejected_reward_sum"] / pairs
@@ -102,36 +172,71 @@ def _logprobs(mesh: Mesh, model: ModelConfig):
                                                      model.vocab_size)
 
 
-def _reference_closure(batch: Batch, logp_BT: torch.Tensor):
+def _row_closure(batch: Batch, logp_BT: torch.Tensor):
+    """Each row's response logprob, and (where rows are weighted) their weighted sum."""
     logp, _ = _row_logps(batch, logp_BT)
-    zero = logp.sum() * 0
-    return zero, torch.zeros((), dtype=torch.int), {"row_logp": logp.detach()}
+    out = {"row_logp": logp.detach()}
+    if "row_weight" in batch:
+        out["logp_sum"] = (logp * batch["row_weight"]).sum().detach()
+        out["rows"] = batch["row_weight"].sum().detach()
+    return logp.sum() * 0, torch.zeros((), dtype=torch.int), out
 
 
-def reference(cfg: DPOConfig, mesh: Mesh, model: ModelConfig):
-    """The annotator (loop.Stage.annotator): a frozen engine holding the starting weights,
-    whose row logprobs go into each micro-batch as `ref_logp`. Built after the trained engine,
-    so a resumed run's reference is still the starting model, not the resumed weights."""
-    frozen = new_engine(cfg.model, model, cfg.parallel, mesh, None, value_head=False)
-    init_weights(cfg.model, frozen)
-    loss = Loss(closure=_reference_closure, per_position=_logprobs(mesh, model))
+def reference(cfg: DPOConfig, mesh: Mesh, model: ModelConfig, engine: TrainEngine):
+    """The annotator (loop.Stage.annotator): puts the reference's row logprobs into each
+    micro-batch as `ref_logp`, and for KTO the KL estimate as `kl`. The reference is a frozen
+    engine loading the starting weights (built here, after the trained engine, so a resumed
+    run's reference is still the starting model, not the resumed weights), or with LoRA the
+    trained engine with its adapters off."""
+    if cfg.model.lora is not None:
+        ref = engine
+
+        def as_reference():
+            return adapters_off(engine.chunks)
+    else:
+        ref = new_engine(cfg.model, model, cfg.parallel, mesh, None, value_head=False)
+        init_weights(cfg.model, ref)
+        as_reference = contextlib.nullcontext
+    loss = Loss(closure=_row_closure, per_position=_logprobs(mesh, model))
+
+    def kl_estimate(microbatches: list[Batch]) -> float:
+        views = [pad_to_multiple({**{k[len(KL_PREFIX):]: v for k, v in mb.items()
+                                     if k.startswith(KL_PREFIX)},
+                                  "row_weight": mb["row_weight"]},
+                                 cfg.parallel.sequence_multiple) for mb in microbatches]
+        policy = engine.global_sums(engine.forward(views, loss))
+        with as_reference():
+            frozen = ref.global_sums(ref.forward(views, loss))
+        return max(0.0, (policy["logp_sum"] - frozen["logp_sum"]) / max(policy["rows"], 1.0))
 
     def annotate(microbatches: list[Batch]) -> None:
-        out = frozen.forward(microbatches, loss)
+        with as_reference():
+            out = ref.forward(microbatches, loss)
         for mb, o in zip(microbatches, out):
             mb["ref_logp"] = o["row_logp"].to(mb["tokens"].device)
+        if cfg.dpo.loss == "kto":
+            z = kl_estimate(microbatches)
+            for mb in microbatches:
+                mb["kl"] = torch.full_like(mb["row_weight"], z)
 
     return annotate
 
 
 def dpo_stage(cfg: DPOConfig, pad_id: int) -> loop.Stage:
     settings = cfg.dpo
+    if settings.loss == "kto":
+        layout = dict(kind="unpaired", rows_per_item=1, filler_key="row_weight",
+                      to_batch=functools.partial(kto_batch, pad_id=pad_id,
+                                                 max_length=cfg.data.max_length),
+                      closure=kto_loss, metrics=kto_metrics)
+    else:
+        layout = dict(kind="pairwise", rows_per_item=2, filler_key="pair_weight",
+                      to_batch=functools.partial(dpo_batch, pad_id=pad_id),
+                      closure=preference_loss, metrics=dpo_metrics)
+    closure = functools.partial(layout.pop("closure"), settings)
     return loop.Stage(
-        name="dpo", kind="pairwise", value_head=False, rows_per_item=2, arrange=list,
-        to_batch=functools.partial(dpo_batch, pad_id=pad_id), filler_key="pair_weight",
-        loss_fn=lambda mesh, model: Loss(closure=functools.partial(preference_loss, settings),
-                                         per_position=_logprobs(mesh, model)),
-        metrics=dpo_metrics,
+        name="dpo", value_head=False, arrange=list, **layout,
+        loss_fn=lambda mesh, model: Loss(closure=closure, per_position=_logprobs(mesh, model)),
         fingerprint={"dpo": dataclasses.asdict(settings),
                      "reference": os.path.abspath(cfg.model.checkpoint)},
         annotator=functools.partial(reference, cfg) if settings.needs_reference else None)

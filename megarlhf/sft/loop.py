@@ -42,10 +42,10 @@ class Stage:
     name: str
     """'sft', 'rm' or 'dpo': log prefix, and recorded in checkpoints so a resume cannot mix them."""
     kind: str
-    """Record kind read from the data ('sft' or 'pairwise')."""
+    """Record kind read from the data ('sft', 'pairwise' or 'unpaired')."""
     value_head: bool
     rows_per_item: int
-    """Batch rows per stream item: 1 (an SFT row) or 2 (a pair's chosen + rejected)."""
+    """Batch rows per stream item: 1 (an SFT or KTO row) or 2 (a pair's chosen + rejected)."""
     arrange: Callable[[list[Example]], list]
     """Examples (shuffled for training, in order for eval) -> stream items."""
     to_batch: Callable[[list], Batch]
@@ -58,10 +58,11 @@ class Stage:
     default_margin: float = 0.0
     fingerprint: dict = dataclasses.field(default_factory=dict)
     """What else a resume must find unchanged (DPO: its loss settings and reference)."""
-    annotator: Callable[[Mesh, ModelConfig], Callable[[list[Batch]], None]] | None = None
-    """Built on every rank once the trained engine exists: a function that adds per-row
-    values to a step's (or an evaluation's) micro-batches before they run (DPO's reference
-    logprobs)."""
+    annotator: Callable[[Mesh, ModelConfig, TrainEngine],
+                        Callable[[list[Batch]], None]] | None = None
+    """Built on every rank from the trained engine once it holds its starting (or resumed)
+    weights: a function that adds values to a step's (or an evaluation's) micro-batches
+    before they run (DPO's reference logprobs, KTO's KL estimate)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,7 +155,7 @@ def _train(cfg: StageConfig, p: Plan, mesh: Mesh, log: MetricsLog) -> dict:
     engine.provenance["hf_files"] = {**engine.provenance["hf_files"], **p.tokenizer.files()}
 
     loss_fn = stage.loss_fn(mesh, p.model)
-    annotate = stage.annotator(mesh, p.model) if stage.annotator else None
+    annotate = stage.annotator(mesh, p.model, engine) if stage.annotator else None
     stream = EpochStream(p.examples.train, seed=cfg.data.seed, arrange=stage.arrange)
     eval_batches = _eval_batches(p.examples.eval, stage, train.global_batch_size,
                                  cfg.parallel.sequence_multiple)
