@@ -1,6 +1,6 @@
 """How every command ends when something expected goes wrong: one or two lines on stderr that
-name the field or path and the fix, exit code 2 for bad input (config, files, disks), 130 for
-Ctrl-C, and no traceback unless MEGARLHF_DEBUG=1.
+name the field or path and the fix, exit code 2 for bad input (config, files, disks), 1 for a
+fault no restart got past, 130 for Ctrl-C, and no traceback unless MEGARLHF_DEBUG=1.
 
 Expected failures are `ValueError` (our checks raise it with the message the user reads),
 `OSError` (a path that is missing, read-only, on a full disk, ...) and YAML syntax errors.
@@ -15,12 +15,18 @@ from typing import Callable
 
 import yaml
 
+FAULT = 1
 BAD_INPUT = 2
 INTERRUPTED = 130
 
 
 class CorruptFileError(ValueError):
     """A file we wrote does not read back as written (checksum, size, missing)."""
+
+
+class RunFault(RuntimeError):
+    """A run stopped by a fault outside its code (a lost rank, a hang) that no restart got
+    past: its message names the fault and the last checkpoint."""
 
 
 def debug() -> bool:
@@ -49,6 +55,11 @@ def run_command(fn: Callable[..., int | None], *args, **kwargs) -> int:
         print("interrupted (Ctrl-C): the ranks were stopped; the last completed checkpoint "
               "is intact and a rerun resumes from it", file=sys.stderr)
         return INTERRUPTED
+    except RunFault as e:
+        if debug():
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return FAULT
     except (ValueError, OSError, yaml.YAMLError) as e:
         if debug():
             raise

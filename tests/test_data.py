@@ -92,6 +92,56 @@ def test_bad_records_are_skipped_counted_and_reported(tmp_path):
                                            f"sft record)"
 
 
+def _conv(*turns):
+    return [{"role": role, "content": text} for role, text in turns]
+
+
+PAIR_LINES = [  # (row, prompt, responses) or (row, reason)
+    # UltraFeedback's layout: a prompt, and each response as the whole conversation.
+    ({"prompt": "Hi", "chosen": _conv(("user", "Hi"), ("assistant", "Hello.")),
+      "rejected": _conv(("user", "Hi"), ("assistant", "Go."))}, "Hi", ("Hello.", "Go.")),
+    # No prompt column: the conversation before the responses is the prompt.
+    ({"chosen": _conv(("system", "Be kind."), ("user", "Hi"), ("assistant", "Hello.")),
+      "rejected": _conv(("system", "Be kind."), ("user", "Hi"), ("assistant", "Go."))},
+     (("system", "Be kind."), ("user", "Hi")), ("Hello.", "Go.")),
+    # Only the responses as messages, next to a message prompt.
+    ({"prompt": _conv(("user", "Hi")), "chosen": _conv(("assistant", "Hello.")),
+      "rejected": "Go."}, (("user", "Hi"),), ("Hello.", "Go.")),
+    ({"chosen": _conv(("user", "Hi"), ("assistant", "A")),
+      "rejected": _conv(("user", "Hey"), ("assistant", "B"))},
+     "prompt differs between 'chosen' and 'rejected'"),
+    ({"prompt": "Hi", "chosen": _conv(("user", "Hey"), ("assistant", "A")), "rejected": "B"},
+     "prompt differs between 'prompt' and 'chosen'"),
+    ({"prompt": "Hi", "chosen": _conv(("assistant", "A"), ("user", "B")), "rejected": "B"},
+     "field 'chosen' does not end with an assistant message"),
+    ({"chosen": "A", "rejected": "B"}, "missing field 'prompt'"),
+]
+
+
+@pytest.mark.parametrize("case", PAIR_LINES, ids=range(len(PAIR_LINES)))
+def test_conversational_pairs_give_their_prompt_once_and_must_agree_on_it(tmp_path, case):
+    path = _jsonl(tmp_path / "p.jsonl", [case[0]])
+    bad = BadRecords("skip")
+    records = read_records(DatasetSource(path=path), "pairwise", bad)
+    if len(case) == 3:
+        assert [(r.prompt, r.responses) for r in records] == [case[1:]]
+    else:
+        assert records == [] and list(bad.summary()["reasons"]) == [case[1]]
+
+
+def test_unpaired_records_take_true_false_or_1_0_labels(tmp_path):
+    path = _jsonl(tmp_path / "u.jsonl", [
+        {"prompt": "p", "completion": "a", "label": True},
+        {"prompt": "p", "completion": "b", "label": 0},
+        {"prompt": "p", "completion": "c", "label": "yes"},
+        {"prompt": "p", "completion": "d"}])
+    bad = BadRecords("skip")
+    records = read_records(DatasetSource(path=path), "unpaired", bad)
+    assert [(r.responses, r.label) for r in records] == [(("a",), True), (("b",), False)]
+    assert bad.summary()["reasons"] == {"field 'label' is not true/false": 1,
+                                        "missing field 'label'": 1}
+
+
 def test_parquet_records(tmp_path):
     pa = pytest.importorskip("pyarrow")
     import pyarrow.parquet as pq

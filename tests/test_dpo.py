@@ -1,9 +1,10 @@
 """Offline preference optimization (`megarlhf dpo`): the losses against a reference written
-from the papers' formulas, and (slow) whole runs: the first step's loss where the policy is
-still its reference (DPO: ln 2, IPO: 1/(4 beta^2), exactly), learning on warm-vs-cold pairs,
-TP2 x PP2 against TP1, a resume split at step 2 against a straight run (the resumed run's
-reference is the starting model, not the resumed weights), and the command line (SimPO, two
-DP ranks, HF export).
+from the papers' formulas (KTO from TRL's), and (slow) whole runs: the first step's loss where
+the policy is still its reference (DPO: ln 2, IPO: 1/(4 beta^2), KTO: 1/2, exactly), learning
+on warm-vs-cold pairs, TP2 x PP2 and CP2 against TP1, KTO at DP2 against DP1 (its KL estimate
+spans the global batch), LoRA (the reference is the base), a resume split at step 2 against a
+straight run (the resumed run's reference is the starting model, not the resumed weights),
+and the command line (SimPO, two DP ranks, HF export).
 
 Tolerances as in tests/test_sft_rm.py: layouts change only fp32 summation order, so over a
 few Adam steps metrics stay within 1e-5 relative; a pair split across micro-batches or a
@@ -143,6 +144,7 @@ def test_filler_pairs_count_for_nothing():
     ({"dpo": {"loss": "orpo"}}, "dpo.loss='orpo'"),
     ({"dpo": {"loss": "kto", "sft_weight": 0.1}}, "not kto"),
     ({"dpo": {"loss": "kto", "desirable_weight": 0}}, "dpo.desirable_weight=0.0 must be > 0"),
+    ({"dpo": {"undesirable_weight": 2}}, "dpo.undesirable_weight applies to kto, not dpo"),
     ({"dpo": {"loss": "kto"}, "train": {"output_dir": "o", "steps": 1,
                                         "global_batch_size": 1}}, "global_batch_size >= 2"),
     ({"dpo": {"loss": "kto"}, "data": {"train": {"path": "x.jsonl",
@@ -152,8 +154,7 @@ def test_filler_pairs_count_for_nothing():
     ({"dpo": {"loss": "ipo", "label_smoothing": 0.1}}, "not ipo"),
     ({"dpo": {"label_smoothing": 0.5}}, "must be in [0, 0.5)"),
     ({"model": {"preset": "tiny"}}, "model.checkpoint is required"),
-    ({"parallel": {"context_parallel": 2}}, "context_parallel and parallel.expert_parallel"),
-    ({"parallel": {"expert_parallel": 2}}, "context_parallel and parallel.expert_parallel"),
+    ({"parallel": {"expert_parallel": 2}}, "parallel.expert_parallel must be 1"),
 ])
 def test_config_errors_name_the_field(fields, match):
     from megarlhf.configio import from_dict
@@ -162,6 +163,13 @@ def test_config_errors_name_the_field(fields, match):
               "train": {"output_dir": "out", "steps": 1, "global_batch_size": 2}}
     with pytest.raises(ValueError, match=match.replace("[", r"\[").replace(")", r"\)")):
         from_dict(DPOConfig, {**recipe, **fields}, where="dpo.yaml")
+
+
+def test_a_resume_compares_only_the_fields_its_loss_reads():
+    # The fields of DPO checkpoints written before KTO existed: those runs still resume.
+    assert set(DPOSettings(loss="ipo").fingerprint()) == {
+        "loss", "beta", "label_smoothing", "gamma", "sft_weight"}
+    assert DPOSettings(loss="kto", desirable_weight=2.0).fingerprint()["desirable_weight"] == 2
 
 
 # -- whole runs (slow) --
@@ -236,10 +244,13 @@ def test_dpo_starts_at_ln2_and_learns_the_preference(tp1):
 
 
 @pytest.mark.slow
-def test_tp2_pp2_equals_tp1_and_a_resume_equals_a_straight_run(corpus, lm_ref, tmp_path, tp1):
+def test_tp2_pp2_and_cp2_equal_tp1_and_a_resume_equals_a_straight_run(corpus, lm_ref, tmp_path, tp1):
     layout = launch_local(run_dpo, 4, dpo_config(
         corpus, tmp_path / "tp2pp2", lm_ref, P(tensor_parallel=2, pipeline_parallel=2)))
-    for out in layout:
+    # Context parallelism: each rank holds half of every row; the row logprobs are whole.
+    cp2 = launch_local(run_dpo, 2, dpo_config(corpus, tmp_path / "cp2", lm_ref,
+                                              P(context_parallel=2)))
+    for out in layout + cp2:
         _assert_same(out["history"], tp1["history"])
     # Stopped after step 2 (a checkpoint), then continued to step 6: the reference the
     # resumed run builds is the starting checkpoint again.

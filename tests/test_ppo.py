@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 import torch
 
@@ -561,42 +562,56 @@ def _without_timings(metrics: dict) -> dict:
 
 
 @pytest.mark.slow
-def test_resume_after_kill_is_exact(base, tmp_path):
+def test_a_lost_rank_restarts_the_run_from_its_checkpoint_exactly(base, tmp_path):
+    """A rank killed mid-run: the controller tears the group down, starts it again from the
+    step-3 checkpoint (removing what a kill during a save or a prune leaves) and finishes
+    with the metrics and weights of a run that was never interrupted. The same resume runs
+    when a whole job is killed and started again (tests/test_slurm.py's requeue)."""
     short = dict(steps=6, save_every=3, tensor_parallel=2, nproc=2)
     straight = dataclasses.replace(base, out_dir=str(tmp_path / "straight"), **short)
     run(straight)
 
-    killed = dataclasses.replace(base, out_dir=str(tmp_path / "killed"), **short)
-    proc = _ppo_process(killed)
-    saved = checkpoints.of_run(killed.out_dir)
+    lost = dataclasses.replace(base, out_dir=str(tmp_path / "lost"), restart_backoff=2.0,
+                               **short)
+    proc = _ppo_process(lost)
+    saved = checkpoints.of_run(lost.out_dir)
     deadline = time.monotonic() + 300
     # Killed once step 4 is logged: its line is after the step-3 checkpoint the run resumes from.
-    while saved.latest() is None or len(read_steps(killed.out_dir)) < 4:
+    while saved.latest() is None or len(read_steps(lost.out_dir)) < 4:
         assert proc.poll() is None and time.monotonic() < deadline, \
-            "no checkpoint appeared:\n" + open(killed.out_dir + ".yaml.err").read()[-3000:]
+            "no checkpoint appeared:\n" + open(lost.out_dir + ".yaml.err").read()[-3000:]
         time.sleep(0.2)
-    os.killpg(proc.pid, signal.SIGKILL)  # the controller and every rank
-    proc.wait()
-    assert saved.latest().endswith("step_3")
-    # A plain run prints only megarlhf's own lines: no library's logs or warnings.
-    output = [open(killed.out_dir + ".yaml" + end).read() for end in (".out", ".err")]
-    assert "ppo step 4 | " in output[0]
-    assert foreign_lines(*output) == [], output
-    # What a kill during a save or a prune leaves: removed at the next start.
+    from tests.test_ppo_failures import _rank_processes
+
+    _rank_processes(psutil.Process(proc.pid), "local")[1].send_signal(signal.SIGKILL)
+    # During the restart's back-off: what a kill during a save or a prune leaves, removed
+    # when the run starts again.
     leftovers = ["step_6.tmp", "step_1.deleting", ".step_3.megarlhf-old",
                  "step_2"]  # step_2: no controller state
     for name in leftovers:
         os.makedirs(os.path.join(saved.root, name, "actor"))
-    run(killed)
+    assert proc.wait(timeout=300) == 0, open(lost.out_dir + ".yaml.err").read()[-3000:]
     assert sorted(os.listdir(saved.root)) == ["step_3", "step_6"]
+    # A plain run prints only megarlhf's own lines: no library's logs or warnings.
+    output = [open(lost.out_dir + ".yaml" + end).read() for end in (".out", ".err")]
+    assert "ppo step 4 | " in output[0] and "restart 1 after: " in output[0]
+    assert foreign_lines(*output) == [], output
 
-    ours, theirs = read_steps(killed.out_dir), read_steps(straight.out_dir)
-    assert [m["step"] for m in ours] == list(range(1, 7))  # step 4 once
-    steps = {m["step"]: m for m in ours}
-    for reference in theirs[3:]:
-        assert _without_timings(steps[reference["step"]]) == _without_timings(reference)
-    final_ours = _final_weights(killed.out_dir, "actor")
-    final_theirs = _final_weights(straight.out_dir, "actor")
+    events = [r for r in read_metrics(lost.out_dir) if r.get("event") == "restart"]
+    assert [(e["restart"], e["resumed_step"]) for e in events] == [(1, 3)], events
+    assert events[0]["failed_step"] >= 5 and "colocated rank 1 died" in events[0]["cause"]
+    ours, theirs = read_steps(lost.out_dir), read_steps(straight.out_dir)
+    assert [m["step"] for m in ours] == list(range(1, 7))  # steps 4 and 5 once
+    for mine, reference in zip(ours[3:], theirs[3:]):  # the steps after the restart
+        assert mine.pop("fault/restarts") == 1
+        assert _without_timings(mine) == _without_timings(reference)
+    _assert_same_weights(lost.out_dir, straight.out_dir)
+
+
+def _assert_same_weights(out_dir: str, reference_dir: str) -> None:
+    """The final actor weights of two runs, bitwise."""
+    final_ours = _final_weights(out_dir, "actor")
+    final_theirs = _final_weights(reference_dir, "actor")
     assert final_ours.keys() == final_theirs.keys()
     for key in final_ours:
         assert torch.equal(final_ours[key], final_theirs[key]), key

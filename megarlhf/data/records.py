@@ -2,8 +2,11 @@
 
 Four kinds of record: 'prompt' (prompts alone, for rollouts), 'sft' (prompt + response),
 'pairwise' (prompt + chosen + rejected, optionally a per-pair margin) and 'unpaired' (prompt +
-completion + a desirable/undesirable label, for KTO). A prompt is text or a
-list of {role, content} messages. Anything else is a bad record, handled by `BadRecords`.
+completion + a desirable/undesirable label, for KTO). A prompt is text or a list of {role,
+content} messages. A response is text, or (the conversational layout of preference datasets)
+a message list ending with it as an assistant message, whose earlier messages are the prompt:
+they may replace the prompt field, and must equal it (and each other) where both are given.
+Anything else is a bad record, handled by `BadRecords`.
 
 A field maps to a column, or with a dotted path to a value inside one (`reward_model.
 ground_truth` reads verl's rows as they are). Prompt records also carry what RL with verifiable
@@ -105,15 +108,17 @@ def _record(where: str, row: dict, kind: str, columns: dict[str, str]) -> Record
 
     if kind == "prompt":
         return _prompt_record(where, row, columns)
-    prompt = _prompt(get("prompt"))
-    responses = []
+    responses, contexts = [], {}
     for name in KIND_FIELDS[kind]:
         if name not in TEXT_FIELDS:
             continue
-        text = _text(get(name), columns[name])
+        text, context = _response(get(name), columns[name])
         if not text.strip():
             raise _Bad(f"empty {name}")
         responses.append(text)
+        if context:
+            contexts[name] = context
+    prompt = _conversation_prompt(lookup(row, columns["prompt"]), contexts, columns, kind)
     margin = None
     if "margin" in OPTIONAL_FIELDS[kind] and lookup(row, columns["margin"]) is not None:
         margin = lookup(row, columns["margin"])
@@ -123,6 +128,41 @@ def _record(where: str, row: dict, kind: str, columns: dict[str, str]) -> Record
     label = _label(get("label"), columns["label"]) if kind == "unpaired" else None
     return Record(where=where, prompt=prompt, responses=tuple(responses), margin=margin,
                   label=label)
+
+
+def _response(value, column: str) -> tuple[str, tuple[Message, ...]]:
+    """A response's text and the conversation before it: none for text; a message list (the
+    conversational layout of chosen/rejected) ends with the response, an assistant message,
+    and what comes before it is the prompt."""
+    if not isinstance(value, list):
+        return _text(value, column), ()
+    messages = _messages(value)
+    if not messages or messages[-1][0] != "assistant":
+        raise _Bad(f"field '{column}' does not end with an assistant message")
+    return messages[-1][1], messages[:-1]
+
+
+def _conversation_prompt(value, contexts: dict[str, tuple[Message, ...]],
+                         columns: dict[str, str], kind: str) -> str | tuple[Message, ...]:
+    """The prompt field, or the conversation the responses continue when they hold it; where
+    both (or both responses) give one, they must be the same."""
+    given = sorted(set(contexts.values()))
+    if len(given) > 1:
+        raise _Bad("prompt differs between " + " and ".join(
+            f"'{columns[name]}'" for name in contexts), "their messages before the last differ")
+    if value is None:
+        if not given:
+            raise _Bad(f"missing field '{columns['prompt']}'", f"the prompt of a {kind} record")
+        if not any(content.strip() for _, content in given[0]):
+            raise _Bad("empty prompt")
+        return given[0]
+    prompt = _prompt(value)
+    as_messages = (("user", prompt),) if isinstance(prompt, str) else prompt
+    if given and given[0] != as_messages:
+        raise _Bad(f"prompt differs between '{columns['prompt']}' and "
+                   f"'{columns[next(iter(contexts))]}'",
+                   "the conversation before the response is not the prompt")
+    return prompt
 
 
 def _label(value, column: str) -> bool:
@@ -184,18 +224,23 @@ def _text(value, column: str) -> str:
     return value
 
 
+def _messages(value: list) -> tuple[Message, ...]:
+    messages = []
+    for m in value:
+        if not (isinstance(m, dict) and m.get("role") in ROLES
+                and isinstance(m.get("content"), str)):
+            raise _Bad("malformed messages",
+                       f"each message needs a role in {ROLES} and text content")
+        messages.append((m["role"], m["content"]))
+    return tuple(messages)
+
+
 def _prompt(value) -> str | tuple[Message, ...]:
     if isinstance(value, list):
-        messages = []
-        for m in value:
-            if not (isinstance(m, dict) and m.get("role") in ROLES
-                    and isinstance(m.get("content"), str)):
-                raise _Bad("malformed messages",
-                           f"each message needs a role in {ROLES} and text content")
-            messages.append((m["role"], m["content"]))
+        messages = _messages(value)
         if not any(content.strip() for _, content in messages):
             raise _Bad("empty prompt")
-        return tuple(messages)
+        return messages
     text = _text(value, "prompt")
     if not text.strip():
         raise _Bad("empty prompt")

@@ -213,13 +213,13 @@ def pad_to_multiple(batch: Batch, multiple: int) -> Batch:
         return batch
     out = {}
     for key, value in batch.items():
-        if key == "document_ids":
+        if not (value.dim() == 2 and value.shape[1] == T):
+            out[key] = value  # per-row, or rows of another width (KTO's kl_*)
+        elif key.endswith("document_ids"):  # also another row set's (kl_document_ids)
             fresh = value.min() - torch.arange(1, pad + 1)
             out[key] = torch.cat([value, fresh.expand(value.shape[0], pad)], dim=1)
-        elif value.dim() == 2 and value.shape[1] == T:
-            out[key] = torch.nn.functional.pad(value, (0, pad))
         else:
-            out[key] = value
+            out[key] = torch.nn.functional.pad(value, (0, pad))
     return out
 
 

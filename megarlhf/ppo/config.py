@@ -78,6 +78,8 @@ _RANGES = (  # (field, low, high, low included?); high is included, values must 
     ("critic_lr", 0.0, math.inf, False),
     ("seed", 0, 2**31 - 1, True),
     ("save_every", 0, math.inf, True),
+    ("max_restarts", 0, math.inf, True),
+    ("restart_backoff", 0.0, math.inf, True),
     ("reward_timeout", 0.0, math.inf, False),
     ("tool_timeout", 0.0, math.inf, False),
     ("reward_max_timeout_fraction", 0.0, 1.0, True),
@@ -514,6 +516,15 @@ class PPOConfig:
     """Checkpoint every N steps (0: only at the end)."""
     keep_last: int = 2
     """Checkpoints kept in out_dir (older ones are removed once a newer one is complete)."""
+    max_restarts: int = 2
+    """Local worker groups: when a rank dies (killed, OOM-killed) or stops answering, every
+    group is torn down and started again from the latest checkpoint, up to this many times
+    in a run; each restart is a "restart" event in metrics.jsonl. Without a checkpoint yet
+    (see save_every), or once they are used up, the run stops naming the fault. An exception
+    a rank raises (a bug, bad input) always stops the run. Ray worker groups stop on any
+    fault, as before (no test has restarted one yet)."""
+    restart_backoff: float = 5.0
+    """Seconds to wait before a restart."""
     resume_allow_changes: tuple[str, ...] = ()
     """Inputs a resumed run may change on purpose (of RESUME_INPUTS: actor, actor_adapter
     (layout.actor.lora.from_peft: the reference's adapter), critic, reward_model, prompts,

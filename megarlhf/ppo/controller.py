@@ -11,7 +11,8 @@ The controller holds no model: it samples prompts, scores responses with the rew
 function (in its worker processes), computes advantages (cheap tensor math on the global
 batch) and logs; every model computation is a collective call on the workers. The
 `Placement` sends each phase to the groups that hold its roles (one group colocated, several
-at once disaggregated), so this loop is the same for both placements.
+at once disaggregated), so this loop is the same for both placements. A local rank that dies
+or hangs sends the run back to its latest checkpoint (`max_restarts`, `_run_restarting`).
 """
 
 from __future__ import annotations
@@ -25,11 +26,13 @@ import time
 import torch
 
 from megarlhf import profiling
+from megarlhf.errors import RunFault
 from megarlhf.envs.episodes import Episode
 from megarlhf.metrics import MetricsLog
 from megarlhf.ppo import checkpoints, gap_probe, rollouts, run_dir
 from megarlhf.ppo.config import PPOConfig
 from megarlhf.ppo.data import PromptSampler
+from megarlhf.ppo.groups import WorkerLost
 from megarlhf.ppo.inputs import RunInputs, read_inputs
 from megarlhf.ppo.metrics import CONSOLE_KEYS, step_metrics
 from megarlhf.ppo.placement import EXPERIENCE, Placement
@@ -57,21 +60,57 @@ def run(config: PPOConfig) -> list[dict]:
     config.check_paths()
     claim = run_dir.Claim(config.out_dir)
     try:
-        return _run_claimed(config)
+        return _run_restarting(config)
     finally:
         claim.release()
 
 
-def _run_claimed(config: PPOConfig) -> list[dict]:
+def _run_restarting(config: PPOConfig) -> list[dict]:
+    """The run, and after a lost worker the run again from its latest checkpoint (up to
+    max_restarts times): the metrics of every step it finished, each once."""
+    history: list[dict] = []
+    restarts: list[dict] = []
+    while True:
+        try:
+            _run_claimed(config, history, restarts)
+            return history
+        except WorkerLost as fault:
+            restarts.append(_restart_point(config, fault, len(restarts), history))
+            time.sleep(config.restart_backoff)
+
+
+def _restart_point(config: PPOConfig, fault: WorkerLost, done: int,
+                   history: list[dict]) -> dict:
+    """The restart event for `fault` (history cut back to its checkpoint), or RunFault when
+    there is no checkpoint to restart from or no restart left."""
+    saved = checkpoints.of_run(config.out_dir).completed()
+    cause = str(fault).splitlines()[0]
+    if done >= config.max_restarts or not saved:
+        reason = (f"max_restarts={config.max_restarts} reached" if saved else
+                  "no checkpoint to restart from yet (save_every sets how often one is saved)")
+        raise RunFault(f"{cause}; not restarted: {reason}; last checkpoint: "
+                       f"{saved[-1][1] if saved else 'none'}") from fault
+    step, path = saved[-1]
+    failed = history[-1]["step"] + 1 if history else 1
+    history[:] = [m for m in history if m["step"] <= step]
+    return {"event": "restart", "restart": done + 1, "cause": cause, "failed_step": failed,
+            "resumed_from": path, "resumed_step": step, "fault_time": time.time()}
+
+
+def _run_claimed(config: PPOConfig, history: list[dict], restarts: list[dict]) -> None:
     checkpoints.of_run(config.out_dir).remove_leftovers()
     data = read_inputs(config)
     try:
-        return _train(config, data)
+        _train(config, data, history, restarts)
     finally:
         data.close()
 
 
-def _train(config: PPOConfig, data: RunInputs) -> list[dict]:
+def _train(config: PPOConfig, data: RunInputs, history: list[dict],
+           restarts: list[dict]) -> None:
+    """Steps from the latest checkpoint (or the start) to the end, appending each step's
+    metrics to `history`; `restarts`: the restart events so far (the last one brought this
+    call about, if any)."""
     sampler = PromptSampler(data.train, seed=config.seed)
     inputs = run_dir.run_inputs(config, data.train)
     latest, state = run_dir.resume_point(config, inputs)
@@ -86,7 +125,6 @@ def _train(config: PPOConfig, data: RunInputs) -> list[dict]:
                                               "resolved": dataclasses.asdict(config.options)})
     log.write({"event": "data", **data.report}, echo=False)
     workers = Placement(config, data.checked.engine_size)
-    history = []
     # After a resume the engine holds the checkpoint's weights (loading syncs them).
     steps = rollouts.Rollouts(config, data, workers, sampler, weight_version=start,
                               pending=kept)
@@ -96,10 +134,14 @@ def _train(config: PPOConfig, data: RunInputs) -> list[dict]:
             sampler.load_state_dict(state["sampler"])
             kl_ctl.load_state_dict(state["kl"])
             log.note(f"resumed from {latest} (step {start})")
+            if restarts:
+                _log_restart(log, restarts[-1])
         elif data.val:
             log.write({"step": 0, **validate(config, data, workers, 0, log)})
         for step in range(start + 1, config.steps + 1):
             metrics = ppo_step(config, data, workers, steps, kl_ctl, step, log)
+            if restarts:
+                metrics["fault/restarts"] = len(restarts)
             if data.val and (step == config.steps or
                              (config.val_every and step % config.val_every == 0)):
                 metrics.update(validate(config, data, workers, step, log))
@@ -116,7 +158,14 @@ def _train(config: PPOConfig, data: RunInputs) -> list[dict]:
         workers.shutdown()
         steps.close()  # the thread's call ends with the shutdown
         log.close()
-    return history
+
+
+def _log_restart(log: MetricsLog, restart: dict) -> None:
+    event = {k: v for k, v in restart.items() if k != "fault_time"}
+    event["seconds"] = round(time.time() - restart["fault_time"], 3)
+    log.write(event, echo=False)
+    log.note(f"restart {event['restart']} after: {event['cause']}; resumed from step "
+             f"{event['resumed_step']} in {event['seconds']:.1f} s")
 
 
 def ppo_step(config: PPOConfig, data: RunInputs, workers: Placement,

@@ -31,6 +31,11 @@ class WorkerError(RuntimeError):
     """A rank of the PPO job raised or died."""
 
 
+class WorkerLost(WorkerError):
+    """A rank died or stopped answering (killed, OOM-killed, a hang): nothing its code
+    raised, so the run may go on from its last checkpoint (controller, max_restarts)."""
+
+
 class WorkerInputError(WorkerError, ValueError):
     """A rank met bad input (a corrupt or missing file, a read-only disk...): the CLI prints
     its one-line message; the rank's traceback is kept as a note (MEGARLHF_DEBUG=1 shows it)."""
@@ -138,14 +143,14 @@ class LocalCall:
                 self.results[rank] = value
                 self.pending.discard(rank)
             elif proc.exitcode is not None:
-                raise WorkerError(f"{self.what}: {self.group.name} rank {rank} died (exit "
-                                  f"code {proc.exitcode})")
+                raise WorkerLost(f"{self.what}: {self.group.name} rank {rank} died (exit "
+                                 f"code {proc.exitcode})")
 
     def raise_closed(self, rank: int) -> None:
         """Rank `rank`'s pipe closed: the rank is gone. Name the rank that died."""
         self._raise_if_a_rank_died("", grace_s=10.0)
-        raise WorkerError(f"{self.what}: {self.group.name} rank {rank} closed its pipe "
-                          f"without an answer") from None
+        raise WorkerLost(f"{self.what}: {self.group.name} rank {rank} closed its pipe "
+                         f"without an answer") from None
 
     def _raise_if_a_rank_died(self, then: str, grace_s: float = 2.0) -> None:
         """A rank that dies makes its peers fail in their next collective, often before its
@@ -155,8 +160,8 @@ class LocalCall:
         while True:
             for rank, proc in enumerate(self.group.procs):
                 if proc.exitcode not in (None, 0):
-                    raise WorkerError(f"{self.what}: {self.group.name} rank {rank} died (exit "
-                                      f"code {proc.exitcode}){then}")
+                    raise WorkerLost(f"{self.what}: {self.group.name} rank {rank} died (exit "
+                                     f"code {proc.exitcode}){then}")
             if time.monotonic() > deadline:
                 return
             time.sleep(0.05)
@@ -242,8 +247,8 @@ class LocalBackend:
             waitables = [w for call in calls for w in call.waitables()]
             if not mp.connection.wait(waitables, timeout=max(0.0, deadline - time.monotonic())):
                 late = {f"{c.group.name} ranks {sorted(c.pending)}" for c in calls if c.pending}
-                raise WorkerError(f"{calls[0].what}: {', '.join(sorted(late))} did not answer "
-                                  f"within {self.timeout_s:.0f} s")
+                raise WorkerLost(f"{calls[0].what}: {', '.join(sorted(late))} did not answer "
+                                 f"within {self.timeout_s:.0f} s")
             for call in calls:
                 call.collect()
         return [call.results for call in calls]

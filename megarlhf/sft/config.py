@@ -173,6 +173,7 @@ class RMConfig(StageConfig):
 
 DPO_LOSSES = ("dpo", "ipo", "simpo", "kto")
 DPO_DEFAULT_BETA = {"dpo": 0.1, "ipo": 0.1, "simpo": 2.0, "kto": 0.1}
+KTO_FIELDS = ("desirable_weight", "undesirable_weight")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -214,9 +215,11 @@ class DPOSettings:
             raise ValueError(f"dpo.sft_weight={self.sft_weight} must be >= 0")
         if self.loss == "kto" and self.sft_weight:
             raise ValueError("dpo.sft_weight applies to dpo, ipo and simpo, not kto")
-        for name in ("desirable_weight", "undesirable_weight"):
+        for name in KTO_FIELDS:
             if not getattr(self, name) > 0:
                 raise ValueError(f"dpo.{name}={getattr(self, name)} must be > 0")
+            if self.loss != "kto" and getattr(self, name) != 1.0:
+                raise ValueError(f"dpo.{name} applies to kto, not {self.loss}")
 
     @property
     def temperature(self) -> float:
@@ -225,6 +228,12 @@ class DPOSettings:
     @property
     def needs_reference(self) -> bool:
         return self.loss != "simpo"
+
+    def fingerprint(self) -> dict:
+        """What a resume must find unchanged: every field this loss reads (KTO's weights only
+        for kto, so runs of the other losses resume across their introduction)."""
+        fields = dataclasses.asdict(self)
+        return {k: v for k, v in fields.items() if self.loss == "kto" or k not in KTO_FIELDS}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -245,9 +254,9 @@ class DPOConfig(StageConfig):
         if self.model.checkpoint is None:
             raise ValueError("dpo: model.checkpoint is required (preference optimization starts "
                              "from a trained model, usually the SFT stage's output)")
-        if self.parallel.context_parallel > 1 or self.parallel.expert_parallel > 1:
-            raise ValueError("dpo: parallel.context_parallel and parallel.expert_parallel must "
-                             "be 1 (no test has run DPO with them yet); use tensor, pipeline "
+        if self.parallel.expert_parallel > 1:
+            raise ValueError("dpo: parallel.expert_parallel must be 1 (no test has run DPO on "
+                             "a mixture-of-experts model yet); use tensor, pipeline, context "
                              "or data parallelism")
 
 

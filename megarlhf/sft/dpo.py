@@ -20,9 +20,10 @@ b = beta, e = label_smoothing:
 b (p - r) per response (b p/n for SimPO); accuracy is the share of pairs whose chosen reward
 is the larger. Losses are summed over pairs and the engine divides by the global pair count.
 
-KTO: each row i also has a mismatched row, its prompt with row i-1's completion (the global
-batch's order, so the estimate does not depend on the layout). Before the step, the policy
-and the reference score the mismatched rows (no gradient); z = max(0, mean over the global
+KTO: each row i also has a mismatched row, its prompt with row i-1's completion (the first
+row takes the last row's; the global batch's order, so the estimate does not depend on the
+layout). Before the step, the policy and the reference score the mismatched rows (forward
+only: no gradient, and no LoRA dropout, so z is deterministic); z = max(0, mean over the global
 batch of their log-ratio) is the same constant for every row, and with w_d, w_u the row
 weights
 
@@ -35,7 +36,6 @@ averaged over rows.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import os
 
@@ -217,6 +217,8 @@ def reference(cfg: DPOConfig, mesh: Mesh, model: ModelConfig, engine: TrainEngin
         if cfg.dpo.loss == "kto":
             z = kl_estimate(microbatches)
             for mb in microbatches:
+                for key in [k for k in mb if k.startswith(KL_PREFIX)]:
+                    del mb[key]  # scored; the step need not carry them
                 mb["kl"] = torch.full_like(mb["row_weight"], z)
 
     return annotate
@@ -237,7 +239,7 @@ def dpo_stage(cfg: DPOConfig, pad_id: int) -> loop.Stage:
     return loop.Stage(
         name="dpo", value_head=False, arrange=list, **layout,
         loss_fn=lambda mesh, model: Loss(closure=closure, per_position=_logprobs(mesh, model)),
-        fingerprint={"dpo": dataclasses.asdict(settings),
+        fingerprint={"dpo": settings.fingerprint(),
                      "reference": os.path.abspath(cfg.model.checkpoint)},
         annotator=functools.partial(reference, cfg) if settings.needs_reference else None)
 

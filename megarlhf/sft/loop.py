@@ -223,8 +223,9 @@ def evaluate(engine: TrainEngine, mesh: Mesh, batches: list[Batch], loss_fn: Los
 def _eval_batches(examples: list[Example], stage: Stage, batch_items: int,
                   multiple: int) -> list[Batch]:
     """All eval examples in global batches of `batch_items` (widths padded to `multiple`);
-    the last one is filled up with copies of its first item whose `filler_key` is zero, so
-    they count for nothing."""
+    the last one is filled up with copies of its last item whose `filler_key` is zero, so
+    they count for nothing (KTO pairs each row with the one before it: the first row's
+    partner is then the last real row, not itself)."""
     if not examples:
         return []
     items = stage.arrange(examples)
@@ -232,7 +233,7 @@ def _eval_batches(examples: list[Example], stage: Stage, batch_items: int,
     for start in range(0, len(items), batch_items):
         chunk = items[start:start + batch_items]
         real = len(chunk)
-        batch = stage.to_batch(chunk + [chunk[0]] * (batch_items - real))
+        batch = stage.to_batch(chunk + [chunk[-1]] * (batch_items - real))
         batch[stage.filler_key][real * stage.rows_per_item:] = 0
         batches.append(pad_to_multiple(batch, multiple))
     return batches
