@@ -2,14 +2,15 @@
 from the arithmetic task (the GRPO recipe's questions; the right answer chosen, a wrong one
 rejected), with the SFT stage's step time on the same rows beside it.
 
-Measured: greedy accuracy on the 64 held-out questions before and after (HF transformers'
-generate on the starting model and on the run's HF export, answers checked by the built-in
-`math` reward), the implicit-reward accuracy and margin on held-out pairs every few steps (the
+Two DPO runs, plain and with an SFT term on the chosen answer (dpo.sft_weight). Measured:
+greedy accuracy on the 64 held-out questions before and after (HF transformers' generate on
+the starting model and on each run's HF export, answers checked by the built-in `math`
+reward), the implicit-reward accuracy and margin on held-out pairs every few steps (the
 curve), and the median step time of DPO vs SFT over the same pairs' rows (both responses
 of each pair as SFT rows, unpacked: the same tokens through the policy; DPO adds the
 reference's forward). fp32, 2 local ranks (DP2).
 
-    python -m bench.bench_dpo [--steps 30] [--append BENCHMARKS.md]
+    python -m bench.bench_dpo [--steps 30] [--sft-weight 1.0] [--append BENCHMARKS.md]
 """
 
 from __future__ import annotations
@@ -71,6 +72,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--lr", type=float, default=2e-6)
+    parser.add_argument("--sft-weight", type=float, default=1.0,
+                        help="the second run's dpo.sft_weight (the first run's is 0)")
     parser.add_argument("--append", default=None, help="append the results to this file")
     args = parser.parse_args()
     hf_dir = real_model.smollm2_dir()
@@ -86,17 +89,20 @@ def main() -> None:
             os.path.join(tmp, "sft.jsonl"))
         optim = OptimConfig(lr=args.lr, weight_decay=0.0, clip_grad=1.0)
         every = max(args.steps // 6, 1)
-        dpo = DPOConfig(
-            model=ModelSource(checkpoint=ckpt),
-            data=DataConfig(train=DatasetSource(path=train_pairs),
-                            eval=DatasetSource(path=val_pairs), max_length=96),
-            train=LoopConfig(output_dir=os.path.join(tmp, "dpo"), steps=args.steps,
-                             global_batch_size=PAIRS_PER_STEP, eval_interval=every,
-                             export_hf=os.path.join(tmp, "hf")),
-            optim=optim, dpo=DPOSettings(loss="dpo", beta=0.1))
+        runs, after = {}, {}
         before = greedy_accuracy(hf_dir, val_rows)
-        out = launch_local(run_dpo, 2, dpo)[0]
-        after = greedy_accuracy(out["export"], val_rows)
+        for sft_weight in (0.0, args.sft_weight):
+            name, tag = f"sft_weight {sft_weight:g}", f"dpo-sft{sft_weight:g}"
+            dpo = DPOConfig(
+                model=ModelSource(checkpoint=ckpt),
+                data=DataConfig(train=DatasetSource(path=train_pairs),
+                                eval=DatasetSource(path=val_pairs), max_length=96),
+                train=LoopConfig(output_dir=os.path.join(tmp, tag), steps=args.steps,
+                                 global_batch_size=PAIRS_PER_STEP, eval_interval=every,
+                                 export_hf=os.path.join(tmp, tag + "-hf")),
+                optim=optim, dpo=DPOSettings(loss="dpo", beta=0.1, sft_weight=sft_weight))
+            runs[name] = launch_local(run_dpo, 2, dpo)[0]
+            after[name] = greedy_accuracy(runs[name]["export"], val_rows)
         sft = SFTConfig(
             model=ModelSource(checkpoint=ckpt),
             data=DataConfig(train=DatasetSource(path=sft_rows), max_length=96),
@@ -104,20 +110,22 @@ def main() -> None:
                              global_batch_size=2 * PAIRS_PER_STEP),
             optim=optim, pack=False)
         sft_out = launch_local(run_sft, 2, sft)[0]
-    train = [r for r in out["history"] if r["split"] == "train"]
-    evals = [r for r in out["history"] if r["split"] == "eval"]
-    dpo_s = statistics.median(r["step_s"] for r in train[1:])
+    lines = ["| run | step | held-out loss | reward accuracy | reward margin | chosen logp | "
+             "rejected logp |", "|---|---|---|---|---|---|---|"]
+    for name, out in runs.items():
+        for r in out["history"]:
+            if r["split"] == "eval":
+                lines.append(f"| {name} | {r['step']} | {r['loss']:.4f} | "
+                             f"{r['reward_accuracy']:.3f} | {r['reward_margin']:.4f} | "
+                             f"{r['chosen_logp']:.3f} | {r['rejected_logp']:.3f} |")
+    plain = runs["sft_weight 0"]
+    dpo_s = statistics.median(r["step_s"] for r in plain["history"][1:] if r["split"] == "train")
     sft_s = statistics.median(r["step_s"] for r in sft_out["history"][1:]
                               if r["split"] == "train")
-    lines = ["| step | held-out loss | reward accuracy | reward margin | chosen logp | "
-             "rejected logp |", "|---|---|---|---|---|---|"]
-    for r in evals:
-        lines.append(f"| {r['step']} | {r['loss']:.4f} | {r['reward_accuracy']:.3f} | "
-                     f"{r['reward_margin']:.4f} | {r['chosen_logp']:.3f} | "
-                     f"{r['rejected_logp']:.3f} |")
     body = "\n".join(lines) + (
-        f"\n\nGreedy accuracy on the 64 held-out questions: {before:.3f} before, {after:.3f} "
-        f"after {args.steps} steps. Step time (median of steps 2-N): DPO {dpo_s:.2f} s, SFT "
+        f"\n\nGreedy accuracy on the 64 held-out questions: {before:.3f} before; after "
+        f"{args.steps} steps " + ", ".join(f"{after[n]:.3f} ({n})" for n in runs) +
+        f". Step time (median of steps 2-N): DPO {dpo_s:.2f} s, SFT "
         f"on the same pairs' rows (both responses, unpacked) {sft_s:.2f} s, ratio "
         f"{dpo_s / sft_s:.2f}. SmolLM2-135M-Instruct, fp32, {PAIRS_PER_STEP} pairs per step, "
         f"lr {args.lr:g}, beta 0.1, 2 local ranks (DP2); held-out pairs: the 64 questions, "
@@ -125,7 +133,8 @@ def main() -> None:
     print(body)
     if args.append:
         append_entry(args.append, "DPO on a real model (SmolLM2-135M-Instruct, arithmetic "
-                     "pairs)", f"python -m bench.bench_dpo --steps {args.steps} --lr {args.lr:g}",
+                     "pairs)", f"python -m bench.bench_dpo --steps {args.steps} --lr {args.lr:g} "
+                     f"--sft-weight {args.sft_weight:g}",
                      body)
 
 

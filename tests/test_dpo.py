@@ -1,8 +1,9 @@
 """Offline preference optimization (`megarlhf dpo`): the losses against a reference written
 from the papers' formulas (KTO from TRL's), and (slow) whole runs: the first step's loss where
 the policy is still its reference (DPO: ln 2, IPO: 1/(4 beta^2), KTO: 1/2, exactly), learning
-on warm-vs-cold pairs, TP2 x PP2 and CP2 against TP1, KTO at DP2 against DP1 (its KL estimate
-spans the global batch), LoRA (the reference is the base), a resume split at step 2 against a
+on warm-vs-cold pairs, TP2 x PP2 against TP1, packed pairs at CP2 against unpacked ones at
+TP1, KTO at DP2 against DP1 (its KL estimate spans the global batch), LoRA (the reference is
+the base), a resume split at step 2 against a
 straight run (the resumed run's reference is the starting model, not the resumed weights),
 and the command line (SimPO, two DP ranks, HF export).
 
@@ -34,6 +35,7 @@ from megarlhf.metrics import read_metrics
 from megarlhf.parallel import launch_local
 from megarlhf.parallel.mesh import ParallelConfig as P
 from megarlhf.sft.config import DPOConfig, DPOSettings, LoopConfig, ModelSource
+from megarlhf.data.pairs import packed_pair_batch
 from megarlhf.models.lora import LoraConfig
 from megarlhf.sft.dpo import (KL_PREFIX, dpo_batch, dpo_metrics, kto_batch, kto_loss,
                               kto_metrics, preference_loss, run_dpo)
@@ -127,6 +129,28 @@ def test_kto_matches_its_formula_and_pairs_each_prompt_with_the_previous_complet
     assert metrics["loss"] == pytest.approx(float(sum(expected)) / 3, rel=1e-6)
 
 
+def test_a_packed_batch_scores_each_pair_as_the_unpacked_one():
+    pairs = [Example(prompt=(1, 2, 3), responses=((4, 5), (6, 7, 8, 9))),
+             Example(prompt=(2, 3), responses=((5, 5, 5), (7,))),
+             Example(prompt=(4,), responses=((8, 9), (9, 8, 7)))]
+    flat = dpo_batch(pairs, pad_id=0)
+    packed = packed_pair_batch([pairs[:2], pairs[2:]], pad_id=0)
+    assert packed["pair_weight"].tolist() == [[1, 1, 1, 1], [1, 1, 0, 0]]
+
+    def logp(batch):  # any function of a position's own document: its label and position
+        return -(batch["labels"] * 0.3 + batch["position_ids"] * 0.07 + 0.1)
+
+    ref = torch.tensor([-3.0, -4.0, -2.0, -1.0, -5.0, -6.0])
+    flat["ref_logp"], packed["ref_logp"] = ref, torch.cat([ref, torch.zeros(2)]).view(2, 4)
+    for settings in (DPOSettings(), DPOSettings(loss="ipo"), DPOSettings(loss="simpo")):
+        one, n_one, sums_one = preference_loss(settings, flat, logp(flat))
+        two, n_two, sums_two = preference_loss(settings, packed, logp(packed))
+        assert int(n_one) == int(n_two) == 3
+        assert float(two) == pytest.approx(float(one), rel=1e-6)
+        for key in sums_one:
+            assert float(sums_two[key]) == pytest.approx(float(sums_one[key]), rel=1e-6), key
+
+
 def test_filler_pairs_count_for_nothing():
     pairs = [Example(prompt=[1, 2], responses=([3], [4, 5]))] * 2
     batch = dpo_batch(pairs, pad_id=0)
@@ -145,6 +169,7 @@ def test_filler_pairs_count_for_nothing():
     ({"dpo": {"loss": "kto", "sft_weight": 0.1}}, "not kto"),
     ({"dpo": {"loss": "kto", "desirable_weight": 0}}, "dpo.desirable_weight=0.0 must be > 0"),
     ({"dpo": {"undesirable_weight": 2}}, "dpo.undesirable_weight applies to kto, not dpo"),
+    ({"dpo": {"loss": "kto"}, "pack": True}, "pack applies to the pair losses"),
     ({"dpo": {"loss": "kto"}, "train": {"output_dir": "o", "steps": 1,
                                         "global_batch_size": 1}}, "global_batch_size >= 2"),
     ({"dpo": {"loss": "kto"}, "data": {"train": {"path": "x.jsonl",
@@ -244,13 +269,10 @@ def test_dpo_starts_at_ln2_and_learns_the_preference(tp1):
 
 
 @pytest.mark.slow
-def test_tp2_pp2_and_cp2_equal_tp1_and_a_resume_equals_a_straight_run(corpus, lm_ref, tmp_path, tp1):
+def test_tp2_pp2_equals_tp1_and_a_resume_equals_a_straight_run(corpus, lm_ref, tmp_path, tp1):
     layout = launch_local(run_dpo, 4, dpo_config(
         corpus, tmp_path / "tp2pp2", lm_ref, P(tensor_parallel=2, pipeline_parallel=2)))
-    # Context parallelism: each rank holds half of every row; the row logprobs are whole.
-    cp2 = launch_local(run_dpo, 2, dpo_config(corpus, tmp_path / "cp2", lm_ref,
-                                              P(context_parallel=2)))
-    for out in layout + cp2:
+    for out in layout:
         _assert_same(out["history"], tp1["history"])
     # Stopped after step 2 (a checkpoint), then continued to step 6: the reference the
     # resumed run builds is the starting checkpoint again.
@@ -266,23 +288,26 @@ def test_kto_starts_at_one_half_learns_and_its_kl_estimate_spans_data_parallel_r
         corpus, lm_ref, tmp_path):
     settings = DPOSettings(loss="kto")
     kto = dict(settings=settings, eval_fraction=0.25, steps=8, eval_interval=4)
-    one = launch_local(run_dpo, 1, dpo_config(corpus, tmp_path / "dp1", lm_ref, **kto))[0]
-    train = _train(one)
+    two = launch_local(run_dpo, 2, dpo_config(corpus, tmp_path / "dp2", lm_ref, **kto))
+    train = _train(two[0])
     # Step 1: policy = reference, so every log-ratio and the KL estimate are 0 and each
     # row's loss is 1 - sigmoid(0).
     assert train[0]["loss"] == pytest.approx(0.5, rel=1e-6) and train[0]["kl"] == 0
-    evals = [r for r in one["history"] if r["split"] == "eval"]
+    evals = [r for r in two[0]["history"] if r["split"] == "eval"]
     print([(r["step"], round(r["loss"], 4), round(r["kl"], 5), round(r["reward_margin"], 4))
-           for r in one["history"]])
+           for r in two[0]["history"]])
     assert evals[-1]["loss"] < evals[0]["loss"] < 0.5 and evals[-1]["reward_margin"] > 0
     assert any(r["kl"] > 0 for r in train)
-    # Two DP ranks: each scores half the mismatched rows; the estimate is the global one.
-    two = launch_local(run_dpo, 2, dpo_config(corpus, tmp_path / "dp2", lm_ref, **kto))
+    # Two DP ranks each score half the mismatched rows, and the estimate is the global one:
+    # one rank's first 4 steps (the learning rate is constant) give the same numbers.
+    one = launch_local(run_dpo, 1, dpo_config(corpus, tmp_path / "dp1", lm_ref,
+                                              **{**kto, "steps": 4}))[0]
     for out in two:
-        for ra, rb in zip(out["history"], one["history"], strict=True):
+        for ra, rb in zip(out["history"], one["history"]):
             for k in ("loss", "kl", "grad_norm", "chosen_logp", "rejected_logp"):
                 if k in rb:
                     assert ra[k] == pytest.approx(rb[k], rel=REL, abs=1e-9), (ra["step"], k)
+    assert len(one["history"]) == 5  # steps 1-4 and the evaluation at step 4
 
 
 @pytest.mark.slow
@@ -294,6 +319,45 @@ def test_with_lora_the_reference_is_the_base_with_adapters_off(corpus, lm_ref, t
     # reference must stay the base: had it followed the adapters, every margin would be 0.
     assert train[0]["loss"] == pytest.approx(math.log(2), rel=1e-6)
     assert train[-1]["loss"] < math.log(2) - 1e-3 and train[-1]["reward_margin"] > 0
+
+
+@pytest.mark.slow
+def test_packed_pairs_at_cp2_equal_one_sequence_per_row_at_tp1(corpus, lm_ref, tmp_path):
+    """Pairs of one packed length L, two to a row of 2 x max_length = 2L: the stream shuffles
+    pairs, then packs them in order, so each step of 4 packed rows holds the same 8 pairs as
+    an unpacked run's step, and the runs agree as layouts do. The packed run is also split
+    over two context-parallel ranks (each holds half of every row; the sequences' logprobs
+    are whole again before the loss)."""
+    from megarlhf.data.dataset import load_examples
+    from megarlhf.data.pairs import pair_length
+    from megarlhf.data.tokenizer import load_tokenizer
+
+    records = synthetic.preference_records(400, seed=1)
+    every = synthetic.write_jsonl(records, str(tmp_path / "all.jsonl"))
+    examples = load_examples(DataConfig(train=DatasetSource(path=every),
+                                        tokenizer=corpus["sp"], max_length=64),
+                             "pairwise", load_tokenizer(corpus["sp"])).train
+    lengths = [pair_length(ex) for ex in examples]
+    L = max(set(lengths), key=lengths.count)
+    same = [r for r, n in zip(records, lengths, strict=True) if n == L]
+    assert len(same) >= 30, len(same)
+    path = synthetic.write_jsonl(same, str(tmp_path / "same.jsonl"))
+
+    def config(name: str, pack: bool, rows: int, per_micro_batch: int,
+               parallel: P = P()) -> DPOConfig:
+        return DPOConfig(
+            model=ModelSource(checkpoint=lm_ref, layer_spec="local"),
+            data=DataConfig(train=DatasetSource(path=path), tokenizer=corpus["sp"],
+                            max_length=L, eval_fraction=0.1),
+            train=LoopConfig(output_dir=str(tmp_path / name), steps=3, global_batch_size=rows,
+                             micro_batch_size=per_micro_batch, eval_interval=3),
+            parallel=parallel, optim=OPTIM, pack=pack)
+
+    unpacked = launch_local(run_dpo, 1, config("unpacked", False, 8, 2))[0]
+    for packed in launch_local(run_dpo, 2, config("packed", True, 4, 1,
+                                                  P(context_parallel=2))):
+        assert [r["pairs"] for r in _train(packed)] == [8, 8, 8]
+        _assert_same(packed["history"], unpacked["history"])
 
 
 @pytest.mark.slow

@@ -12,19 +12,22 @@ response token.
 from __future__ import annotations
 
 import bisect
+from typing import Callable
 
 import torch
 
 from megarlhf.data.encode import Example
 
 
-def pack(examples: list[Example], row_length: int) -> list[list[Example]]:
-    """Best-fit packing in the given order: each document goes into the open row with the
-    least room that still holds it, or starts a new row."""
+def pack(examples: list[Example], row_length: int,
+         length: Callable[[Example], int] = Example.length) -> list[list[Example]]:
+    """Best-fit packing in the given order: each example (`length(ex)` positions: an SFT
+    document; a DPO pair's two sequences) goes into the open row with the least room that
+    still holds it, or starts a new row."""
     rows: list[list[Example]] = []
     room: list[tuple[int, int]] = []  # (free positions, row index), sorted
     for ex in examples:
-        n = ex.length()
+        n = length(ex)
         if n > row_length:
             raise ValueError(f"a document of {n} tokens does not fit rows of {row_length}")
         i = bisect.bisect_left(room, (n, -1))

@@ -108,17 +108,19 @@ def _record(where: str, row: dict, kind: str, columns: dict[str, str]) -> Record
 
     if kind == "prompt":
         return _prompt_record(where, row, columns)
+    given = lookup(row, columns["prompt"])
+    prompt = None if given is None else _prompt(given)
     responses, contexts = [], {}
     for name in KIND_FIELDS[kind]:
         if name not in TEXT_FIELDS:
             continue
-        text, context = _response(get(name), columns[name])
+        text, context = _response(get(name), columns[name], conversational=kind == "pairwise")
         if not text.strip():
             raise _Bad(f"empty {name}")
         responses.append(text)
         if context:
             contexts[name] = context
-    prompt = _conversation_prompt(lookup(row, columns["prompt"]), contexts, columns, kind)
+    prompt = _conversation_prompt(prompt, contexts, columns, kind)
     margin = None
     if "margin" in OPTIONAL_FIELDS[kind] and lookup(row, columns["margin"]) is not None:
         margin = lookup(row, columns["margin"])
@@ -130,11 +132,11 @@ def _record(where: str, row: dict, kind: str, columns: dict[str, str]) -> Record
                   label=label)
 
 
-def _response(value, column: str) -> tuple[str, tuple[Message, ...]]:
+def _response(value, column: str, *, conversational: bool) -> tuple[str, tuple[Message, ...]]:
     """A response's text and the conversation before it: none for text; a message list (the
-    conversational layout of chosen/rejected) ends with the response, an assistant message,
-    and what comes before it is the prompt."""
-    if not isinstance(value, list):
+    conversational layout of chosen/rejected, read where `conversational`) ends with the
+    response, an assistant message, and what comes before it is the prompt."""
+    if not (conversational and isinstance(value, list)):
         return _text(value, column), ()
     messages = _messages(value)
     if not messages or messages[-1][0] != "assistant":
@@ -142,21 +144,21 @@ def _response(value, column: str) -> tuple[str, tuple[Message, ...]]:
     return messages[-1][1], messages[:-1]
 
 
-def _conversation_prompt(value, contexts: dict[str, tuple[Message, ...]],
-                         columns: dict[str, str], kind: str) -> str | tuple[Message, ...]:
-    """The prompt field, or the conversation the responses continue when they hold it; where
-    both (or both responses) give one, they must be the same."""
+def _conversation_prompt(prompt: str | tuple[Message, ...] | None,
+                         contexts: dict[str, tuple[Message, ...]], columns: dict[str, str],
+                         kind: str) -> str | tuple[Message, ...]:
+    """The prompt field's value (None: the row has none), or the conversation the responses
+    continue when they hold it; where both (or both responses) give one, they must agree."""
     given = sorted(set(contexts.values()))
     if len(given) > 1:
         raise _Bad("prompt differs between " + " and ".join(
             f"'{columns[name]}'" for name in contexts), "their messages before the last differ")
-    if value is None:
+    if prompt is None:
         if not given:
             raise _Bad(f"missing field '{columns['prompt']}'", f"the prompt of a {kind} record")
         if not any(content.strip() for _, content in given[0]):
             raise _Bad("empty prompt")
         return given[0]
-    prompt = _prompt(value)
     as_messages = (("user", prompt),) if isinstance(prompt, str) else prompt
     if given and given[0] != as_messages:
         raise _Bad(f"prompt differs between '{columns['prompt']}' and "

@@ -75,23 +75,29 @@ def _run_restarting(config: PPOConfig) -> list[dict]:
             _run_claimed(config, history, restarts)
             return history
         except WorkerLost as fault:
-            restarts.append(_restart_point(config, fault, len(restarts), history))
+            restarts.append(_restart_point(config, fault, restarts, history))
             time.sleep(config.restart_backoff)
 
 
-def _restart_point(config: PPOConfig, fault: WorkerLost, done: int,
+def _restart_point(config: PPOConfig, fault: WorkerLost, restarts: list[dict],
                    history: list[dict]) -> dict:
     """The restart event for `fault` (history cut back to its checkpoint), or RunFault when
-    there is no checkpoint to restart from or no restart left."""
-    saved = checkpoints.of_run(config.out_dir).completed()
-    cause = str(fault).splitlines()[0]
-    if done >= config.max_restarts or not saved:
-        reason = (f"max_restarts={config.max_restarts} reached" if saved else
-                  "no checkpoint to restart from yet (save_every sets how often one is saved)")
+    there is no checkpoint to restart from, no restart left, or the last restart's fault came
+    back in the same step."""
+    saved, done = checkpoints.of_run(config.out_dir).completed(), len(restarts)
+    cause, failed = fault.cause, fault.step
+    if not saved:
+        reason = "no checkpoint to restart from yet (save_every sets how often one is saved)"
+    elif done >= config.max_restarts:
+        reason = f"max_restarts={config.max_restarts} reached"
+    elif restarts and (restarts[-1]["cause"], restarts[-1]["failed_step"]) == (cause, failed):
+        reason = "the same fault in the same step again, so it comes from the run itself"
+    else:
+        reason = None
+    if reason:
         raise RunFault(f"{cause}; not restarted: {reason}; last checkpoint: "
                        f"{saved[-1][1] if saved else 'none'}") from fault
     step, path = saved[-1]
-    failed = history[-1]["step"] + 1 if history else 1
     history[:] = [m for m in history if m["step"] <= step]
     return {"event": "restart", "restart": done + 1, "cause": cause, "failed_step": failed,
             "resumed_from": path, "resumed_step": step, "fault_time": time.time()}
@@ -123,49 +129,58 @@ def _train(config: PPOConfig, data: RunInputs, history: list[dict],
                      console_keys=CONSOLE_KEYS, tensorboard=config.tensorboard,
                      wandb_project=config.wandb_project, run_config={**dataclasses.asdict(config),
                                               "resolved": dataclasses.asdict(config.options)})
-    log.write({"event": "data", **data.report}, echo=False)
-    workers = Placement(config, data.checked.engine_size)
-    # After a resume the engine holds the checkpoint's weights (loading syncs them).
-    steps = rollouts.Rollouts(config, data, workers, sampler, weight_version=start,
-                              pending=kept)
+    current = start + 1  # the step a fault interrupts (in its start-up, or its save)
     try:
-        if state is not None:
-            workers.load(latest)
-            sampler.load_state_dict(state["sampler"])
-            kl_ctl.load_state_dict(state["kl"])
-            log.note(f"resumed from {latest} (step {start})")
-            if restarts:
-                _log_restart(log, restarts[-1])
-        elif data.val:
-            log.write({"step": 0, **validate(config, data, workers, 0, log)})
-        for step in range(start + 1, config.steps + 1):
-            metrics = ppo_step(config, data, workers, steps, kl_ctl, step, log)
-            if restarts:
-                metrics["fault/restarts"] = len(restarts)
-            if data.val and (step == config.steps or
-                             (config.val_every and step % config.val_every == 0)):
-                metrics.update(validate(config, data, workers, step, log))
-            history.append(metrics)
-            log.write(metrics)
-            if step == config.steps or (config.save_every and step % config.save_every == 0):
-                checkpoints.save(config, workers, step, {
-                    "step": step, "sampler": sampler.state_dict(),
-                    "kl": kl_ctl.state_dict(), "inputs": inputs}, pending=steps.pending,
-                    settings=rollouts.settings(config))
+        if restarts:
+            _log_restart(log, restarts[-1])
+        log.write({"event": "data", **data.report}, echo=False)
+        workers = Placement(config, data.checked.engine_size)
+        # After a resume the engine holds the checkpoint's weights (loading syncs them).
+        steps = rollouts.Rollouts(config, data, workers, sampler, weight_version=start,
+                                  pending=kept)
+        try:
+            if state is not None:
+                workers.load(latest)
+                sampler.load_state_dict(state["sampler"])
+                kl_ctl.load_state_dict(state["kl"])
+                log.note(f"resumed from {latest} (step {start})")
+            elif data.val:
+                log.write({"step": 0, **validate(config, data, workers, 0, log)})
+            for step in range(start + 1, config.steps + 1):
+                current = step
+                metrics = ppo_step(config, data, workers, steps, kl_ctl, step, log)
+                if restarts:
+                    metrics["fault/restarts"] = len(restarts)
+                if data.val and (step == config.steps or
+                                 (config.val_every and step % config.val_every == 0)):
+                    metrics.update(validate(config, data, workers, step, log))
+                history.append(metrics)
+                log.write(metrics)
+                if step == config.steps or (config.save_every and
+                                            step % config.save_every == 0):
+                    checkpoints.save(config, workers, step, {
+                        "step": step, "sampler": sampler.state_dict(),
+                        "kl": kl_ctl.state_dict(), "inputs": inputs}, pending=steps.pending,
+                        settings=rollouts.settings(config))
+        finally:
+            if steps.drawing():  # a failed step left a rollout being drawn: its ranks are busy
+                workers.abandon()
+            workers.shutdown()
+            steps.close()  # the thread's call ends with the shutdown
+    except WorkerLost as fault:
+        fault.step = current
+        raise
     finally:
-        if steps.drawing():  # a failed step left a rollout being drawn: its ranks are busy
-            workers.abandon()
-        workers.shutdown()
-        steps.close()  # the thread's call ends with the shutdown
         log.close()
 
 
 def _log_restart(log: MetricsLog, restart: dict) -> None:
+    """The restart event, once its run's log is open (seconds: from the fault to now)."""
     event = {k: v for k, v in restart.items() if k != "fault_time"}
     event["seconds"] = round(time.time() - restart["fault_time"], 3)
     log.write(event, echo=False)
-    log.note(f"restart {event['restart']} after: {event['cause']}; resumed from step "
-             f"{event['resumed_step']} in {event['seconds']:.1f} s")
+    log.note(f"restart {event['restart']} after: {event['cause']} (in step "
+             f"{event['failed_step']}); starting again from step {event['resumed_step']}")
 
 
 def ppo_step(config: PPOConfig, data: RunInputs, workers: Placement,

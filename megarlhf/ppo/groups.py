@@ -16,6 +16,7 @@ import io
 import multiprocessing as mp
 import os
 import pickle
+import signal
 import sys
 import time
 import traceback
@@ -32,8 +33,19 @@ class WorkerError(RuntimeError):
 
 
 class WorkerLost(WorkerError):
-    """A rank died or stopped answering (killed, OOM-killed, a hang): nothing its code
-    raised, so the run may go on from its last checkpoint (controller, max_restarts)."""
+    """A rank was stopped from outside (killed, OOM-killed) or stopped answering (a hang):
+    nothing its code did, so the run may go on from its last checkpoint (controller,
+    max_restarts). `cause`: the one line naming it."""
+
+    def __init__(self, message: str, cause: str):
+        super().__init__(message)
+        self.cause = cause
+
+
+LOST_EXIT_CODES = (-signal.SIGKILL, -signal.SIGTERM)
+"""How a rank stopped from outside exits (the kernel's out-of-memory killer, an operator, a
+node going down). Any other exit (an abort, a segfault, an exit code) is the rank's own doing
+and would happen again."""
 
 
 class WorkerInputError(WorkerError, ValueError):
@@ -143,14 +155,19 @@ class LocalCall:
                 self.results[rank] = value
                 self.pending.discard(rank)
             elif proc.exitcode is not None:
-                raise WorkerLost(f"{self.what}: {self.group.name} rank {rank} died (exit "
-                                 f"code {proc.exitcode})")
+                raise self._death(rank, proc.exitcode)
 
     def raise_closed(self, rank: int) -> None:
         """Rank `rank`'s pipe closed: the rank is gone. Name the rank that died."""
         self._raise_if_a_rank_died("", grace_s=10.0)
-        raise WorkerLost(f"{self.what}: {self.group.name} rank {rank} closed its pipe "
-                         f"without an answer") from None
+        raise WorkerError(f"{self.what}: {self.group.name} rank {rank} closed its pipe "
+                          f"without an answer") from None
+
+    def _death(self, rank: int, code: int, then: str = "") -> WorkerError:
+        cause = f"{self.what}: {self.group.name} rank {rank} died (exit code {code})"
+        if code in LOST_EXIT_CODES:
+            return WorkerLost(cause + then, cause)
+        return WorkerError(cause + then)
 
     def _raise_if_a_rank_died(self, then: str, grace_s: float = 2.0) -> None:
         """A rank that dies makes its peers fail in their next collective, often before its
@@ -160,8 +177,7 @@ class LocalCall:
         while True:
             for rank, proc in enumerate(self.group.procs):
                 if proc.exitcode not in (None, 0):
-                    raise WorkerLost(f"{self.what}: {self.group.name} rank {rank} died (exit "
-                                     f"code {proc.exitcode}){then}")
+                    raise self._death(rank, proc.exitcode, then)
             if time.monotonic() > deadline:
                 return
             time.sleep(0.05)
@@ -247,8 +263,9 @@ class LocalBackend:
             waitables = [w for call in calls for w in call.waitables()]
             if not mp.connection.wait(waitables, timeout=max(0.0, deadline - time.monotonic())):
                 late = {f"{c.group.name} ranks {sorted(c.pending)}" for c in calls if c.pending}
-                raise WorkerLost(f"{calls[0].what}: {', '.join(sorted(late))} did not answer "
-                                 f"within {self.timeout_s:.0f} s")
+                message = (f"{calls[0].what}: {', '.join(sorted(late))} did not answer "
+                           f"within {self.timeout_s:.0f} s")
+                raise WorkerLost(message, message)
             for call in calls:
                 call.collect()
         return [call.results for call in calls]

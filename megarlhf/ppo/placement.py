@@ -181,8 +181,13 @@ class Placement:
         with contextlib.ExitStack() as held:
             for i in chosen:
                 held.enter_context(self._locks[i])
-            per_call = self._wait([self._groups[i].async_call(
-                method.__name__, *args, *self._last_argument(i, for_actor)) for i in chosen])
+            try:
+                calls = [self._groups[i].async_call(
+                    method.__name__, *args, *self._last_argument(i, for_actor)) for i in chosen]
+            except WorkerError:  # a rank already gone: stop the others now, as _wait does
+                self._failed = True
+                raise
+            per_call = self._wait(calls)
         return ([ranks[0][0] for ranks in per_call],
                 max(seconds for ranks in per_call for _, seconds in ranks))
 

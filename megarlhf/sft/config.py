@@ -242,12 +242,19 @@ class DPOConfig(StageConfig):
     """The preference loss. The reference (dpo, ipo, kto) is a frozen copy of the model the run
     starts from (model.checkpoint), at the same layout, on the same ranks; with model.lora it
     is the trained model with its adapters off (the base: no second copy)."""
+    pack: bool = False
+    """dpo, ipo, simpo: pack several pairs into each row of 2 x data.max_length tokens (each
+    sequence attending only to itself, positions restarting; a pair's two sequences always in
+    the same row), train.global_batch_size then counting rows; false: one sequence per row,
+    a pair on two adjacent rows."""
 
     def record_kind(self) -> str:
         return "unpaired" if self.dpo.loss == "kto" else "pairwise"
 
     def __post_init__(self):
         super().__post_init__()
+        if self.dpo.loss == "kto" and self.pack:
+            raise ValueError("pack applies to the pair losses (dpo, ipo, simpo), not kto")
         if self.dpo.loss == "kto" and self.train.global_batch_size < 2:
             raise ValueError("dpo.loss=kto needs train.global_batch_size >= 2 (its KL estimate "
                              "pairs each prompt with another row's completion)")

@@ -43,7 +43,9 @@ import torch
 import torch.nn.functional as F
 
 from megarlhf.data.encode import Example
-from megarlhf.data.pairs import pair_inputs, pair_sequences, row_sequences
+from megarlhf.data.packing import pack
+from megarlhf.data.pairs import (packed_pair_batch, pair_inputs, pair_length, pair_sequences,
+                                 row_sequences)
 from megarlhf.engine.losses import token_logprobs
 from megarlhf.engine.schedule import Batch, Loss, pad_to_multiple
 from megarlhf.engine.train import TrainEngine
@@ -86,18 +88,31 @@ def _label_mask(sequences) -> torch.Tensor:
     return torch.cat([response[:, 1:], torch.zeros_like(response[:, :1])], dim=1).float()
 
 
-def _row_logps(batch: Batch, logp_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's response logprob (sum) and response length."""
-    mask = batch["label_mask"]
-    return (logp_BT.float() * mask).sum(1), mask.sum(1)
+def _sequence_logps(batch: Batch, logp_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each sequence's response logprob (sum) and response length, flat: one per row, or
+    with packed pairs (`pair_weight` [B, D]) one per row and document slot, row-major (a
+    slot no document fills counts 0 tokens)."""
+    masked = logp_BT.float() * batch["label_mask"]
+    weight = batch.get("pair_weight")
+    if weight is None or weight.dim() == 1:
+        return masked.sum(1), batch["label_mask"].sum(1)
+    B, D = batch["pair_weight"].shape
+    doc = batch["document_ids"]
+    slot = torch.where(doc >= 0, doc, D)  # padding into a slot of its own, dropped below
+    sums = torch.zeros(B, D + 1, dtype=masked.dtype, device=masked.device)
+    counts = torch.zeros_like(sums)
+    sums.scatter_add_(1, slot, masked)
+    counts.scatter_add_(1, slot, batch["label_mask"].to(counts.dtype))
+    return sums[:, :D].flatten(), counts[:, :D].flatten()
 
 
 def preference_loss(settings: DPOSettings, batch: Batch, logp_BT: torch.Tensor):
     """The loss closure (module docstring), over this micro-batch's pairs."""
-    logp, length = _row_logps(batch, logp_BT)
-    weight = batch["pair_weight"][0::2]
+    logp, length = _sequence_logps(batch, logp_BT)
+    length = length.clamp(min=1)  # empty slots of packed rows (weight 0)
+    weight = batch["pair_weight"].flatten()[0::2]
     b, e = settings.temperature, settings.label_smoothing
-    ratio = logp - batch["ref_logp"] if settings.needs_reference else logp / length
+    ratio = logp - batch["ref_logp"].flatten() if settings.needs_reference else logp / length
     reward = b * ratio
     chosen, rejected = ratio[0::2], ratio[1::2]
     if settings.loss == "dpo":
@@ -126,7 +141,7 @@ def preference_loss(settings: DPOSettings, batch: Batch, logp_BT: torch.Tensor):
 
 def kto_loss(settings: DPOSettings, batch: Batch, logp_BT: torch.Tensor):
     """The KTO closure (module docstring), over this micro-batch's rows."""
-    logp, _ = _row_logps(batch, logp_BT)
+    logp, _ = _sequence_logps(batch, logp_BT)
     weight, good = batch["row_weight"], batch["desirable"]
     b, z = settings.temperature, batch["kl"]
     ratio = logp - batch["ref_logp"]
@@ -173,8 +188,8 @@ def _logprobs(mesh: Mesh, model: ModelConfig):
 
 
 def _row_closure(batch: Batch, logp_BT: torch.Tensor):
-    """Each row's response logprob, and (where rows are weighted) their weighted sum."""
-    logp, _ = _row_logps(batch, logp_BT)
+    """Each sequence's response logprob, and (where rows are weighted) their weighted sum."""
+    logp, _ = _sequence_logps(batch, logp_BT)
     out = {"row_logp": logp.detach()}
     if "row_weight" in batch:
         out["logp_sum"] = (logp * batch["row_weight"]).sum().detach()
@@ -213,7 +228,8 @@ def reference(cfg: DPOConfig, mesh: Mesh, model: ModelConfig, engine: TrainEngin
         with as_reference():
             out = ref.forward(microbatches, loss)
         for mb, o in zip(microbatches, out):
-            mb["ref_logp"] = o["row_logp"].to(mb["tokens"].device)
+            shape = mb["pair_weight"].shape if "pair_weight" in mb else (-1,)
+            mb["ref_logp"] = o["row_logp"].reshape(shape).to(mb["tokens"].device)
         if cfg.dpo.loss == "kto":
             z = kl_estimate(microbatches)
             for mb in microbatches:
@@ -231,15 +247,22 @@ def dpo_stage(cfg: DPOConfig, pad_id: int) -> loop.Stage:
                       to_batch=functools.partial(kto_batch, pad_id=pad_id,
                                                  max_length=cfg.data.max_length),
                       closure=kto_loss, metrics=kto_metrics)
+    elif cfg.pack:
+        layout = dict(kind="pairwise", rows_per_item=1, filler_key="pair_weight",
+                      arrange=functools.partial(pack, row_length=2 * cfg.data.max_length,
+                                                length=pair_length),
+                      to_batch=functools.partial(packed_pair_batch, pad_id=pad_id),
+                      closure=preference_loss, metrics=dpo_metrics)
     else:
         layout = dict(kind="pairwise", rows_per_item=2, filler_key="pair_weight",
                       to_batch=functools.partial(dpo_batch, pad_id=pad_id),
                       closure=preference_loss, metrics=dpo_metrics)
     closure = functools.partial(layout.pop("closure"), settings)
     return loop.Stage(
-        name="dpo", value_head=False, arrange=list, **layout,
+        name="dpo", value_head=False, **{"arrange": list, **layout},
         loss_fn=lambda mesh, model: Loss(closure=closure, per_position=_logprobs(mesh, model)),
-        fingerprint={"dpo": settings.fingerprint(),
+        # Stream items are rows when packing (pairs otherwise); earlier runs had no field.
+        fingerprint={"dpo": settings.fingerprint(), **({"pack": True} if cfg.pack else {}),
                      "reference": os.path.abspath(cfg.model.checkpoint)},
         annotator=functools.partial(reference, cfg) if settings.needs_reference else None)
 
