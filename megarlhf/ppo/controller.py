@@ -134,11 +134,11 @@ def _train(config: PPOConfig, data: RunInputs, history: list[dict],
         if restarts:
             _log_restart(log, restarts[-1])
         log.write({"event": "data", **data.report}, echo=False)
-        workers = Placement(config, data.checked.engine_size)
-        # After a resume the engine holds the checkpoint's weights (loading syncs them).
-        steps = rollouts.Rollouts(config, data, workers, sampler, weight_version=start,
-                                  pending=kept)
+        workers, steps = Placement(config, data.checked.engine_size), None
         try:
+            # After a resume the engine holds the checkpoint's weights (loading syncs them).
+            steps = rollouts.Rollouts(config, data, workers, sampler, weight_version=start,
+                                      pending=kept)
             if state is not None:
                 workers.load(latest)
                 sampler.load_state_dict(state["sampler"])
@@ -163,10 +163,11 @@ def _train(config: PPOConfig, data: RunInputs, history: list[dict],
                         "kl": kl_ctl.state_dict(), "inputs": inputs}, pending=steps.pending,
                         settings=rollouts.settings(config))
         finally:
-            if steps.drawing():  # a failed step left a rollout being drawn: its ranks are busy
+            if steps is not None and steps.drawing():  # its ranks are busy drawing a rollout
                 workers.abandon()
             workers.shutdown()
-            steps.close()  # the thread's call ends with the shutdown
+            if steps is not None:
+                steps.close()  # the thread's call ends with the shutdown
     except WorkerLost as fault:
         fault.step = current
         raise

@@ -41,6 +41,9 @@ class WorkerLost(WorkerError):
         super().__init__(message)
         self.cause = cause
 
+    def __reduce__(self):
+        return type(self), (str(self), self.cause)
+
 
 LOST_EXIT_CODES = (-signal.SIGKILL, -signal.SIGTERM)
 """How a rank stopped from outside exits (the kernel's out-of-memory killer, an operator, a
@@ -155,6 +158,7 @@ class LocalCall:
                 self.results[rank] = value
                 self.pending.discard(rank)
             elif proc.exitcode is not None:
+                self._raise_if_a_rank_died("", grace_s=0.0)  # a killed peer is the cause
                 raise self._death(rank, proc.exitcode)
 
     def raise_closed(self, rank: int) -> None:
@@ -175,9 +179,11 @@ class LocalCall:
         Ranks that report a failure exit with code 0 after it; a dead one has another code."""
         deadline = time.monotonic() + grace_s
         while True:
-            for rank, proc in enumerate(self.group.procs):
-                if proc.exitcode not in (None, 0):
-                    raise self._death(rank, proc.exitcode, then)
+            dead = [(rank, proc.exitcode) for rank, proc in enumerate(self.group.procs)
+                    if proc.exitcode not in (None, 0)]
+            if dead:  # a rank killed from outside first: its peers may abort after it
+                rank, code = min(dead, key=lambda d: (d[1] not in LOST_EXIT_CODES, d[0]))
+                raise self._death(rank, code, then)
             if time.monotonic() > deadline:
                 return
             time.sleep(0.05)

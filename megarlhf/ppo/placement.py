@@ -184,7 +184,7 @@ class Placement:
             try:
                 calls = [self._groups[i].async_call(
                     method.__name__, *args, *self._last_argument(i, for_actor)) for i in chosen]
-            except WorkerError:  # a rank already gone: stop the others now, as _wait does
+            except (WorkerError, KeyboardInterrupt):  # stop the others now, as _wait does
                 self._failed = True
                 raise
             per_call = self._wait(calls)
