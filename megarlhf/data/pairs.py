@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from megarlhf.data.encode import Example
+from megarlhf.data.packing import sft_batch
 from megarlhf.data.sequences import SequenceBatch
 
 
@@ -55,30 +56,16 @@ def pair_length(ex: Example) -> int:
 
 
 def packed_pair_batch(rows: list[list[Example]], pad_id: int) -> dict[str, torch.Tensor]:
-    """Several pairs per row (data/packing.py's layout: each sequence a document of its own,
-    positions restarting): pair j of a row is its documents 2j (chosen) and 2j+1 (rejected).
-    Per row and document D (twice the most pairs in a row): `pair_weight` [B, D] (1 where the
-    document exists); `label_mask` [B, T] marks the positions whose label is a response token
-    of the same document."""
-    T = max(sum(pair_length(ex) for ex in row) for row in rows)
-    B, D = len(rows), 2 * max(len(row) for row in rows)
-    tokens = torch.full((B, T), pad_id, dtype=torch.long)
-    labels = torch.zeros(B, T, dtype=torch.long)
-    label_mask = torch.zeros(B, T)
-    positions = torch.zeros(B, T, dtype=torch.long)
-    doc = -torch.arange(1, T + 1).repeat(B, 1)  # padding: an id of its own per position
-    weight = torch.zeros(B, D)
+    """Several pairs per row, in SFT's packed layout (data/packing.sft_batch: each sequence a
+    document of its own, positions restarting): pair j of a row is its documents 2j (chosen)
+    and 2j+1 (rejected). `label_mask` [B, T] marks the positions whose label is a response
+    token of the same document; `pair_weight` [B, D] (D: twice the most pairs in a row) is 1
+    where the document exists."""
+    batch = sft_batch([[Example(prompt=ex.prompt, responses=(r,)) for ex in row
+                        for r in ex.responses] for row in rows], pad_id)
+    batch["label_mask"] = batch.pop("loss_mask")
+    weight = torch.zeros(len(rows), 2 * max(len(row) for row in rows))
     for b, row in enumerate(rows):
-        start = 0
-        for d, (prompt, resp) in enumerate((ex.prompt, r) for ex in row for r in ex.responses):
-            ids = torch.tensor(prompt + resp)
-            end = start + len(ids)
-            tokens[b, start:end] = ids
-            labels[b, start:end - 1] = ids[1:]
-            label_mask[b, start + len(prompt) - 1:end - 1] = 1.0
-            positions[b, start:end] = torch.arange(len(ids))
-            doc[b, start:end] = d
-            weight[b, d] = 1.0
-            start = end
-    return {"tokens": tokens, "labels": labels, "position_ids": positions,
-            "document_ids": doc, "label_mask": label_mask, "pair_weight": weight}
+        weight[b, :2 * len(row)] = 1.0
+    batch["pair_weight"] = weight
+    return batch

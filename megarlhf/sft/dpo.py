@@ -243,7 +243,7 @@ def reference(cfg: DPOConfig, mesh: Mesh, model: ModelConfig, engine: TrainEngin
 def dpo_stage(cfg: DPOConfig, pad_id: int) -> loop.Stage:
     settings = cfg.dpo
     if settings.loss == "kto":
-        layout = dict(kind="unpaired", rows_per_item=1, filler_key="row_weight",
+        layout = dict(kind="unpaired", rows_per_item=1, filler_key="row_weight", arrange=list,
                       to_batch=functools.partial(kto_batch, pad_id=pad_id,
                                                  max_length=cfg.data.max_length),
                       closure=kto_loss, metrics=kto_metrics)
@@ -254,12 +254,12 @@ def dpo_stage(cfg: DPOConfig, pad_id: int) -> loop.Stage:
                       to_batch=functools.partial(packed_pair_batch, pad_id=pad_id),
                       closure=preference_loss, metrics=dpo_metrics)
     else:
-        layout = dict(kind="pairwise", rows_per_item=2, filler_key="pair_weight",
+        layout = dict(kind="pairwise", rows_per_item=2, filler_key="pair_weight", arrange=list,
                       to_batch=functools.partial(dpo_batch, pad_id=pad_id),
                       closure=preference_loss, metrics=dpo_metrics)
     closure = functools.partial(layout.pop("closure"), settings)
     return loop.Stage(
-        name="dpo", value_head=False, **{"arrange": list, **layout},
+        name="dpo", value_head=False, **layout,
         loss_fn=lambda mesh, model: Loss(closure=closure, per_position=_logprobs(mesh, model)),
         # Stream items are rows when packing (pairs otherwise); earlier runs had no field.
         fingerprint={"dpo": settings.fingerprint(), **({"pack": True} if cfg.pack else {}),
