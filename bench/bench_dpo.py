@@ -1,53 +1,44 @@
-"""DPO on a real model: SmolLM2-135M-Instruct (the real-model tier's) on preference pairs made
-from the arithmetic task (the GRPO recipe's questions; the right answer chosen, a wrong one
-rejected), with the SFT stage's step time on the same rows beside it.
+"""DPO on a real model: recipes/smollm2-135m-dpo-arithmetic.yaml (SmolLM2-135M-Instruct, the
+real-model tier's, on preference pairs made from the arithmetic task: the right answer
+chosen, a wrong one rejected; an SFT term on the chosen answer; the reference cached), with
+the same recipe's live reference and the SFT stage's step time on the same rows beside it.
 
-Two DPO runs, plain and with an SFT term on the chosen answer (dpo.sft_weight). Measured:
-greedy accuracy on the 64 held-out questions before and after (HF transformers' generate on
-the starting model and on each run's HF export, answers checked by the built-in `math`
-reward), the implicit-reward accuracy and margin on held-out pairs every few steps (the
-curve), and the median step time of DPO vs SFT over the same pairs' rows (both responses
-of each pair as SFT rows, unpacked: the same tokens through the policy; DPO adds the
-reference's forward). fp32, 2 local ranks (DP2).
+Measured: greedy accuracy on the 64 held-out questions before and after (HF transformers'
+generate on the starting model and on the run's HF export, answers checked by the built-in
+`math` reward), the implicit-reward accuracy and margin on held-out pairs every 5 steps (the
+curve), and the median step time of the recipe (cached reference), of the recipe with
+`dpo.reference=live` (a reference forward each step) and of SFT over the same pairs' rows
+(both responses of each pair as SFT rows, unpacked: the same tokens through the policy).
+fp32, 2 local ranks (DP2), as the recipe says.
 
-    python -m bench.bench_dpo [--steps 30] [--sft-weight 1.0] [--append BENCHMARKS.md]
+    python -m bench.bench_dpo [--steps 30] [--compare-steps 8] [--append BENCHMARKS.md]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import random
 import statistics
 import tempfile
 
 import torch
 
 from bench.report import append_entry
+from megarlhf.configio import load_config
 from megarlhf.convert.hf_to_mcore import hf_to_mcore
 from megarlhf.data import synthetic
 from megarlhf.data.config import DataConfig, DatasetSource
-from megarlhf.engine.optim import OptimConfig
 from megarlhf.parallel import launch_local
 from megarlhf.parallel.mesh import ParallelConfig
 from megarlhf.rewards.builtin import math_reward
-from megarlhf.sft.config import DPOConfig, DPOSettings, LoopConfig, ModelSource, SFTConfig
+from megarlhf.sft.config import DPOConfig, LoopConfig, ModelSource, SFTConfig
 from megarlhf.sft.dpo import run_dpo
 from megarlhf.sft.sft import run_sft
 from tests import real_model
 
-PAIRS_PER_STEP = 8
-
-
-def pairs(rows: list[dict], seed: int) -> list[dict]:
-    """Each question with its answer chosen and a nearby wrong number rejected."""
-    rng = random.Random(seed)
-    out = []
-    for row in rows:
-        right = int(row["ground_truth"])
-        wrong = right + rng.choice([d for d in (-3, -2, -1, 1, 2, 3) if right + d >= 0])
-        out.append({"prompt": row["prompt"], "chosen": str(right), "rejected": str(wrong)})
-    return out
+RECIPE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes",
+                      "smollm2-135m-dpo-arithmetic.yaml")
+NPROC = 2  # the recipe's run command's --nproc
 
 
 def greedy_accuracy(hf_dir: str, rows: list[dict]) -> float:
@@ -70,72 +61,73 @@ def greedy_accuracy(hf_dir: str, rows: list[dict]) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--lr", type=float, default=2e-6)
-    parser.add_argument("--sft-weight", type=float, default=1.0,
-                        help="the second run's dpo.sft_weight (the first run's is 0)")
+    parser.add_argument("--steps", type=int, default=None, help="default: the recipe's")
+    parser.add_argument("--compare-steps", type=int, default=8,
+                        help="steps of the live-reference and SFT runs (step time only)")
     parser.add_argument("--append", default=None, help="append the results to this file")
     args = parser.parse_args()
     hf_dir = real_model.smollm2_dir()
     train_rows, val_rows = synthetic.arithmetic_records(held_out=64)
+    train_pairs, val_pairs = (synthetic.arithmetic_pairs(train_rows, seed=0),
+                              synthetic.arithmetic_pairs(val_rows, seed=1))
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = os.path.join(tmp, "ckpt")
         hf_to_mcore(hf_dir, ckpt, parallel=ParallelConfig())
-        train_pairs = synthetic.write_jsonl(pairs(train_rows, 0), os.path.join(tmp, "t.jsonl"))
-        val_pairs = synthetic.write_jsonl(pairs(val_rows, 1), os.path.join(tmp, "v.jsonl"))
-        sft_rows = synthetic.write_jsonl(
-            [{"prompt": p["prompt"], "response": p[k]}
-             for p in pairs(train_rows, 0) for k in ("chosen", "rejected")],
-            os.path.join(tmp, "sft.jsonl"))
-        optim = OptimConfig(lr=args.lr, weight_decay=0.0, clip_grad=1.0)
-        every = max(args.steps // 6, 1)
-        runs, after = {}, {}
+        paths = [f"model.checkpoint={ckpt}",
+                 f"data.train.path={synthetic.write_jsonl(train_pairs, tmp + '/t.jsonl')}",
+                 f"data.eval.path={synthetic.write_jsonl(val_pairs, tmp + '/v.jsonl')}"]
+        recipe = load_config(DPOConfig, RECIPE, paths + [
+            f"train.output_dir={tmp}/cached", f"train.export_hf={tmp}/cached-hf",
+            *([f"train.steps={args.steps}"] if args.steps else [])])
+        live = load_config(DPOConfig, RECIPE, paths + [
+            f"train.output_dir={tmp}/live", "train.export_hf=null", "train.eval_interval=0",
+            f"train.steps={args.compare_steps}", "dpo.reference=live"])
         before = greedy_accuracy(hf_dir, val_rows)
-        for sft_weight in (0.0, args.sft_weight):
-            name, tag = f"sft_weight {sft_weight:g}", f"dpo-sft{sft_weight:g}"
-            dpo = DPOConfig(
-                model=ModelSource(checkpoint=ckpt),
-                data=DataConfig(train=DatasetSource(path=train_pairs),
-                                eval=DatasetSource(path=val_pairs), max_length=96),
-                train=LoopConfig(output_dir=os.path.join(tmp, tag), steps=args.steps,
-                                 global_batch_size=PAIRS_PER_STEP, eval_interval=every,
-                                 export_hf=os.path.join(tmp, tag + "-hf")),
-                optim=optim, dpo=DPOSettings(loss="dpo", beta=0.1, sft_weight=sft_weight))
-            runs[name] = launch_local(run_dpo, 2, dpo)[0]
-            after[name] = greedy_accuracy(runs[name]["export"], val_rows)
+        run = launch_local(run_dpo, NPROC, recipe)[0]
+        after = greedy_accuracy(run["export"], val_rows)
+        live_out = launch_local(run_dpo, NPROC, live)[0]
         sft = SFTConfig(
             model=ModelSource(checkpoint=ckpt),
-            data=DataConfig(train=DatasetSource(path=sft_rows), max_length=96),
-            train=LoopConfig(output_dir=os.path.join(tmp, "sft"), steps=min(args.steps, 10),
-                             global_batch_size=2 * PAIRS_PER_STEP),
-            optim=optim, pack=False)
-        sft_out = launch_local(run_sft, 2, sft)[0]
-    lines = ["| run | step | held-out loss | reward accuracy | reward margin | chosen logp | "
-             "rejected logp |", "|---|---|---|---|---|---|---|"]
-    for name, out in runs.items():
-        for r in out["history"]:
-            if r["split"] == "eval":
-                lines.append(f"| {name} | {r['step']} | {r['loss']:.4f} | "
-                             f"{r['reward_accuracy']:.3f} | {r['reward_margin']:.4f} | "
-                             f"{r['chosen_logp']:.3f} | {r['rejected_logp']:.3f} |")
-    plain = runs["sft_weight 0"]
-    dpo_s = statistics.median(r["step_s"] for r in plain["history"][1:] if r["split"] == "train")
-    sft_s = statistics.median(r["step_s"] for r in sft_out["history"][1:]
-                              if r["split"] == "train")
+            data=DataConfig(train=DatasetSource(path=synthetic.write_jsonl(
+                [{"prompt": p["prompt"], "response": p[k]} for p in train_pairs
+                 for k in ("chosen", "rejected")], tmp + "/sft.jsonl")),
+                max_length=recipe.data.max_length),
+            train=LoopConfig(output_dir=os.path.join(tmp, "sft"), steps=args.compare_steps,
+                             global_batch_size=2 * recipe.train.global_batch_size),
+            optim=recipe.optim, pack=False)
+        sft_out = launch_local(run_sft, NPROC, sft)[0]
+    lines = ["| step | held-out loss | reward accuracy | reward margin | chosen logp | "
+             "rejected logp |", "|---|---|---|---|---|---|"]
+    for r in run["history"]:
+        if r["split"] == "eval":
+            lines.append(f"| {r['step']} | {r['loss']:.4f} | {r['reward_accuracy']:.3f} | "
+                         f"{r['reward_margin']:.4f} | {r['chosen_logp']:.3f} | "
+                         f"{r['rejected_logp']:.3f} |")
+
+    def step_s(out: dict) -> float:
+        return statistics.median(r["step_s"] for r in out["history"][1:]
+                                 if r["split"] == "train")
+
+    cached_s, live_s, sft_s = step_s(run), step_s(live_out), step_s(sft_out)
+    first = [out["history"][0]["loss"] for out in (run, live_out)]
+    settings = recipe.dpo
     body = "\n".join(lines) + (
-        f"\n\nGreedy accuracy on the 64 held-out questions: {before:.3f} before; after "
-        f"{args.steps} steps " + ", ".join(f"{after[n]:.3f} ({n})" for n in runs) +
-        f". Step time (median of steps 2-N): DPO {dpo_s:.2f} s, SFT "
-        f"on the same pairs' rows (both responses, unpacked) {sft_s:.2f} s, ratio "
-        f"{dpo_s / sft_s:.2f}. SmolLM2-135M-Instruct, fp32, {PAIRS_PER_STEP} pairs per step, "
-        f"lr {args.lr:g}, beta 0.1, 2 local ranks (DP2); held-out pairs: the 64 questions, "
-        f"each with its answer chosen and a number 1-3 away rejected.")
+        f"\n\nGreedy accuracy on the 64 held-out questions: {before:.3f} before, "
+        f"{after:.3f} after {recipe.train.steps} steps. Step time (median of steps 2-N): "
+        f"cached reference {cached_s:.2f} s, live reference {live_s:.2f} s (ratio "
+        f"{live_s / cached_s:.2f}), SFT on the same pairs' rows (both responses, unpacked) "
+        f"{sft_s:.2f} s (DPO cached / SFT {cached_s / sft_s:.2f}); step 1's loss cached "
+        f"{first[0]:.6f}, live {first[1]:.6f}. The recipe: {recipe.train.global_batch_size} "
+        f"pairs per step, lr {recipe.optim.lr:g}, beta {settings.temperature:g}, sft_weight "
+        f"{settings.sft_weight:g}, fp32, {NPROC} local ranks (DP{NPROC}); the live and SFT "
+        f"runs {args.compare_steps} steps each. Held-out pairs: the 64 questions, each with "
+        f"its answer chosen and a number 1-3 away rejected.")
     print(body)
     if args.append:
-        append_entry(args.append, "DPO on a real model (SmolLM2-135M-Instruct, arithmetic "
-                     "pairs)", f"python -m bench.bench_dpo --steps {args.steps} --lr {args.lr:g} "
-                     f"--sft-weight {args.sft_weight:g}",
-                     body)
+        append_entry(args.append, "DPO recipe on a real model (SmolLM2-135M-Instruct, "
+                     "arithmetic pairs, cached reference)",
+                     "python -m bench.bench_dpo" + (f" --steps {args.steps}" if args.steps
+                                                    else ""), body)
 
 
 if __name__ == "__main__":

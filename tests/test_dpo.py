@@ -14,6 +14,7 @@ reference that moved changes them by far more.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import random
@@ -22,6 +23,7 @@ import sys
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 import yaml
 
@@ -37,6 +39,7 @@ from megarlhf.parallel.mesh import ParallelConfig as P
 from megarlhf.sft.config import DPOConfig, DPOSettings, LoopConfig, ModelSource
 from megarlhf.data.pairs import packed_pair_batch
 from megarlhf.models.lora import LoraConfig
+from tests import workers
 from megarlhf.sft.dpo import (KL_PREFIX, dpo_batch, dpo_metrics, kto_batch, kto_loss,
                               kto_metrics, preference_loss, run_dpo)
 
@@ -130,18 +133,20 @@ def test_kto_matches_its_formula_and_pairs_each_prompt_with_the_previous_complet
 
 
 def test_a_packed_batch_scores_each_pair_as_the_unpacked_one():
-    pairs = [Example(prompt=(1, 2, 3), responses=((4, 5), (6, 7, 8, 9))),
-             Example(prompt=(2, 3), responses=((5, 5, 5), (7,))),
-             Example(prompt=(4,), responses=((8, 9), (9, 8, 7)))]
+    """Also with cached reference logprobs (dpo.reference: cached), which the examples carry
+    into both layouts."""
+    pairs = [Example(prompt=(1, 2, 3), responses=((4, 5), (6, 7, 8, 9)), ref_logps=(-3, -4)),
+             Example(prompt=(2, 3), responses=((5, 5, 5), (7,)), ref_logps=(-2, -1)),
+             Example(prompt=(4,), responses=((8, 9), (9, 8, 7)), ref_logps=(-5, -6))]
     flat = dpo_batch(pairs, pad_id=0)
     packed = packed_pair_batch([pairs[:2], pairs[2:]], pad_id=0)
     assert packed["pair_weight"].tolist() == [[1, 1, 1, 1], [1, 1, 0, 0]]
+    assert flat["ref_logp"].tolist() == [-3, -4, -2, -1, -5, -6]
+    assert packed["ref_logp"].tolist() == [[-3, -4, -2, -1], [-5, -6, 0, 0]]
 
     def logp(batch):  # any function of a position's own document: its label and position
         return -(batch["labels"] * 0.3 + batch["position_ids"] * 0.07 + 0.1)
 
-    ref = torch.tensor([-3.0, -4.0, -2.0, -1.0, -5.0, -6.0])
-    flat["ref_logp"], packed["ref_logp"] = ref, torch.cat([ref, torch.zeros(2)]).view(2, 4)
     for settings in (DPOSettings(), DPOSettings(loss="ipo"), DPOSettings(loss="simpo")):
         one, n_one, sums_one = preference_loss(settings, flat, logp(flat))
         two, n_two, sums_two = preference_loss(settings, packed, logp(packed))
@@ -179,7 +184,9 @@ def test_filler_pairs_count_for_nothing():
     ({"dpo": {"loss": "ipo", "label_smoothing": 0.1}}, "not ipo"),
     ({"dpo": {"label_smoothing": 0.5}}, "must be in [0, 0.5)"),
     ({"model": {"preset": "tiny"}}, "model.checkpoint is required"),
-    ({"parallel": {"expert_parallel": 2}}, "parallel.expert_parallel must be 1"),
+    ({"dpo": {"reference": "disk"}}, "dpo.reference='disk': choose one of live, cached"),
+    ({"dpo": {"loss": "simpo", "reference": "cached"}}, "simpo has no reference"),
+    ({"dpo": {"loss": "kto", "reference": "cached"}}, "its reference must be live"),
 ])
 def test_config_errors_name_the_field(fields, match):
     from megarlhf.configio import from_dict
@@ -195,6 +202,7 @@ def test_a_resume_compares_only_the_fields_its_loss_reads():
     assert set(DPOSettings(loss="ipo").fingerprint()) == {
         "loss", "beta", "label_smoothing", "gamma", "sft_weight"}
     assert DPOSettings(loss="kto", desirable_weight=2.0).fingerprint()["desirable_weight"] == 2
+    assert DPOSettings(reference="cached").fingerprint()["reference"] == "cached"
 
 
 # -- whole runs (slow) --
@@ -242,7 +250,7 @@ def _assert_same(a: list[dict], b: list[dict], *, bitwise: bool = False) -> None
         assert [[r[k] for k in keys] for r in a] == [[r[k] for k in keys] for r in b]
     for ra, rb in zip(a, b):
         for k in ("loss", "grad_norm", "reward_accuracy", "chosen_logp", "rejected_logp"):
-            if k in rb:
+            if rb.get(k) is not None:
                 assert ra[k] == pytest.approx(rb[k], rel=REL, abs=1e-9), (ra["step"], k)
         # Near 0 at the start: absolute.
         assert ra["reward_margin"] == pytest.approx(rb["reward_margin"], abs=1e-5), ra["step"]
@@ -281,6 +289,51 @@ def test_tp2_pp2_equals_tp1_and_a_resume_equals_a_straight_run(corpus, lm_ref, t
     assert first["checkpoint"].endswith("step_2")
     second = launch_local(run_dpo, 1, dpo_config(corpus, tmp_path / "split", lm_ref))[0]
     _assert_same(_train(first) + _train(second), _train(tp1), bitwise=True)
+
+
+@pytest.mark.slow
+def test_a_cached_reference_trains_as_the_live_one_without_its_weights(corpus, lm_ref,
+                                                                        tmp_path, tp1):
+    """Every pair scored once before step 1, over two DP ranks (each scores half of every
+    batch of the cache): the run equals the live reference's at TP1 (the cache scores pairs
+    in other batches, so other padded widths: rounding, within REL), and the frozen
+    reference's weights are dropped before training."""
+    outs = launch_local(run_dpo, 2, dpo_config(corpus, tmp_path, lm_ref,
+                                               settings=DPOSettings(reference="cached")))
+    def comparable(history):  # step 1's margins are rounding (+-1e-8): their sign is noise
+        return [{**r, "reward_accuracy": None} if r["step"] == 1 else r for r in history]
+
+    for out in outs:
+        _assert_same(comparable(out["history"]), comparable(tp1["history"]))
+    assert _train(outs[0])[0]["loss"] == pytest.approx(math.log(2), rel=1e-6)
+    event, = [r for r in read_metrics(str(tmp_path)) if r.get("event") == "prepare"]
+    # The reference is the whole model on each rank: the checkpoint's tensors, counted from
+    # its own metadata.
+    meta = dcp.FileSystemReader(lm_ref).read_metadata().state_dict_metadata
+    weights = sum(m.size.numel() * torch.empty(0, dtype=m.properties.dtype).element_size()
+                  for m in meta.values() if isinstance(m, dcp.metadata.TensorStorageMetadata))
+    kept = outs[0]["data"]["train"]["kept"]  # training and held-out pairs
+    assert (event["pairs"], event["reference_bytes_freed"]) == (kept, weights)
+
+
+@pytest.mark.slow
+def test_a_mixture_of_experts_policy_at_ep2_equals_ep1(corpus, tiny, tmp_path):
+    """4 experts, top-2, with the load-balancing loss: at EP2 each rank holds two experts of
+    the policy and of the frozen reference; the run equals one rank's."""
+    moe = dataclasses.replace(tiny, num_experts=4, moe_ffn_hidden_size=32, moe_router_topk=2,
+                              moe_aux_loss_coeff=0.01)
+    ckpt = str(tmp_path / "moe")
+    launch_local(workers.write_reference, 1, ckpt, moe, 0)
+
+    def run(name, nprocs, parallel):
+        return launch_local(run_dpo, nprocs, dpo_config(corpus, tmp_path / name, ckpt, parallel,
+                                                        steps=4, eval_interval=0))
+
+    one = run("ep1", 1, P())[0]
+    assert _train(one)[0]["loss"] == pytest.approx(math.log(2), rel=1e-6)
+    assert _train(one)[-1]["loss"] < math.log(2) - 1e-3
+    for out in run("ep2", 2, P(expert_parallel=2)):
+        _assert_same(out["history"], one["history"])
 
 
 @pytest.mark.slow

@@ -35,6 +35,7 @@ import torch
 import yaml
 
 from megarlhf.cli import main as cli
+from megarlhf.data import synthetic
 from megarlhf.models.gpt import build_model, model_spec
 from megarlhf.models.presets import preset
 from megarlhf.parallel.mesh import ParallelConfig
@@ -564,8 +565,47 @@ first two end to end (their results are in BENCHMARKS.md), tests/test_real_model
 for a step; here each must load, and its header's data command must make what it reads."""
 
 
+DPO = ["smollm2-135m-dpo-arithmetic.yaml"]
+"""Preference-optimization recipes: bench/bench_dpo.py runs this one end to end (results in
+BENCHMARKS.md); here it must load and its data command must make the pairs it reads."""
+
+
 def test_every_recipe_is_tested():
-    assert sorted(os.listdir(RECIPES)) == sorted(SMALL + LARGE + CPU)
+    assert sorted(os.listdir(RECIPES)) == sorted(SMALL + LARGE + CPU + DPO)
+
+
+def _data_command(name: str) -> str:
+    """The `python -c "..."` data command of a recipe's header, as the script to run."""
+    with open(os.path.join(RECIPES, name)) as f:
+        (command,) = re.findall(r'^#\s+(?:\d\. The data: )?(python -c ".*")$', f.read(),
+                                re.MULTILINE)
+    return shlex.split(command)[2]
+
+
+def _run_script(script: str) -> None:
+    subprocess.run([sys.executable, "-c", script], check=True,
+                   env={**os.environ, "PYTHONPATH": os.path.dirname(RECIPES)})
+
+
+@pytest.mark.parametrize("name", DPO)
+def test_a_dpo_recipe_loads_and_its_data_command_makes_right_and_wrong_answers(
+        tmp_path, monkeypatch, name):
+    from megarlhf.configio import load_config
+    from megarlhf.sft.config import DPOConfig
+
+    monkeypatch.chdir(tmp_path)
+    config = load_config(DPOConfig, os.path.join(RECIPES, name), [])
+    os.makedirs(os.path.dirname(config.data.train.path))
+    _run_script(_data_command(name))
+    with open(config.data.train.path) as f, open(config.data.eval.path) as g:
+        train, val = [json.loads(x) for x in f], [json.loads(x) for x in g]
+    asked = lambda rows: {r["prompt"] for r in rows}  # noqa: E731
+    assert len(val) == 64 and not asked(val) & asked(train)
+    questions = {r["prompt"]: r["ground_truth"] for r in sum(
+        synthetic.arithmetic_records(held_out=64), [])}
+    for pair in train + val:  # the answer chosen, another number rejected
+        assert pair["chosen"] == questions[pair["prompt"]] != pair["rejected"]
+        assert 1 <= abs(int(pair["rejected"]) - int(pair["chosen"])) <= 3
 
 
 @pytest.mark.parametrize("name", CPU)
@@ -575,14 +615,10 @@ def test_a_cpu_recipe_loads_and_its_data_command_makes_its_prompts(tmp_path, mon
     from megarlhf.envs.tools import tool_schema
     from megarlhf.ppo.config import PPOConfig
 
-    with open(os.path.join(RECIPES, name)) as f:
-        (command,) = re.findall(r'^#\s+(?:\d\. The data: )?(python -c ".*")$', f.read(),
-                                re.MULTILINE)
     monkeypatch.chdir(tmp_path)
     config = load_config(PPOConfig, os.path.join(RECIPES, name), [])
     os.makedirs(os.path.dirname(config.prompts))
-    subprocess.run([sys.executable, "-c", shlex.split(command)[2]], check=True,
-                   env={**os.environ, "PYTHONPATH": os.path.dirname(RECIPES)})
+    _run_script(_data_command(name))
     with open(config.prompts) as f, open(config.val_prompts) as g:
         train, val = [json.loads(x) for x in f], [json.loads(x) for x in g]
     asked = lambda rows: {json.dumps(r["prompt"]) for r in rows}  # noqa: E731

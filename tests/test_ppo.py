@@ -10,6 +10,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -299,6 +300,31 @@ def test_worker_messages_carry_tensors_exactly():
     assert torch.equal(back["ids"], tensors["ids"] + 1)
 
 
+def test_a_phase_deadline_follows_its_recent_durations_and_timeouts_are_named():
+    from megarlhf.ppo.groups import collective_timeout
+    from megarlhf.ppo.placement import phase_deadline
+
+    assert phase_deadline([], 5.0, 300.0) is None  # the first run: the backend's own limit
+    assert phase_deadline([2.0, 90.0, 40.0], 5.0, 300.0) == 450.0  # 5 x the longest
+    assert phase_deadline([2.0, 3.0], 5.0, 300.0) == 300.0  # never below the floor
+    # What torch.distributed raises when a peer never comes, seen through the exceptions
+    # that wrap it; any other error is the rank's own.
+    gloo = RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 2000ms "
+                        "for recv operation to complete")
+    nccl = RuntimeError("Watchdog caught collective operation timeout: WorkNCCL(SeqNum=9, "
+                        "OpType=ALLREDUCE) ran for 600020 milliseconds before timing out.")
+    try:
+        try:
+            raise gloo
+        except RuntimeError as e:
+            raise ValueError("loss was not finite") from e
+    except ValueError as wrapped:
+        assert collective_timeout(wrapped)
+    assert collective_timeout(nccl)
+    assert not collective_timeout(RuntimeError("CUDA out of memory"))
+    assert not collective_timeout(ValueError("timed out"))  # bad input, not a collective
+
+
 def _prompt_ids(path) -> list[list[int]]:
     with open(path) as f:
         return [json.loads(line)["prompt_ids"] for line in f if line.strip()]
@@ -562,48 +588,62 @@ def _without_timings(metrics: dict) -> dict:
 
 
 @pytest.mark.slow
-def test_a_lost_rank_restarts_the_run_from_its_checkpoint_exactly(base, tmp_path):
-    """A rank killed mid-run: the controller tears the group down, starts it again from the
-    step-3 checkpoint (removing what a kill during a save or a prune leaves) and finishes
-    with the metrics and weights of a run that was never interrupted. The same resume runs
-    when a whole job is killed and started again (tests/test_slurm.py's requeue)."""
-    short = dict(steps=6, save_every=3, tensor_parallel=2, nproc=2)
+def test_lost_and_hung_ranks_restart_the_run_from_its_checkpoint_exactly(base, tmp_path):
+    """Two faults in a row. A rank killed mid-run: the controller tears the group down,
+    starts it again from the step-3 checkpoint (removing what a kill during a save or a prune
+    leaves). Then a rank stopped (SIGSTOP: it hangs, alive, wherever it was): its peer's
+    next collective times out (collective_timeout_s), or if it had nothing left to wait for,
+    the phase passes its deadline (phase_timeout_min_s); either way the run starts again from
+    the step-6 checkpoint. It finishes with the metrics and weights of a run that was never
+    interrupted. The same resume runs when a whole job is killed and started again
+    (tests/test_slurm.py's requeue)."""
+    short = dict(steps=8, save_every=3, tensor_parallel=2, nproc=2)
     straight = dataclasses.replace(base, out_dir=str(tmp_path / "straight"), **short)
     run(straight)
 
     lost = dataclasses.replace(base, out_dir=str(tmp_path / "lost"), restart_backoff=2.0,
-                               **short)
+                               collective_timeout_s=10.0, phase_timeout_min_s=20.0, **short)
     proc = _ppo_process(lost)
     saved = checkpoints.of_run(lost.out_dir)
-    deadline = time.monotonic() + 300
-    # Killed once step 4 is logged: its line is after the step-3 checkpoint the run resumes from.
-    while saved.latest() is None or len(read_steps(lost.out_dir)) < 4:
-        assert proc.poll() is None and time.monotonic() < deadline, \
-            "no checkpoint appeared:\n" + open(lost.out_dir + ".yaml.err").read()[-3000:]
-        time.sleep(0.2)
+    deadline = time.monotonic() + 400
     from tests.test_ppo_failures import _rank_processes
 
+    def wait_for(step: int, checkpoint: int) -> None:
+        """Until `step` is logged and the step-`checkpoint` checkpoint is complete."""
+        while not (saved.latest() or "").endswith(f"step_{checkpoint}") or \
+                max([m["step"] for m in read_steps(lost.out_dir)], default=0) < step:
+            assert proc.poll() is None and time.monotonic() < deadline, \
+                "the run stopped or stalled:\n" + open(lost.out_dir + ".yaml.err").read()[-3000:]
+            time.sleep(0.2)
+
+    # Killed once step 4 is logged: its line is after the step-3 checkpoint the run resumes from.
+    wait_for(4, 3)
     _rank_processes(psutil.Process(proc.pid), "local")[1].send_signal(signal.SIGKILL)
     # During the restart's back-off: what a kill during a save or a prune leaves, removed
     # when the run starts again.
-    leftovers = ["step_6.tmp", "step_1.deleting", ".step_3.megarlhf-old",
+    leftovers = ["step_8.tmp", "step_1.deleting", ".step_3.megarlhf-old",
                  "step_2"]  # step_2: no controller state
     for name in leftovers:
         os.makedirs(os.path.join(saved.root, name, "actor"))
+    wait_for(7, 6)
+    _rank_processes(psutil.Process(proc.pid), "local")[1].send_signal(signal.SIGSTOP)
     assert proc.wait(timeout=300) == 0, open(lost.out_dir + ".yaml.err").read()[-3000:]
-    assert sorted(os.listdir(saved.root)) == ["step_3", "step_6"]
+    assert sorted(os.listdir(saved.root)) == ["step_6", "step_8"]
     # A plain run prints only megarlhf's own lines: no library's logs or warnings.
     output = [open(lost.out_dir + ".yaml" + end).read() for end in (".out", ".err")]
-    assert "ppo step 4 | " in output[0] and "restart 1 after: " in output[0]
+    assert "ppo step 4 | " in output[0] and "restart 2 after: " in output[0]
     assert foreign_lines(*output) == [], output
 
     events = [r for r in read_metrics(lost.out_dir) if r.get("event") == "restart"]
-    assert [(e["restart"], e["resumed_step"]) for e in events] == [(1, 3)], events
+    assert [(e["restart"], e["resumed_step"]) for e in events] == [(1, 3), (2, 6)], events
     assert events[0]["failed_step"] >= 5 and "colocated rank 1 died" in events[0]["cause"]
+    assert events[1]["failed_step"] >= 8
+    assert re.search(r"collective of colocated timed out|colocated ranks \[.*\] did not "
+                     r"answer", events[1]["cause"]), events[1]
     ours, theirs = read_steps(lost.out_dir), read_steps(straight.out_dir)
-    assert [m["step"] for m in ours] == list(range(1, 7))  # steps 4 and 5 once
-    for mine, reference in zip(ours[3:], theirs[3:]):  # the steps after the restart
-        assert mine.pop("fault/restarts") == 1
+    assert [m["step"] for m in ours] == list(range(1, 9))  # the steps run twice, once
+    for mine, reference in zip(ours[3:], theirs[3:]):  # the steps after the first restart
+        assert mine.pop("fault/restarts") == (1 if mine["step"] <= 6 else 2)
         assert _without_timings(mine) == _without_timings(reference)
     _assert_same_weights(lost.out_dir, straight.out_dir)
 

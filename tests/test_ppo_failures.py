@@ -57,8 +57,8 @@ def test_nan_reward_skips_the_update_and_keeps_going(base, tmp_path, one_pass): 
 
 
 def _rank_processes(controller: psutil.Process, worker_group: str) -> list[psutil.Process]:
-    """The job's rank processes; local ranks in start order (rank 0 first). Local ranks are
-    the children of the launcher's fork server (megarlhf/parallel/launcher.py)."""
+    """The job's running rank processes; local ranks in start order (rank 0 first). Local
+    ranks are the children of the launcher's fork server (megarlhf/parallel/launcher.py)."""
     if worker_group == "local":
         (server,) = [p for p in controller.children()
                      if "multiprocessing.forkserver" in " ".join(p.cmdline())]
@@ -66,7 +66,15 @@ def _rank_processes(controller: psutil.Process, worker_group: str) -> list[psuti
     else:
         ranks = [p for p in controller.children(recursive=True)
                  if "ray::_Rank" in " ".join(p.cmdline())]
-    return sorted(ranks, key=lambda p: p.create_time())
+    return sorted([p for p in ranks if _running(p)], key=lambda p: p.create_time())
+
+
+def _running(process: psutil.Process) -> bool:
+    """Not a rank of an earlier start, gone or waiting to be reaped (a restarted run's)."""
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 @pytest.mark.parametrize("worker_group", ["local", "ray"])

@@ -26,6 +26,9 @@ class Example:
     margin: float = 0.0
     label: bool | None = None
     """Unpaired (KTO) examples: whether the response is desirable."""
+    ref_logps: tuple[float, ...] | None = None
+    """Per response, its logprob under a reference model, when computed once ahead of
+    training (DPO's `dpo.reference: cached`)."""
 
     def length(self, i: int = 0) -> int:
         """Tokens in prompt + response i (the prompt alone when there are no responses)."""

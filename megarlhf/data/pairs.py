@@ -43,11 +43,14 @@ def pair_batch(pairs: list[Example], pad_id: int) -> dict[str, torch.Tensor]:
 
 
 def pair_inputs(pairs: list[Example], batch: SequenceBatch) -> dict[str, torch.Tensor]:
-    """`pair_batch` of the pairs' sequences laid out by `pair_sequences`."""
+    """`pair_batch` of the pairs' sequences laid out by `pair_sequences`, and per row
+    `ref_logp` where the pairs carry reference logprobs."""
     margins = torch.tensor([ex.margin for ex in pairs], dtype=torch.float32)
     return {**batch.model_inputs(),
             "last_index": batch.attention_mask.long().cumsum(1).argmax(1),
-            "margin": margins.repeat_interleave(2), "pair_weight": torch.ones(2 * len(pairs))}
+            "margin": margins.repeat_interleave(2), "pair_weight": torch.ones(2 * len(pairs)),
+            **({} if pairs[0].ref_logps is None else
+               {"ref_logp": torch.tensor([lp for ex in pairs for lp in ex.ref_logps])})}
 
 
 def pair_length(ex: Example) -> int:
@@ -60,7 +63,8 @@ def packed_pair_batch(rows: list[list[Example]], pad_id: int) -> dict[str, torch
     document of its own, positions restarting): pair j of a row is its documents 2j (chosen)
     and 2j+1 (rejected). `label_mask` [B, T] marks the positions whose label is a response
     token of the same document; `pair_weight` [B, D] (D: twice the most pairs in a row) is 1
-    where the document exists."""
+    where the document exists, and `ref_logp` [B, D] likewise where the pairs carry reference
+    logprobs."""
     batch = sft_batch([[Example(prompt=ex.prompt, responses=(r,)) for ex in row
                         for r in ex.responses] for row in rows], pad_id)
     batch["label_mask"] = batch.pop("loss_mask")
@@ -68,4 +72,9 @@ def packed_pair_batch(rows: list[list[Example]], pad_id: int) -> dict[str, torch
     for b, row in enumerate(rows):
         weight[b, :2 * len(row)] = 1.0
     batch["pair_weight"] = weight
+    if rows[0][0].ref_logps is not None:
+        ref = torch.zeros_like(weight)
+        for b, row in enumerate(rows):
+            ref[b, :2 * len(row)] = torch.tensor([lp for ex in row for lp in ex.ref_logps])
+        batch["ref_logp"] = ref
     return batch

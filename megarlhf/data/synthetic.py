@@ -114,6 +114,19 @@ def arithmetic_records(*, held_out: int, seed: int = 4) -> tuple[list[dict], lis
     return train, val
 
 
+def arithmetic_pairs(rows: list[dict], *, seed: int) -> list[dict]:
+    """Preference pairs from `arithmetic_records` rows: each question with its answer chosen
+    and a wrong number 1-3 away (not negative) rejected. The data of the real-model DPO recipe
+    (recipes/smollm2-135m-dpo-arithmetic.yaml)."""
+    rng = random.Random(seed)
+    out = []
+    for row in rows:
+        right = int(row["ground_truth"])
+        wrong = right + rng.choice([d for d in (-3, -2, -1, 1, 2, 3) if right + d >= 0])
+        out.append({"prompt": row["prompt"], "chosen": str(right), "rejected": str(wrong)})
+    return out
+
+
 def write_jsonl(records: list[dict], path: str) -> str:
     with open(path, "w") as f:
         for rec in records:

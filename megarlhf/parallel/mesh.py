@@ -369,8 +369,10 @@ def init_distributed(env: DistEnv | None = None, *, timeout_s: float = 600.0) ->
     return env
 
 
-def init_mesh(config: ParallelConfig, env: DistEnv | None = None, *, seed: int = 0) -> Mesh:
+def init_mesh(config: ParallelConfig, env: DistEnv | None = None, *, seed: int = 0,
+              timeout_s: float = 600.0) -> Mesh:
     """Join (or start) the process group, split it into TP/CP/PP/DP groups, and seed the RNGs.
+    `timeout_s`: how long a collective of any of them waits for a missing peer.
 
     Every rank's default generator gets `seed` (so CPU-initialised weights are identical in
     every layout); megatron-core's tracker gets per-TP-rank streams for dropout in TP regions.
@@ -384,7 +386,7 @@ def init_mesh(config: ParallelConfig, env: DistEnv | None = None, *, seed: int =
         env = env or DistEnv.detect()
         world_size = env.world_size
     dp_size = config.data_parallel_size(world_size)  # validates before any process group exists
-    init_distributed(env)
+    init_distributed(env, timeout_s=timeout_s)
 
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
@@ -395,7 +397,7 @@ def init_mesh(config: ParallelConfig, env: DistEnv | None = None, *, seed: int =
         expert_model_parallel_size=config.expert_parallel,
         expert_tensor_parallel_size=config.expert_tp,
         virtual_pipeline_model_parallel_size=config.virtual_pipeline_parallel,
-        distributed_timeout_minutes=10,
+        distributed_timeout_minutes=timeout_s / 60,
     )
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)

@@ -80,6 +80,9 @@ _RANGES = (  # (field, low, high, low included?); high is included, values must 
     ("save_every", 0, math.inf, True),
     ("max_restarts", 0, math.inf, True),
     ("restart_backoff", 0.0, math.inf, True),
+    ("collective_timeout_s", 0.0, math.inf, False),
+    ("phase_timeout_factor", 1.0, math.inf, False),
+    ("phase_timeout_min_s", 0.0, math.inf, False),
     ("reward_timeout", 0.0, math.inf, False),
     ("tool_timeout", 0.0, math.inf, False),
     ("reward_max_timeout_fraction", 0.0, 1.0, True),
@@ -517,14 +520,28 @@ class PPOConfig:
     keep_last: int = 2
     """Checkpoints kept in out_dir (older ones are removed once a newer one is complete)."""
     max_restarts: int = 2
-    """Local worker groups: when a rank dies (killed, OOM-killed) or stops answering, every
-    group is torn down and started again from the latest checkpoint, up to this many times
-    in a run; each restart is a "restart" event in metrics.jsonl. Without a checkpoint yet
-    (see save_every), or once they are used up, the run stops naming the fault. An exception
-    a rank raises (a bug, bad input) always stops the run. Ray worker groups stop on any
-    fault, as before (no test has restarted one yet)."""
+    """Local worker groups: when a rank dies (killed, OOM-killed) or hangs (a collective
+    timed out, see collective_timeout_s; or a phase passed its deadline, see
+    phase_timeout_factor), every group is torn down and started again from the latest
+    checkpoint, up to this many times in a run; each restart is a "restart" event in
+    metrics.jsonl. Without a checkpoint yet (see save_every), or once they are used up, the
+    run stops naming the fault. An exception a rank raises (a bug, bad input) always stops
+    the run. Ray worker groups stop on any fault, as before (no test has restarted one
+    yet)."""
     restart_backoff: float = 5.0
     """Seconds to wait before a restart."""
+    collective_timeout_s: float = 600.0
+    """torch.distributed's timeout for every process group of the worker ranks (NCCL or
+    gloo): a rank waiting this long in a collective for a peer that never comes (hung, or
+    stopped) fails, and with local worker groups the run restarts (max_restarts)."""
+    phase_timeout_factor: float = 5.0
+    """The controller's deadline for a phase (a call on the worker groups: rollout,
+    experience, train, sync, save...) is this factor times the longest of its last 5
+    durations, at least phase_timeout_min_s; a phase with no duration yet has 30 minutes.
+    Past it the ranks that did not answer are named and, with local worker groups, the run
+    restarts; with Ray it stops."""
+    phase_timeout_min_s: float = 300.0
+    """The shortest phase deadline (see phase_timeout_factor)."""
     resume_allow_changes: tuple[str, ...] = ()
     """Inputs a resumed run may change on purpose (of RESUME_INPUTS: actor, actor_adapter
     (layout.actor.lora.from_peft: the reference's adapter), critic, reward_model, prompts,

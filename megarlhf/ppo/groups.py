@@ -16,6 +16,7 @@ import io
 import multiprocessing as mp
 import os
 import pickle
+import re
 import signal
 import sys
 import time
@@ -56,13 +57,31 @@ class WorkerInputError(WorkerError, ValueError):
     its one-line message; the rank's traceback is kept as a note (MEGARLHF_DEBUG=1 shows it)."""
 
 
-def _failure() -> tuple[str, str | None]:
-    """The current exception as (traceback, one-line message if it is an expected one)."""
+def _failure() -> tuple[str, str | None, bool]:
+    """The current exception as (traceback, one-line message if it is an expected one,
+    whether it is a collective that timed out waiting for a peer)."""
     from megarlhf.errors import describe
 
     e = sys.exc_info()[1]
     expected = isinstance(e, (ValueError, OSError)) and not isinstance(e, WorkerError)
-    return traceback.format_exc(), describe(e) if expected else None
+    return traceback.format_exc(), describe(e) if expected else None, collective_timeout(e)
+
+
+_TIMED_OUT = re.compile(r"timed out|timing out", re.IGNORECASE)
+
+
+def collective_timeout(e: BaseException | None) -> bool:
+    """Whether `e`, or an exception it was raised from, is torch.distributed giving up on a
+    peer: gloo's "Timed out waiting <ms> for recv operation", NCCL's "... ran for <ms>
+    milliseconds before timing out" (a DistBackendError), a store that timed out. The rank
+    itself did nothing wrong: a peer hung or stopped (config.collective_timeout_s)."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, RuntimeError) and _TIMED_OUT.search(str(e)):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
 
 
 _NUMPY_DTYPES = {torch.float64, torch.float32, torch.float16, torch.int64, torch.int32,
@@ -146,8 +165,12 @@ class LocalCall:
                 except (EOFError, ConnectionError):  # its end of the pipe closed or reset
                     self.raise_closed(rank)
                 if not ok:
-                    trace, message = value
+                    trace, message, timed_out = value
                     self._raise_if_a_rank_died(f"; then rank {rank} failed:\n{trace}")
+                    if timed_out:  # a peer hung or stopped: nothing this rank did
+                        cause = (f"{self.what}: a collective of {self.group.name} "
+                                 f"timed out (a rank stopped answering)")
+                        raise WorkerLost(f"{cause}; rank {rank}:\n{trace}", cause)
                     if message is not None:
                         error = WorkerInputError(f"{self.what} on {self.group.name} rank "
                                                  f"{rank}: {message}")
@@ -234,6 +257,16 @@ class LocalWorkerGroup:
                 _kill_tree(proc)
 
 
+def _late(calls: list, timeout_s: float) -> tuple[str, str]:
+    """(message, cause) of calls past their deadline: the phase, the groups and the ranks
+    that did not answer (the cause without the deadline, so the same hang twice reads the
+    same)."""
+    late = ", ".join(sorted(f"{c.group.name} ranks {sorted(c.pending)}" for c in calls
+                            if c.pending))
+    cause = f"{calls[0].what}: {late} did not answer"
+    return f"{cause} within {timeout_s:.0f} s", cause
+
+
 def _kill_tree(proc: mp.Process) -> None:
     """Kill a rank and the processes it started (dist_checkpointing's file writers, for one),
     which would otherwise outlive it."""
@@ -262,16 +295,16 @@ class LocalBackend:
     def group(self, name: str, nproc: int, worker_args: tuple) -> LocalWorkerGroup:
         return LocalWorkerGroup(name, nproc, worker_args, threads=self.threads)
 
-    def wait_all(self, calls: list[LocalCall]) -> list[list[tuple]]:
-        """Per call and rank, (result (rank 0; None elsewhere), seconds in the method)."""
-        deadline = time.monotonic() + self.timeout_s
+    def wait_all(self, calls: list[LocalCall],
+                 timeout_s: float | None = None) -> list[list[tuple]]:
+        """Per call and rank, (result (rank 0; None elsewhere), seconds in the method).
+        `timeout_s`: the phase's deadline (None: the backend's)."""
+        timeout_s = timeout_s or self.timeout_s
+        deadline = time.monotonic() + timeout_s
         while any(call.pending for call in calls):
             waitables = [w for call in calls for w in call.waitables()]
             if not mp.connection.wait(waitables, timeout=max(0.0, deadline - time.monotonic())):
-                late = {f"{c.group.name} ranks {sorted(c.pending)}" for c in calls if c.pending}
-                message = (f"{calls[0].what}: {', '.join(sorted(late))} did not answer "
-                           f"within {self.timeout_s:.0f} s")
-                raise WorkerLost(message, message)
+                raise WorkerLost(*_late(calls, timeout_s))
             for call in calls:
                 call.collect()
         return [call.results for call in calls]

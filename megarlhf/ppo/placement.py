@@ -62,6 +62,7 @@ class Placement:
         self._all_roles = set().union(*(spec.roles for spec in self.specs))
         self._thread = threading.local()
         self._failed = False
+        self._durations: dict[str, list[float]] = {}  # per method: its last wall times
         self._backend = _backend(config, sum(s.nproc for s in self.specs))
         self._groups = []
         # A group serves one call at a time. With async_rollout the next step's rollout (and
@@ -197,8 +198,25 @@ class Placement:
         return (for_actor if "actor" in self.specs[group].roles else None,)
 
     def _wait(self, calls: list) -> list[list[tuple]]:
+        what = calls[0].what
+        start = time.monotonic()
         try:
-            return self._backend.wait_all(calls)
+            out = self._backend.wait_all(calls, phase_deadline(
+                self._durations.get(what, []), self.config.phase_timeout_factor,
+                self.config.phase_timeout_min_s))
         except (WorkerError, KeyboardInterrupt):  # Ctrl-C: stop now, not after the phase
             self._failed = True
             raise
+        recent = self._durations.setdefault(what, [])
+        recent[:] = [*recent[-(RECENT_PHASES - 1):], time.monotonic() - start]
+        return out
+
+
+RECENT_PHASES = 5
+
+
+def phase_deadline(recent: list[float], factor: float, floor_s: float) -> float | None:
+    """Seconds a phase may take given its last durations: `factor` x the longest of them, at
+    least `floor_s`; None (the backend's own limit) before its first run, whose time includes
+    one-off work (compiling, loading, allocating)."""
+    return max(factor * max(recent), floor_s) if recent else None

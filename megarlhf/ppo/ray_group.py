@@ -8,6 +8,7 @@ rank 0's node.
 
 from __future__ import annotations
 
+import math
 import os
 import pickle
 import time
@@ -150,14 +151,22 @@ class RayBackend:
         gpus = 1 if self._ray.cluster_resources().get("GPU", 0) > 0 else 0
         return RayWorkerGroup(name, nproc, worker_args, gpus_per_rank=gpus)
 
-    def wait_all(self, calls: list[RayCall]) -> list[list[tuple]]:
+    def wait_all(self, calls: list[RayCall],
+                 timeout_s: float | None = None) -> list[list[tuple]]:
         """Per call and rank, (result (rank 0; None elsewhere), seconds in the method); a
         failed rank raises within a second, while the others may hang in a collective with
-        it."""
+        it. `timeout_s`: the phase's deadline (None: none); past it the run stops naming the
+        ranks that did not answer (Ray groups are not restarted: no test has run one)."""
         ray = self._ray
         owner = {ref: (call, rank) for call in calls for rank, ref in enumerate(call.refs)}
         answers, pending = {}, list(owner)
+        deadline = time.monotonic() + (timeout_s or math.inf)
         while pending:
+            if time.monotonic() > deadline:
+                late = sorted(f"{owner[ref][0].group.name} rank {owner[ref][1]}"
+                              for ref in pending)
+                raise WorkerError(f"{calls[0].what}: {', '.join(late)} did not answer within "
+                                  f"{timeout_s:.0f} s")
             done, pending = ray.wait(pending, num_returns=len(pending), timeout=1.0)
             for ref in done:
                 try:

@@ -70,7 +70,7 @@ class PPOWorker:
                  engine_size: EngineSize | None = None):
         self.config, self.group, self.engine_size = config, group, engine_size
         c, roles = config, group.roles
-        self.mesh = init_mesh(group.parallel, seed=c.seed)
+        self.mesh = init_mesh(group.parallel, seed=c.seed, timeout_s=c.collective_timeout_s)
         self.rank = self.mesh.rank
         self.dtype = parse_dtype(c.dtype)
         self.profiler = PhaseProfiler(c.out_dir, f"{group.name}_rank{self.rank}")
@@ -192,10 +192,11 @@ class PPOWorker:
         copies (DP, CP)."""
         pp = self.config.parallel_of("actor").pipeline_parallel
         size = pp + self.config.rollout_nproc
+        timeout = self.config.collective_timeout_s
         if self.engine is not None:
-            self.channel = open_channel(host, port, pp + self.rank, size)
+            self.channel = open_channel(host, port, pp + self.rank, size, timeout_s=timeout)
         elif self.mesh.tp_rank == 0 and self.mesh.dp_rank == 0 and self.mesh.cp_rank == 0:
-            self.channel = open_channel(host, port, self.mesh.pp_rank, size)
+            self.channel = open_channel(host, port, self.mesh.pp_rank, size, timeout_s=timeout)
 
     # -- the loop's phases -----------------------------------------------------------------
 

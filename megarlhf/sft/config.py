@@ -172,6 +172,7 @@ class RMConfig(StageConfig):
 
 
 DPO_LOSSES = ("dpo", "ipo", "simpo", "kto")
+DPO_REFERENCES = ("live", "cached")
 DPO_DEFAULT_BETA = {"dpo": 0.1, "ipo": 0.1, "simpo": 2.0, "kto": 0.1}
 KTO_FIELDS = ("desirable_weight", "undesirable_weight")
 
@@ -201,6 +202,13 @@ class DPOSettings:
     """kto: the weight of a desirable row's loss (raise it when desirable rows are rarer)."""
     undesirable_weight: float = 1.0
     """kto: the weight of an undesirable row's loss."""
+    reference: str = "live"
+    """dpo, ipo: live scores each step's pairs with the reference just before the step (its
+    weights stay in memory all run); cached scores every training and evaluation pair once
+    before the first step (again on a resume), keeps the two logprobs per pair with the
+    data and frees the reference's weights, so training holds only the policy and skips the
+    reference forward of every step. kto must be live: its KL estimate scores pairings that
+    depend on each step's batch."""
 
     def __post_init__(self):
         if self.loss not in DPO_LOSSES:
@@ -220,6 +228,14 @@ class DPOSettings:
                 raise ValueError(f"dpo.{name}={getattr(self, name)} must be > 0")
             if self.loss != "kto" and getattr(self, name) != 1.0:
                 raise ValueError(f"dpo.{name} applies to kto, not {self.loss}")
+        if self.reference not in DPO_REFERENCES:
+            raise ValueError(f"dpo.reference={self.reference!r}: choose one of "
+                             f"{', '.join(DPO_REFERENCES)}")
+        if self.reference == "cached" and self.loss in ("simpo", "kto"):
+            raise ValueError(
+                "dpo.reference=cached applies to dpo and ipo: simpo has no reference" if
+                self.loss == "simpo" else "dpo.reference=cached: kto's KL estimate scores "
+                "pairings made in each step's batch, so its reference must be live")
 
     @property
     def temperature(self) -> float:
@@ -231,8 +247,12 @@ class DPOSettings:
 
     def fingerprint(self) -> dict:
         """What a resume must find unchanged: every field this loss reads (KTO's weights only
-        for kto, so runs of the other losses resume across their introduction)."""
+        for kto, and `reference` only when cached, so earlier runs resume across their
+        introduction). Cached and live reference logprobs differ in rounding (other batch
+        widths), so a resume keeps the choice."""
         fields = dataclasses.asdict(self)
+        if self.reference == "live":
+            del fields["reference"]
         return {k: v for k, v in fields.items() if self.loss == "kto" or k not in KTO_FIELDS}
 
 
@@ -261,10 +281,6 @@ class DPOConfig(StageConfig):
         if self.model.checkpoint is None:
             raise ValueError("dpo: model.checkpoint is required (preference optimization starts "
                              "from a trained model, usually the SFT stage's output)")
-        if self.parallel.expert_parallel > 1:
-            raise ValueError("dpo: parallel.expert_parallel must be 1 (no test has run DPO on "
-                             "a mixture-of-experts model yet); use tensor, pipeline, context "
-                             "or data parallelism")
 
 
 def _check_data(data: DataConfig, train: LoopConfig, kind: str) -> None:

@@ -4,10 +4,11 @@ KTO on unpaired prompt + completion + label rows.
 Pairs are laid out as the reward model's (data/pairs.py: chosen on even rows, rejected on odd
 ones, so every micro-batch and DP share holds whole pairs). A row's logprob is the sum of
 log p(token) over its response tokens, from the vocabulary-parallel logprobs of the labels.
-The reference's row logprobs are computed on the same micro-batches just before each step
-(and each evaluation) and ride in the micro-batch as `ref_logp`; SimPO has none. The
-reference is a frozen copy of the starting model, or with LoRA the trained model itself with
-its adapters off.
+The reference's row logprobs ride in the micro-batch as `ref_logp`: computed on the same
+micro-batches just before each step and evaluation (`dpo.reference: live`), or once for the
+whole dataset before the first step and carried by the examples (`cached`); SimPO has none.
+The reference is a frozen copy of the starting model, or with LoRA the trained model itself
+with its adapters off.
 
 Per pair, with p the policy's and r the reference's row logprobs, n the response lengths,
 b = beta, e = label_smoothing:
@@ -36,18 +37,25 @@ averaged over rows.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
+import gc
 import os
+import time
+import weakref
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
+from megarlhf.data.dataset import Examples
 from megarlhf.data.encode import Example
 from megarlhf.data.packing import pack
 from megarlhf.data.pairs import (packed_pair_batch, pair_inputs, pair_length, pair_sequences,
                                  row_sequences)
 from megarlhf.engine.losses import token_logprobs
-from megarlhf.engine.schedule import Batch, Loss, pad_to_multiple
+from megarlhf.engine.schedule import (Batch, Loss, pad_to_multiple, rank_microbatches,
+                                      rank_rows)
 from megarlhf.engine.train import TrainEngine
 from megarlhf.models.config import ModelConfig
 from megarlhf.models.lora import adapters_off
@@ -197,21 +205,22 @@ def _row_closure(batch: Batch, logp_BT: torch.Tensor):
     return logp.sum() * 0, torch.zeros((), dtype=torch.int), out
 
 
-def reference(cfg: DPOConfig, mesh: Mesh, model: ModelConfig, engine: TrainEngine):
-    """The annotator (loop.Stage.annotator): puts the reference's row logprobs into each
-    micro-batch as `ref_logp`, and for KTO the KL estimate as `kl`. The reference is a frozen
-    engine loading the starting weights (built here, after the trained engine, so a resumed
-    run's reference is still the starting model, not the resumed weights), or with LoRA the
-    trained engine with its adapters off."""
+def _reference(cfg: DPOConfig, mesh: Mesh, model: ModelConfig, engine: TrainEngine):
+    """The reference engine and the context it scores under: a frozen engine loading the
+    starting weights (built after the trained engine, so a resumed run's reference is still
+    the starting model, not the resumed weights), or with LoRA the trained engine with its
+    adapters off."""
     if cfg.model.lora is not None:
-        ref = engine
+        return engine, lambda: adapters_off(engine.chunks)
+    ref = new_engine(cfg.model, model, cfg.parallel, mesh, None, value_head=False)
+    init_weights(cfg.model, ref)
+    return ref, contextlib.nullcontext
 
-        def as_reference():
-            return adapters_off(engine.chunks)
-    else:
-        ref = new_engine(cfg.model, model, cfg.parallel, mesh, None, value_head=False)
-        init_weights(cfg.model, ref)
-        as_reference = contextlib.nullcontext
+
+def reference(cfg: DPOConfig, mesh: Mesh, model: ModelConfig, engine: TrainEngine):
+    """The annotator (loop.Stage.annotator) of `dpo.reference: live`: puts the reference's
+    row logprobs into each micro-batch as `ref_logp`, and for KTO the KL estimate as `kl`."""
+    ref, as_reference = _reference(cfg, mesh, model, engine)
     loss = Loss(closure=_row_closure, per_position=_logprobs(mesh, model))
 
     def kl_estimate(microbatches: list[Batch]) -> float:
@@ -240,6 +249,60 @@ def reference(cfg: DPOConfig, mesh: Mesh, model: ModelConfig, engine: TrainEngin
     return annotate
 
 
+def cache_reference(cfg: DPOConfig, pad_id: int, mesh: Mesh, model: ModelConfig,
+                    engine: TrainEngine, examples: Examples) -> tuple[Examples, dict]:
+    """The prepare hook (loop.Stage.prepare) of `dpo.reference: cached`: every training and
+    evaluation pair with its two reference logprobs (`Example.ref_logps`), scored in global
+    batches of train.global_batch_size pairs, one pair per two rows, each DP rank scoring its
+    share and the shares summed over the DP group (each position is one rank's value plus
+    zeros, so exact); then the frozen reference is dropped."""
+    t0 = time.perf_counter()
+    ref, as_reference = _reference(cfg, mesh, model, engine)
+    frozen_bytes = 0 if ref is engine else sum(
+        p.numel() * p.element_size() for chunk in ref.chunks for p in chunk.parameters())
+    loss = Loss(closure=_row_closure, per_position=_logprobs(mesh, model))
+    size = cfg.train.global_batch_size
+    num_microbatches = cfg.train.num_microbatches(mesh.dp_size)
+
+    def scored(ref: TrainEngine, pairs: list[Example]) -> list[Example]:
+        out = []
+        for start in range(0, len(pairs), size):
+            chunk = pairs[start:start + size]
+            batch = pad_to_multiple(dpo_batch(chunk + [chunk[-1]] * (size - len(chunk)), pad_id),
+                                    cfg.parallel.sequence_multiple)
+            with as_reference():
+                logps = ref.forward(rank_microbatches(batch, mesh, num_microbatches), loss)
+            rows = rank_rows(2 * size, mesh.dp_size, mesh.dp_rank, num_microbatches)
+            total = torch.zeros(2 * size, device=logps[0]["row_logp"].device)
+            for r, o in zip(rows, logps):
+                total[r.start:r.stop] = o["row_logp"]
+            dist.all_reduce(total, group=mesh.dp_group)
+            values = total.tolist()
+            out += [dataclasses.replace(ex, ref_logps=(values[2 * i], values[2 * i + 1]))
+                    for i, ex in enumerate(chunk)]
+        return out
+
+    cached = dataclasses.replace(examples, train=scored(ref, examples.train),
+                                 eval=scored(ref, examples.eval))
+    # The frozen engine's weights go now (the trained engine's stay: LoRA's base); counted as
+    # freed only once the engine is really collected (nothing else holds it).
+    collected = None if ref is engine else weakref.ref(ref.chunks[0])
+    del ref
+    gc.collect()
+    if collected is not None and collected() is not None:
+        frozen_bytes = 0
+    seconds = round(time.perf_counter() - t0, 2)
+    pairs = len(cached.train) + len(cached.eval)
+    freed = (f"its weights ({frozen_bytes / 2**20:.1f} MiB on this rank) freed for training"
+             if frozen_bytes else "no weights freed (with LoRA the reference is the trained "
+             "model's base)" if collected is None else "its weights are still referenced")
+    return cached, {
+        "reference": "cached", "pairs": pairs, "seconds": seconds,
+        "cache_bytes": 2 * pairs * 4, "reference_bytes_freed": frozen_bytes,
+        "summary": f"reference logprobs of {pairs} pairs cached in {seconds} s "
+                   f"({2 * pairs * 4 / 2**10:.1f} KiB as fp32); {freed}"}
+
+
 def dpo_stage(cfg: DPOConfig, pad_id: int) -> loop.Stage:
     settings = cfg.dpo
     if settings.loss == "kto":
@@ -264,7 +327,10 @@ def dpo_stage(cfg: DPOConfig, pad_id: int) -> loop.Stage:
         # Stream items are rows when packing (pairs otherwise); earlier runs had no field.
         fingerprint={"dpo": settings.fingerprint(), **({"pack": True} if cfg.pack else {}),
                      "reference": os.path.abspath(cfg.model.checkpoint)},
-        annotator=functools.partial(reference, cfg) if settings.needs_reference else None)
+        annotator=(functools.partial(reference, cfg)
+                   if settings.needs_reference and settings.reference == "live" else None),
+        prepare=(functools.partial(cache_reference, cfg, pad_id)
+                 if settings.reference == "cached" else None))
 
 
 def run_dpo(cfg: DPOConfig) -> dict:

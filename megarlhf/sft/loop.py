@@ -63,6 +63,12 @@ class Stage:
     """Built on every rank from the trained engine once it holds its starting (or resumed)
     weights: a function that adds values to a step's (or an evaluation's) micro-batches
     before they run (DPO's reference logprobs, KTO's KL estimate)."""
+    prepare: Callable[[Mesh, ModelConfig, TrainEngine, Examples],
+                      tuple[Examples, dict]] | None = None
+    """Called on every rank once the trained engine holds its starting (or resumed) weights:
+    the examples with values computed once for the whole run (DPO's cached reference
+    logprobs), and a record of what it did (logged as a "prepare" event, its `summary`
+    printed)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,8 +162,13 @@ def _train(cfg: StageConfig, p: Plan, mesh: Mesh, log: MetricsLog) -> dict:
 
     loss_fn = stage.loss_fn(mesh, p.model)
     annotate = stage.annotator(mesh, p.model, engine) if stage.annotator else None
-    stream = EpochStream(p.examples.train, seed=cfg.data.seed, arrange=stage.arrange)
-    eval_batches = _eval_batches(p.examples.eval, stage, train.global_batch_size,
+    examples = p.examples
+    if stage.prepare:
+        examples, record = stage.prepare(mesh, p.model, engine, examples)
+        log.write({"event": "prepare", **record}, echo=False)
+        log.note(record["summary"])
+    stream = EpochStream(examples.train, seed=cfg.data.seed, arrange=stage.arrange)
+    eval_batches = _eval_batches(examples.eval, stage, train.global_batch_size,
                                  cfg.parallel.sequence_multiple)
     history, final = [], p.resume_from
     profiler = PhaseProfiler(train.output_dir, f"rank{mesh.rank}")
