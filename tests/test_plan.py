@@ -595,7 +595,6 @@ def test_a_dpo_recipe_loads_and_its_data_command_makes_right_and_wrong_answers(
 
     monkeypatch.chdir(tmp_path)
     config = load_config(DPOConfig, os.path.join(RECIPES, name), [])
-    os.makedirs(os.path.dirname(config.data.train.path))
     _run_script(_data_command(name))
     with open(config.data.train.path) as f, open(config.data.eval.path) as g:
         train, val = [json.loads(x) for x in f], [json.loads(x) for x in g]
@@ -617,7 +616,6 @@ def test_a_cpu_recipe_loads_and_its_data_command_makes_its_prompts(tmp_path, mon
 
     monkeypatch.chdir(tmp_path)
     config = load_config(PPOConfig, os.path.join(RECIPES, name), [])
-    os.makedirs(os.path.dirname(config.prompts))
     _run_script(_data_command(name))
     with open(config.prompts) as f, open(config.val_prompts) as g:
         train, val = [json.loads(x) for x in f], [json.loads(x) for x in g]

@@ -301,9 +301,20 @@ def test_worker_messages_carry_tensors_exactly():
 
 
 def test_a_phase_deadline_follows_its_recent_durations_and_timeouts_are_named():
-    from megarlhf.ppo.groups import collective_timeout
-    from megarlhf.ppo.placement import phase_deadline
+    import pickle
 
+    from megarlhf.data.sequences import SequenceBatch
+    from megarlhf.ppo.groups import WorkerLost, collective_timeout
+    from megarlhf.ppo.placement import call_size, phase_deadline
+    from megarlhf.rollout.engine import SamplingParams
+
+    # Calls of another size keep durations of their own: a validation rollout is not timed
+    # by the training rollouts' history.
+    batch = SequenceBatch(tokens=torch.zeros(6, 3, dtype=torch.long),
+                          attention_mask=torch.ones(6, 3),
+                          response_mask=torch.tensor([[0, 1, 1]] * 6))
+    assert call_size(([[1], [2]], SamplingParams(max_new_tokens=8, n=4), None)) == (2, (4, 8))
+    assert call_size((batch, {"roles"}, "dir")) == (6,)
     assert phase_deadline([], 5.0, 300.0) is None  # the first run: the backend's own limit
     assert phase_deadline([2.0, 90.0, 40.0], 5.0, 300.0) == 450.0  # 5 x the longest
     assert phase_deadline([2.0, 3.0], 5.0, 300.0) == 300.0  # never below the floor
@@ -323,6 +334,9 @@ def test_a_phase_deadline_follows_its_recent_durations_and_timeouts_are_named():
     assert collective_timeout(nccl)
     assert not collective_timeout(RuntimeError("CUDA out of memory"))
     assert not collective_timeout(ValueError("timed out"))  # bad input, not a collective
+    assert collective_timeout(RuntimeError("wait timeout after 600000ms, keys: /default_pg"))
+    lost = pickle.loads(pickle.dumps(WorkerLost("message", "cause", "train: hang")))
+    assert (str(lost), lost.cause, lost.kind) == ("message", "cause", "train: hang")
 
 
 def _prompt_ids(path) -> list[list[int]]:

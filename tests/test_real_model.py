@@ -25,6 +25,9 @@ path, with the commands docs/guides/own-model.md ("Bring your own model") gives.
 5. The tool-calling recipe (a calculator, hermes calls, SmolLM2's template without tool
    support) for a step with the Megatron engine: calls parsed and run, results equal to the
    expressions' values, tool messages masked.
+6. DPO on conversational preference rows (chosen / rejected as message lists) at PP2: at step
+   1 the loss is ln 2 and the logged chosen and rejected logprobs equal HF transformers'
+   logprobs of the responses as the chat template renders them.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from __future__ import annotations
 import glob
 import importlib.util
 import json
+import math
 import os
 import re
 import subprocess
@@ -384,3 +388,51 @@ def test_the_quickstart_reaches_a_grpo_step(hf_dir, tmp_path):
     for row in rows:  # the page's reward, recomputed here: the answer within the response
         assert row["reward"] == float(row["ground_truth"].lower() in row["response"].lower())
     assert checkpoints.of_run(run_dir).latest().endswith("step_1")
+
+
+def _hf_response_logprob(model, tokenizer, conversation: list[dict]) -> float:
+    """log p(the assistant's turn | the rest) under HF transformers: the turn's tokens are
+    what the chat template adds after the prompt with its generation prompt."""
+    prompt = tokenizer.apply_chat_template(conversation[:-1], add_generation_prompt=True,
+                                           tokenize=True, return_dict=False)
+    full = tokenizer.apply_chat_template(conversation, tokenize=True, return_dict=False)
+    assert full[:len(prompt)] == prompt
+    ids = torch.tensor([full])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(ids).logits[0, :-1].double(), dim=-1)
+    picked = logp.gather(1, ids[0, 1:, None])[:, 0]
+    return float(picked[len(prompt) - 1:].sum())
+
+
+def test_dpo_on_conversational_pairs_scores_responses_as_hf(hf_dir, actor, work):
+    import transformers
+
+    from megarlhf.data.config import DataConfig, DatasetSource
+    from megarlhf.parallel.mesh import ParallelConfig
+    from megarlhf.sft.config import DPOConfig, DPOSettings, LoopConfig, ModelSource
+    from megarlhf.sft.dpo import run_dpo
+
+    wrong = {"France": "Lyon", "Italy": "Milan"}
+    rows = [{side: [{"role": "user", "content": real_tasks.question(country)},
+                    {"role": "assistant", "content": f"The capital is {city}."}]
+             for side, city in (("chosen", real_tasks.TRAIN[country]), ("rejected", bad))}
+            for country, bad in wrong.items()]
+    pairs = str(work / "pairs.jsonl")
+    with open(pairs, "w") as f:
+        f.writelines(json.dumps(row) + "\n" for row in rows)
+    config = DPOConfig(model=ModelSource(checkpoint=actor),
+                       data=DataConfig(train=DatasetSource(path=pairs), max_length=96),
+                       train=LoopConfig(output_dir=str(work / "dpo"), steps=1,
+                                        global_batch_size=2),
+                       parallel=ParallelConfig(pipeline_parallel=2), dpo=DPOSettings())
+    (step,) = launch_local(run_dpo, 2, config)[0]["history"]
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(hf_dir)
+    for side in ("chosen", "rejected"):
+        hf = sum(_hf_response_logprob(model, tokenizer, row[side]) for row in rows) / len(rows)
+        # Summed over ~10 tokens, each within 1e-4 of HF's (the tier's trainer-engine gap
+        # bound at fp32 over 30 layers): 1e-3.
+        assert step[f"{side}_logp"] == pytest.approx(hf, abs=1e-3), side
+    # The policy is its reference at step 1, both read from the TP3 x PP2 checkpoint at PP2.
+    assert step["loss"] == pytest.approx(math.log(2), rel=1e-6)
+    assert step["chosen_logp"] > step["rejected_logp"]  # the right capital is likelier

@@ -10,6 +10,7 @@ The learnable preference: a chosen response describes the topic with warm words
 from __future__ import annotations
 
 import json
+import os
 import random
 
 from megarlhf.data.embedded import TEXT
@@ -128,6 +129,8 @@ def arithmetic_pairs(rows: list[dict], *, seed: int) -> list[dict]:
 
 
 def write_jsonl(records: list[dict], path: str) -> str:
+    """`records` as JSON lines at `path` (its directory made if missing)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         for rec in records:
             f.write(json.dumps(rec) + "\n")

@@ -531,15 +531,19 @@ class PPOConfig:
     restart_backoff: float = 5.0
     """Seconds to wait before a restart."""
     collective_timeout_s: float = 600.0
-    """torch.distributed's timeout for every process group of the worker ranks (NCCL or
-    gloo): a rank waiting this long in a collective for a peer that never comes (hung, or
-    stopped) fails, and with local worker groups the run restarts (max_restarts)."""
+    """torch.distributed's timeout for the worker ranks' Megatron process groups and the
+    weight channel (vLLM's own groups keep torch's defaults): how long a rank waits in a
+    collective for a peer that never comes (hung, or stopped). Over gloo (CPU) the waiting
+    rank then fails and, with local worker groups, the run restarts (max_restarts). NCCL's
+    watchdog aborts the waiting rank instead, which stops the run: on GPUs keep this above
+    the phase deadlines (phase_timeout_factor), which restart it."""
     phase_timeout_factor: float = 5.0
     """The controller's deadline for a phase (a call on the worker groups: rollout,
-    experience, train, sync, save...) is this factor times the longest of its last 5
-    durations, at least phase_timeout_min_s; a phase with no duration yet has 30 minutes.
-    Past it the ranks that did not answer are named and, with local worker groups, the run
-    restarts; with Ray it stops."""
+    experience, train, sync, save...) is this factor times the longest of the last 5
+    durations of calls of the same method, roles and batch size, at least
+    phase_timeout_min_s; a call of a size not seen yet has 30 minutes (local worker groups;
+    under Ray no limit). Past it the ranks that did not answer are named and, with local
+    worker groups, the run restarts; with Ray it stops."""
     phase_timeout_min_s: float = 300.0
     """The shortest phase deadline (see phase_timeout_factor)."""
     resume_allow_changes: tuple[str, ...] = ()

@@ -90,7 +90,7 @@ def _restart_point(config: PPOConfig, fault: WorkerLost, restarts: list[dict],
         reason = "no checkpoint to restart from yet (save_every sets how often one is saved)"
     elif done >= config.max_restarts:
         reason = f"max_restarts={config.max_restarts} reached"
-    elif restarts and (restarts[-1]["cause"], restarts[-1]["failed_step"]) == (cause, failed):
+    elif restarts and (restarts[-1]["kind"], restarts[-1]["failed_step"]) == (fault.kind, failed):
         reason = "the same fault in the same step again, so it comes from the run itself"
     else:
         reason = None
@@ -100,7 +100,8 @@ def _restart_point(config: PPOConfig, fault: WorkerLost, restarts: list[dict],
     step, path = saved[-1]
     history[:] = [m for m in history if m["step"] <= step]
     return {"event": "restart", "restart": done + 1, "cause": cause, "failed_step": failed,
-            "resumed_from": path, "resumed_step": step, "fault_time": time.time()}
+            "resumed_from": path, "resumed_step": step, "fault_time": time.time(),
+            "kind": fault.kind}
 
 
 def _run_claimed(config: PPOConfig, history: list[dict], restarts: list[dict]) -> None:
@@ -177,7 +178,7 @@ def _train(config: PPOConfig, data: RunInputs, history: list[dict],
 
 def _log_restart(log: MetricsLog, restart: dict) -> None:
     """The restart event, once its run's log is open (seconds: from the fault to now)."""
-    event = {k: v for k, v in restart.items() if k != "fault_time"}
+    event = {k: v for k, v in restart.items() if k not in ("fault_time", "kind")}
     event["seconds"] = round(time.time() - restart["fault_time"], 3)
     log.write(event, echo=False)
     log.note(f"restart {event['restart']} after: {event['cause']} (in step "

@@ -36,14 +36,21 @@ class WorkerError(RuntimeError):
 class WorkerLost(WorkerError):
     """A rank was stopped from outside (killed, OOM-killed) or stopped answering (a hang):
     nothing its code did, so the run may go on from its last checkpoint (controller,
-    max_restarts). `cause`: the one line naming it."""
+    max_restarts). `cause`: the one line naming it; `kind`: what makes two faults the same
+    one (the cause, or for a hang the call that hung, however it was caught)."""
 
-    def __init__(self, message: str, cause: str):
+    def __init__(self, message: str, cause: str, kind: str | None = None):
         super().__init__(message)
-        self.cause = cause
+        self.cause, self.kind = cause, kind or cause
 
     def __reduce__(self):
-        return type(self), (str(self), self.cause)
+        return type(self), (str(self), self.cause, self.kind)
+
+
+def hang(what: str) -> str:
+    """The kind of a hang in call `what`: a peer's collective timing out and the phase
+    passing its deadline are the same fault."""
+    return f"{what}: hang"
 
 
 LOST_EXIT_CODES = (-signal.SIGKILL, -signal.SIGTERM)
@@ -67,13 +74,14 @@ def _failure() -> tuple[str, str | None, bool]:
     return traceback.format_exc(), describe(e) if expected else None, collective_timeout(e)
 
 
-_TIMED_OUT = re.compile(r"timed out|timing out", re.IGNORECASE)
+_TIMED_OUT = re.compile(r"timed out|timing out|wait timeout|socket timeout", re.IGNORECASE)
 
 
 def collective_timeout(e: BaseException | None) -> bool:
     """Whether `e`, or an exception it was raised from, is torch.distributed giving up on a
     peer: gloo's "Timed out waiting <ms> for recv operation", NCCL's "... ran for <ms>
-    milliseconds before timing out" (a DistBackendError), a store that timed out. The rank
+    milliseconds before timing out" (a DistBackendError, where NCCL raises rather than
+    aborting the rank), a store's "wait timeout after <ms>" or "Socket Timeout". The rank
     itself did nothing wrong: a peer hung or stopped (config.collective_timeout_s)."""
     seen = set()
     while e is not None and id(e) not in seen:
@@ -170,7 +178,8 @@ class LocalCall:
                     if timed_out:  # a peer hung or stopped: nothing this rank did
                         cause = (f"{self.what}: a collective of {self.group.name} "
                                  f"timed out (a rank stopped answering)")
-                        raise WorkerLost(f"{cause}; rank {rank}:\n{trace}", cause)
+                        raise WorkerLost(f"{cause}; rank {rank}:\n{trace}", cause,
+                                         hang(self.what))
                     if message is not None:
                         error = WorkerInputError(f"{self.what} on {self.group.name} rank "
                                                  f"{rank}: {message}")
@@ -304,7 +313,7 @@ class LocalBackend:
         while any(call.pending for call in calls):
             waitables = [w for call in calls for w in call.waitables()]
             if not mp.connection.wait(waitables, timeout=max(0.0, deadline - time.monotonic())):
-                raise WorkerLost(*_late(calls, timeout_s))
+                raise WorkerLost(*_late(calls, timeout_s), hang(calls[0].what))
             for call in calls:
                 call.collect()
         return [call.results for call in calls]

@@ -179,6 +179,7 @@ class Placement:
         `for_actor`: a last argument the actor's group gets and the others get as None (they
         would only receive and drop it: an expert routing is gigabytes at scale)."""
         chosen = [i for i, spec in enumerate(self.specs) if spec.roles & roles]
+        phase = (method.__name__, frozenset(roles), call_size(args))
         with contextlib.ExitStack() as held:
             for i in chosen:
                 held.enter_context(self._locks[i])
@@ -188,7 +189,7 @@ class Placement:
             except (WorkerError, KeyboardInterrupt):  # stop the others now, as _wait does
                 self._failed = True
                 raise
-            per_call = self._wait(calls)
+            per_call = self._wait(calls, phase)
         return ([ranks[0][0] for ranks in per_call],
                 max(seconds for ranks in per_call for _, seconds in ranks))
 
@@ -197,22 +198,39 @@ class Placement:
             return ()
         return (for_actor if "actor" in self.specs[group].roles else None,)
 
-    def _wait(self, calls: list) -> list[list[tuple]]:
-        what = calls[0].what
+    def _wait(self, calls: list, phase: tuple | None = None) -> list[list[tuple]]:
+        """The calls' answers, within the deadline of `phase` (see call_size) from its recent
+        durations; None (start-up): the backend's own limit."""
         start = time.monotonic()
+        recent = self._durations.setdefault(phase, []) if phase else []
         try:
             out = self._backend.wait_all(calls, phase_deadline(
-                self._durations.get(what, []), self.config.phase_timeout_factor,
-                self.config.phase_timeout_min_s))
+                recent, self.config.phase_timeout_factor, self.config.phase_timeout_min_s))
         except (WorkerError, KeyboardInterrupt):  # Ctrl-C: stop now, not after the phase
             self._failed = True
             raise
-        recent = self._durations.setdefault(what, [])
         recent[:] = [*recent[-(RECENT_PHASES - 1):], time.monotonic() - start]
         return out
 
 
 RECENT_PHASES = 5
+
+
+def call_size(args: tuple) -> tuple:
+    """What sizes a call's work: the rows of its batch and list arguments, a rollout's
+    samples per prompt and token limit. A phase's deadline comes from the durations of calls
+    of its own method, roles and size only, so a validation rollout over many prompts, a
+    multi-turn episode's short later turns and the reward-only scoring of a round each keep
+    their own (a size not seen yet gets the backend's limit)."""
+    size = []
+    for arg in args:
+        if isinstance(arg, (list, tuple)):
+            size.append(len(arg))
+        elif isinstance(arg, SequenceBatch):
+            size.append(arg.tokens.shape[0])
+        elif isinstance(arg, SamplingParams):
+            size.append((arg.n, arg.max_new_tokens))
+    return tuple(size)
 
 
 def phase_deadline(recent: list[float], factor: float, floor_s: float) -> float | None:
