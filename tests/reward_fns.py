@@ -4,6 +4,7 @@ reward worker processes (which import them by module:function)."""
 from __future__ import annotations
 
 import os
+import signal
 import time
 
 
@@ -70,3 +71,16 @@ def conversation_reward(responses, conversation):
     `conversation` column an episode gives a reward function)."""
     return [len(r) / 10 + sum(m["role"] == "tool" for m in c)
             for r, c in zip(responses, conversation)]
+
+
+def killed_once(responses, **_):
+    """Killed by SIGKILL (as the out-of-memory killer kills) the first time: the first
+    response names a marker file it creates then; scores 1 once the file exists."""
+    if not os.path.exists(responses[0]):
+        open(responses[0], "w").close()
+        os.kill(os.getpid(), signal.SIGKILL)
+    return [1.0] * len(responses)
+
+
+def always_killed(responses, **_):
+    os.kill(os.getpid(), signal.SIGKILL)

@@ -434,7 +434,8 @@ def test_reward_fn_values_of_any_real_type_are_taken():
     finally:
         reward.close()
     assert scores.tolist() == [0.0, 1.0, 2.0, math.inf]  # int, float, 0-d tensor, inf (skip)
-    assert scores.dtype == torch.float32 and metrics == {"reward/timeouts": 0.0}
+    assert scores.dtype == torch.float32
+    assert metrics == {"reward/timeouts": 0.0, "reward/worker_restarts": 0.0}
 
 
 # -------------------------------------------------------------- what a killed run leaves

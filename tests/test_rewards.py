@@ -138,6 +138,18 @@ def test_a_hung_call_scores_zero_is_counted_and_the_next_call_runs(make_reward):
         reward.score(3, _samples(["hang", "hang"]))
 
 
+def test_a_worker_killed_from_outside_gets_its_call_again(make_reward, tmp_path):
+    reward = make_reward("tests.reward_fns:killed_once", workers=1)
+    marker = str(tmp_path / "killed")
+    scores, metrics = reward.score(1, _samples([marker, marker]))
+    assert scores.tolist() == [1.0, 1.0] and metrics["reward/worker_restarts"] == 1.0
+    # Killed on every try: the call, not the machine, is the problem.
+    reward = make_reward("tests.reward_fns:always_killed", workers=1)
+    with pytest.raises(RewardFnError, match=r"its worker process died \(exit code -9\), "
+                                            r"killed 3 times on this call"):
+        reward.score(2, _samples(["a", "b"]))
+
+
 @pytest.mark.parametrize("spec,names", [
     ("tests.reward_fns:dying_reward", "its worker process died (exit code 3)"),
     ("tests.reward_fns:short_reward", "returned 1 values for 2 samples"),

@@ -120,8 +120,8 @@ class RoleLayout(LayoutOverride):
 REWARD_KINDS = ("math", "exact_match", "fn", "url", "reward_model")
 """A reward term's kinds: a built-in checker by name, a function, the reward service, the
 reward model."""
-RESERVED_REWARD_NAMES = ("mean", "std", "timeouts", "overlong_penalty", "url_failed_samples",
-                         "url_retries", "url_seconds")
+RESERVED_REWARD_NAMES = ("mean", "std", "timeouts", "worker_restarts", "overlong_penalty",
+                         "url_failed_samples", "url_retries", "url_seconds")
 """reward/<name> metrics the run logs itself: no term may take their names."""
 
 

@@ -7,7 +7,9 @@ nan_policy=skip), in sample order; an exception or a value that is not a score s
 with one line naming the function, the step and the sample; a call past `reward_timeout` scores
 its samples 0 and is counted (reward/timeouts), and a step where more than
 `reward_max_timeout_fraction` of the samples timed out stops the run, since its rewards would
-say more about the checker than about the policy.
+say more about the checker than about the policy. A call whose worker is killed from outside
+(the out-of-memory killer) runs again in a fresh worker, counted (reward/worker_restarts);
+killed again and again on the same call, it stops the run.
 """
 
 from __future__ import annotations
@@ -72,6 +74,7 @@ class RewardFunction:
                                  calls.batch_kwargs(fn, [samples[i] for i in chunk])))
             else:
                 jobs += [(spec, [i], *calls.sample_args(style, samples[i])) for i in indices]
+        restarts = self.pool.restarts
         outcomes = self.pool.run([(spec, args, kwargs) for spec, _, args, kwargs in jobs])
         scores = [0.0] * len(samples)
         extras = collections.defaultdict(list)
@@ -95,7 +98,8 @@ class RewardFunction:
                 f"reward_fn timed out on {timed_out} of {len(samples)} samples at step {step} "
                 f"(more than reward_max_timeout_fraction={self.max_timeout_fraction}); fix the "
                 f"checker or raise reward_timeout={self.pool.timeout}")
-        metrics = {"reward/timeouts": float(timed_out)}
+        metrics = {"reward/timeouts": float(timed_out),
+                   "reward/worker_restarts": float(self.pool.restarts - restarts)}
         metrics.update({f"reward/{name}": sum(v) / len(v) for name, v in extras.items() if v})
         return torch.tensor(scores, dtype=torch.float32), metrics
 

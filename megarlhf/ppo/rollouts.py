@@ -268,7 +268,8 @@ def score_answers(config: PPOConfig, data: RunInputs, workers: Placement, answer
     return score, metrics
 
 
-_COUNTS = ("reward/timeouts", "reward/url_failed_samples", "reward/url_retries",
+_COUNTS = ("reward/timeouts", "reward/worker_restarts", "reward/url_failed_samples",
+           "reward/url_retries",
            "reward/url_seconds", "env/errors", "env/tool_errors", "env/observations_cut",
            "env/seconds")
 """Metrics of a round that are totals (the step's is their sum over rounds)."""

@@ -3,7 +3,10 @@
 User checkers hang (a regex backtracking forever, a sandbox that never answers, an infinite
 loop on a malformed answer). A call past its deadline has its worker killed (its whole process
 group, so a checker's own subprocesses go too) and is reported as timed out; the run goes on
-and a fresh worker takes the next call. Workers are spawned, not forked: the controller holds
+and a fresh worker takes the next call. A worker killed from outside (SIGKILL: the
+out-of-memory killer, an operator; SIGTERM) gets its call again in a fresh worker, up to
+WORKER_RETRIES times (counted: `restarts`); a worker that dies any other way, or keeps being
+killed on the same call, is an error. Workers are spawned, not forked: the controller holds
 threads (torch, Ray) that a fork would copy in an unknown state.
 """
 
@@ -28,12 +31,19 @@ class Outcome:
     """'ok': what the function returned; 'error': the one-line description."""
 
 
+WORKER_RETRIES = 2
+KILLED = (-signal.SIGKILL, -signal.SIGTERM)
+
+
 class CallPool:
     def __init__(self, workers: int, timeout: float):
         if workers < 1 or not timeout > 0:
             raise ValueError(f"a reward pool needs workers >= 1 and timeout > 0, got "
                              f"{workers}, {timeout}")
         self.timeout = timeout
+        self.restarts = 0
+        """Calls given again after their worker was killed from outside (since the pool
+        started)."""
         self._ctx = multiprocessing.get_context("spawn")
         self._workers: list[_Worker | None] = [None] * workers
 
@@ -42,6 +52,7 @@ class CallPool:
         pending = collections.deque(enumerate(calls))
         running: dict[int, tuple[int, float]] = {}  # worker slot -> (call, deadline)
         outcomes: list[Outcome | None] = [None] * len(calls)
+        killed = collections.Counter()  # call -> its workers killed from outside
         while pending or running:
             for slot in range(len(self._workers)):
                 if slot in running or not pending:
@@ -62,8 +73,15 @@ class CallPool:
                     process = self._workers[slot].process
                     process.join(timeout=5)
                     code = process.exitcode
-                    kind, value = "error", f"its worker process died (exit code {code})"
                     self._stop(slot)
+                    if code in KILLED and killed[index] < WORKER_RETRIES:
+                        killed[index] += 1
+                        self.restarts += 1
+                        pending.appendleft((index, calls[index]))  # again, in a fresh worker
+                        continue
+                    kind, value = "error", f"its worker process died (exit code {code})" + (
+                        f", killed {killed[index] + 1} times on this call" if code in KILLED
+                        else "")
                 outcomes[index] = Outcome(kind, value)
             now = time.monotonic()
             for slot, (index, deadline) in list(running.items()):
