@@ -520,14 +520,14 @@ class PPOConfig:
     keep_last: int = 2
     """Checkpoints kept in out_dir (older ones are removed once a newer one is complete)."""
     max_restarts: int = 2
-    """Local worker groups: when a rank dies (killed, OOM-killed) or hangs (a collective
-    timed out, see collective_timeout_s; or a phase passed its deadline, see
-    phase_timeout_factor), every group is torn down and started again from the latest
+    """When a rank dies (killed, OOM-killed; under Ray its actor died, also with its node) or
+    hangs (a collective timed out, see collective_timeout_s; or a phase passed its deadline,
+    see phase_timeout_factor), every group is torn down and started again from the latest
     checkpoint, up to this many times in a run; each restart is a "restart" event in
     metrics.jsonl. Without a checkpoint yet (see save_every), or once they are used up, the
     run stops naming the fault. An exception a rank raises (a bug, bad input) always stops
-    the run. Ray worker groups stop on any fault, as before (no test has restarted one
-    yet)."""
+    the run. Under Ray the new actors go wherever the cluster has room; with too little
+    (a node lost for good) the run stops after 10 minutes, for a requeue."""
     restart_backoff: float = 5.0
     """Seconds to wait before a restart."""
     collective_timeout_s: float = 600.0
@@ -542,8 +542,8 @@ class PPOConfig:
     experience, train, sync, save...) is this factor times the longest of the last 5
     durations of calls of the same method, roles and batch size, at least
     phase_timeout_min_s; a call of a size not seen yet has 30 minutes (local worker groups;
-    under Ray no limit). Past it the ranks that did not answer are named and, with local
-    worker groups, the run restarts; with Ray it stops."""
+    under Ray no limit). Past it the ranks that did not answer are named and the run
+    restarts (max_restarts)."""
     phase_timeout_min_s: float = 300.0
     """The shortest phase deadline (see phase_timeout_factor)."""
     resume_allow_changes: tuple[str, ...] = ()

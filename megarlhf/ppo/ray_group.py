@@ -15,7 +15,7 @@ import time
 
 from megarlhf import logs
 from megarlhf.errors import describe
-from megarlhf.ppo.groups import WorkerError, WorkerInputError, dumps
+from megarlhf.ppo.groups import WorkerError, WorkerInputError, WorkerLost, dumps, hang
 
 _INLINE_BYTES = 64 * 1024
 """Smaller call arguments travel inside each rank's task (a put costs more than a copy)."""
@@ -52,9 +52,24 @@ class _Rank:
         self.worker.shutdown()
 
 
+PLACEMENT_TIMEOUT_S = 600.0
+"""How long a group waits for the cluster to have room for its ranks (a restart after a node
+was lost may find too few)."""
+PEER_GRACE_S = 5.0
+"""After a rank fails, how long to look for a rank whose actor died: a killed actor's peers
+fail in their next collective (connection reset), often before Ray reports the death."""
+
+
 def _rank_failure(call: "RayCall", rank: int, e: Exception) -> WorkerError:
-    """A RayTaskError carries the rank's exception as `cause`: bad input (a corrupt file, a
-    full disk) becomes a one-line WorkerInputError, anything else keeps Ray's traceback."""
+    """A rank whose actor died (its process killed, OOM-killed, its node lost) is a lost
+    worker (the run restarts from its checkpoint); a RayTaskError carries the rank's
+    exception as `cause`: bad input (a corrupt file, a full disk) becomes a one-line
+    WorkerInputError, anything else keeps Ray's traceback."""
+    import ray
+
+    if isinstance(e, ray.exceptions.RayActorError):
+        lost = f"{call.what}: {call.group.name} rank {rank}'s Ray actor died"
+        return WorkerLost(f"{lost}:\n{e}", lost)
     cause = getattr(e, "cause", None)
     if isinstance(cause, (ValueError, OSError)) and not isinstance(cause, WorkerError):
         error = WorkerInputError(f"{call.what} on {call.group.name} rank {rank}: "
@@ -84,7 +99,14 @@ class RayWorkerGroup:
         # PACK fills a node's GPUs before the next node's, so consecutive ranks (a TP group)
         # share a node; Ray gives each actor its own CUDA_VISIBLE_DEVICES.
         self._pg = placement_group([bundle] * nproc, strategy="PACK")
-        ray.get(self._pg.ready())
+        try:
+            ray.get(self._pg.ready(), timeout=PLACEMENT_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError:
+            ray.util.remove_placement_group(self._pg)
+            raise WorkerError(
+                f"the Ray cluster has no room for {name}'s {nproc} ranks ({bundle} each) after "
+                f"{PLACEMENT_TIMEOUT_S:.0f} s (available: {ray.available_resources()}); a lost "
+                f"node? The run stops, so a requeued job can start again") from None
         threads = str(max(1, int(cpus_per_rank)))
         # A running cluster's workers do not inherit this process's environment: the library
         # log levels (megarlhf/logs.py) travel with the thread count.
@@ -155,26 +177,43 @@ class RayBackend:
                  timeout_s: float | None = None) -> list[list[tuple]]:
         """Per call and rank, (result (rank 0; None elsewhere), seconds in the method); a
         failed rank raises within a second, while the others may hang in a collective with
-        it. `timeout_s`: the phase's deadline (None: none); past it the run stops naming the
-        ranks that did not answer (Ray groups are not restarted: no test has run one)."""
+        it. `timeout_s`: the phase's deadline (None: none); past it the ranks that did not
+        answer are named (WorkerLost: a hang)."""
         ray = self._ray
         owner = {ref: (call, rank) for call in calls for rank, ref in enumerate(call.refs)}
         answers, pending = {}, list(owner)
         deadline = time.monotonic() + (timeout_s or math.inf)
         while pending:
             if time.monotonic() > deadline:
-                late = sorted(f"{owner[ref][0].group.name} rank {owner[ref][1]}"
-                              for ref in pending)
-                raise WorkerError(f"{calls[0].what}: {', '.join(late)} did not answer within "
-                                  f"{timeout_s:.0f} s")
+                late = ", ".join(sorted(f"{owner[ref][0].group.name} rank {owner[ref][1]}"
+                                        for ref in pending))
+                cause = f"{calls[0].what}: {late} did not answer"
+                raise WorkerLost(f"{cause} within {timeout_s:.0f} s", cause,
+                                 hang(calls[0].what))
             done, pending = ray.wait(pending, num_returns=len(pending), timeout=1.0)
             for ref in done:
                 try:
                     answers[ref] = pickle.loads(ray.get(ref))
                 except Exception as e:  # noqa: BLE001 - RayTaskError / RayActorError carry it
-                    call, rank = owner[ref]
-                    raise _rank_failure(call, rank, e) from None
+                    failure = _rank_failure(*owner[ref], e)
+                    if not isinstance(failure, WorkerLost):  # the dead rank's maybe in `done`
+                        others = [r for r in owner if r not in answers and r != ref]
+                        failure = self._dead_rank(owner, others) or failure
+                    raise failure from None
         return [[answers[ref] for ref in call.refs] for call in calls]
+
+    def _dead_rank(self, owner: dict, refs: list) -> WorkerLost | None:
+        """A rank among `refs` whose actor died, reported within PEER_GRACE_S."""
+        ray = self._ray
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=PEER_GRACE_S)
+        for ref in done:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError as e:
+                return _rank_failure(*owner[ref], e)
+            except Exception:  # noqa: BLE001 - another peer's failed collective
+                continue
+        return None
 
     def shutdown(self) -> None:
         if self._started_ray:
