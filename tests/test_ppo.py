@@ -305,7 +305,7 @@ def test_a_phase_deadline_follows_its_recent_durations_and_timeouts_are_named():
 
     from megarlhf.data.sequences import SequenceBatch
     from megarlhf.ppo.groups import WorkerLost, collective_timeout
-    from megarlhf.ppo.placement import call_size, phase_deadline
+    from megarlhf.ppo.placement import FIRST_CALL_S, call_size, phase_deadline
     from megarlhf.rollout.engine import SamplingParams
 
     # Calls of another size keep durations of their own: a validation rollout is not timed
@@ -315,7 +315,7 @@ def test_a_phase_deadline_follows_its_recent_durations_and_timeouts_are_named():
                           response_mask=torch.tensor([[0, 1, 1]] * 6))
     assert call_size(([[1], [2]], SamplingParams(max_new_tokens=8, n=4), None)) == (2, (4, 8))
     assert call_size((batch, {"roles"}, "dir")) == (6,)
-    assert phase_deadline([], 5.0, 300.0) is None  # the first run: the backend's own limit
+    assert phase_deadline([], 5.0, 300.0) == FIRST_CALL_S  # the first run: one-off work
     assert phase_deadline([2.0, 90.0, 40.0], 5.0, 300.0) == 450.0  # 5 x the longest
     assert phase_deadline([2.0, 3.0], 5.0, 300.0) == 300.0  # never below the floor
     # What torch.distributed raises when a peer never comes, seen through the exceptions
@@ -611,7 +611,8 @@ def test_lost_and_hung_ranks_restart_the_run_from_its_checkpoint_exactly(base, t
     the step-6 checkpoint. It finishes with the metrics and weights of a run that was never
     interrupted. The same resume runs when a whole job is killed and started again
     (tests/test_slurm.py's requeue)."""
-    short = dict(steps=8, save_every=3, tensor_parallel=2, nproc=2)
+    # Step 9 is left after the hang's step 8, so the hang lands before the run's end.
+    short = dict(steps=9, save_every=3, tensor_parallel=2, nproc=2)
     straight = dataclasses.replace(base, out_dir=str(tmp_path / "straight"), **short)
     run(straight)
 
@@ -635,14 +636,14 @@ def test_lost_and_hung_ranks_restart_the_run_from_its_checkpoint_exactly(base, t
     _rank_processes(psutil.Process(proc.pid), "local")[1].send_signal(signal.SIGKILL)
     # During the restart's back-off: what a kill during a save or a prune leaves, removed
     # when the run starts again.
-    leftovers = ["step_8.tmp", "step_1.deleting", ".step_3.megarlhf-old",
+    leftovers = ["step_9.tmp", "step_1.deleting", ".step_3.megarlhf-old",
                  "step_2"]  # step_2: no controller state
     for name in leftovers:
         os.makedirs(os.path.join(saved.root, name, "actor"))
     wait_for(7, 6)
     _rank_processes(psutil.Process(proc.pid), "local")[1].send_signal(signal.SIGSTOP)
     assert proc.wait(timeout=300) == 0, open(lost.out_dir + ".yaml.err").read()[-3000:]
-    assert sorted(os.listdir(saved.root)) == ["step_6", "step_8"]
+    assert sorted(os.listdir(saved.root)) == ["step_6", "step_9"]
     # A plain run prints only megarlhf's own lines: no library's logs or warnings.
     output = [open(lost.out_dir + ".yaml" + end).read() for end in (".out", ".err")]
     assert "ppo step 4 | " in output[0] and "restart 2 after: " in output[0]
@@ -655,7 +656,7 @@ def test_lost_and_hung_ranks_restart_the_run_from_its_checkpoint_exactly(base, t
     assert re.search(r"collective of colocated timed out|colocated ranks \[.*\] did not "
                      r"answer", events[1]["cause"]), events[1]
     ours, theirs = read_steps(lost.out_dir), read_steps(straight.out_dir)
-    assert [m["step"] for m in ours] == list(range(1, 9))  # the steps run twice, once
+    assert [m["step"] for m in ours] == list(range(1, 10))  # the steps run twice, once
     for mine, reference in zip(ours[3:], theirs[3:]):  # the steps after the first restart
         assert mine.pop("fault/restarts") == (1 if mine["step"] <= 6 else 2)
         assert _without_timings(mine) == _without_timings(reference)

@@ -109,7 +109,8 @@ def test_batched_function_in_the_pool_gets_the_batch_and_reports_metrics(make_re
     samples = _samples(["x", None, "y", "z"], ["a", "a", "b", None], {"level": 1})
     scores, metrics = reward.score(1, samples)
     assert scores.tolist() == [1.0, 0.0, 1.0, 1.0]  # split over 2 workers, back in order
-    assert metrics == {"reward/timeouts": 0.0, "reward/saw_level": 1.0, "reward/source_a": 0.5}
+    assert metrics == {"reward/timeouts": 0.0, "reward/worker_restarts": 0.0,
+                       "reward/saw_level": 1.0, "reward/source_a": 0.5}
 
 
 def test_data_source_routes_rows_to_their_function(make_reward):

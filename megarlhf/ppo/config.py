@@ -526,24 +526,27 @@ class PPOConfig:
     checkpoint, up to this many times in a run; each restart is a "restart" event in
     metrics.jsonl. Without a checkpoint yet (see save_every), or once they are used up, the
     run stops naming the fault. An exception a rank raises (a bug, bad input) always stops
-    the run. Under Ray the new actors go wherever the cluster has room; with too little
-    (a node lost for good) the run stops after 10 minutes, for a requeue."""
+    the run. Under Ray any death of a started actor counts as lost (Ray does not tell a
+    kill from a crash; a crash that comes back in the same step stops the run), and the new
+    actors go wherever the cluster has room; with too little for 10 minutes (a node lost
+    for good) the run stops: run it again once there is room, and it resumes."""
     restart_backoff: float = 5.0
     """Seconds to wait before a restart."""
     collective_timeout_s: float = 600.0
     """torch.distributed's timeout for the worker ranks' Megatron process groups and the
     weight channel (vLLM's own groups keep torch's defaults): how long a rank waits in a
     collective for a peer that never comes (hung, or stopped). Over gloo (CPU) the waiting
-    rank then fails and, with local worker groups, the run restarts (max_restarts). NCCL's
-    watchdog aborts the waiting rank instead, which stops the run: on GPUs keep this above
-    the phase deadlines (phase_timeout_factor), which restart it."""
+    rank then fails and the run restarts (max_restarts). NCCL's watchdog aborts the waiting
+    rank instead, which stops a run on local worker groups (an abort is the rank's own
+    doing there) and restarts one under Ray (its actor died): on GPUs with local groups keep
+    this above the phase deadlines (phase_timeout_factor), which restart it."""
     phase_timeout_factor: float = 5.0
     """The controller's deadline for a phase (a call on the worker groups: rollout,
     experience, train, sync, save...) is this factor times the longest of the last 5
     durations of calls of the same method, roles and batch size, at least
-    phase_timeout_min_s; a call of a size not seen yet has 30 minutes (local worker groups;
-    under Ray no limit). Past it the ranks that did not answer are named and the run
-    restarts (max_restarts)."""
+    phase_timeout_min_s; a call of a size not seen yet has 30 minutes (the start-up, which
+    loads every model, has 30 minutes with local worker groups and no limit under Ray).
+    Past it the ranks that did not answer are named and the run restarts (max_restarts)."""
     phase_timeout_min_s: float = 300.0
     """The shortest phase deadline (see phase_timeout_factor)."""
     resume_allow_changes: tuple[str, ...] = ()

@@ -135,7 +135,8 @@ def _train(config: PPOConfig, data: RunInputs, history: list[dict],
         if restarts:
             _log_restart(log, restarts[-1])
         log.write({"event": "data", **data.report}, echo=False)
-        workers, steps = Placement(config, data.checked.engine_size), None
+        workers, steps = Placement(config, data.checked.engine_size,
+                                   after_fault=bool(restarts)), None
         try:
             # After a resume the engine holds the checkpoint's weights (loading syncs them).
             steps = rollouts.Rollouts(config, data, workers, sampler, weight_version=start,
@@ -169,6 +170,7 @@ def _train(config: PPOConfig, data: RunInputs, history: list[dict],
             workers.shutdown()
             if steps is not None:
                 steps.close()  # the thread's call ends with the shutdown
+            workers.close()
     except WorkerLost as fault:
         fault.step = current
         raise

@@ -41,11 +41,11 @@ ROLLOUT, EXPERIENCE, TRAIN, SYNC = (frozenset({"rollout"}),
 _NOTHING = object()
 
 
-def _backend(config: PPOConfig, total_ranks: int):
+def _backend(config: PPOConfig, total_ranks: int, after_fault: bool):
     if config.worker_group == "ray":
         from megarlhf.ppo.ray_group import RayBackend
 
-        return RayBackend(total_ranks)
+        return RayBackend(total_ranks, after_fault=after_fault)
     from megarlhf.ppo.groups import LocalBackend
 
     return LocalBackend(total_ranks)
@@ -55,15 +55,17 @@ class Placement:
     """The controller's handle on every group of the job. Starting it starts every rank (all
     groups at once), connects the weight channel and loads the rollout engines' weights."""
 
-    def __init__(self, config: PPOConfig, engine_size: EngineSize | None = None):
-        """`engine_size`: the vLLM engines' (from `preflight`)."""
+    def __init__(self, config: PPOConfig, engine_size: EngineSize | None = None, *,
+                 after_fault: bool = False):
+        """`engine_size`: the vLLM engines' (from `preflight`); `after_fault`: started again
+        after a fault (Ray: a cluster without room for the groups stops the run)."""
         self.config = config
         self.specs = group_specs(config)
         self._all_roles = set().union(*(spec.roles for spec in self.specs))
         self._thread = threading.local()
         self._failed = False
         self._durations: dict[str, list[float]] = {}  # per method: its last wall times
-        self._backend = _backend(config, sum(s.nproc for s in self.specs))
+        self._backend = _backend(config, sum(s.nproc for s in self.specs), after_fault)
         self._groups = []
         # A group serves one call at a time. With async_rollout the next step's rollout (and
         # its reward-model scores) runs in a thread beside the training phases: a call takes
@@ -81,6 +83,7 @@ class Placement:
         except BaseException:
             self._failed = True
             self.shutdown()
+            self.close()
             raise
 
     # -- the loop's phases -------------------------------------------------------------------
@@ -161,13 +164,19 @@ class Placement:
 
     def shutdown(self) -> None:
         """Stop every rank, all groups at once; after a failure without waiting (the others
-        may be stuck in a collective with the failed rank and would never answer)."""
+        may be stuck in a collective with the failed rank and would never answer). The
+        backend stays up until `close` (a thread may still be reading a killed rank's
+        answer)."""
         deadline = time.monotonic() + (0 if self._failed else 30)
         for group in self._groups:
             group.stop()
         for group in self._groups:
             group.join(deadline)
         self._groups = []
+
+    def close(self) -> None:
+        """After `shutdown` and once no thread waits on a call: the backend's end (a Ray
+        started here is shut down)."""
         self._backend.shutdown()
 
     # -- plumbing ----------------------------------------------------------------------------
@@ -200,12 +209,13 @@ class Placement:
 
     def _wait(self, calls: list, phase: tuple | None = None) -> list[list[tuple]]:
         """The calls' answers, within the deadline of `phase` (see call_size) from its recent
-        durations; None (start-up): the backend's own limit."""
+        durations; None (the start-up, which loads every model): the backend's own limit."""
         start = time.monotonic()
         recent = self._durations.setdefault(phase, []) if phase else []
+        deadline = phase_deadline(recent, self.config.phase_timeout_factor,
+                                  self.config.phase_timeout_min_s) if phase else None
         try:
-            out = self._backend.wait_all(calls, phase_deadline(
-                recent, self.config.phase_timeout_factor, self.config.phase_timeout_min_s))
+            out = self._backend.wait_all(calls, deadline)
         except (WorkerError, KeyboardInterrupt):  # Ctrl-C: stop now, not after the phase
             self._failed = True
             raise
@@ -233,8 +243,12 @@ def call_size(args: tuple) -> tuple:
     return tuple(size)
 
 
-def phase_deadline(recent: list[float], factor: float, floor_s: float) -> float | None:
+FIRST_CALL_S = 1800.0
+"""The deadline of a phase's first call (of its kind and size), whose time includes one-off
+work (compiling, allocating, the first of a new shape)."""
+
+
+def phase_deadline(recent: list[float], factor: float, floor_s: float) -> float:
     """Seconds a phase may take given its last durations: `factor` x the longest of them, at
-    least `floor_s`; None (the backend's own limit) before its first run, whose time includes
-    one-off work (compiling, loading, allocating)."""
-    return max(factor * max(recent), floor_s) if recent else None
+    least `floor_s`; FIRST_CALL_S before its first run."""
+    return max(factor * max(recent), floor_s) if recent else FIRST_CALL_S

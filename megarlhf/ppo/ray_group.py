@@ -15,7 +15,8 @@ import time
 
 from megarlhf import logs
 from megarlhf.errors import describe
-from megarlhf.ppo.groups import WorkerError, WorkerInputError, WorkerLost, dumps, hang
+from megarlhf.ppo.groups import (WorkerError, WorkerInputError, WorkerLost, collective_timeout,
+                                 dumps, hang)
 
 _INLINE_BYTES = 64 * 1024
 """Smaller call arguments travel inside each rank's task (a put costs more than a copy)."""
@@ -53,9 +54,10 @@ class _Rank:
 
 
 PLACEMENT_TIMEOUT_S = 600.0
-"""How long a group waits for the cluster to have room for its ranks (a restart after a node
-was lost may find too few)."""
-PEER_GRACE_S = 5.0
+"""After a fault, how long a group waits for the cluster to have room for its ranks (a node
+lost for good leaves too little). A first start waits as long as it takes (an autoscaling
+cluster adding nodes)."""
+PEER_GRACE_S = 10.0
 """After a rank fails, how long to look for a rank whose actor died: a killed actor's peers
 fail in their next collective (connection reset), often before Ray reports the death."""
 
@@ -67,10 +69,15 @@ def _rank_failure(call: "RayCall", rank: int, e: Exception) -> WorkerError:
     WorkerInputError, anything else keeps Ray's traceback."""
     import ray
 
-    if isinstance(e, ray.exceptions.RayActorError):
+    if isinstance(e, ray.exceptions.RayActorError) and not getattr(e, "actor_init_failed",
+                                                                    False):
         lost = f"{call.what}: {call.group.name} rank {rank}'s Ray actor died"
         return WorkerLost(f"{lost}:\n{e}", lost)
     cause = getattr(e, "cause", None)
+    if collective_timeout(cause):  # a peer hung or stopped
+        hung = (f"{call.what}: a collective of {call.group.name} "
+                f"timed out (a rank stopped answering)")
+        return WorkerLost(f"{hung}; rank {rank}:\n{e}", hung, hang(call.what))
     if isinstance(cause, (ValueError, OSError)) and not isinstance(cause, WorkerError):
         error = WorkerInputError(f"{call.what} on {call.group.name} rank {rank}: "
                                  f"{describe(cause)}")
@@ -88,7 +95,8 @@ class RayCall:
 
 class RayWorkerGroup:
     def __init__(self, name: str, nproc: int, worker_args: tuple, *,
-                 cpus_per_rank: float = 1.0, gpus_per_rank: int = 0):
+                 cpus_per_rank: float = 1.0, gpus_per_rank: int = 0,
+                 placement_timeout_s: float | None = None):
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -100,13 +108,14 @@ class RayWorkerGroup:
         # share a node; Ray gives each actor its own CUDA_VISIBLE_DEVICES.
         self._pg = placement_group([bundle] * nproc, strategy="PACK")
         try:
-            ray.get(self._pg.ready(), timeout=PLACEMENT_TIMEOUT_S)
+            ray.get(self._pg.ready(), timeout=placement_timeout_s)
         except ray.exceptions.GetTimeoutError:
             ray.util.remove_placement_group(self._pg)
             raise WorkerError(
                 f"the Ray cluster has no room for {name}'s {nproc} ranks ({bundle} each) after "
-                f"{PLACEMENT_TIMEOUT_S:.0f} s (available: {ray.available_resources()}); a lost "
-                f"node? The run stops, so a requeued job can start again") from None
+                f"{placement_timeout_s:.0f} s (available: {ray.available_resources()}); a lost "
+                f"node? Run the job again once it has: it resumes from its last "
+                f"checkpoint") from None
         threads = str(max(1, int(cpus_per_rank)))
         # A running cluster's workers do not inherit this process's environment: the library
         # log levels (megarlhf/logs.py) travel with the thread count.
@@ -157,8 +166,12 @@ class RayBackend:
     """Starts Ray here unless a cluster is running; makes Ray worker groups and waits on
     their calls."""
 
-    def __init__(self, total_ranks: int):
+    def __init__(self, total_ranks: int, *, after_fault: bool = False):
+        """`after_fault`: the groups are started again after a fault (placing them waits
+        PLACEMENT_TIMEOUT_S at most)."""
         import ray
+
+        self._placement_timeout_s = PLACEMENT_TIMEOUT_S if after_fault else None
 
         self._ray = ray
         self._started_ray = not ray.is_initialized()
@@ -171,14 +184,15 @@ class RayBackend:
     def group(self, name: str, nproc: int, worker_args: tuple) -> RayWorkerGroup:
         # One GPU per rank wherever the cluster has GPUs; CPU-only clusters run on gloo.
         gpus = 1 if self._ray.cluster_resources().get("GPU", 0) > 0 else 0
-        return RayWorkerGroup(name, nproc, worker_args, gpus_per_rank=gpus)
+        return RayWorkerGroup(name, nproc, worker_args, gpus_per_rank=gpus,
+                              placement_timeout_s=self._placement_timeout_s)
 
     def wait_all(self, calls: list[RayCall],
                  timeout_s: float | None = None) -> list[list[tuple]]:
         """Per call and rank, (result (rank 0; None elsewhere), seconds in the method); a
         failed rank raises within a second, while the others may hang in a collective with
-        it. `timeout_s`: the phase's deadline (None: none); past it the ranks that did not
-        answer are named (WorkerLost: a hang)."""
+        it. `timeout_s`: the phase's deadline (None: none, for the start-up); past it the
+        ranks that did not answer are named (WorkerLost: a hang)."""
         ray = self._ray
         owner = {ref: (call, rank) for call in calls for rank, ref in enumerate(call.refs)}
         answers, pending = {}, list(owner)

@@ -58,8 +58,12 @@ class CallPool:
                 if slot in running or not pending:
                     continue
                 index, call = pending.popleft()
-                worker = self._worker(slot)
-                worker.conn.send(call)
+                try:
+                    self._worker(slot).conn.send(call)
+                except (BrokenPipeError, OSError):  # killed while idle, between calls
+                    self._stop(slot)
+                    self.restarts += 1
+                    self._worker(slot).conn.send(call)
                 running[slot] = (index, time.monotonic() + self.timeout)
             by_conn = {self._workers[slot].conn: slot for slot in running}
             nearest = min(deadline for _, deadline in running.values())
