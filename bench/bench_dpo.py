@@ -92,8 +92,11 @@ def main() -> None:
                 [{"prompt": p["prompt"], "response": p[k]} for p in train_pairs
                  for k in ("chosen", "rejected")], tmp + "/sft.jsonl")),
                 max_length=recipe.data.max_length),
+            # The same rows per micro-batch as DPO's (a pair's two sequences), so the same
+            # number of micro-batches.
             train=LoopConfig(output_dir=os.path.join(tmp, "sft"), steps=args.compare_steps,
-                             global_batch_size=2 * recipe.train.global_batch_size),
+                             global_batch_size=2 * recipe.train.global_batch_size,
+                             micro_batch_size=2 * recipe.train.micro_batch_size),
             optim=recipe.optim, pack=False)
         sft_out = launch_local(run_sft, NPROC, sft)[0]
     lines = ["| step | held-out loss | reward accuracy | reward margin | chosen logp | "
