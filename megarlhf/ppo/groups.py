@@ -53,6 +53,20 @@ def hang(what: str) -> str:
     return f"{what}: hang"
 
 
+def collective_timed_out(what: str, group: str, rank: int, detail: str) -> WorkerLost:
+    """Rank `rank` of `group` gave up waiting in a collective of call `what` (a peer hung
+    or stopped): `detail`, its traceback."""
+    cause = f"{what}: a collective of {group} timed out (a rank stopped answering)"
+    return WorkerLost(f"{cause}; rank {rank}:\n{detail}", cause, hang(what))
+
+
+def past_deadline(what: str, late: str, timeout_s: float) -> WorkerLost:
+    """Call `what` passed its deadline; `late`: the ranks that did not answer (the cause
+    leaves the deadline out, so the same hang twice reads the same)."""
+    cause = f"{what}: {late} did not answer"
+    return WorkerLost(f"{cause} within {timeout_s:.0f} s", cause, hang(what))
+
+
 LOST_EXIT_CODES = (-signal.SIGKILL, -signal.SIGTERM)
 """How a rank stopped from outside exits (the kernel's out-of-memory killer, an operator, a
 node going down). Any other exit (an abort, a segfault, an exit code) is the rank's own doing
@@ -176,10 +190,7 @@ class LocalCall:
                     trace, message, timed_out = value
                     self._raise_if_a_rank_died(f"; then rank {rank} failed:\n{trace}")
                     if timed_out:  # a peer hung or stopped: nothing this rank did
-                        cause = (f"{self.what}: a collective of {self.group.name} "
-                                 f"timed out (a rank stopped answering)")
-                        raise WorkerLost(f"{cause}; rank {rank}:\n{trace}", cause,
-                                         hang(self.what))
+                        raise collective_timed_out(self.what, self.group.name, rank, trace)
                     if message is not None:
                         error = WorkerInputError(f"{self.what} on {self.group.name} rank "
                                                  f"{rank}: {message}")
@@ -266,16 +277,6 @@ class LocalWorkerGroup:
                 _kill_tree(proc)
 
 
-def _late(calls: list, timeout_s: float) -> tuple[str, str]:
-    """(message, cause) of calls past their deadline: the phase, the groups and the ranks
-    that did not answer (the cause without the deadline, so the same hang twice reads the
-    same)."""
-    late = ", ".join(sorted(f"{c.group.name} ranks {sorted(c.pending)}" for c in calls
-                            if c.pending))
-    cause = f"{calls[0].what}: {late} did not answer"
-    return f"{cause} within {timeout_s:.0f} s", cause
-
-
 def _kill_tree(proc: mp.Process) -> None:
     """Kill a rank and the processes it started (dist_checkpointing's file writers, for one),
     which would otherwise outlive it."""
@@ -313,7 +314,9 @@ class LocalBackend:
         while any(call.pending for call in calls):
             waitables = [w for call in calls for w in call.waitables()]
             if not mp.connection.wait(waitables, timeout=max(0.0, deadline - time.monotonic())):
-                raise WorkerLost(*_late(calls, timeout_s), hang(calls[0].what))
+                late = ", ".join(sorted(f"{c.group.name} ranks {sorted(c.pending)}"
+                                        for c in calls if c.pending))
+                raise past_deadline(calls[0].what, late, timeout_s)
             for call in calls:
                 call.collect()
         return [call.results for call in calls]

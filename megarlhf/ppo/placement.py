@@ -64,7 +64,7 @@ class Placement:
         self._all_roles = set().union(*(spec.roles for spec in self.specs))
         self._thread = threading.local()
         self._failed = False
-        self._durations: dict[str, list[float]] = {}  # per method: its last wall times
+        self._durations: dict[tuple, list[float]] = {}  # per phase (_run): last wall times
         self._backend = _backend(config, sum(s.nproc for s in self.specs), after_fault)
         self._groups = []
         # A group serves one call at a time. With async_rollout the next step's rollout (and

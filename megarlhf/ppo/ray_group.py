@@ -15,8 +15,8 @@ import time
 
 from megarlhf import logs
 from megarlhf.errors import describe
-from megarlhf.ppo.groups import (WorkerError, WorkerInputError, WorkerLost, collective_timeout,
-                                 dumps, hang)
+from megarlhf.ppo.groups import (WorkerError, WorkerInputError, WorkerLost, collective_timed_out,
+                                 collective_timeout, dumps, past_deadline)
 
 _INLINE_BYTES = 64 * 1024
 """Smaller call arguments travel inside each rank's task (a put costs more than a copy)."""
@@ -75,9 +75,7 @@ def _rank_failure(call: "RayCall", rank: int, e: Exception) -> WorkerError:
         return WorkerLost(f"{lost}:\n{e}", lost)
     cause = getattr(e, "cause", None)
     if collective_timeout(cause):  # a peer hung or stopped
-        hung = (f"{call.what}: a collective of {call.group.name} "
-                f"timed out (a rank stopped answering)")
-        return WorkerLost(f"{hung}; rank {rank}:\n{e}", hung, hang(call.what))
+        return collective_timed_out(call.what, call.group.name, rank, str(e))
     if isinstance(cause, (ValueError, OSError)) and not isinstance(cause, WorkerError):
         error = WorkerInputError(f"{call.what} on {call.group.name} rank {rank}: "
                                  f"{describe(cause)}")
@@ -201,9 +199,7 @@ class RayBackend:
             if time.monotonic() > deadline:
                 late = ", ".join(sorted(f"{owner[ref][0].group.name} rank {owner[ref][1]}"
                                         for ref in pending))
-                cause = f"{calls[0].what}: {late} did not answer"
-                raise WorkerLost(f"{cause} within {timeout_s:.0f} s", cause,
-                                 hang(calls[0].what))
+                raise past_deadline(calls[0].what, late, timeout_s)
             done, pending = ray.wait(pending, num_returns=len(pending), timeout=1.0)
             for ref in done:
                 try:
