@@ -169,6 +169,57 @@ def test_filler_pairs_count_for_nothing():
     assert int(count) == 1 and float(two) == pytest.approx(2 * float(one))
 
 
+def _random_rows(n: int, seed: int) -> list[Example]:
+    """Pairs (or KTO rows) with prompts of 1-12 and responses of 1-20 tokens."""
+    rng = random.Random(seed)
+    seq = lambda lo, hi: tuple(rng.randrange(1, 50) for _ in range(rng.randint(lo, hi)))  # noqa
+    return [Example(prompt=seq(1, 12), responses=(seq(1, 20), seq(1, 20))) for _ in range(n)]
+
+
+@pytest.mark.parametrize("loss", ["dpo", "kto"])
+def test_a_token_budget_keeps_items_whole_within_it_and_takes_every_row_once(loss):
+    """Two DP ranks, CP2's multiple of 4, a budget of 64: every row goes to exactly one
+    micro-batch of one rank, a pair's two rows together; each micro-batch is the rows'
+    tensors cut to the columns they use (nothing real cut, width a multiple of 4, rows x
+    width within the budget), KTO's mismatched rows to their own widths; the ranks' padded
+    tokens differ by at most the longest item; short items share micro-batches."""
+    from megarlhf.sft.microbatches import Split
+
+    rows = _random_rows(16, seed=3)
+    if loss == "kto":
+        rows = [dataclasses.replace(ex, responses=ex.responses[:1], label=i % 2 == 0)
+                for i, ex in enumerate(rows)]
+        batch, n = kto_batch(rows, pad_id=0, max_length=32), 1
+    else:
+        batch, n = dpo_batch(rows, pad_id=0), 2
+    batch["ref_logp"] = torch.arange(float(batch["tokens"].shape[0]))
+    seen, loads, sizes = [], [], []
+    for rank in range(2):
+        split = Split(dp_size=2, dp_rank=rank, rows_per_item=n, multiple=4, max_tokens=64)
+        load = 0
+        for index, mb in split.with_rows(batch):
+            seen += index.tolist()
+            assert index.view(-1, n)[:, 0].remainder(n).eq(0).all()  # items whole, in order
+            assert (index.view(-1, n) - index.view(-1, n)[:, :1]).eq(torch.arange(n)).all()
+            for prefix in ["", KL_PREFIX] if loss == "kto" else [""]:
+                doc = batch[prefix + "document_ids"][index]
+                width = mb[prefix + "tokens"].shape[1]
+                real = int((doc >= 0).nonzero()[:, 1].max()) + 1
+                assert real <= width < real + (4 if prefix == "" else 1)
+                for key in ("tokens", "labels", "position_ids"):
+                    assert torch.equal(mb[prefix + key][:, :real], batch[prefix + key][index,
+                                                                                      :real])
+            assert len(index) * mb["tokens"].shape[1] <= 64
+            assert torch.equal(mb["ref_logp"], batch["ref_logp"][index])
+            load += len(index) * mb["tokens"].shape[1]
+            sizes.append(len(index) // n)
+        loads.append(load)
+    assert sorted(seen) == list(range(batch["tokens"].shape[0]))
+    assert abs(loads[0] - loads[1]) <= 64 and max(sizes) > 1
+    with pytest.raises(ValueError, match="train.max_tokens_per_micro_batch=8 cannot hold"):
+        Split(dp_size=2, dp_rank=0, rows_per_item=n, multiple=4, max_tokens=8)(batch)
+
+
 @pytest.mark.parametrize("fields, match", [
     ({"dpo": {"loss": "orpo"}}, "dpo.loss='orpo'"),
     ({"dpo": {"loss": "kto", "sft_weight": 0.1}}, "not kto"),
@@ -294,17 +345,26 @@ def test_tp2_pp2_equals_tp1_and_a_resume_equals_a_straight_run(corpus, lm_ref, t
 @pytest.mark.slow
 def test_a_cached_reference_trains_as_the_live_one_without_its_weights(corpus, lm_ref,
                                                                         tmp_path, tp1):
-    """Every pair scored once before step 1, over two DP ranks (each scores half of every
-    batch of the cache): the run equals the live reference's at TP1 (the cache scores pairs
-    in other batches, so other padded widths: rounding, within REL), and the frozen
-    reference's weights are dropped before training."""
+    """Every pair scored once before step 1, over two DP ranks (each scores its share of
+    every batch of the cache): the run equals the live reference's at TP1 (the cache scores
+    pairs in other batches, so other padded widths: rounding, within REL), and the frozen
+    reference's weights are dropped before training. The cache and the steps run in
+    micro-batches of up to 128 tokens (1-3 pairs of rows up to 48 tokens, cut to their
+    widths) instead of TP1's four pairs of the batch's width: the losses are means over the
+    global batch's pairs, so the grouping changes only rounding too."""
     outs = launch_local(run_dpo, 2, dpo_config(corpus, tmp_path, lm_ref,
-                                               settings=DPOSettings(reference="cached")))
+                                               settings=DPOSettings(reference="cached"),
+                                               max_tokens_per_micro_batch=128))
     def comparable(history):  # step 1's margins are rounding (+-1e-8): their sign is noise
         return [{**r, "reward_accuracy": None} if r["step"] == 1 else r for r in history]
 
     for out in outs:
         _assert_same(comparable(out["history"]), comparable(tp1["history"]))
+    # TP1: a micro-batch per pair. DP2: each rank holds about four pairs a step, several to
+    # a micro-batch under the budget.
+    assert {r["microbatches"] for r in _train(tp1)} == {8}
+    counts = [r["microbatches"] for out in outs for r in _train(out)]
+    assert max(counts) < 4, counts
     assert _train(outs[0])[0]["loss"] == pytest.approx(math.log(2), rel=1e-6)
     event, = [r for r in read_metrics(str(tmp_path)) if r.get("event") == "prepare"]
     # The reference is the whole model on each rank: the checkpoint's tensors, counted from
@@ -341,7 +401,10 @@ def test_kto_starts_at_one_half_learns_and_its_kl_estimate_spans_data_parallel_r
         corpus, lm_ref, tmp_path):
     settings = DPOSettings(loss="kto")
     kto = dict(settings=settings, eval_fraction=0.25, steps=8, eval_interval=4)
-    two = launch_local(run_dpo, 2, dpo_config(corpus, tmp_path / "dp2", lm_ref, **kto))
+    # Micro-batches of up to 64 tokens at DP2 (each rank its own count of them, the
+    # mismatched rows cut to their own widths) against one rank's four rows per micro-batch.
+    two = launch_local(run_dpo, 2, dpo_config(corpus, tmp_path / "dp2", lm_ref, **kto,
+                                              max_tokens_per_micro_batch=64))
     train = _train(two[0])
     # Step 1: policy = reference, so every log-ratio and the KL estimate are 0 and each
     # row's loss is 1 - sigmoid(0).

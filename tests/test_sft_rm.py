@@ -141,6 +141,9 @@ def _listed():
     (["train.steps=ten"], "config.train.steps must be int, got 'ten'"),
     (["train.steps=0"], "train.steps must be >= 1"),
     (["train.micro_batch_size=3"], "must be a multiple of train.micro_batch_size"),
+    (["train.micro_batch_size=2", "train.max_tokens_per_micro_batch=64"],
+     "give it or train.micro_batch_size, not both"),
+    (["train.max_tokens_per_micro_batch=0"], "train.max_tokens_per_micro_batch must be >= 1"),
     (["train.keep_last=0"], "train.keep_last must be >= 1"),
     (["model.checkpoint=ck"], "exactly one of preset or checkpoint"),
     (["model.preset=huge"], "unknown model preset 'huge'"),
@@ -217,6 +220,11 @@ def test_runs_refuse_bad_setups_before_any_process_group(corpus, tmp_path, tiny)
          "max_length=512 exceeds the model's max_position_embeddings=256"),
         (dataclasses.replace(ok, data=dataclasses.replace(ok.data, tokenizer=None)),
          "data.tokenizer is not set"),
+        # A pair's two rows of up to 48 tokens, padded to CP2's multiple of 4: 96.
+        (rm_config(corpus, tmp_path / "rm", ModelSource(preset="tiny"),
+                   P(context_parallel=2), max_tokens_per_micro_batch=95),
+         r"train.max_tokens_per_micro_batch=95 cannot hold a pair's two rows of up to 48 "
+         r"tokens \(96 padded to a multiple of 4\); raise it to at least 96"),
     ]
     value_ckpt = _fake_checkpoint(tmp_path / "value", value_head=True, model=tiny.to_dict())
     cases.append((dataclasses.replace(ok, model=ModelSource(checkpoint=value_ckpt)),
@@ -286,7 +294,13 @@ def _train(history):
     return [r for r in history if r["split"] == "train"]
 
 
-def _assert_same_run(a: dict, b: dict):
+def _assert_same_run(a: dict, b: dict, budget: int | None = None):
+    """With a token budget `a` must also have run fewer micro-batches than `b`'s one row
+    (pair) each at some step: the budget took effect."""
+    if budget:
+        fewer = [ra["microbatches"] < rb["microbatches"]
+                 for ra, rb in zip(_train(a["history"]), _train(b["history"]))]
+        assert any(fewer), fewer
     assert len(a["history"]) == len(b["history"])
     for ra, rb in zip(a["history"], b["history"]):
         assert (ra["step"], ra["split"]) == (rb["step"], rb["split"])
@@ -313,6 +327,10 @@ SFT_LAYOUTS = {"TP2xPP2": P(tensor_parallel=2, pipeline_parallel=2),
                "CP2xPP2": P(context_parallel=2, pipeline_parallel=2)}
 RM_LAYOUTS = {"TP2xPP2": P(tensor_parallel=2, pipeline_parallel=2),
               "TP2xCP2": P(tensor_parallel=2, context_parallel=2)}
+# Micro-batches by token budget instead of one row (pair) each, in one layout per stage: SFT's
+# packed rows of up to 48 tokens two to a micro-batch of 96, RM's pairs one to three to 128;
+# varying shapes through the pipeline stages.
+BUDGETS = {"sft-CP2xPP2": 96, "rm-TP2xPP2": 128}
 
 
 @pytest.fixture(scope="module")
@@ -320,11 +338,16 @@ def layout_runs(request, corpus, lm_ref, value_refs, tmp_path_factory):
     """Each 4-rank SFT and RM run of the layout tests; the selected ones in one launch."""
     root = tmp_path_factory.mktemp("layouts")
     model = ModelSource(checkpoint=value_refs[False][1], layer_spec="local")
+    def budget(name):
+        return {"max_tokens_per_micro_batch": BUDGETS.get(name)}
+
     cases = {f"sft-{name}": (4, run_sft, (sft_config(corpus, root / f"sft-{name}", lm_ref,
-                                                      parallel, micro_batch_size=1),), {})
+                                                      parallel, micro_batch_size=1,
+                                                      **budget(f"sft-{name}")),), {})
              for name, parallel in SFT_LAYOUTS.items()}
     cases |= {f"rm-{name}": (4, run_rm, (rm_config(corpus, root / f"rm-{name}", model, parallel,
-                                                   optim=RM_OPTIM, micro_batch_size=1),), {})
+                                                   optim=RM_OPTIM, micro_batch_size=1,
+                                                   **budget(f"rm-{name}")),), {})
               for name, parallel in RM_LAYOUTS.items()}
     wanted = ({f"sft-{i}" for i in selected_ids(request, "test_sft_layout_equals_tp1")}
               | {f"rm-{i}" for i in selected_ids(request, "test_rm_layout_equals_tp1")})
@@ -335,7 +358,7 @@ def layout_runs(request, corpus, lm_ref, value_refs, tmp_path_factory):
 @pytest.mark.parametrize("layout", list(SFT_LAYOUTS))
 def test_sft_layout_equals_tp1(layout, layout_runs, sft_tp1):
     for out in layout_runs(f"sft-{layout}"):  # every rank reports the same metrics
-        _assert_same_run(out, sft_tp1)
+        _assert_same_run(out, sft_tp1, BUDGETS.get(f"sft-{layout}"))
 
 
 @pytest.mark.slow
@@ -370,7 +393,7 @@ def rm_tp1(corpus, value_refs, tmp_path_factory):
 def test_rm_layout_equals_tp1(layout, layout_runs, rm_tp1):
     """Under CP the score is read at each row's last real token of the gathered rows."""
     for out in layout_runs(f"rm-{layout}"):
-        _assert_same_run(out, rm_tp1)
+        _assert_same_run(out, rm_tp1, BUDGETS.get(f"rm-{layout}"))
 
 
 @pytest.mark.slow

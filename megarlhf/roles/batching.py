@@ -104,7 +104,7 @@ def microbatches(engine: TrainEngine, batching: Batching, batch: SequenceBatch,
                 for rows in rank_rows(batch.shape[0], mesh.dp_size, mesh.dp_rank,
                                       batching.num_microbatches)]
     first, end = spans(batch)
-    base = _packed_cost if batching.pack else _padded_cost
+    base = _packed_cost if batching.pack else padded_cost
     cost = lambda span: base(span, multiple)  # noqa: E731
     longest = int((end - first).argmax())  # every rank checks it, so all raise alike
     alone = cost(Span.of(int(first[longest]), int(end[longest])))
@@ -181,7 +181,7 @@ class Span(NamedTuple):
                     self.tokens + end - first)
 
 
-def _padded_cost(span: Span, multiple: int) -> int:
+def padded_cost(span: Span, multiple: int) -> int:
     return span.rows * _round_up(span.end - span.first, multiple)
 
 

@@ -48,9 +48,11 @@ def describe(stage: str, cfg: StageConfig, checked: Plan, nproc: int | None) -> 
     world = nproc if nproc is not None else DistEnv.detect().world_size
     dp, micro = check_layout(cfg, checked, world)
     start = f"resuming from {checked.resume_from}" if checked.resume_from else "from step 0"
+    budget = cfg.train.max_tokens_per_micro_batch
+    batching = (f"micro-batches of up to {budget} tokens" if budget else
+                f"{micro} micro-batch(es) of {cfg.train.micro_batch_size}")
     return (f"dry run: would train {stage} for {cfg.train.steps} steps ({start}) on {world} "
-            f"rank(s) at {cfg.parallel.describe(dp)}, {micro} micro-batch(es) of "
-            f"{cfg.train.micro_batch_size} per step; "
+            f"rank(s) at {cfg.parallel.describe(dp)}, {batching} per step; "
             f"{len(checked.examples.train)} training examples; model "
             f"{checked.model.num_layers} layers, hidden {checked.model.hidden_size}; outputs in "
             f"{cfg.train.output_dir}")

@@ -71,6 +71,13 @@ class LoopConfig:
     pairs. Must be a multiple of data-parallel size x micro_batch_size."""
     micro_batch_size: int = 1
     """Rows (SFT) or pairs (RM) per micro-batch on one DP rank."""
+    max_tokens_per_micro_batch: int | None = None
+    """Instead of micro_batch_size: micro-batches of up to this many model tokens (rows x
+    the micro-batch's width, cut to the longest row it holds), so short rows share a
+    micro-batch and long ones do not pad the rest; a pair's two rows stay together. Items
+    go to the DP ranks balanced by tokens, so ranks may run different numbers of
+    micro-batches. Must hold the longest item: rows per item x data.max_length (packed DPO
+    rows: 2 x data.max_length), padded to the layout's multiple."""
     eval_interval: int = 0
     """Evaluate every this many steps (0: only after the last step); needs eval data."""
     save_interval: int = 0
@@ -110,6 +117,13 @@ class LoopConfig:
         for name in ("eval_interval", "save_interval"):
             if getattr(self, name) < 0:
                 raise ValueError(f"train.{name} must be >= 0, got {getattr(self, name)}")
+        budget = self.max_tokens_per_micro_batch
+        if budget is not None and budget < 1:
+            raise ValueError(f"train.max_tokens_per_micro_batch must be >= 1 or null, got "
+                             f"{budget}")
+        if budget is not None and self.micro_batch_size != 1:
+            raise ValueError("train.max_tokens_per_micro_batch sets the rows of each "
+                             "micro-batch: give it or train.micro_batch_size, not both")
         if self.global_batch_size % self.micro_batch_size:
             raise ValueError(f"train.global_batch_size ({self.global_batch_size}) must be a "
                              f"multiple of train.micro_batch_size ({self.micro_batch_size})")
@@ -119,6 +133,8 @@ class LoopConfig:
             raise ValueError("train: " + "; ".join(missing))
 
     def num_microbatches(self, dp_size: int) -> int:
+        """Micro-batches per DP rank by count (with a token budget every DP rank needs an
+        item; the budget then decides how many)."""
         per_step = dp_size * self.micro_batch_size
         if self.global_batch_size % per_step:
             raise ValueError(

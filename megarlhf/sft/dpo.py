@@ -54,8 +54,7 @@ from megarlhf.data.packing import pack
 from megarlhf.data.pairs import (packed_pair_batch, pair_inputs, pair_length, pair_sequences,
                                  row_sequences)
 from megarlhf.engine.losses import token_logprobs
-from megarlhf.engine.schedule import (Batch, Loss, pad_to_multiple, rank_microbatches,
-                                      rank_rows)
+from megarlhf.engine.schedule import Batch, Loss, pad_to_multiple
 from megarlhf.engine.train import TrainEngine
 from megarlhf.models.config import ModelConfig
 from megarlhf.models.lora import adapters_off
@@ -262,20 +261,19 @@ def cache_reference(cfg: DPOConfig, pad_id: int, mesh: Mesh, model: ModelConfig,
         p.numel() * p.element_size() for chunk in ref.chunks for p in chunk.parameters())
     loss = Loss(closure=_row_closure, per_position=_logprobs(mesh, model))
     size = cfg.train.global_batch_size
-    num_microbatches = cfg.train.num_microbatches(mesh.dp_size)
+    to_microbatches = loop.split(cfg, 2, mesh)  # unpacked pairs, whatever the training packs
 
     def scored(ref: TrainEngine, pairs: list[Example]) -> list[Example]:
         out = []
         for start in range(0, len(pairs), size):
             chunk = pairs[start:start + size]
-            batch = pad_to_multiple(dpo_batch(chunk + [chunk[-1]] * (size - len(chunk)), pad_id),
-                                    cfg.parallel.sequence_multiple)
+            batch = dpo_batch(chunk + [chunk[-1]] * (size - len(chunk)), pad_id)
+            rows, microbatches = zip(*to_microbatches.with_rows(batch))
             with as_reference():
-                logps = ref.forward(rank_microbatches(batch, mesh, num_microbatches), loss)
-            rows = rank_rows(2 * size, mesh.dp_size, mesh.dp_rank, num_microbatches)
+                logps = ref.forward(list(microbatches), loss)
             total = torch.zeros(2 * size, device=logps[0]["row_logp"].device)
             for r, o in zip(rows, logps):
-                total[r.start:r.stop] = o["row_logp"]
+                total[r.to(total.device)] = o["row_logp"]
             dist.all_reduce(total, group=mesh.dp_group)
             values = total.tolist()
             out += [dataclasses.replace(ex, ref_logps=(values[2 * i], values[2 * i + 1]))
@@ -323,6 +321,7 @@ def dpo_stage(cfg: DPOConfig, pad_id: int) -> loop.Stage:
     closure = functools.partial(layout.pop("closure"), settings)
     return loop.Stage(
         name="dpo", value_head=False, **layout,
+        row_tokens=cfg.data.max_length * (2 if cfg.pack else 1),
         loss_fn=lambda mesh, model: Loss(closure=closure, per_position=_logprobs(mesh, model)),
         # Stream items are rows when packing (pairs otherwise); earlier runs had no field.
         fingerprint={"dpo": settings.fingerprint(), **({"pack": True} if cfg.pack else {}),

@@ -2,7 +2,7 @@
 resume, metrics, HF export. A `Stage` says what differs (rows, batches, loss, metrics).
 
 Every rank reads and tokenizes the whole dataset and builds the same global batch for each
-step; `rank_microbatches` then takes this rank's DP share. The data position is the number
+step; `microbatches.Split` then takes this rank's DP share. The data position is the number
 of stream items consumed, stored in every checkpoint, so a resumed run (at any layout or
 batch size) continues the same sequence of examples.
 """
@@ -25,7 +25,7 @@ from megarlhf.data.tokenizer import Tokenizer, is_tokenizer, load_tokenizer
 from megarlhf.engine.checkpoint import (COMPLETE_MARKER, HF_SIDECAR, check_resumed_adapters,
                                         load_checkpoint, read_meta, save_checkpoint)
 from megarlhf.engine.run_checkpoints import RunCheckpoints
-from megarlhf.engine.schedule import Batch, LossFn, pad_to_multiple, rank_microbatches
+from megarlhf.engine.schedule import Batch, LossFn, pad_to_multiple
 from megarlhf.engine.train import TrainEngine
 from megarlhf import profiling
 from megarlhf.metrics import MetricsLog
@@ -33,6 +33,7 @@ from megarlhf.profiling import PhaseProfiler
 from megarlhf.models.config import ModelConfig
 from megarlhf.parallel.mesh import Mesh, init_mesh
 from megarlhf.sft.config import StageConfig
+from megarlhf.sft.microbatches import Split
 from megarlhf.configio import to_dict
 from megarlhf.sft.model import init_weights, model_config, new_engine
 
@@ -46,6 +47,8 @@ class Stage:
     value_head: bool
     rows_per_item: int
     """Batch rows per stream item: 1 (an SFT or KTO row) or 2 (a pair's chosen + rejected)."""
+    row_tokens: int
+    """The most tokens a batch row can hold (data.max_length; packed pairs twice that)."""
     arrange: Callable[[list[Example]], list]
     """Examples (shuffled for training, in order for eval) -> stream items."""
     to_batch: Callable[[list], Batch]
@@ -93,6 +96,7 @@ def plan(cfg: StageConfig, make_stage: Callable[[int], Stage]) -> Plan:
     stage = make_stage(tokenizer.pad_id)
     model = model_config(cfg.model, value_head=stage.value_head)
     _check_fit(model, tokenizer, cfg.data.max_length)
+    _check_budget(cfg, stage)
     examples = load_examples(cfg.data, stage.kind, tokenizer,
                              default_margin=stage.default_margin)
     fingerprint = {"stage": stage.name, "train_examples": len(examples.train),
@@ -119,6 +123,16 @@ def run_checkpoints(output_dir: str) -> RunCheckpoints:
     return RunCheckpoints(output_dir, marker=COMPLETE_MARKER)
 
 
+def split(cfg: StageConfig, rows_per_item: int, mesh: Mesh) -> Split:
+    """How this rank takes its micro-batches from a global batch of items of
+    `rows_per_item` rows."""
+    train = cfg.train
+    return Split(dp_size=mesh.dp_size, dp_rank=mesh.dp_rank, rows_per_item=rows_per_item,
+                 multiple=cfg.parallel.sequence_multiple,
+                 num_microbatches=train.num_microbatches(mesh.dp_size),
+                 max_tokens=train.max_tokens_per_micro_batch)
+
+
 def run(cfg: StageConfig, make_stage: Callable[[int], Stage]) -> dict:
     """Train on every rank of the job; returns (on every rank) the final checkpoint path, the
     HF export path, the metric history and the data report."""
@@ -137,7 +151,7 @@ def run(cfg: StageConfig, make_stage: Callable[[int], Stage]) -> dict:
 
 def _train(cfg: StageConfig, p: Plan, mesh: Mesh, log: MetricsLog) -> dict:
     stage, train = p.stage, cfg.train
-    num_microbatches = train.num_microbatches(mesh.dp_size)
+    to_microbatches = split(cfg, stage.rows_per_item, mesh)
     checkpoints = run_checkpoints(train.output_dir)
     if mesh.rank == 0:
         checkpoints.remove_leftovers()
@@ -180,15 +194,15 @@ def _train(cfg: StageConfig, p: Plan, mesh: Mesh, log: MetricsLog) -> dict:
             profiler.start(step)
         t0 = time.perf_counter()
         with profiler.phase("train"):
-            microbatches = rank_microbatches(
-                pad_to_multiple(stage.to_batch(items), cfg.parallel.sequence_multiple), mesh,
-                num_microbatches)
+            microbatches = to_microbatches(stage.to_batch(items))
             if annotate:
                 annotate(microbatches)
             m = engine.train_step(microbatches, loss_fn)
         record = {"step": step, "split": "train", **stage.metrics(m.sums),
                   "grad_norm": m.grad_norm, "lr": m.lr, "epoch": round(epoch, 4),
-                  "step_s": round(time.perf_counter() - t0, 4)}
+                  "step_s": round(time.perf_counter() - t0, 4),
+                  # This rank's: with a token budget DP ranks may differ.
+                  "microbatches": len(microbatches)}
         if m.skipped:
             record["update_skipped"] = True  # non-finite gradients
         log.write(record, echo=step % train.log_interval == 0 or step == train.steps)
@@ -197,7 +211,7 @@ def _train(cfg: StageConfig, p: Plan, mesh: Mesh, log: MetricsLog) -> dict:
         if eval_batches and (last or train.eval_interval and step % train.eval_interval == 0):
             with profiler.phase("eval"):
                 record = {"step": step, "split": "eval",
-                          **evaluate(engine, mesh, eval_batches, loss_fn, num_microbatches,
+                          **evaluate(engine, eval_batches, loss_fn, to_microbatches,
                                      stage.metrics, annotate)}
             log.write(record)
             history.append(record)
@@ -218,11 +232,11 @@ def _train(cfg: StageConfig, p: Plan, mesh: Mesh, log: MetricsLog) -> dict:
             "data": p.examples.report}
 
 
-def evaluate(engine: TrainEngine, mesh: Mesh, batches: list[Batch], loss_fn: LossFn,
-             num_microbatches: int, metrics, annotate=None) -> dict[str, float]:
+def evaluate(engine: TrainEngine, batches: list[Batch], loss_fn: LossFn, to_microbatches: Split,
+             metrics, annotate=None) -> dict[str, float]:
     totals: dict[str, float] = {}
     for batch in batches:
-        microbatches = rank_microbatches(batch, mesh, num_microbatches)
+        microbatches = to_microbatches(batch)
         if annotate:
             annotate(microbatches)
         sums = engine.global_sums(engine.forward(microbatches, loss_fn))
@@ -279,6 +293,21 @@ def _check_fit(model: ModelConfig, tokenizer: Tokenizer, max_length: int) -> Non
     if max_length > model.max_position_embeddings:
         raise ValueError(f"data.max_length={max_length} exceeds the model's "
                          f"max_position_embeddings={model.max_position_embeddings}")
+
+
+def _check_budget(cfg: StageConfig, stage: Stage) -> None:
+    """A token budget must hold the longest item the data may have (checked here, before
+    any rank starts, from the row bound: no item is then too long at a later step)."""
+    budget = cfg.train.max_tokens_per_micro_batch
+    if budget is None:
+        return
+    multiple = cfg.parallel.sequence_multiple
+    need = stage.rows_per_item * (stage.row_tokens + -stage.row_tokens % multiple)
+    if budget < need:
+        rows = "a pair's two rows" if stage.rows_per_item == 2 else "a row"
+        raise ValueError(f"train.max_tokens_per_micro_batch={budget} cannot hold {rows} of up "
+                         f"to {stage.row_tokens} tokens ({need} padded to a multiple of "
+                         f"{multiple}); raise it to at least {need} or lower data.max_length")
 
 
 def _data_line(examples: Examples) -> str:

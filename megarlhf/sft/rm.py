@@ -40,7 +40,8 @@ def rm_metrics(sums: dict[str, float]) -> dict[str, float]:
 
 def rm_stage(cfg: RMConfig, pad_id: int) -> loop.Stage:
     return loop.Stage(
-        name="rm", kind="pairwise", value_head=True, rows_per_item=2, arrange=list,
+        name="rm", kind="pairwise", value_head=True, rows_per_item=2,
+        row_tokens=cfg.data.max_length, arrange=list,
         to_batch=functools.partial(pair_batch, pad_id=pad_id), filler_key="pair_weight",
         loss_fn=lambda mesh, model: pairwise_loss, metrics=rm_metrics,
         default_margin=cfg.margin)

@@ -19,7 +19,8 @@ def sft_stage(cfg: SFTConfig, pad_id: int) -> loop.Stage:
     arrange = functools.partial(pack, row_length=cfg.data.max_length) if cfg.pack \
         else one_per_row
     return loop.Stage(
-        name="sft", kind="sft", value_head=False, rows_per_item=1, arrange=arrange,
+        name="sft", kind="sft", value_head=False, rows_per_item=1,
+        row_tokens=cfg.data.max_length, arrange=arrange,
         to_batch=functools.partial(sft_batch, pad_id=pad_id), filler_key="loss_mask",
         loss_fn=lambda mesh, model: lm_loss(mesh, model.vocab_size), metrics=sft_metrics)
 
