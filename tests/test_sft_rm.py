@@ -225,6 +225,15 @@ def test_runs_refuse_bad_setups_before_any_process_group(corpus, tmp_path, tiny)
                    P(context_parallel=2), max_tokens_per_micro_batch=95),
          r"train.max_tokens_per_micro_batch=95 cannot hold a pair's two rows of up to 48 "
          r"tokens \(96 padded to a multiple of 4\); raise it to at least 96"),
+        (dataclasses.replace(ok, parallel=P(pipeline_parallel=2, virtual_pipeline_parallel=2),
+                             train=dataclasses.replace(ok.train,
+                                                       max_tokens_per_micro_batch=64)),
+         "max_tokens_per_micro_batch with parallel.virtual_pipeline_parallel"),
+        (dataclasses.replace(ok, model=ModelSource(preset="tiny", overrides={
+            "num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 32}),
+            parallel=P(expert_parallel=2),
+            train=dataclasses.replace(ok.train, max_tokens_per_micro_batch=64)),
+         "max_tokens_per_micro_batch with expert groups that span data-parallel ranks"),
     ]
     value_ckpt = _fake_checkpoint(tmp_path / "value", value_head=True, model=tiny.to_dict())
     cases.append((dataclasses.replace(ok, model=ModelSource(checkpoint=value_ckpt)),

@@ -261,7 +261,9 @@ def cache_reference(cfg: DPOConfig, pad_id: int, mesh: Mesh, model: ModelConfig,
         p.numel() * p.element_size() for chunk in ref.chunks for p in chunk.parameters())
     loss = Loss(closure=_row_closure, per_position=_logprobs(mesh, model))
     size = cfg.train.global_batch_size
-    to_microbatches = loop.split(cfg, 2, mesh)  # unpacked pairs, whatever the training packs
+    # Each row is scored alone, so rows need not stay paired: one row always fits the budget
+    # (packed training rows bound it by one row of 2 x max_length, not two of max_length).
+    to_microbatches = loop.split(cfg, 1, mesh)
 
     def scored(ref: TrainEngine, pairs: list[Example]) -> list[Example]:
         out = []

@@ -96,7 +96,7 @@ def plan(cfg: StageConfig, make_stage: Callable[[int], Stage]) -> Plan:
     stage = make_stage(tokenizer.pad_id)
     model = model_config(cfg.model, value_head=stage.value_head)
     _check_fit(model, tokenizer, cfg.data.max_length)
-    _check_budget(cfg, stage)
+    _check_budget(cfg, stage, model)
     examples = load_examples(cfg.data, stage.kind, tokenizer,
                              default_margin=stage.default_margin)
     fingerprint = {"stage": stage.name, "train_examples": len(examples.train),
@@ -295,13 +295,29 @@ def _check_fit(model: ModelConfig, tokenizer: Tokenizer, max_length: int) -> Non
                          f"max_position_embeddings={model.max_position_embeddings}")
 
 
-def _check_budget(cfg: StageConfig, stage: Stage) -> None:
+def _check_budget(cfg: StageConfig, stage: Stage, model: ModelConfig) -> None:
     """A token budget must hold the longest item the data may have (checked here, before
-    any rank starts, from the row bound: no item is then too long at a later step)."""
+    any rank starts, from the row bound: no item is then too long at a later step); and
+    since DP ranks then run their own numbers and shapes of micro-batches, no collective
+    may span DP ranks within a micro-batch, and the schedule must take any count."""
     budget = cfg.train.max_tokens_per_micro_batch
     if budget is None:
         return
-    multiple = cfg.parallel.sequence_multiple
+    parallel = cfg.parallel
+    if model.num_experts and \
+            parallel.expert_group_size > parallel.tensor_parallel * parallel.context_parallel:
+        # An MoE forward is a collective over the expert group (as for PPO's budget).
+        raise ValueError("train.max_tokens_per_micro_batch with expert groups that span "
+                         "data-parallel ranks (expert_parallel x expert_tensor_parallel > "
+                         "tensor_parallel x context_parallel): use train.micro_batch_size, "
+                         "or keep EP x ETP within TP x CP")
+    if parallel.virtual_pipeline_parallel:
+        # The interleaved schedule needs a multiple of pipeline_parallel micro-batches.
+        raise ValueError("train.max_tokens_per_micro_batch with "
+                         "parallel.virtual_pipeline_parallel: the interleaved schedule needs "
+                         "the same multiple of pipeline_parallel micro-batches on every rank; "
+                         "use train.micro_batch_size")
+    multiple = parallel.sequence_multiple
     need = stage.rows_per_item * (stage.row_tokens + -stage.row_tokens % multiple)
     if budget < need:
         rows = "a pair's two rows" if stage.rows_per_item == 2 else "a row"

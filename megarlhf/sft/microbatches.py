@@ -11,7 +11,10 @@
   micro-batches. Ranks may then run different numbers of micro-batches of different shapes:
   megatron-core's schedules meet across DP only when the gradients are reduced, and
   engine/schedule.py sends each shape along the pipeline. The losses are sums over pairs,
-  rows or tokens divided by the global count, so the grouping changes only summation order.
+  rows or tokens divided by the global count, so for dense models without dropout the grouping
+changes only summation order (an MoE load-balancing loss and LoRA dropout masks are per
+micro-batch). Layouts where a micro-batch's forward meets other DP ranks (expert groups
+spanning them) or whose schedule needs a count (virtual pipeline) are refused (loop.py).
 
 A stage's rows are right-padded: real tokens from column 0, a row's padding positions have
 negative document ids. A batch may hold a second set of rows under a prefix (KTO's `kl_*`,
