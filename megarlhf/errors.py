@@ -1,6 +1,8 @@
 """How every command ends when something expected goes wrong: one or two lines on stderr that
 name the field or path and the fix, exit code 2 for bad input (config, files, disks), 1 for a
-fault no restart got past, 130 for Ctrl-C, and no traceback unless MEGARLHF_DEBUG=1.
+fault no restart got past, 75 for a restart that found no room on the cluster (a lost node: a
+new allocation may have it, so launch/ppo.sbatch requeues the job), 130 for Ctrl-C, and no
+traceback unless MEGARLHF_DEBUG=1.
 
 Expected failures are `ValueError` (our checks raise it with the message the user reads),
 `OSError` (a path that is missing, read-only, on a full disk, ...) and YAML syntax errors.
@@ -17,6 +19,7 @@ import yaml
 
 FAULT = 1
 BAD_INPUT = 2
+NO_ROOM = 75  # EX_TEMPFAIL: try again later
 INTERRUPTED = 130
 
 
@@ -27,6 +30,15 @@ class CorruptFileError(ValueError):
 class RunFault(RuntimeError):
     """A run stopped by a fault outside its code (a lost rank, a hang) that no restart got
     past: its message names the fault and the last checkpoint."""
+
+    exit_code = FAULT
+
+
+class NoRoom(RunFault):
+    """A restart after a fault found too little room for the run's ranks (a node lost for
+    good): the same job on a new allocation resumes from the last checkpoint."""
+
+    exit_code = NO_ROOM
 
 
 def debug() -> bool:
@@ -59,7 +71,7 @@ def run_command(fn: Callable[..., int | None], *args, **kwargs) -> int:
         if debug():
             raise
         print(f"error: {e}", file=sys.stderr)
-        return FAULT
+        return e.exit_code
     except (ValueError, OSError, yaml.YAMLError) as e:
         if debug():
             raise

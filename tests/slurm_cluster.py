@@ -212,7 +212,13 @@ def job_processes(job_id: int, markers: tuple[str, ...] = ()) -> list[str]:
     SLURM_JOB_ID (everything srun started and their children), or whose command line or open
     files mention one of `markers` (Ray workers rewrite their command line and environment
     block, but keep their log files in the job's Ray session directory open)."""
-    tag = f"SLURM_JOB_ID={job_id}".encode()
+    return processes(markers, environ_tag=f"SLURM_JOB_ID={job_id}")
+
+
+def processes(markers: tuple[str, ...], environ_tag: str | None = None) -> list[str]:
+    """'pid command line' of the processes whose command line or open files mention one of
+    `markers`, or whose environment holds `environ_tag`."""
+    tag = environ_tag.encode() if environ_tag else None
     found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         proc = Path("/proc", pid)
@@ -222,6 +228,7 @@ def job_processes(job_id: int, markers: tuple[str, ...] = ()) -> list[str]:
             files = [os.readlink(fd) for fd in (proc / "fd").iterdir()]
         except OSError:  # it ended while we looked, or it is not ours to read
             continue
-        if tag in environ or any(m in cmdline or any(m in f for f in files) for m in markers):
+        named = any(m in cmdline or any(m in f for f in files) for m in markers)
+        if named or (tag is not None and tag in environ):
             found.append(f"{pid} {cmdline.strip()[:200]}")
     return found

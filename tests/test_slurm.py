@@ -1,13 +1,14 @@
 """The launch/ scripts on a real two-node Slurm cluster (tests/slurm_cluster.py): SFT ranks on
-both nodes through srun, PPO on Ray-on-Slurm across both nodes (requeued after its first
-checkpoint and resumed), scancel leaving no process behind, and failures reaching the job's
-exit code. The fast tests run the scripts under bash with stand-ins for srun and scontrol, to
+both nodes through srun, PPO on Ray-on-Slurm across both nodes (a node's Ray lost after the
+first checkpoint: the job requeues itself and resumes, ending as a clean run), scancel
+leaving no process behind, and failures reaching the job's exit code. The fast tests run the scripts under bash with stand-ins for srun and scontrol, to
 check the command lines they build (container mode cannot run here: no Pyxis)."""
 
 from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -17,10 +18,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from megarlhf.metrics import read_steps
+from megarlhf.configio import load_config
+from megarlhf.metrics import read_metrics, read_steps
 from megarlhf.ppo import checkpoints
+from megarlhf.ppo.config import PPOConfig
+from megarlhf.ppo.controller import run
 from megarlhf.sft.loop import run_checkpoints
-from tests.slurm_cluster import SlurmCluster, SlurmUnavailable, job_processes
+from tests.slurm_cluster import (SlurmCluster, SlurmUnavailable, job_processes,
+                                 processes)
 from tests.test_ppo import prompts_file  # noqa: F401 (a fixture: the PPO tests' prompts)
 from tests.test_sft_rm import corpus  # noqa: F401 (a fixture: tokenizer and SFT data)
 
@@ -147,33 +152,58 @@ def _wait_for(condition, what: str, timeout: float, log) -> None:
 
 
 @pytest.mark.slow
-def test_ppo_on_ray_across_nodes_resumes_after_requeue(slurm, job_env, ppo_recipe, ray_root,
-                                                       tmp_path):
+def test_a_lost_ray_node_requeues_the_job_which_finishes_as_a_clean_run(
+        slurm, job_env, ppo_recipe, ray_root, tmp_path, monkeypatch):
+    """PPO on Ray across both nodes, a rank on each. After the first checkpoint node n2's Ray
+    processes are killed (its raylet and the rank on it): the controller restarts the run,
+    finds no room for two ranks on n1 for restart_wait_s, exits 75, and ppo.sbatch requeues
+    the job. Run again on both nodes, it resumes from its checkpoint and ends with the
+    weights and step metrics of a run never interrupted (local ranks at one thread each, as
+    Ray's here)."""
+    from tests.test_ppo import _assert_same_weights, _without_timings
+
     out = tmp_path / "ppo"
-    job = _submit(slurm, "ppo.sbatch", ppo_recipe, "steps=12", "save_every=2", cwd=tmp_path,
+    job = _submit(slurm, "ppo.sbatch", ppo_recipe, "steps=6", "save_every=2",
+                  "restart_wait_s=10", "restart_backoff=1", cwd=tmp_path,
                   env={**job_env, **ONE_RANK_PER_NODE})
     log = lambda: _job_log(tmp_path, "megarlhf-ppo", job)  # noqa: E731
     _wait_for(lambda: checkpoints.of_run(str(out)).latest() is not None, "a first checkpoint",
               JOB_TIMEOUT, log)
-    slurm.run("scontrol", "requeue", str(job))
+    # n2's Ray node: its raylet, its workers and the `ray start` that launched them.
+    lost = processes((f"{ray_root}/ray-{job}-n2",))
+    assert any("raylet" in line for line in lost), lost
+    for line in lost:
+        try:
+            os.kill(int(line.split()[0]), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     # Slurm holds a requeued job back ~2 minutes (BeginTime); release it now.
-    slurm.wait_job(job, ("PENDING",), 120)
+    slurm.wait_job(job, ("PENDING",), JOB_TIMEOUT)
     slurm.run("scontrol", "update", f"JobId={job}", "StartTime=now")
     info = slurm.wait_job(job, FINAL, JOB_TIMEOUT)
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", log()[-3000:]
 
     text = log()
     assert text.count("ray: 2/2 nodes up") == 2  # both runs had a Ray node on each node
+    assert "requeueing the job (requeue 1 of at most 3)" in text, text[-3000:]
     assert "(restart 1)" in text
+    restart, = [r for r in read_metrics(str(out)) if r.get("event") == "restart"]
+    assert "rank 1's Ray actor died" in restart["cause"], restart
     resumed = int(text.split("resumed from ")[1].split("(step ")[1].split(")")[0])
-    steps = [m["step"] for m in read_steps(str(out))]
-    # The first run logged steps 1.. up to where it was stopped (maybe past its last
-    # checkpoint); the second continued after the checkpoint it resumed from, up to 12.
-    first_run, second_run = steps[:-(12 - resumed)], steps[-(12 - resumed):]
-    assert resumed >= 2 and first_run == list(range(1, len(first_run) + 1)), steps
-    assert len(first_run) >= resumed and second_run == list(range(resumed + 1, 13)), steps
-    assert checkpoints.of_run(str(out)).latest().endswith("step_12")
+    assert resumed >= 2 and checkpoints.of_run(str(out)).latest().endswith("step_6")
     assert job_processes(job, (f"{ray_root}/ray-{job}-",)) == []
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    straight = load_config(PPOConfig, str(ppo_recipe), ["steps=6", "save_every=2",
+                                                        f"out_dir={tmp_path / 'straight'}"])
+    run(straight)
+    ours, theirs = read_steps(str(out)), read_steps(straight.out_dir)
+    # The first run logged steps 1.. up to where its rank was lost; the second continued
+    # after the checkpoint it resumed from.
+    assert [m["step"] for m in ours[-(6 - resumed):]] == list(range(resumed + 1, 7)), ours
+    for mine, reference in zip(ours[-(6 - resumed):], theirs[resumed:]):
+        assert _without_timings(mine) == _without_timings(reference)
+    _assert_same_weights(str(out), straight.out_dir)
 
 
 @pytest.mark.slow

@@ -80,6 +80,7 @@ _RANGES = (  # (field, low, high, low included?); high is included, values must 
     ("save_every", 0, math.inf, True),
     ("max_restarts", 0, math.inf, True),
     ("restart_backoff", 0.0, math.inf, True),
+    ("restart_wait_s", 0.0, math.inf, False),
     ("collective_timeout_s", 0.0, math.inf, False),
     ("phase_timeout_factor", 1.0, math.inf, False),
     ("phase_timeout_min_s", 0.0, math.inf, False),
@@ -528,10 +529,14 @@ class PPOConfig:
     run stops naming the fault. An exception a rank raises (a bug, bad input) always stops
     the run. Under Ray any death of a started actor counts as lost (Ray does not tell a
     kill from a crash; a crash that comes back in the same step stops the run), and the new
-    actors go wherever the cluster has room; with too little for 10 minutes (a node lost
-    for good) the run stops: run it again once there is room, and it resumes."""
+    actors go wherever the cluster has room (see restart_wait_s)."""
     restart_backoff: float = 5.0
     """Seconds to wait before a restart."""
+    restart_wait_s: float = 600.0
+    """Under Ray, how long a restart waits for the cluster to have room for the run's ranks
+    (a node lost; an autoscaler may bring one back). Then the run stops with exit code 75,
+    which launch/ppo.sbatch answers by requeueing the job: on a new allocation it resumes
+    from its last checkpoint. A first start waits as long as it takes."""
     collective_timeout_s: float = 600.0
     """torch.distributed's timeout for the worker ranks' Megatron process groups and the
     weight channel (vLLM's own groups keep torch's defaults): how long a rank waits in a

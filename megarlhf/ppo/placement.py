@@ -45,7 +45,8 @@ def _backend(config: PPOConfig, total_ranks: int, after_fault: bool):
     if config.worker_group == "ray":
         from megarlhf.ppo.ray_group import RayBackend
 
-        return RayBackend(total_ranks, after_fault=after_fault)
+        return RayBackend(total_ranks,
+                          placement_timeout_s=config.restart_wait_s if after_fault else None)
     from megarlhf.ppo.groups import LocalBackend
 
     return LocalBackend(total_ranks)
@@ -58,7 +59,8 @@ class Placement:
     def __init__(self, config: PPOConfig, engine_size: EngineSize | None = None, *,
                  after_fault: bool = False):
         """`engine_size`: the vLLM engines' (from `preflight`); `after_fault`: started again
-        after a fault (Ray: a cluster without room for the groups stops the run)."""
+        after a fault (Ray: a cluster without room for the groups for restart_wait_s stops the
+        run, for a requeue)."""
         self.config = config
         self.specs = group_specs(config)
         self._all_roles = set().union(*(spec.roles for spec in self.specs))

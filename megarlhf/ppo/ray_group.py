@@ -14,7 +14,7 @@ import pickle
 import time
 
 from megarlhf import logs
-from megarlhf.errors import describe
+from megarlhf.errors import NoRoom, describe
 from megarlhf.ppo.groups import (WorkerError, WorkerInputError, WorkerLost, collective_timed_out,
                                  collective_timeout, dumps, past_deadline)
 
@@ -53,10 +53,6 @@ class _Rank:
         self.worker.shutdown()
 
 
-PLACEMENT_TIMEOUT_S = 600.0
-"""After a fault, how long a group waits for the cluster to have room for its ranks (a node
-lost for good leaves too little). A first start waits as long as it takes (an autoscaling
-cluster adding nodes)."""
 PEER_GRACE_S = 10.0
 """After a rank fails, how long to look for a rank whose actor died: a killed actor's peers
 fail in their next collective (connection reset), often before Ray reports the death."""
@@ -109,11 +105,11 @@ class RayWorkerGroup:
             ray.get(self._pg.ready(), timeout=placement_timeout_s)
         except ray.exceptions.GetTimeoutError:
             ray.util.remove_placement_group(self._pg)
-            raise WorkerError(
-                f"the Ray cluster has no room for {name}'s {nproc} ranks ({bundle} each) after "
-                f"{placement_timeout_s:.0f} s (available: {ray.available_resources()}); a lost "
-                f"node? Run the job again once it has: it resumes from its last "
-                f"checkpoint") from None
+            raise NoRoom(
+                f"after a fault the Ray cluster had no room for {name}'s {nproc} ranks "
+                f"({bundle} each) for {placement_timeout_s:g} s (restart_wait_s; available: "
+                f"{ray.available_resources()}): a lost node? Run the job again once it has "
+                f"(launch/ppo.sbatch requeues it): it resumes from its last checkpoint") from None
         threads = str(max(1, int(cpus_per_rank)))
         # A running cluster's workers do not inherit this process's environment: the library
         # log levels (megarlhf/logs.py) travel with the thread count.
@@ -164,12 +160,12 @@ class RayBackend:
     """Starts Ray here unless a cluster is running; makes Ray worker groups and waits on
     their calls."""
 
-    def __init__(self, total_ranks: int, *, after_fault: bool = False):
-        """`after_fault`: the groups are started again after a fault (placing them waits
-        PLACEMENT_TIMEOUT_S at most)."""
+    def __init__(self, total_ranks: int, *, placement_timeout_s: float | None = None):
+        """`placement_timeout_s`: how long a group waits for room for its ranks (None: as
+        long as it takes; after a fault, PPOConfig.restart_wait_s)."""
         import ray
 
-        self._placement_timeout_s = PLACEMENT_TIMEOUT_S if after_fault else None
+        self._placement_timeout_s = placement_timeout_s
 
         self._ray = ray
         self._started_ray = not ray.is_initialized()
