@@ -15,6 +15,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import psutil
@@ -706,8 +707,9 @@ def _initial_adapter(ckpt: str, lora: LoraConfig, directory, b_std: float = 0.0)
 def test_disaggregated_equals_colocated_and_resumes_exactly(base, tmp_path, monkeypatch):
     """At nproc=1 with Megatron rollouts both placements run the same computations on the
     same layouts (the rollout rank's TP1 engine is the colocated rank's engine), only in other
-    processes: every metric must be bitwise equal. Then a fresh disaggregated job resumed from
-    the step-2 checkpoint must repeat steps 3-4 and the final actor and critic exactly. The
+    processes: every metric must be bitwise equal. Then a disaggregated run whose rollout
+    engine's rank is killed while it generates step 3 restarts from the step-2 checkpoint
+    and must repeat steps 3-4 (the same samples) and the final actor and critic exactly. The
     actor trains LoRA adapters (its reference then runs in the actor's group, its base with
     the adapters off), the critic every weight. An actor started from a PEFT adapter holding
     those same initial adapters has a frozen reference model of its own (the base with that
@@ -734,16 +736,47 @@ def test_disaggregated_equals_colocated_and_resumes_exactly(base, tmp_path, monk
     assert [s.name for s in group_specs(from_peft)] == ["actor", "critic", "ref", "rollout"]
     assert [same(m) for m in run(from_peft)] == [same(m) for m in straight[:2]]
 
-    resumed = dataclasses.replace(apart, out_dir=str(tmp_path / "resumed"))
-    shutil.copytree(f"{checkpoints.of_run(apart.out_dir).root}/step_2",
-                    f"{checkpoints.of_run(resumed.out_dir).root}/step_2")
-    history = run(resumed)
-    assert [_without_timings(m) for m in history] == [_without_timings(m) for m in straight[2:]]
+    # The rollout engine's rank killed while it generates step 3's samples: the run restarts
+    # from the step-2 checkpoint, draws them again and ends as the straight run.
+    faulted = dataclasses.replace(apart, out_dir=str(tmp_path / "faulted"), restart_backoff=0.0)
+    killer = threading.Thread(target=_kill_rollout_rank_when_busy, args=(faulted.out_dir, 2))
+    killer.start()
+    try:
+        history = run(faulted)
+    finally:
+        killer.join()
+    event, = [r for r in read_metrics(faulted.out_dir) if r.get("event") == "restart"]
+    assert event["resumed_step"] == 2 and event["failed_step"] == 3, event
+    assert event["cause"] == "generate: rollout rank 0 died (exit code -9)", event
+    assert [m.pop("fault/restarts", None) for m in history] == [None, None, 1, 1]
+    assert [_without_timings(m) for m in history] == [_without_timings(m) for m in straight]
     for role in ("actor", "critic"):
-        ours, theirs = _final_weights(resumed.out_dir, role), _final_weights(apart.out_dir, role)
+        ours, theirs = _final_weights(faulted.out_dir, role), _final_weights(apart.out_dir, role)
         assert ours.keys() == theirs.keys()
         for key in ours:
             assert torch.equal(ours[key], theirs[key]), (role, key)
+
+
+def _kill_rollout_rank_when_busy(out_dir: str, checkpoint: int) -> None:
+    """Once the step-`checkpoint` checkpoint is complete, SIGKILL this process's last-started
+    local rank (a disaggregated run's rollout group is its last) as soon as it uses the CPU:
+    it is generating the next step's samples."""
+    from tests.test_ppo_failures import _rank_processes
+
+    saved = checkpoints.of_run(out_dir)
+    deadline = time.monotonic() + 300
+    while not (saved.latest() or "").endswith(f"step_{checkpoint}"):
+        assert time.monotonic() < deadline, "no checkpoint"
+        time.sleep(0.02)
+    rollout = _rank_processes(psutil.Process(), "local")[-1]
+    busy = sum(rollout.cpu_times()[:2])
+    while True:
+        time.sleep(0.02)
+        now = sum(rollout.cpu_times()[:2])
+        if now - busy > 0.01:
+            rollout.send_signal(signal.SIGKILL)
+            return
+        busy = now
 
 
 @pytest.mark.slow

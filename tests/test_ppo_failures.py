@@ -66,7 +66,8 @@ def _rank_processes(controller: psutil.Process, worker_group: str) -> list[psuti
     else:
         ranks = [p for p in controller.children(recursive=True)
                  if "ray::_Rank" in " ".join(p.cmdline())]
-    return sorted([p for p in ranks if _running(p)], key=lambda p: p.create_time())
+    # Creation times tick in hundredths of a second: the pid orders ranks started together.
+    return sorted([p for p in ranks if _running(p)], key=lambda p: (p.create_time(), p.pid))
 
 
 def _running(process: psutil.Process) -> bool:
