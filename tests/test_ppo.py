@@ -340,6 +340,42 @@ def test_a_phase_deadline_follows_its_recent_durations_and_timeouts_are_named():
     assert (str(lost), lost.cause, lost.kind) == ("message", "cause", "train: hang")
 
 
+def test_a_fault_is_restarted_only_from_a_checkpoint_within_max_restarts(prompts_file,
+                                                                         tmp_path):
+    """The controller's decision after a lost worker: restart from the latest complete
+    checkpoint (the history cut back to it), or stop with one line naming the fault, the
+    reason and the last checkpoint."""
+    from megarlhf.errors import RunFault
+    from megarlhf.ppo.controller import _restart_point
+    from megarlhf.ppo.groups import WorkerLost
+
+    config = dataclasses.replace(_checked_config(prompts_file, tmp_path), max_restarts=1)
+    fault = WorkerLost("train: colocated rank 1 died (exit code -9)",
+                       "train: colocated rank 1 died (exit code -9)")
+    fault.step = 5
+    history = [{"step": n} for n in range(1, 6)]  # step 5 logged, its save not done
+    with pytest.raises(RunFault, match=r"^train: colocated rank 1 died \(exit code -9\); not "
+                                       r"restarted: no checkpoint to restart from yet .*; last "
+                                       r"checkpoint: none$"):
+        _restart_point(config, fault, [], history)
+    saved = checkpoints.of_run(config.out_dir)
+    for step in (2, 4):
+        os.makedirs(saved.path(step))
+        open(os.path.join(saved.path(step), checkpoints.STATE), "w").close()
+    os.makedirs(saved.path(6))  # incomplete: no marker
+    event = _restart_point(config, fault, [], history)
+    assert (event["restart"], event["resumed_step"], event["failed_step"]) == (1, 4, 5)
+    assert history == [{"step": n} for n in range(1, 5)]
+    with pytest.raises(RunFault, match=r"not restarted: max_restarts=1 reached; last "
+                                       r"checkpoint: .*step_4$"):
+        _restart_point(config, fault, [event], history)
+    with pytest.raises(RunFault, match="max_restarts=0 reached"):
+        _restart_point(dataclasses.replace(config, max_restarts=0), fault, [], history)
+    # The same fault in the same step as the last restart's: the run's own doing.
+    with pytest.raises(RunFault, match="the same fault in the same step again"):
+        _restart_point(dataclasses.replace(config, max_restarts=3), fault, [event], history)
+
+
 def _prompt_ids(path) -> list[list[int]]:
     with open(path) as f:
         return [json.loads(line)["prompt_ids"] for line in f if line.strip()]
