@@ -29,7 +29,7 @@ from megarlhf import profiling
 from megarlhf.errors import RunFault
 from megarlhf.envs.episodes import Episode
 from megarlhf.metrics import MetricsLog
-from megarlhf.ppo import checkpoints, gap_probe, rollouts, run_dir
+from megarlhf.ppo import checkpoints, gap_probe, placement, rollouts, run_dir
 from megarlhf.ppo.config import PPOConfig
 from megarlhf.ppo.data import PromptSampler
 from megarlhf.ppo.groups import WorkerLost
@@ -70,13 +70,17 @@ def _run_restarting(config: PPOConfig) -> list[dict]:
     max_restarts times): the metrics of every step it finished, each once."""
     history: list[dict] = []
     restarts: list[dict] = []
-    while True:
-        try:
-            _run_claimed(config, history, restarts)
-            return history
-        except WorkerLost as fault:
-            restarts.append(_restart_point(config, fault, restarts, history))
-            time.sleep(config.restart_backoff)
+    groups_backend = placement.backend(config)  # kept across restarts (Ray stays up)
+    try:
+        while True:
+            try:
+                _run_claimed(config, groups_backend, history, restarts)
+                return history
+            except WorkerLost as fault:
+                restarts.append(_restart_point(config, fault, restarts, history))
+                time.sleep(config.restart_backoff)
+    finally:
+        groups_backend.shutdown()
 
 
 def _restart_point(config: PPOConfig, fault: WorkerLost, restarts: list[dict],
@@ -104,16 +108,17 @@ def _restart_point(config: PPOConfig, fault: WorkerLost, restarts: list[dict],
             "kind": fault.kind}
 
 
-def _run_claimed(config: PPOConfig, history: list[dict], restarts: list[dict]) -> None:
+def _run_claimed(config: PPOConfig, groups_backend, history: list[dict],
+                 restarts: list[dict]) -> None:
     checkpoints.of_run(config.out_dir).remove_leftovers()
     data = read_inputs(config)
     try:
-        _train(config, data, history, restarts)
+        _train(config, groups_backend, data, history, restarts)
     finally:
         data.close()
 
 
-def _train(config: PPOConfig, data: RunInputs, history: list[dict],
+def _train(config: PPOConfig, groups_backend, data: RunInputs, history: list[dict],
            restarts: list[dict]) -> None:
     """Steps from the latest checkpoint (or the start) to the end, appending each step's
     metrics to `history`; `restarts`: the restart events so far (the last one brought this
@@ -135,7 +140,7 @@ def _train(config: PPOConfig, data: RunInputs, history: list[dict],
         if restarts:
             _log_restart(log, restarts[-1])
         log.write({"event": "data", **data.report}, echo=False)
-        workers, steps = Placement(config, data.checked.engine_size,
+        workers, steps = Placement(config, groups_backend, data.checked.engine_size,
                                    after_fault=bool(restarts)), None
         try:
             # After a resume the engine holds the checkpoint's weights (loading syncs them).
@@ -170,7 +175,6 @@ def _train(config: PPOConfig, data: RunInputs, history: list[dict],
             workers.shutdown()
             if steps is not None:
                 steps.close()  # the thread's call ends with the shutdown
-            workers.close()
     except WorkerLost as fault:
         fault.step = current
         raise

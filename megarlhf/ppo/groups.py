@@ -302,7 +302,9 @@ class LocalBackend:
         self.threads = int(os.environ.get("OMP_NUM_THREADS")
                            or max(1, (os.cpu_count() or 1) // total_ranks))
 
-    def group(self, name: str, nproc: int, worker_args: tuple) -> LocalWorkerGroup:
+    def group(self, name: str, nproc: int, worker_args: tuple, *,
+              room_wait_s: float | None = None) -> LocalWorkerGroup:
+        """`room_wait_s` is the Ray backend's: local ranks never wait for room."""
         return LocalWorkerGroup(name, nproc, worker_args, threads=self.threads)
 
     def wait_all(self, calls: list[LocalCall],

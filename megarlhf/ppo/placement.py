@@ -41,12 +41,15 @@ ROLLOUT, EXPERIENCE, TRAIN, SYNC = (frozenset({"rollout"}),
 _NOTHING = object()
 
 
-def _backend(config: PPOConfig, total_ranks: int, after_fault: bool):
+def backend(config: PPOConfig):
+    """The worker groups' backend for a run: made once and kept across its restarts (a Ray
+    runtime started here is not started again after a fault); shut it down at the run's end,
+    once no thread waits on a call."""
+    total_ranks = sum(s.nproc for s in group_specs(config))
     if config.worker_group == "ray":
         from megarlhf.ppo.ray_group import RayBackend
 
-        return RayBackend(total_ranks,
-                          placement_timeout_s=config.restart_wait_s if after_fault else None)
+        return RayBackend(total_ranks)
     from megarlhf.ppo.groups import LocalBackend
 
     return LocalBackend(total_ranks)
@@ -56,18 +59,18 @@ class Placement:
     """The controller's handle on every group of the job. Starting it starts every rank (all
     groups at once), connects the weight channel and loads the rollout engines' weights."""
 
-    def __init__(self, config: PPOConfig, engine_size: EngineSize | None = None, *,
-                 after_fault: bool = False):
-        """`engine_size`: the vLLM engines' (from `preflight`); `after_fault`: started again
-        after a fault (Ray: a cluster without room for the groups for restart_wait_s stops the
-        run, for a requeue)."""
+    def __init__(self, config: PPOConfig, groups_backend, engine_size: EngineSize | None = None,
+                 *, after_fault: bool = False):
+        """`groups_backend`: the run's (`backend`); `engine_size`: the vLLM engines' (from
+        `preflight`); `after_fault`: started again after a fault (Ray: a cluster without room
+        for the groups for restart_wait_s stops the run, for a requeue)."""
         self.config = config
         self.specs = group_specs(config)
         self._all_roles = set().union(*(spec.roles for spec in self.specs))
         self._thread = threading.local()
         self._failed = False
         self._durations: dict[tuple, list[float]] = {}  # per phase (_run): last wall times
-        self._backend = _backend(config, sum(s.nproc for s in self.specs), after_fault)
+        self._backend = groups_backend
         self._groups = []
         # A group serves one call at a time. With async_rollout the next step's rollout (and
         # its reward-model scores) runs in a thread beside the training phases: a call takes
@@ -75,8 +78,9 @@ class Placement:
         self._locks = [threading.Lock() for _ in self.specs]
         try:
             for spec in self.specs:
-                self._groups.append(self._backend.group(spec.name, spec.nproc,
-                                                          (config, spec, engine_size)))
+                self._groups.append(self._backend.group(
+                    spec.name, spec.nproc, (config, spec, engine_size),
+                    room_wait_s=config.restart_wait_s if after_fault else None))
             self._wait([g.starting for g in self._groups])
             if config.placement == "disaggregated":
                 host, port = self._groups[0].address()  # the actor's rank 0 hosts the channel
@@ -85,7 +89,6 @@ class Placement:
         except BaseException:
             self._failed = True
             self.shutdown()
-            self.close()
             raise
 
     # -- the loop's phases -------------------------------------------------------------------
@@ -167,19 +170,14 @@ class Placement:
     def shutdown(self) -> None:
         """Stop every rank, all groups at once; after a failure without waiting (the others
         may be stuck in a collective with the failed rank and would never answer). The
-        backend stays up until `close` (a thread may still be reading a killed rank's
-        answer)."""
+        backend stays up for the run's next start (and a thread may still be reading a
+        killed rank's answer)."""
         deadline = time.monotonic() + (0 if self._failed else 30)
         for group in self._groups:
             group.stop()
         for group in self._groups:
             group.join(deadline)
         self._groups = []
-
-    def close(self) -> None:
-        """After `shutdown` and once no thread waits on a call: the backend's end (a Ray
-        started here is shut down)."""
-        self._backend.shutdown()
 
     # -- plumbing ----------------------------------------------------------------------------
 

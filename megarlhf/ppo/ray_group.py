@@ -160,12 +160,9 @@ class RayBackend:
     """Starts Ray here unless a cluster is running; makes Ray worker groups and waits on
     their calls."""
 
-    def __init__(self, total_ranks: int, *, placement_timeout_s: float | None = None):
-        """`placement_timeout_s`: how long a group waits for room for its ranks (None: as
-        long as it takes; after a fault, PPOConfig.restart_wait_s)."""
+    def __init__(self, total_ranks: int):
         import ray
 
-        self._placement_timeout_s = placement_timeout_s
 
         self._ray = ray
         self._started_ray = not ray.is_initialized()
@@ -175,11 +172,14 @@ class RayBackend:
                      **({} if os.environ.get("RAY_ADDRESS") else
                         {"num_cpus": max(total_ranks, os.cpu_count() or 1)}))
 
-    def group(self, name: str, nproc: int, worker_args: tuple) -> RayWorkerGroup:
+    def group(self, name: str, nproc: int, worker_args: tuple, *,
+              room_wait_s: float | None = None) -> RayWorkerGroup:
+        """`room_wait_s`: how long the group waits for the cluster to have room for its
+        ranks (None: as long as it takes; after a fault, PPOConfig.restart_wait_s)."""
         # One GPU per rank wherever the cluster has GPUs; CPU-only clusters run on gloo.
         gpus = 1 if self._ray.cluster_resources().get("GPU", 0) > 0 else 0
         return RayWorkerGroup(name, nproc, worker_args, gpus_per_rank=gpus,
-                              placement_timeout_s=self._placement_timeout_s)
+                              placement_timeout_s=room_wait_s)
 
     def wait_all(self, calls: list[RayCall],
                  timeout_s: float | None = None) -> list[list[tuple]]:
