@@ -7,9 +7,12 @@ Measured: greedy accuracy on the 64 held-out questions before and after (HF tran
 generate on the starting model and on the run's HF export, answers checked by the built-in
 `math` reward), the implicit-reward accuracy and margin on held-out pairs every 5 steps (the
 curve), and the median step time of the recipe (cached reference), of the recipe with
-`dpo.reference=live` (a reference forward each step) and of SFT over the same pairs' rows
-(both responses of each pair as SFT rows, unpacked: the same tokens through the policy).
-fp32, 2 local ranks (DP2), as the recipe says.
+`dpo.reference=live` (a reference forward each step), of the recipe with token-budget
+micro-batches (`train.max_tokens_per_micro_batch` of BUDGET_PAIRS pairs of
+`data.max_length` rows, each micro-batch cut to its rows' widths, instead of one pair per
+micro-batch at the step's width) and of SFT over the same pairs' rows (both responses of
+each pair as SFT rows, unpacked: the same tokens through the policy). fp32, 2 local ranks
+(DP2), as the recipe says.
 
     python -m bench.bench_dpo [--steps 30] [--compare-steps 8] [--append BENCHMARKS.md]
 """
@@ -39,6 +42,7 @@ from tests import real_model
 RECIPE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes",
                       "smollm2-135m-dpo-arithmetic.yaml")
 NPROC = 2  # the recipe's run command's --nproc
+BUDGET_PAIRS = 4
 
 
 def greedy_accuracy(hf_dir: str, rows: list[dict]) -> float:
@@ -79,13 +83,18 @@ def main() -> None:
         recipe = load_config(DPOConfig, RECIPE, paths + [
             f"train.output_dir={tmp}/cached", f"train.export_hf={tmp}/cached-hf",
             *([f"train.steps={args.steps}"] if args.steps else [])])
-        live = load_config(DPOConfig, RECIPE, paths + [
-            f"train.output_dir={tmp}/live", "train.export_hf=null", "train.eval_interval=0",
-            f"train.steps={args.compare_steps}", "dpo.reference=live"])
+        compare = ["train.export_hf=null", "train.eval_interval=0",
+                   f"train.steps={args.compare_steps}"]
+        live = load_config(DPOConfig, RECIPE, paths + compare + [
+            f"train.output_dir={tmp}/live", "dpo.reference=live"])
+        budget = 2 * BUDGET_PAIRS * recipe.data.max_length
+        budgeted = load_config(DPOConfig, RECIPE, paths + compare + [
+            f"train.output_dir={tmp}/budget", f"train.max_tokens_per_micro_batch={budget}"])
         before = greedy_accuracy(hf_dir, val_rows)
         run = launch_local(run_dpo, NPROC, recipe)[0]
         after = greedy_accuracy(run["export"], val_rows)
         live_out = launch_local(run_dpo, NPROC, live)[0]
+        budget_out = launch_local(run_dpo, NPROC, budgeted)[0]
         sft = SFTConfig(
             model=ModelSource(checkpoint=ckpt),
             data=DataConfig(train=DatasetSource(path=synthetic.write_jsonl(
@@ -112,18 +121,24 @@ def main() -> None:
                                  if r["split"] == "train")
 
     cached_s, live_s, sft_s = step_s(run), step_s(live_out), step_s(sft_out)
+    budget_s = step_s(budget_out)
+    micro = statistics.median(r["microbatches"] for r in budget_out["history"]
+                              if r["split"] == "train")
     first = [out["history"][0]["loss"] for out in (run, live_out)]
     settings = recipe.dpo
     body = "\n".join(lines) + (
         f"\n\nGreedy accuracy on the 64 held-out questions: {before:.3f} before, "
         f"{after:.3f} after {recipe.train.steps} steps. Step time (median of steps 2-N): "
         f"cached reference {cached_s:.2f} s, live reference {live_s:.2f} s (ratio "
-        f"{live_s / cached_s:.2f}), SFT on the same pairs' rows (both responses, unpacked) "
+        f"{live_s / cached_s:.2f}), cached with micro-batches of up to {budget} tokens "
+        f"{budget_s:.2f} s (cached / budget {cached_s / budget_s:.2f}; {micro:g} micro-batches "
+        f"per rank and step, against {recipe.train.num_microbatches(NPROC)} of one pair), "
+        f"SFT on the same pairs' rows (both responses, unpacked) "
         f"{sft_s:.2f} s (DPO cached / SFT {cached_s / sft_s:.2f}); step 1's loss cached "
         f"{first[0]:.6f}, live {first[1]:.6f}. The recipe: {recipe.train.global_batch_size} "
         f"pairs per step, lr {recipe.optim.lr:g}, beta {settings.temperature:g}, sft_weight "
-        f"{settings.sft_weight:g}, fp32, {NPROC} local ranks (DP{NPROC}); the live and SFT "
-        f"runs {args.compare_steps} steps each. Held-out pairs: the 64 questions, each with "
+        f"{settings.sft_weight:g}, fp32, {NPROC} local ranks (DP{NPROC}); the live, budget and "
+        f"SFT runs {args.compare_steps} steps each. Held-out pairs: the 64 questions, each with "
         f"its answer chosen and a number 1-3 away rejected.")
     print(body)
     if args.append:

@@ -8,6 +8,8 @@ checkpoint exists), as `megarlhf ppo` runs in its own process:
 - kill: SIGKILL (the out-of-memory killer, an operator): the controller sees the rank die.
 - hang: SIGSTOP (a rank stuck, alive): its peer's next collective times out after
   `collective_timeout_s` (set to 30 s here; 600 by default).
+- kill (Ray): SIGKILL to rank 1's Ray actor, the ranks Ray worker groups on a Ray runtime
+  the controller started (it stays up across the restart).
 
 Measured from the injection: when the fault was detected (the restart event's `seconds` is
 the time from detection to the new workers' start, after `restart_backoff`, 5 s), when the
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -36,24 +39,33 @@ from bench.bench_rlvr import RECIPE, recipe_inputs
 from bench.report import append_entry
 from megarlhf.metrics import read_metrics
 
-FAULTS = {"kill": signal.SIGKILL, "hang": signal.SIGSTOP}
+FAULTS = {"kill": (signal.SIGKILL, "local"), "hang": (signal.SIGSTOP, "local"),
+          "kill (Ray)": (signal.SIGKILL, "ray")}
+"""fault -> (the signal sent to rank 1, worker_group)."""
 COLLECTIVE_TIMEOUT_S = 30
 
 
-def _ranks(controller: psutil.Process) -> list[psutil.Process]:
-    """The running local ranks, rank 0 first: the children of the launcher's fork server."""
-    (server,) = [p for p in controller.children()
-                 if "multiprocessing.forkserver" in " ".join(p.cmdline())]
-    return sorted([p for p in server.children() if p.status() != psutil.STATUS_ZOMBIE],
-                  key=lambda p: p.create_time())
+def _ranks(controller: psutil.Process, worker_group: str) -> list[psutil.Process]:
+    """The running ranks, in start order: local ones are the children of the launcher's
+    fork server, Ray's are the controller's descendants named ray::_Rank."""
+    if worker_group == "local":
+        (server,) = [p for p in controller.children()
+                     if "multiprocessing.forkserver" in " ".join(p.cmdline())]
+        ranks = server.children()
+    else:
+        ranks = [p for p in controller.children(recursive=True)
+                 if "ray::_Rank" in " ".join(p.cmdline())]
+    return sorted([p for p in ranks if p.status() != psutil.STATUS_ZOMBIE],
+                  key=lambda p: (p.create_time(), p.pid))
 
 
 def recover(tmp: str, inputs: list[str], fault: str) -> dict:
     """One run with `fault` injected after step 3: the seconds from the injection to each
     mark, and the median step time."""
-    out_dir = os.path.join(tmp, fault)
+    sig, worker_group = FAULTS[fault]
+    out_dir = os.path.join(tmp, re.sub(r"\W+", "_", fault).strip("_"))
     overrides = [*inputs, f"out_dir={out_dir}", "steps=5", "save_every=2", "val_every=0",
-                 f"collective_timeout_s={COLLECTIVE_TIMEOUT_S}"]
+                 f"collective_timeout_s={COLLECTIVE_TIMEOUT_S}", f"worker_group={worker_group}"]
     proc = subprocess.Popen([sys.executable, "-m", "megarlhf.cli", "ppo", "--config", RECIPE,
                              *overrides], stdout=subprocess.DEVNULL,
                             stderr=open(out_dir + ".err", "w"))
@@ -66,7 +78,7 @@ def recover(tmp: str, inputs: list[str], fault: str) -> dict:
         restart = [r for r in records if r.get("event") == "restart"]
         now = time.time()
         if injected is None and max(steps, default=0) >= 3:
-            _ranks(psutil.Process(proc.pid))[1].send_signal(FAULTS[fault])
+            _ranks(psutil.Process(proc.pid), worker_group)[1].send_signal(sig)
             injected = now
         if restart and "restart" not in seen:
             seen["restart"] = now
@@ -109,12 +121,14 @@ def main() -> None:
         f"step-2 checkpoint and finished. kill: SIGKILL; hang: SIGSTOP (the peer's "
         f"collective times out). 'first step after it done' includes the back-off, starting "
         f"the ranks, loading the checkpoint and the weights into the rollout engine, and "
-        f"running step 3 again.")
+        f"running step 3 again. kill (Ray): the same recipe on Ray worker groups (a Ray "
+        f"runtime the controller started, kept across the restart), rank 1's actor "
+        f"process killed.")
     print(body)
     print(json.dumps(rows))
     if args.append:
         append_entry(args.append, "Time to recover from a fault (SmolLM2-135M GRPO recipe, "
-                     "local ranks)", "python -m bench.bench_faults", body)
+                     "local and Ray ranks)", "python -m bench.bench_faults", body)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import sys
+import traceback
 from typing import Callable
 
 import yaml
@@ -68,8 +69,8 @@ def run_command(fn: Callable[..., int | None], *args, **kwargs) -> int:
               "is intact and a rerun resumes from it", file=sys.stderr)
         return INTERRUPTED
     except RunFault as e:
-        if debug():
-            raise
+        if debug():  # the traceback too, but the same exit code (75 requeues a Slurm job)
+            traceback.print_exc()
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code
     except (ValueError, OSError, yaml.YAMLError) as e:

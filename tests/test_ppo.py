@@ -805,14 +805,11 @@ def _kill_rollout_rank_when_busy(out_dir: str, checkpoint: int) -> None:
         assert time.monotonic() < deadline, "no checkpoint"
         time.sleep(0.02)
     rollout = _rank_processes(psutil.Process(), "local")[-1]
-    busy = sum(rollout.cpu_times()[:2])
-    while True:
-        time.sleep(0.02)
-        now = sum(rollout.cpu_times()[:2])
-        if now - busy > 0.01:
-            rollout.send_signal(signal.SIGKILL)
-            return
-        busy = now
+    idle = sum(rollout.cpu_times()[:2])
+    # CPU time counts in ticks of 0.01 s: the first tick after the checkpoint is generate's.
+    while sum(rollout.cpu_times()[:2]) - idle < 0.005:
+        time.sleep(0.005)
+    rollout.send_signal(signal.SIGKILL)
 
 
 @pytest.mark.slow

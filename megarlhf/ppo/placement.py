@@ -76,11 +76,14 @@ class Placement:
         # its reward-model scores) runs in a thread beside the training phases: a call takes
         # the locks of its groups, in group order (no deadlock), for as long as it runs.
         self._locks = [threading.Lock() for _ in self.specs]
+        # After a fault all groups together wait at most restart_wait_s for room.
+        room_until = time.monotonic() + config.restart_wait_s if after_fault else None
         try:
             for spec in self.specs:
                 self._groups.append(self._backend.group(
                     spec.name, spec.nproc, (config, spec, engine_size),
-                    room_wait_s=config.restart_wait_s if after_fault else None))
+                    room_wait_s=None if room_until is None
+                    else max(0.0, room_until - time.monotonic())))
             self._wait([g.starting for g in self._groups])
             if config.placement == "disaggregated":
                 host, port = self._groups[0].address()  # the actor's rank 0 hosts the channel

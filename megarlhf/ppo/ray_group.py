@@ -163,7 +163,6 @@ class RayBackend:
     def __init__(self, total_ranks: int):
         import ray
 
-
         self._ray = ray
         self._started_ray = not ray.is_initialized()
         if self._started_ray:
