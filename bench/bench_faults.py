@@ -38,25 +38,12 @@ import psutil
 from bench.bench_rlvr import RECIPE, recipe_inputs
 from bench.report import append_entry
 from megarlhf.metrics import read_metrics
+from tests.ranks import rank_processes
 
 FAULTS = {"kill": (signal.SIGKILL, "local"), "hang": (signal.SIGSTOP, "local"),
           "kill (Ray)": (signal.SIGKILL, "ray")}
 """fault -> (the signal sent to rank 1, worker_group)."""
 COLLECTIVE_TIMEOUT_S = 30
-
-
-def _ranks(controller: psutil.Process, worker_group: str) -> list[psutil.Process]:
-    """The running ranks, in start order: local ones are the children of the launcher's
-    fork server, Ray's are the controller's descendants named ray::_Rank."""
-    if worker_group == "local":
-        (server,) = [p for p in controller.children()
-                     if "multiprocessing.forkserver" in " ".join(p.cmdline())]
-        ranks = server.children()
-    else:
-        ranks = [p for p in controller.children(recursive=True)
-                 if "ray::_Rank" in " ".join(p.cmdline())]
-    return sorted([p for p in ranks if p.status() != psutil.STATUS_ZOMBIE],
-                  key=lambda p: (p.create_time(), p.pid))
 
 
 def recover(tmp: str, inputs: list[str], fault: str) -> dict:
@@ -78,7 +65,7 @@ def recover(tmp: str, inputs: list[str], fault: str) -> dict:
         restart = [r for r in records if r.get("event") == "restart"]
         now = time.time()
         if injected is None and max(steps, default=0) >= 3:
-            _ranks(psutil.Process(proc.pid), worker_group)[1].send_signal(sig)
+            rank_processes(psutil.Process(proc.pid), worker_group)[1].send_signal(sig)
             injected = now
         if restart and "restart" not in seen:
             seen["restart"] = now

@@ -35,6 +35,7 @@ from megarlhf.ppo.groups import WorkerError, WorkerInputError
 from megarlhf.ppo.layout import group_specs
 from tests import role_workers
 from tests.own_lines import foreign_lines
+from tests.ranks import rank_processes
 
 VLLM_TOL = 2e-5
 """Rollout/trainer logprob gap with vLLM rollouts, as in tests/test_vllm_engine.py: vLLM's CPU
@@ -658,7 +659,6 @@ def test_lost_and_hung_ranks_restart_the_run_from_its_checkpoint_exactly(base, t
     proc = _ppo_process(lost)
     saved = checkpoints.of_run(lost.out_dir)
     deadline = time.monotonic() + 400
-    from tests.test_ppo_failures import _rank_processes
 
     def wait_for(step: int, checkpoint: int) -> None:
         """Until `step` is logged and the step-`checkpoint` checkpoint is complete."""
@@ -670,7 +670,7 @@ def test_lost_and_hung_ranks_restart_the_run_from_its_checkpoint_exactly(base, t
 
     # Killed once step 4 is logged: its line is after the step-3 checkpoint the run resumes from.
     wait_for(4, 3)
-    _rank_processes(psutil.Process(proc.pid), "local")[1].send_signal(signal.SIGKILL)
+    rank_processes(psutil.Process(proc.pid), "local")[1].send_signal(signal.SIGKILL)
     # During the restart's back-off: what a kill during a save or a prune leaves, removed
     # when the run starts again.
     leftovers = ["step_9.tmp", "step_1.deleting", ".step_3.megarlhf-old",
@@ -678,7 +678,7 @@ def test_lost_and_hung_ranks_restart_the_run_from_its_checkpoint_exactly(base, t
     for name in leftovers:
         os.makedirs(os.path.join(saved.root, name, "actor"))
     wait_for(7, 6)
-    _rank_processes(psutil.Process(proc.pid), "local")[1].send_signal(signal.SIGSTOP)
+    rank_processes(psutil.Process(proc.pid), "local")[1].send_signal(signal.SIGSTOP)
     assert proc.wait(timeout=300) == 0, open(lost.out_dir + ".yaml.err").read()[-3000:]
     assert sorted(os.listdir(saved.root)) == ["step_6", "step_9"]
     # A plain run prints only megarlhf's own lines: no library's logs or warnings.
@@ -797,14 +797,13 @@ def _kill_rollout_rank_when_busy(out_dir: str, checkpoint: int) -> None:
     """Once the step-`checkpoint` checkpoint is complete, SIGKILL this process's last-started
     local rank (a disaggregated run's rollout group is its last) as soon as it uses the CPU:
     it is generating the next step's samples."""
-    from tests.test_ppo_failures import _rank_processes
 
     saved = checkpoints.of_run(out_dir)
     deadline = time.monotonic() + 300
     while not (saved.latest() or "").endswith(f"step_{checkpoint}"):
         assert time.monotonic() < deadline, "no checkpoint"
         time.sleep(0.02)
-    rollout = _rank_processes(psutil.Process(), "local")[-1]
+    rollout = rank_processes(psutil.Process(), "local")[-1]
     idle = sum(rollout.cpu_times()[:2])
     # CPU time counts in ticks of 0.01 s: the first tick after the checkpoint is generate's.
     while sum(rollout.cpu_times()[:2]) - idle < 0.005:

@@ -17,6 +17,7 @@ from megarlhf.ppo import checkpoints
 from megarlhf.ppo.controller import run
 from megarlhf.ppo.rewards import RewardFnError
 from tests import role_workers
+from tests.ranks import rank_processes
 from tests.test_ppo import _ppo_process, base, prompts_file  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.slow
@@ -56,28 +57,6 @@ def test_nan_reward_skips_the_update_and_keeps_going(base, tmp_path, one_pass): 
         assert torch.equal(final[key], initial[key]), f"{key} changed on a skipped step"
 
 
-def _rank_processes(controller: psutil.Process, worker_group: str) -> list[psutil.Process]:
-    """The job's running rank processes; local ranks in start order (rank 0 first). Local
-    ranks are the children of the launcher's fork server (megarlhf/parallel/launcher.py)."""
-    if worker_group == "local":
-        (server,) = [p for p in controller.children()
-                     if "multiprocessing.forkserver" in " ".join(p.cmdline())]
-        ranks = server.children()
-    else:
-        ranks = [p for p in controller.children(recursive=True)
-                 if "ray::_Rank" in " ".join(p.cmdline())]
-    # Creation times tick in hundredths of a second: the pid orders ranks started together.
-    return sorted([p for p in ranks if _running(p)], key=lambda p: (p.create_time(), p.pid))
-
-
-def _running(process: psutil.Process) -> bool:
-    """Not a rank of an earlier start, gone or waiting to be reaped (a restarted run's)."""
-    try:
-        return process.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
 def test_a_rank_killed_before_any_checkpoint_ends_the_job_naming_it(base, tmp_path):  # noqa: F811
     """Nothing to restart from yet: one line naming the dead rank and the missing
     checkpoint, exit code 1, no rank left behind."""
@@ -90,7 +69,7 @@ def test_a_rank_killed_before_any_checkpoint_ends_the_job_naming_it(base, tmp_pa
                and read_steps(config.out_dir)):
         assert proc.poll() is None and time.monotonic() < deadline, open(err).read()[-3000:]
         time.sleep(0.2)
-    ranks = _rank_processes(controller, "local")
+    ranks = rank_processes(controller, "local")
     assert len(ranks) == config.nproc
     ranks[1].send_signal(signal.SIGKILL)
     killed_at = time.monotonic()
@@ -143,7 +122,7 @@ def test_lost_and_hung_ray_actors_restart_the_run_exactly(base, tmp_path,  # noq
                 max([m["step"] for m in read_steps(lost.out_dir)], default=0) < step:
             assert proc.poll() is None and time.monotonic() < deadline, open(err).read()[-3000:]
             time.sleep(0.2)
-        ranks = _rank_processes(psutil.Process(proc.pid), "ray")
+        ranks = rank_processes(psutil.Process(proc.pid), "ray")
         assert len(ranks) == lost.nproc
         ranks[1].send_signal(sig)
 
@@ -179,7 +158,7 @@ def test_ctrl_c_stops_every_rank_and_leaves_the_last_checkpoint(base, tmp_path):
         assert proc.poll() is None and time.monotonic() < deadline, open(err).read()[-3000:]
         time.sleep(0.2)
     descendants = controller.children(recursive=True)
-    assert len(_rank_processes(controller, "local")) >= config.nproc
+    assert len(rank_processes(controller, "local")) >= config.nproc
     os.killpg(proc.pid, signal.SIGINT)
     try:
         code = proc.wait(timeout=120)
