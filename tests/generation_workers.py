@@ -135,6 +135,15 @@ def tp1_checks(model: ModelConfig, prompts: list[list[int]]) -> dict:
     out["top_k1"] = as_tuples(engine.generate(
         prompts, SamplingParams(max_new_tokens=10, temperature=0.7, top_k=1, seed=3)))
 
+    candidates = (7, 250, 3, V - 1)
+    first = engine.generate(prompts, dataclasses.replace(SAMPLED, seed=4,
+                                                         first_token_candidates=candidates))
+    out["first"] = [(c.prompt_index, c.first_logprobs) for c in first]
+    out["first_ref"] = [torch.log_softmax(full_forward_logits(engine.model, p, V)[-1], -1)[
+        list(candidates)].tolist() for p in prompts]
+    out["first_out_of_vocab"] = error_of(lambda: engine.generate(
+        prompts, dataclasses.replace(GREEDY, first_token_candidates=(V,))))
+
     stop = greedy[0].token_ids[2]
     out["stop_token"] = stop
     out["greedy_stopped"] = as_tuples(engine.generate(

@@ -84,3 +84,8 @@ def killed_once(responses, **_):
 
 def always_killed(responses, **_):
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def low_letters(responses, **_):
+    """The share of a response's characters among a-h (0 for an empty one)."""
+    return [sum(c in "abcdefgh" for c in r) / max(1, len(r)) for r in responses]

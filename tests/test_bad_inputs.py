@@ -170,8 +170,12 @@ CONFIG_CASES = [  # (overrides, what the message must name)
                                           "both set"),
     (["reward_fn=null", "rewards=[{name: a, kind: math}, {name: a, kind: exact_match}]"],
      "rewards: names ['a', 'a'] repeat"),
-    (["reward_fn=null", "rewards=[{name: j, kind: judge}]"], "rewards[0] (j): kind='judge' is "
-                                                            "not one of"),
+    (["reward_fn=null", "rewards=[{name: j, kind: judge}]"], "rewards[0] (j): kind judge "
+                                                            "needs reward_judge set"),
+    (["reward_fn=null", "rewards=[{name: j, kind: jury}]"], "rewards[0] (j): kind='jury' is "
+                                                           "not one of"),
+    (["reward_fn=null", "reward_judge={model: m, template: t, verdict: maybe}"],
+     "reward_judge.verdict='maybe' is not one of"),
     (["reward_fn=null", "rewards=[{name: f, kind: fn}]"], "'function' goes with kind fn"),
     (["reward_fn=null", "rewards=[{name: u, kind: url}]"], "kind url needs reward_url set"),
     (["reward_fn=null", "reward_url=http://127.0.0.1:1/x", "rewards=[{name: a, kind: math}]"],

@@ -77,6 +77,18 @@ def test_sampled_logprobs_are_the_raw_model_logprobs(tp1):
         torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(ref), atol=TOL, rtol=0)
 
 
+def test_first_token_candidates_get_the_full_forwards_logprobs(tp1):
+    # A judge's yes/no: every sample of a prompt reports the candidates' log p at its first
+    # new token, whatever it then samples.
+    n = gw.SAMPLED.n
+    assert [i for i, _ in tp1["first"]] == [i for i in range(len(PROMPTS)) for _ in range(n)]
+    for i, logprobs in tp1["first"]:
+        torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(tp1["first_ref"][i]),
+                                   atol=TOL, rtol=0)
+    kind, message = tp1["first_out_of_vocab"]
+    assert kind == "ValueError" and "first_token_candidates (300,) reach outside" in message
+
+
 def test_top_k_1_equals_greedy(tp1):
     assert _tokens(tp1["top_k1"]) == _tokens(tp1["greedy"])
 

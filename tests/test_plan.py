@@ -505,6 +505,29 @@ def test_the_vllm_kv_cache_is_what_the_engines_are_sized_with():
         == 4 * 32 * 2 * 4 * 1 * 16 * 2
 
 
+@pytest.mark.parametrize("sleep", [False, True])
+def test_the_judge_engine_is_planned_beside_the_rollout_engine(sleep, tmp_path):
+    from megarlhf.plan.job import Cluster, plan
+    from megarlhf.rewards.judge import JudgeConfig
+
+    template = tmp_path / "judge.txt"
+    template.write_text("Q: {prompt} A: {response}")  # 25 characters
+    config = config_of(rollout_backend="megatron", pipeline_parallel=1, rollout_sleep=sleep,
+                       reward_judge=JudgeConfig(model="preset:tiny", template=str(template),
+                                                max_new_tokens=3))
+    (stage,) = plan(config, Cluster(nodes=1), 16, tiny_models()).groups[0].stages
+    by = {t.what: t for t in stage.terms if t.role == "judge"}
+    # TP2 x DP4 engines: 16 samples, 4 per engine, of 16 prompt + 16 response + 25 template
+    # + 3 judge tokens; keys and values of 4 layers, 1 of 2 KV heads of 16 dims, bf16.
+    assert by["KV cache"].bytes == 2 * 4 * 4 * (16 + 16 + 25 + 3) * 1 * 16 * 2
+    assert by["weights"].bytes == rank_params(preset("tiny"), ParallelConfig(
+        tensor_parallel=2), 0) * 2
+    phases = ("rollout", "experience", "train", "sync", "checkpoint")
+    assert {p for p in phases if by["weights"].on_device(p)} == \
+        ({"rollout"} if sleep else set(phases))
+    assert {p for p in phases if by["KV cache"].on_device(p)} == {"rollout"}
+
+
 def test_pinned_host_memory_per_node_sums_its_ranks_offloaded_state():
     """The 70B PPO recipe: TP8 x PP4 x DP2 on 8 nodes, so node n holds 8 ranks of pipeline
     stage n // 2 (Megatron's order: stage-major, 16 ranks a stage). Each rank pins every

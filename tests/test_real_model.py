@@ -28,6 +28,9 @@ path, with the commands docs/guides/own-model.md ("Bring your own model") gives.
 6. DPO on conversational preference rows (chosen / rejected as message lists) at PP2: at step
    1 the loss is ln 2 and the logged chosen and rejected logprobs equal HF transformers'
    logprobs of the responses as the chat template renders them.
+7. SmolLM2 judged by SmolLM2: GRPO whose reward is a yes/no judge's P(Yes) on the rollout
+   ranks' Megatron engine, each logged reward equal to HF transformers' P(Yes) / (P(Yes) +
+   P(No)) over the judge prompt as the chat template renders it.
 """
 
 from __future__ import annotations
@@ -354,6 +357,62 @@ def test_tool_calls_on_the_real_model(hf_dir, actor, work):
                 assert f"<|im_start|>tool\n{shown}<|im_end|>" in tool["text"], (model, tool)
                 calls += 1
     assert calls > 0
+
+
+JUDGE_TEMPLATE = ("Question: {prompt}\nProposed answer: {response}\nThe correct answer is "
+                  "{ground_truth}. Is the proposed answer correct? Answer Yes or No.")
+
+
+def test_a_judge_scores_grpo_samples_on_the_real_model(hf_dir, actor, work):
+    """GRPO, 2 steps on 2 colocated ranks (Megatron engines, DP2), the reward a yes/no judge
+    (SmolLM2 itself, one engine per DP replica beside the actor's) with the capital checker
+    logged beside it at weight 0. Every logged reward is recomputed here from HF
+    transformers' fp32 forward of the judge prompt: within 1e-3 (probabilities; the engine's
+    and HF's logits over 30 layers differ by ~1e-4, a wrong prompt or token moves them by
+    > 1e-2). The scores vary, and the judge's metrics are logged."""
+    import transformers
+
+    prompts = real_tasks.write_prompts(str(work / "judge_prompts.jsonl"), real_tasks.TRAIN)
+    template = work / "judge.txt"
+    template.write_text(JUDGE_TEMPLATE)
+    out_dir = work / "judge"
+    recipe = work / "judge.yaml"
+    recipe.write_text(
+        f"actor: {actor}\nprompts: {prompts}\nout_dir: {out_dir}\nalgorithm: grpo\nnproc: 2\n"
+        "prompts_per_step: 4\nsamples_per_prompt: 4\nmax_new_tokens: 16\nsteps: 2\n"
+        "log_samples: 16\nactor_lr: 1.0e-6\n"
+        f"reward_judge: {{model: {hf_dir}, template: {template}, max_new_tokens: 4}}\n"
+        "rewards: [{name: judge, kind: judge},\n"
+        "          {name: rule, kind: fn, function: 'tests.real_tasks:capital_reward', "
+        "weight: 0}]\n")
+    _run(sys.executable, "-m", "megarlhf.cli", "ppo", "--config", str(recipe))
+    steps = read_steps(str(out_dir))
+    for m in steps:
+        print(f"judge step {m['step']}: judge {m['reward/judge']:.3f} (parse failures "
+              f"{m['reward/judge_parse_failures']:.0f}, {m['time/worker/judge']:.2f} s), rule "
+              f"{m['reward/rule']:.3f}, step {m['time/wall']:.1f} s")
+        assert m["time/worker/judge"] > 0 and m["reward/judge_seconds"] > 0, m
+        assert m["reward/judge"] == pytest.approx(m["reward/mean"], abs=1e-6), m
+    tokenizer = transformers.AutoTokenizer.from_pretrained(hf_dir)
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    yes = [tokenizer.encode(w, add_special_tokens=False)[0] for w in ("Yes", " Yes")]
+    no = [tokenizer.encode(w, add_special_tokens=False)[0] for w in ("No", " No")]
+    country = {city: c for c, city in real_tasks.TRAIN.items()}
+    with open(out_dir / "samples.jsonl") as f:
+        rows = [json.loads(line) for line in f]
+    assert len(rows) == 32 and all(row["judge_score"] == row["reward"] for row in rows)
+    for row in rows:
+        text = JUDGE_TEMPLATE.format(prompt=real_tasks.question(country[row["ground_truth"]]),
+                                     response=row["response"],
+                                     ground_truth=row["ground_truth"])
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                            add_generation_prompt=True, return_dict=False)
+        with torch.no_grad():
+            p = torch.softmax(model(torch.tensor([ids])).logits[0, -1].double(), dim=-1)
+        p_yes = float(p[yes].sum() / (p[yes].sum() + p[no].sum()))
+        assert row["reward"] == pytest.approx(p_yes, abs=1e-3), row
+    rewards = [row["reward"] for row in rows]
+    assert max(rewards) - min(rewards) > 0.05, rewards
 
 
 QUICKSTART = os.path.join(REPO, "docs", "quickstart.md")

@@ -43,6 +43,11 @@ def ppo(config: PPOConfig) -> str:
                      f"turns of <= {config.turn_tokens} tokens, <= {config.max_new_tokens} "
                      f"tokens after the prompt, observations <= {config.observation_tokens}"
                      f"{tools}")
+    if data.judge is not None:
+        j = config.reward_judge
+        lines.append(f"  judge: {j.model}, verdict {j.verdict}, <= {j.max_new_tokens} new "
+                     f"tokens, template {j.template} (placeholders checked), on the rollout "
+                     f"ranks' Megatron engines")
     if checked.engine_size is not None:
         size = checked.engine_size
         lines.append(f"  vLLM engines: max_model_len {size.max_model_len}, KV cache "

@@ -60,7 +60,8 @@ from megarlhf.plan.params import (rank_adapter_params, rank_expert_params, rank_
 from megarlhf.ppo import residency as phase_needs
 from megarlhf.ppo.config import PPOConfig
 from megarlhf.ppo.layout import GroupSpec, group_specs
-from megarlhf.ppo.sources import MODEL_ROLES, ModelSource, check_models, resolve_models
+from megarlhf.ppo.sources import (MODEL_ROLES, ModelSource, check_models, resolve,
+                                  resolve_models)
 from megarlhf.rollout.bridge import DEFAULT_BUCKET_BYTES
 from megarlhf.rollout.megatron_engine import MegatronEngineConfig
 
@@ -323,10 +324,12 @@ def plan(config: PPOConfig, cluster: Cluster, prompt_len: int,
     models = models if models is not None else resolve_models(config)
     seq = prompt_len + config.max_new_tokens
     check(config, cluster, models, seq)
+    judge = config.reward_judge and resolve(config.reward_judge.model,
+                                            field="reward_judge.model", value_head=False)
     groups, first = [], 0
     host = [0] * cluster.nodes
     for spec in group_specs(config):
-        group = GroupPlan(spec, first, tuple(_stage(config, spec, models, prompt_len, r)
+        group = GroupPlan(spec, first, tuple(_stage(config, spec, models, prompt_len, r, judge)
                                              for r in range(spec.parallel.pipeline_parallel)))
         groups.append(group)
         for rank in range(spec.nproc):
@@ -350,7 +353,7 @@ def residency(config: PPOConfig, role: str, what: str) -> dict:
 
 
 def _stage(config: PPOConfig, spec: GroupSpec, models: dict[str, ModelSource],
-           prompt_len: int, pp_rank: int) -> Stage:
+           prompt_len: int, pp_rank: int, judge: ModelSource | None = None) -> Stage:
     nbytes, seq = param_bytes(config), prompt_len + config.max_new_tokens
     mesh = spec.parallel
     dp = mesh.data_parallel_size(spec.nproc)
@@ -419,7 +422,36 @@ def _stage(config: PPOConfig, spec: GroupSpec, models: dict[str, ModelSource],
             lora=config.lora_of("actor") is not None), running=frozenset({"sync"})))
     if "rollout" in spec.roles:
         terms += _rollout_terms(config, spec, actor, prompt_len)
+        if judge is not None:
+            terms += _judge_terms(config, spec, judge.model, prompt_len)
     return Stage(pp_rank, tuple(terms))
+
+
+def _judge_terms(config: PPOConfig, spec: GroupSpec, model: ModelConfig, prompt_len: int
+                 ) -> list[Term]:
+    """reward_judge's engine (one per DP replica at the group's TP, as the Megatron rollout
+    engine): its weights, asleep outside the rollout phase with rollout_sleep, and its KV
+    cache and working set while it judges a rollout's samples. Its prompt: the sample, and
+    the template counted as one token per character (more than any tokenizer makes)."""
+    judge, nbytes = config.reward_judge, param_bytes(config)
+    try:
+        with open(judge.template) as f:
+            template = len(f.read())
+    except OSError:  # the run's preflight names it; the plan still sizes the rest
+        template = 0
+    seq = prompt_len + config.max_new_tokens + template + judge.max_new_tokens
+    tp = spec.parallel.tensor_parallel
+    engines = spec.parallel.data_parallel_size(spec.nproc)
+    rows = min(math.ceil(config.rows_per_step / engines), MegatronEngineConfig().max_batch_size)
+    rollout = frozenset({"rollout"})
+    weights = rank_params(model, ParallelConfig(tensor_parallel=tp), 0) * nbytes
+    return [Term("judge", "weights", weights, held=rollout if config.rollout_sleep else EVERY),
+            Term("judge", "KV cache", memory.kv_cache(model, tp, rows, seq, nbytes),
+                 running=rollout),
+            Term("judge", "generation", max(
+                memory.inference_layer(model, tp, rows, seq, nbytes),
+                memory.lm_logits(model, 1, rows, 1, nbytes, backward=False)),
+                running=rollout)]
 
 
 def _rollout_terms(config: PPOConfig, spec: GroupSpec, model: ModelConfig, prompt_len: int

@@ -26,6 +26,7 @@ from megarlhf.rollout.sizing import EngineSize
 from megarlhf.models.transformer_config import DTYPES, RECOMPUTE
 from megarlhf.ppo.algorithms import ALGORITHMS, PRESETS, AlgorithmOptions, resolve
 from megarlhf.ppo.remote_reward import url_problem
+from megarlhf.rewards.judge import JudgeConfig
 from megarlhf.rl import AGGREGATION_MODES, KL_ESTIMATORS
 from megarlhf.rl.correction import CORRECTION_LEVELS, CORRECTIONS
 from megarlhf.rl.losses import POLICY_LOSSES, RATIO_LEVELS
@@ -118,11 +119,12 @@ class RoleLayout(LayoutOverride):
     W + scale * B @ A, merged one tensor at a time."""
 
 
-REWARD_KINDS = ("math", "exact_match", "fn", "url", "reward_model")
+REWARD_KINDS = ("math", "exact_match", "fn", "url", "reward_model", "judge")
 """A reward term's kinds: a built-in checker by name, a function, the reward service, the
-reward model."""
+reward model, the judge."""
 RESERVED_REWARD_NAMES = ("mean", "std", "timeouts", "worker_restarts", "overlong_penalty",
-                         "url_failed_samples", "url_retries", "url_seconds")
+                         "url_failed_samples", "url_retries", "url_seconds",
+                         "judge_parse_failures", "judge_score", "judge_seconds")
 """reward/<name> metrics the run logs itself: no term may take their names."""
 
 
@@ -136,7 +138,7 @@ class RewardTerm:
     kind: str
     """math | exact_match (built-in checkers against the row's ground_truth), fn (`function`),
     url (the run's reward_url and its reward_url_* settings), reward_model (the run's
-    reward_model checkpoint)."""
+    reward_model checkpoint), judge (the run's reward_judge)."""
     weight: float = 1.0
     """Its factor in the sum (any finite number; negative penalises)."""
     function: str | None = None
@@ -161,6 +163,10 @@ class Layout:
     rollout: RolloutLayout = dataclasses.field(default_factory=RolloutLayout)
     """The rollout engines' size."""
 
+
+_RUN_REWARDS = (("url", "reward_url"), ("reward_model", "reward_model"),
+                ("judge", "reward_judge"))
+"""Reward kinds the run has at most one of, and the field that sets it up."""
 
 LAYOUT_KEYS = {"actor": "actor", "ref": "reference", "critic": "critic", "reward": "reward"}
 """Model role -> its key in the `layout` section."""
@@ -221,6 +227,11 @@ class PPOConfig:
     0.1}]: a sample's score is the weighted sum, each term logged as reward/<name>. Empty:
     the reward model's, reward_fn's (reward_fn_by_source's) and reward_url's scores are
     added with weight 1, unnamed."""
+    reward_judge: JudgeConfig | None = None
+    """A generative judge (megarlhf/rewards/judge.py): a language model on the rollout ranks
+    reads each training sample through a prompt template and its verdict is scored, e.g.
+    {model: HF_DIR, template: judge.txt, verdict: yes_no}. Colocated placement, at the
+    actor's tensor parallel size (PP, CP and EP 1). Validation does not consult it."""
     reward_url_check: bool = True
     """Refuse the run before any rank starts when the reward server accepts no connection;
     false for a server that starts after the trainer (its first step then waits on the
@@ -660,9 +671,10 @@ class PPOConfig:
         if self.reward_url_headers_env is not None and self.reward_url is None:
             problems.append("reward_url_headers_env is set, but no reward_url")
         problems += self._reward_term_problems()
+        problems += self._judge_problems()
         if self.reward_model is None and self.reward_fn is None and self.reward_url is None \
                 and not self.reward_fn_by_source and not self.rewards \
-                and self.environment is None:
+                and self.environment is None and self.reward_judge is None:
             problems.append("no reward: set reward_model=CKPT and/or reward_fn=math|exact_match|"
                             "module:function, or an environment that gives rewards")
         if self.placement != "colocated":
@@ -926,11 +938,10 @@ class PPOConfig:
         if taken:
             problems.append(f"rewards: names {taken} are metrics the run logs itself "
                             f"(reward/<name>); rename those terms")
-        for kind in ("url", "reward_model"):
+        for kind, field in _RUN_REWARDS:
             if sum(t.kind == kind for t in self.rewards) > 1:
                 problems.append(f"rewards: more than one term of kind {kind} (the run has one "
-                                f"{'reward_url' if kind == 'url' else 'reward_model'}); "
-                                f"weigh it once")
+                                f"{field}); weigh it once")
         for i, term in enumerate(self.rewards):
             where = f"rewards[{i}] ({term.name})"
             if not term.name.replace("_", "").isalnum():
@@ -943,15 +954,29 @@ class PPOConfig:
                 problems.append(f"{where}: weight must be a finite number, got {term.weight}")
             if (term.kind == "fn") != (term.function is not None):
                 problems.append(f"{where}: 'function' goes with kind fn, and kind fn needs one")
-            needs = {"url": ("reward_url", self.reward_url),
-                     "reward_model": ("reward_model", self.reward_model)}.get(term.kind)
-            if needs and needs[1] is None:
-                problems.append(f"{where}: kind {term.kind} needs {needs[0]} set")
+            field = dict(_RUN_REWARDS).get(term.kind)
+            if field and getattr(self, field) is None:
+                problems.append(f"{where}: kind {term.kind} needs {field} set")
         kinds = {t.kind for t in self.rewards}
-        for kind, field in (("url", "reward_url"), ("reward_model", "reward_model")):
+        for kind, field in _RUN_REWARDS:
             if getattr(self, field) is not None and kind not in kinds:
                 problems.append(f"{field} is set, but no rewards term of kind {kind} uses it: "
                                 f"add {{name: ..., kind: {kind}}} (with its weight)")
+        return problems
+
+    def _judge_problems(self) -> list[str]:
+        judge = self.reward_judge
+        if judge is None:
+            return []
+        problems = judge.problems()
+        actor = self._actor_layout()
+        if self.placement != "colocated":
+            problems.append("reward_judge runs on the colocated rollout ranks: set "
+                            "placement=colocated")
+        elif actor.pipeline_parallel > 1 or actor.context_parallel > 1 or \
+                actor.expert_parallel > 1:
+            problems.append("reward_judge runs on a Megatron engine at PP=1, CP=1 and EP=1 "
+                            "(the actor's layout): set those to 1")
         return problems
 
     def lora_of(self, role: str) -> LoraConfig | None:

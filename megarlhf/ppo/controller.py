@@ -212,7 +212,7 @@ def ppo_step(config: PPOConfig, data: RunInputs, workers: Placement,
     timer = {} if drawn.busy else dict(drawn.seconds)
     log.samples(step, [{**row, "weight_version": drawn.weight_version} for row in
                        sample_rows(drawn.samples, score, config.log_samples, "train",
-                                   episodes)])
+                                   episodes, drawn.judged)])
 
     log.phase("experience")
     t = time.perf_counter()
@@ -413,8 +413,9 @@ def validate(config: PPOConfig, data: RunInputs, workers: Placement, step: int,
                                    seed=config.seed * 1_000_003 + step + 500_009)
         answers = rollouts.answer(data, workers, data.val, params)
         samples = data.samples(answers.prompts, answers.completions, answers.episodes)
-        score, metrics = rollouts.score_answers(config, data, workers, answers, samples, step,
-                                                validation=True)
+        scored = rollouts.score_answers(config, data, workers, answers, samples, step,
+                                        validation=True)
+        score, metrics = scored.score, scored.metrics
         log.samples(step, sample_rows(samples, score, config.log_samples, phase,
                                       answers.episodes))
         if not prefix:
@@ -435,9 +436,11 @@ def validate(config: PPOConfig, data: RunInputs, workers: Placement, step: int,
 
 
 def sample_rows(samples: list[Sample], score: torch.Tensor, count: int, phase: str,
-                episodes: list[Episode] | None = None) -> list[dict]:
+                episodes: list[Episode] | None = None,
+                judged: list[dict] | None = None) -> list[dict]:
     """`count` of the samples, spread over the batch, as samples.jsonl rows; an episode's
-    with its turns in order (role, text, tokens, trained on or not)."""
+    with its turns in order (role, text, tokens, trained on or not); with the judge's text
+    and score."""
     picked = sorted({i * len(samples) // count for i in range(count)}) if count else []
     rows = []
     for i in picked:
@@ -450,6 +453,8 @@ def sample_rows(samples: list[Sample], score: torch.Tensor, count: int, phase: s
             row["turns"] = [dataclasses.asdict(part) for part in episodes[i].parts]
             if episodes[i].error is not None:
                 row["env_error"] = episodes[i].error
+        if judged is not None:
+            row.update(judged[i])
         rows.append(row)
     return rows
 

@@ -14,6 +14,7 @@ from megarlhf.envs.loading import environment_factory
 from megarlhf.envs.tools import Toolbox
 from megarlhf.ppo.config import PPOConfig
 from megarlhf.ppo.data import read_run_prompts, run_format, run_tokenizer, tokenizer_path
+from megarlhf.ppo.judge import Judge
 from megarlhf.ppo.preflight import Preflight, preflight
 from megarlhf.ppo.remote_reward import RemoteReward, check_reachable, read_headers
 from megarlhf.ppo.rewards import RewardFunction
@@ -44,6 +45,8 @@ class RunInputs:
     episodes: EpisodeRunner | None = None
     """With an environment: runs the multi-turn episodes."""
     toolbox: Toolbox | None = None
+    judge: Judge | None = None
+    """With reward_judge: builds the judge's prompts and reads its verdicts."""
 
     def samples(self, prompts: list[Prompt], completions,
                 episodes: list[Episode] | None = None) -> list[Sample]:
@@ -94,8 +97,8 @@ def read_inputs(config: PPOConfig) -> RunInputs:
                          f"set tokenizer=HF_DIR")
     if config.val_prompts and not scorers and config.environment is None:
         raise ValueError("val_prompts: validation scores answers with the reward function; "
-                         "set reward_fn or reward_url (the reward model does not score "
-                         "validation)")
+                         "set reward_fn or reward_url (the reward model and the judge do not "
+                         "score validation)")
     train, train_report = read_run_prompts(config, "prompts")
     val, val_report = read_run_prompts(config, "val_prompts") if config.val_prompts \
         else ([], None)
@@ -117,14 +120,28 @@ def read_inputs(config: PPOConfig) -> RunInputs:
     if config.environment is not None:
         toolbox, runner = _environment(config, tokenizer, kept_train[0],
                                        checked.max_prompt_tokens)
+    judge = None
+    if config.reward_judge is not None:
+        if path is None:
+            raise ValueError(f"reward_judge reads the responses as text, but no tokenizer is "
+                             f"known to decode them (the actor checkpoint has no "
+                             f"{config.actor}/hf tokenizer); set tokenizer=HF_DIR")
+        columns = set.intersection(*(set(p.metadata) for p in kept_train))
+        if config.environment is not None:
+            columns.add("conversation")  # the episode's turns (RunInputs.samples)
+        judge = Judge(config.reward_judge, columns, seed=config.seed,
+                      tensor_parallel=config.parallel_of("actor").tensor_parallel,
+                      decode_prompt=lambda ids: tokenizer.decode(ids, skip_special=True),
+                      longest_sample=max(len(p.ids) for p in kept_train)
+                      + config.max_new_tokens)
     return RunInputs(train=kept_train, val=kept_val,
                      checked=checked, scorers=scorers, tokenizer=tokenizer, report=report,
-                     episodes=runner, toolbox=toolbox)
+                     episodes=runner, toolbox=toolbox, judge=judge)
 
 
 def _scorers(config: PPOConfig) -> list[Scorer]:
-    """The rewards scored in this process (the reward model's runs on its ranks): each
-    `rewards` term but the reward model's, or else reward_fn (with reward_fn_by_source) and
+    """The rewards scored in this process (the reward model's and the judge's run on the
+    ranks): each `rewards` term but those, or else reward_fn (with reward_fn_by_source) and
     reward_url, unnamed, weight 1."""
     def function(spec: str | None, by_source: dict | None = None) -> RewardFunction:
         return RewardFunction(spec, by_source, allow_non_finite=config.nan_policy == "skip",
@@ -141,7 +158,7 @@ def _scorers(config: PPOConfig) -> list[Scorer]:
         return out
     return [Scorer(t.name, t.weight, _remote_reward(config) if t.kind == "url"
                    else function(t.function or t.kind))
-            for t in config.rewards if t.kind != "reward_model"]
+            for t in config.rewards if t.kind not in ("reward_model", "judge")]
 
 
 def _remote_reward(config: PPOConfig) -> RemoteReward:

@@ -104,6 +104,12 @@ class Placement:
         self.busy["rollout"] = self.busy.get("rollout", 0.0) + seconds  # a step may take rounds
         return completions
 
+    def judge(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        """The judge engine's completions (reward_judge), one per prompt (PPOWorker.judge)."""
+        (completions,), seconds = self._run(WorkerAPI.judge, ROLLOUT, prompts, params)
+        self.busy["judge"] = self.busy.get("judge", 0.0) + seconds
+        return completions
+
     def experience(self, batch: SequenceBatch, roles: frozenset[str],
                    routing: torch.Tensor | None = None) -> dict:
         """What `roles` (of EXPERIENCE) add to the batch: logp, entropy (and routing_moved,

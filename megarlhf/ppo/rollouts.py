@@ -77,6 +77,7 @@ class Group:
     answers: Answers
     samples: list[Sample]
     score: torch.Tensor
+    judged: list[dict] | None
 
 
 @dataclasses.dataclass
@@ -98,6 +99,9 @@ class StepRollout:
     episodes: list[Episode] | None = None
     """With an environment: the episodes the completions are (their transcripts, and the
     turns' rewards at their tokens)."""
+    judged: list[dict] | None = None
+    """With reward_judge: per sample, what the judge wrote and its score (samples.jsonl's
+    judge and judge_score)."""
 
 
 def draw(config: PPOConfig, data: RunInputs, workers: Placement, sampler, step: int,
@@ -116,13 +120,15 @@ def draw(config: PPOConfig, data: RunInputs, workers: Placement, sampler, step: 
         seconds["rollout"] += time.perf_counter() - t
         t = time.perf_counter()
         samples = data.samples(answers.prompts, answers.completions, answers.episodes)
-        score, metrics = score_answers(config, data, workers, answers, samples, step)
+        scored_round = score_answers(config, data, workers, answers, samples, step)
+        score, judged = scored_round.score, scored_round.judged
         seconds["reward"] += time.perf_counter() - t
-        scored.append((len(samples), metrics))
+        scored.append((len(samples), scored_round.metrics))
         varied = varied_groups(score, n) if o.dynamic_sampling else [True] * len(prompts)
         for g in range(len(prompts)):
             rows = slice(g * n, (g + 1) * n)
-            group = Group(answers.rows(rows), samples[rows], score[rows])
+            group = Group(answers.rows(rows), samples[rows], score[rows],
+                          judged[rows] if judged is not None else None)
             (kept if varied[g] else dropped).append(group)
         if len(kept) >= config.prompts_per_step:
             break
@@ -141,7 +147,8 @@ def draw(config: PPOConfig, data: RunInputs, workers: Placement, sampler, step: 
         samples=[s for g in groups for s in g.samples],
         score=torch.cat([g.score for g in groups]), metrics=metrics, seconds=seconds,
         weight_version=weight_version,
-        episodes=[e for a in chosen for e in a.episodes] if data.episodes else None)
+        episodes=[e for a in chosen for e in a.episodes] if data.episodes else None,
+        judged=[t for g in groups for t in g.judged] if data.judge else None)
 
 
 class Rollouts:
@@ -213,6 +220,8 @@ def settings(config: PPOConfig) -> dict:
         "top_k", "stop_token_ids", "reward_fn", "reward_model", "async_rollout")}
     if config.reward_url is not None:  # named only when set, as routing_replay below
         drawn["reward_url"] = config.reward_url
+    if config.reward_judge is not None:
+        drawn["reward_judge"] = dataclasses.asdict(config.reward_judge)
     if config.rewards:
         drawn["rewards"] = [dataclasses.asdict(t) for t in config.rewards]
     if config.routing_replay:  # the rollout must carry its routing; named only when on, so
@@ -232,13 +241,22 @@ def sampling(config: PPOConfig, data: RunInputs, *, n: int, temperature: float, 
                           stop_token_ids=data.checked.stop_token_ids, seed=seed)
 
 
+@dataclasses.dataclass
+class Scored:
+    score: torch.Tensor
+    """[B]"""
+    metrics: dict[str, float]
+    judged: list[dict] | None
+    """With reward_judge (training rounds): per sample, the judge's text and score."""
+
+
 def score_answers(config: PPOConfig, data: RunInputs, workers: Placement, answers: Answers,
-                  samples: list[Sample], step: int, *, validation: bool = False
-                  ) -> tuple[torch.Tensor, dict[str, float]]:
-    """[B] scores of one round: the episodes' rewards, plus the reward model's, plus the
-    reward function's, plus the reward service's (reward_url), plus the overlong penalty;
-    and the reward function's, the service's and the environment's metrics. Validation
-    scores with the episodes' rewards, the reward function and the service only."""
+                  samples: list[Sample], step: int, *, validation: bool = False) -> Scored:
+    """The scores of one round: the episodes' rewards, plus the reward model's, plus the
+    judge's, plus the reward function's, plus the reward service's (reward_url), plus the
+    overlong penalty; and the reward function's, the judge's, the service's and the
+    environment's metrics. Validation scores with the episodes' rewards, the reward function
+    and the service only."""
     score = torch.zeros(len(samples))
     metrics = dict(answers.metrics)
     if answers.episodes is not None:
@@ -251,6 +269,16 @@ def score_answers(config: PPOConfig, data: RunInputs, workers: Placement, answer
         score += rm * (term.weight if term else 1.0)
         if term:
             metrics[f"reward/{term.name}"] = float(rm.mean())
+    judged_rows = None
+    if data.judge is not None and not validation:
+        judged = data.judge.score(workers.judge, answers.prompts, samples, step)
+        term = next((t for t in config.rewards if t.kind == "judge"), None)
+        score += judged.scores * (term.weight if term else 1.0)
+        metrics.update(judged.metrics)
+        if term:
+            metrics[f"reward/{term.name}"] = float(judged.scores.mean())
+        judged_rows = [{"judge": text, "judge_score": float(value)}
+                       for text, value in zip(judged.texts, judged.scores)]
     for s in data.scorers:
         values, fn_metrics = s.scorer.score(step, samples)
         score += s.weight * values
@@ -265,12 +293,13 @@ def score_answers(config: PPOConfig, data: RunInputs, workers: Placement, answer
                                    factor=config.overlong_penalty)
         score += penalty
         metrics["reward/overlong_penalty"] = float(penalty.mean())
-    return score, metrics
+    return Scored(score, metrics, judged_rows)
 
 
 _COUNTS = ("reward/timeouts", "reward/worker_restarts", "reward/url_failed_samples",
            "reward/url_retries",
-           "reward/url_seconds", "env/errors", "env/tool_errors", "env/observations_cut",
+           "reward/url_seconds", "reward/judge_parse_failures", "reward/judge_seconds",
+           "env/errors", "env/tool_errors", "env/observations_cut",
            "env/seconds")
 """Metrics of a round that are totals (the step's is their sum over rounds)."""
 

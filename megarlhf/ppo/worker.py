@@ -27,6 +27,7 @@ from megarlhf.engine.checkpoint import (
 from megarlhf.engine.optim import OptimConfig
 from megarlhf.engine.train import TrainEngine
 from megarlhf.models.config import ModelConfig
+from megarlhf.models.arch import hf_shapes
 from megarlhf.models.gpt import model_spec
 from megarlhf.models.lora import adapters_off
 from megarlhf.models.transformer_config import parse_dtype
@@ -112,8 +113,11 @@ class PPOWorker:
         if self.actor is not None:
             self.bridge = WeightBridge(self.actor.engine.chunks, self.mesh, model, arch,
                                        lora=c.lora_of("actor"))
+        self.judge_engine = None
         if "rollout" in roles:
             self.engine = self._rollout_engine(model, arch.name)
+            if c.reward_judge is not None:
+                self.judge_engine = self._judge_engine()
             self._output_name = projection.output_name(
                 arch.rules(model, lm_head=True, value_head=False), model.tie_embeddings)
             self._hidden = model.hidden_size
@@ -185,6 +189,23 @@ class PPOWorker:
                               self.mesh, MegatronEngineConfig(architecture=arch_name,
                                                               return_routing=c.routing_replay))
 
+    def _judge_engine(self):
+        """(engine, HF source): reward_judge's model on a Megatron engine of this group's TP,
+        its weights read from the HF directory (before each judge call, with
+        rollout_sleep)."""
+        from megarlhf.convert.hf_to_mcore import inspect_hf
+        from megarlhf.rollout.megatron_engine import MegatronEngine, MegatronEngineConfig
+
+        source = inspect_hf(self.config.reward_judge.model)
+        engine = MegatronEngine(model_spec(source.model, self.group.parallel, dtype=self.dtype,
+                                           layer_spec=self.config.layer_spec),
+                                self.mesh, MegatronEngineConfig(architecture=source.arch_name))
+        if self.config.rollout_sleep:
+            engine.sleep()  # until the first judge call
+        else:
+            engine.update_weights(_hf_tensors(source))
+        return engine, source
+
     def open_channel(self, host: str, port: int) -> None:
         """Disaggregated: join the weight channel. Its members are the actor's senders (TP
         rank 0 of DP replica 0 of each pipeline stage: channel ranks 0..PP-1) and every
@@ -209,7 +230,30 @@ class PPOWorker:
         rollout_tp consecutive ranks, or one Megatron engine per DP replica (it spans the
         replica's TP group). The turns of a multi-turn episode keep one key, so they reach
         the engine that holds the episode's earlier turns in its prefix cache."""
-        if self.config.rollout_backend == "vllm":
+        self.residency.keep("rollout", residency.ROLLOUT)
+        return self._deal(self.engine, self.config.rollout_backend == "vllm", prompts, params,
+                          keys)
+
+    @_phase("judge")
+    def judge(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        """The judge engine's completions of its prompts (one Megatron engine per DP
+        replica), on every rank. With rollout_sleep it frees its weights afterwards and
+        reads them from its directory again next time."""
+        self.residency.keep("rollout", residency.ROLLOUT)
+        engine, source = self.judge_engine
+        if self.config.rollout_sleep:
+            engine.wake()
+            engine.update_weights(_hf_tensors(source))
+        try:
+            return self._deal(engine, False, prompts, params, None)
+        finally:
+            if self.config.rollout_sleep:
+                engine.sleep()
+
+    def _deal(self, engine, vllm: bool, prompts: list[list[int]], params: SamplingParams,
+              keys: list[int] | None) -> list[Completion]:
+        """`engine`'s completions of the prompts dealt over the engines (see generate)."""
+        if vllm:
             tp = self.config.rollout_tp
             share, count, group = self.rank // tp, self.mesh.world_size // tp, None
             # An engine's ranks all hold its completions: its first rank speaks for it.
@@ -217,7 +261,6 @@ class PPOWorker:
         else:
             share, count, group = self.mesh.dp_rank, self.mesh.dp_size, self.mesh.dp_group
             speaks = True  # dp_group holds one rank of each engine
-        self.residency.keep("rollout", residency.ROLLOUT)
         keys = keys if keys is not None else range(len(prompts))
         mine = [i for i, key in enumerate(keys) if key % count == share]
         if params.seed is not None and share:
@@ -226,7 +269,7 @@ class PPOWorker:
             # would be sampled alike.
             params = dataclasses.replace(params, seed=(params.seed + share * _ENGINE_SEED)
                                          % 2**63)
-        local = self.engine.generate([prompts[i] for i in mine], params.for_prompts(mine)) \
+        local = engine.generate([prompts[i] for i in mine], params.for_prompts(mine)) \
             if mine else []
         local = [dataclasses.replace(c, prompt_index=mine[c.prompt_index])
                  for c in local if speaks]
@@ -235,7 +278,7 @@ class PPOWorker:
         merged = [c for part in parts for c in part]
         # A rank gathered twice (or not at all) would silently reweight the batch.
         if len(merged) != len(prompts) * params.n:
-            raise RuntimeError(f"the rollout engines returned {len(merged)} completions for "
+            raise RuntimeError(f"the engines returned {len(merged)} completions for "
                                f"{len(prompts)} prompts x {params.n} samples")
         return sorted(merged, key=lambda c: c.prompt_index)  # stable: samples keep order
 
@@ -392,3 +435,11 @@ class PPOWorker:
     def shutdown(self) -> None:
         if self.engine is not None:
             self.engine.shutdown()
+        if self.judge_engine is not None:
+            self.judge_engine[0].shutdown()
+
+
+def _hf_tensors(source):
+    """An HF directory's tensors as a weight stream, one tensor per bucket."""
+    for name in hf_shapes(source.rules, source.model):
+        yield [(name, source.reader.get(name))]

@@ -32,6 +32,10 @@ class SamplingParams:
     """Per prompt, the new tokens it may take (each in [1, max_new_tokens]); None:
     max_new_tokens for every prompt. The turns of multi-turn episodes each get what is left
     of their episode's budget."""
+    first_token_candidates: tuple[int, ...] = ()
+    """Token ids whose log p at each sample's first new token (under the raw logits) the
+    completions report in `first_logprobs`: a judge's verdict read from the probabilities of
+    "Yes" and "No", whichever token it then samples."""
 
     def __post_init__(self):
         problems = []
@@ -51,6 +55,9 @@ class SamplingParams:
         if each is not None and not all(1 <= m <= self.max_new_tokens for m in each):
             problems.append(f"max_new_tokens_each must lie in [1, max_new_tokens="
                             f"{self.max_new_tokens}], got {min(each)}..{max(each)}")
+        if any(t < 0 for t in self.first_token_candidates):
+            problems.append(f"first_token_candidates must be token ids >= 0, got "
+                            f"{self.first_token_candidates}")
         if problems:
             raise ValueError("invalid sampling params: " + "; ".join(problems))
 
@@ -92,6 +99,9 @@ class Completion:
     """Per token: True where the engine sampled it (trained on; `logprobs` holds its
     logprob), False where an environment put it (an observation of a multi-turn episode:
     masked, logprob 0). None: the engine sampled every token."""
+    first_logprobs: tuple[float, ...] | None = None
+    """log p of each of SamplingParams.first_token_candidates at the first new token, under
+    the raw logits; None when none were asked for."""
 
 
 WeightStream = Iterable[list[tuple[str, torch.Tensor]]]

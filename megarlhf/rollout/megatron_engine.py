@@ -85,6 +85,7 @@ class _Sample:
     logprobs: list[float] = dataclasses.field(default_factory=list)
     finish_reason: str = "length"
     routing: torch.Tensor | None = None
+    first_logprobs: tuple[float, ...] | None = None
 
 
 class MegatronEngine:
@@ -140,7 +141,7 @@ class MegatronEngine:
             completions += [
                 Completion(prompt_index=start + i // params.n, token_ids=s.token_ids,
                            logprobs=s.logprobs, finish_reason=s.finish_reason,
-                           routing=s.routing)
+                           routing=s.routing, first_logprobs=s.first_logprobs)
                 for i, s in enumerate(samples)
             ]
         return completions
@@ -156,6 +157,10 @@ class MegatronEngine:
             if min(prompt) < 0 or max(prompt) >= vocab:
                 raise ValueError(f"{self.name}: prompt {i} has token ids outside the "
                                  f"vocabulary [0, {vocab})")
+        if any(t >= vocab for t in params.first_token_candidates):
+            raise ValueError(f"{self.name}: first_token_candidates "
+                             f"{params.first_token_candidates} reach outside the vocabulary "
+                             f"[0, {vocab})")
         limit = self.spec.model.max_position_embeddings
         length, i = max((len(p) + m, i) for i, (p, m) in
                         enumerate(zip(prompts, params.limits(len(prompts)))))
@@ -195,6 +200,9 @@ class MegatronEngine:
         stop_ids = torch.tensor(params.stop_token_ids, dtype=torch.long, device=device)
         limit_B = torch.tensor(limits, device=device).repeat_interleave(params.n)
         samples = [_Sample() for _ in range(len(real_BL))]
+        if params.first_token_candidates:
+            _record_first(samples, logits_BV[:, :self.spec.model.vocab_size],
+                          params.first_token_candidates)
         alive = list(range(len(samples)))  # the sample each batch row extends
         fed = []
         for step in range(max(limits)):
@@ -427,6 +435,15 @@ def _record(samples: list[_Sample], alive: list[int], token_B: torch.Tensor,
         samples[row].logprobs.append(logp)
         if stopped:
             samples[row].finish_reason = "stop"
+
+
+def _record_first(samples: list[_Sample], logits_BV: torch.Tensor,
+                  candidates: tuple[int, ...]) -> None:
+    """Each sample's log p of the candidate ids at its first new token (raw logits)."""
+    ids = torch.tensor(candidates, device=logits_BV.device)
+    logp_BC = torch.log_softmax(logits_BV.float(), dim=-1)[:, ids]
+    for sample, row in zip(samples, logp_BC.tolist()):
+        sample.first_logprobs = tuple(row)
 
 
 def _attach_routing(samples: list[_Sample], prompts: list[list[int]], n: int,

@@ -169,6 +169,9 @@ class VLLMEngine:
         prompt plus max_new_tokens exceeds max_model_len."""
         if not prompts:
             raise ValueError(f"{self.name}: no prompts given")
+        if params.first_token_candidates:
+            raise ValueError(f"{self.name}: first_token_candidates is the Megatron engine's "
+                             f"(a judge runs on it)")
         length, i = max((len(p) + m, i) for i, (p, m) in
                         enumerate(zip(prompts, params.limits(len(prompts)))))
         if length > limit:

@@ -1,0 +1,195 @@
+"""The judge's side in the launching process: its tokenizer and template read and checked
+before any rank starts, each sample's judge prompt built and tokenized, the verdicts of the
+rollout ranks' judge engine (PPOWorker.judge) turned into scores (megarlhf/rewards/judge.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import time
+from typing import Callable, Sequence
+
+import torch
+
+from megarlhf.convert.hf_to_mcore import inspect_hf
+from megarlhf.data.prompts import Prompt
+from megarlhf.data.tokenizer import HFTokenizer, eos_token_ids
+from megarlhf.parallel.mesh import ParallelConfig
+from megarlhf.rewards.calls import Sample
+from megarlhf.rewards.judge import (
+    NO_SPELLINGS, SAMPLE_FIELDS, YES_SPELLINGS, JudgeConfig, Verdict, fill, template_fields,
+)
+from megarlhf.rollout.engine import SamplingParams
+
+
+@dataclasses.dataclass
+class Judged:
+    """A round's judge scores [B], its metrics and the judge's texts."""
+
+    scores: torch.Tensor
+    metrics: dict[str, float]
+    texts: list[str]
+
+
+MARKER = "\x1fjudge-user-text\x1f"
+"""Stands for the judge's user message while its chat template renders: the text around it
+is the template's (special tokens recognised), the message itself is encoded with special
+tokens split, so a response that spells out "<|im_end|>" cannot end the judge's turn."""
+
+
+class Judge:
+    def __init__(self, config: JudgeConfig, columns: set[str], *, seed: int,
+                 tensor_parallel: int, decode_prompt: Callable[[Sequence[int]], str],
+                 longest_sample: int):
+        """`columns`: the dataset columns every prompt row has (what else the template may
+        name); `decode_prompt`: a pre-tokenized prompt's text, special tokens dropped;
+        `longest_sample`: the longest prompt plus max_new_tokens, in the actor's tokens (the
+        judge's prompt must have room for it). ValueError naming the field for a judge the
+        run cannot use."""
+        self.config, self.seed, self.decode_prompt = config, seed, decode_prompt
+        self._calls: dict[int, int] = {}
+        if not os.path.isfile(os.path.join(config.model, "config.json")):
+            raise ValueError(f"reward_judge.model {config.model} has no config.json; give an "
+                             f"HF model directory")
+        try:
+            model = inspect_hf(config.model).model
+            model.check_parallel(ParallelConfig(tensor_parallel=tensor_parallel))
+        except ValueError as e:
+            raise ValueError(f"reward_judge.model: {e}") from None
+        self.max_positions = model.max_position_embeddings
+        try:
+            with open(config.template) as f:
+                self.template = f.read()
+        except OSError as e:
+            raise ValueError(f"reward_judge.template {config.template}: {e.strerror}") from None
+        try:
+            fields = template_fields(self.template)
+        except ValueError as e:
+            raise ValueError(f"reward_judge.template {config.template}: {e}") from None
+        unknown = sorted(set(fields) - set(SAMPLE_FIELDS) - columns)
+        if unknown:
+            raise ValueError(f"reward_judge.template {config.template} names {unknown}, which "
+                             f"are neither {list(SAMPLE_FIELDS)} nor a column of every prompt "
+                             f"row ({sorted(columns) or 'none'})")
+        if "response" not in fields:
+            raise ValueError(f"reward_judge.template {config.template} has no {{response}}: "
+                             f"the judge would never see the answer it judges")
+        self.tokenizer = HFTokenizer(config.model)
+        if self.tokenizer.vocab_size > model.vocab_size:
+            raise ValueError(f"reward_judge.model {config.model}: its tokenizer has "
+                             f"{self.tokenizer.vocab_size} ids, its model {model.vocab_size}; "
+                             f"give the model's own tokenizer")
+        self._around = self._chat_around()
+        self.stop_ids = eos_token_ids(config.model) or (self.tokenizer.eos_id,)
+        self.verdict = Verdict(config)
+        self.candidates: tuple[int, ...] = ()
+        self.yes_count = 0
+        if config.verdict == "yes_no":
+            yes, no = (self._single_tokens(s) for s in (YES_SPELLINGS, NO_SPELLINGS))
+            self.candidates, self.yes_count = yes + no, len(yes)
+        # The longest judge prompt the run can make, counted in the actor's tokens for the
+        # sample (another tokenizer may count differently: each step checks again).
+        frame = len(self.prompt_ids(fill(self.template, {name: "" for name in fields})))
+        need = frame + longest_sample + config.max_new_tokens
+        if need > self.max_positions:
+            raise ValueError(f"reward_judge: its prompt (template {frame} tokens, the longest "
+                             f"prompt and response {longest_sample}) plus max_new_tokens="
+                             f"{config.max_new_tokens} is {need} tokens, over the judge's "
+                             f"max_position_embeddings={self.max_positions}; shorten the "
+                             f"template, the prompts or max_new_tokens")
+
+    def _chat_around(self) -> tuple[str, str] | None:
+        """The judge's chat template around a user message (None: no chat template)."""
+        tok = self.tokenizer
+        if not tok.has_chat_template:
+            return None
+        rendered = tok.render_chat([("user", MARKER)], add_generation_prompt=True)
+        if rendered.count(MARKER) != 1:
+            raise ValueError(f"reward_judge.model {self.config.model}: its chat template does "
+                             f"not show the user message as given")
+        before, after = rendered.split(MARKER)
+        return before, after
+
+    def _single_tokens(self, spellings: tuple[str, ...]) -> tuple[int, ...]:
+        """The distinct ids of those of `spellings` that are one token (a SentencePiece
+        tokenizer may split the spaced one)."""
+        ids = []
+        for spelling in spellings:
+            tokens = self.tokenizer.encode(spelling)
+            if len(tokens) == 1 and tokens[0] not in ids:
+                ids.append(tokens[0])
+        if not ids:
+            raise ValueError(f"reward_judge.verdict yes_no: the judge's tokenizer has no "
+                             f"single token for any of {list(spellings)}; yes_no reads one "
+                             f"token's probability (use verdict rating or regex)")
+        return tuple(ids)
+
+    def prompt_text(self, prompt: Prompt, sample: Sample) -> str:
+        """The judge's user message for one sample."""
+        text = prompt.text
+        if isinstance(text, tuple):  # messages: the question is the last user turn
+            text = next((content for role, content in reversed(text) if role == "user"),
+                        None)
+        if text is None:
+            text = self.decode_prompt(prompt.ids)
+        values = {**sample.metadata, "prompt": text, "response": sample.response,
+                  "ground_truth": sample.ground_truth}
+        return fill(self.template, values)
+
+    def prompt_ids(self, text: str) -> list[int]:
+        """The judge's prompt: `text` as the user message of its chat template (plain, after
+        a BOS, without one), special tokens in `text` split into ordinary ones."""
+        tok = self.tokenizer
+        plain = tok.tok.encode(text, add_special_tokens=False, split_special_tokens=True)
+        if self._around is None:
+            bos = tok.tok.bos_token_id
+            return ([bos] if bos is not None else []) + plain
+        before, after = self._around
+        return tok.encode(before) + plain + tok.encode(after)
+
+    def params(self, step: int) -> SamplingParams:
+        """The judge's sampling settings for its next call in `step`: each call of a step
+        (a dynamic-sampling round) its own seed, the same again when the step is rerun."""
+        call = self._calls[step] = self._calls.get(step, -1) + 1
+        return SamplingParams(max_new_tokens=self.config.max_new_tokens,
+                              temperature=self.config.temperature,
+                              stop_token_ids=self.stop_ids,
+                              seed=(self.seed * 1_000_003 + step + call * 2**32 + _SEED) % 2**63,
+                              first_token_candidates=self.candidates)
+
+    def score(self, generate, prompts: list[Prompt], samples: list[Sample],
+              step: int) -> Judged:
+        """`generate(prompts ids, params)`: the judge engine's completions, one per prompt."""
+        start = time.perf_counter()
+        ids = [self.prompt_ids(self.prompt_text(p, s)) for p, s in zip(prompts, samples)]
+        longest = max(map(len, ids))
+        if longest + self.config.max_new_tokens > self.max_positions:
+            raise ValueError(f"reward_judge: a judge prompt of {longest} tokens plus "
+                             f"max_new_tokens={self.config.max_new_tokens} exceeds the judge's "
+                             f"max_position_embeddings={self.max_positions}; shorten the "
+                             f"template or the responses (max_new_tokens)")
+        completions = generate(ids, self.params(step))
+        scores, texts, failures, mass = [], [], 0, 0.0
+        for c in completions:
+            text = self.tokenizer.decode(c.token_ids, skip_special=True)
+            value = self.verdict.score(text, c.first_logprobs, self.yes_count)
+            if self.candidates:  # yes_no: the share of the first token's mass on a verdict
+                mass += sum(math.exp(v) for v in c.first_logprobs)
+                failures += c.token_ids[0] not in self.candidates
+            else:
+                failures += value is None
+            scores.append(self.config.failure_score if value is None else value)
+            texts.append(text)
+        scores = torch.tensor(scores, dtype=torch.float32)
+        metrics = {"reward/judge_parse_failures": float(failures),
+                   "reward/judge_score": float(scores.mean()),
+                   "reward/judge_seconds": time.perf_counter() - start}
+        if self.candidates:
+            metrics["reward/judge_verdict_mass"] = mass / len(completions)
+        return Judged(scores, metrics, texts)
+
+
+_SEED = 0x5DEECE66D
+"""Offset of the judge's seeds from the actor's (a step's first round would share one)."""
