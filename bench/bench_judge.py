@@ -56,6 +56,8 @@ def one_run(tmp: str, inputs: list[str], name: str, steps: int, judged: bool) ->
             rows = [json.loads(line) for line in f]
         # The logged reward is the rule's (the judge weighs 0): 1.0 when correct.
         agree = [(r["reward"] == 1.0) == (r["judge_score"] > 0.5) for r in rows]
+        out["rule_correct"] = sum(r["reward"] == 1.0 for r in rows) / len(rows)
+        out["judge_yes"] = sum(r["judge_score"] > 0.5 for r in rows) / len(rows)
         out.update(judge_s=statistics.median(m["time/worker/judge"] for m in later),
                    judge_score=statistics.mean(m["reward/judge_score"] for m in history),
                    failures=sum(m["reward/judge_parse_failures"] for m in history),
@@ -81,9 +83,12 @@ def main() -> None:
         "",
         f"The judge adds {judged['step_s'] - rule['step_s']:.2f} s per step "
         f"({judged['step_s'] / rule['step_s']:.2f}x the rule-only step) for 32 judge prompts "
-        f"of about 70 tokens, one new token each. Its mean P(Yes) {judged['judge_score']:.3f}; "
+        f"a step, one new token each. Its mean P(Yes) {judged['judge_score']:.3f}; "
         f"its verdict (P(Yes) > 0.5) agrees with the math rule on "
-        f"{judged['agreement']:.1%} of {judged['samples']} samples; "
+        f"{judged['agreement']:.1%} of {judged['samples']} samples (the rule marks "
+        f"{judged['rule_correct']:.1%} correct, the judge says yes to "
+        f"{judged['judge_yes']:.1%}: a judge that always said no would agree on "
+        f"{1 - judged['rule_correct']:.1%}); "
         f"{judged['failures']:.0f} first tokens were neither Yes nor No. "
         f"{args.steps} steps each, val_every=0."])
     print(body)

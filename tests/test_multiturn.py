@@ -177,26 +177,17 @@ def test_vllm_engines_at_tp2_packed_with_tool_calls_and_dynamic_sampling(chat_mo
                                               abs=1e-5), (row, length)
 
 
-def test_vllm_engines_at_pp2_x_cp2(chat_model, prompts, tmp_path):
-    """Colocated, 4 ranks at PP2 x CP2 (every packed row split over 2 CP ranks in each
-    pipeline stage), a vLLM engine per rank."""
-    _vllm()
-    config = _config(chat_model, prompts, tmp_path, nproc=4, pipeline_parallel=2,
-                     context_parallel=2, rollout_backend="vllm", steps=1,
-                     max_tokens_per_micro_batch=128, pack_sequences=True)
-    run(config)
-    _check_episodes(read_steps(config.out_dir), config.out_dir, turns=3)
-
-
-@pytest.mark.parametrize("layout", ["pp2_ray", "cp2_async"])
+@pytest.mark.parametrize("layout", ["pp2", "cp2_async"])
 def test_megatron_engine_disaggregated_at_pp2_and_cp2(chat_model, prompts, tmp_path, layout):
-    """A Megatron rollout rank feeding an actor at PP2 (under Ray), or at CP2 with the next
-    step's episodes drawn during this one (async_rollout: the gap is checked on the first
-    step's, drawn with the actor's own weights)."""
-    fields = dict(pipeline_parallel=2, worker_group="ray") if layout == "pp2_ray" else \
-        dict(context_parallel=2, async_rollout=True, rollout_correction="tis")
-    if layout == "pp2_ray":
-        pytest.importorskip("ray")
+    """A Megatron rollout rank feeding an actor at PP2, or at CP2 on packed rows (each split
+    over the 2 CP ranks) with the next step's episodes drawn during this one (async_rollout:
+    the gap is checked on the first step's, drawn with the actor's own weights). (Episodes
+    run in the controller: under Ray they are the same generate calls, disaggregated roles
+    under Ray are tests/test_ppo.py's; vLLM at PP2 and at CP2 on packed rows:
+    test_offloading_every_idle_role_changes_no_metric[grpo-pp2] and the real-model GRPO.)"""
+    fields = dict(pipeline_parallel=2) if layout == "pp2" else \
+        dict(context_parallel=2, async_rollout=True, rollout_correction="tis",
+             max_tokens_per_micro_batch=128, pack_sequences=True)
     config = _config(chat_model, prompts, tmp_path, placement="disaggregated", **fields)
     run(config)
     history = read_steps(config.out_dir)

@@ -28,9 +28,9 @@ path, with the commands docs/guides/own-model.md ("Bring your own model") gives.
 6. DPO on conversational preference rows (chosen / rejected as message lists) at PP2: at step
    1 the loss is ln 2 and the logged chosen and rejected logprobs equal HF transformers'
    logprobs of the responses as the chat template renders them.
-7. SmolLM2 judged by SmolLM2: GRPO whose reward is a yes/no judge's P(Yes) on the rollout
-   ranks' Megatron engine, each logged reward equal to HF transformers' P(Yes) / (P(Yes) +
-   P(No)) over the judge prompt as the chat template renders it.
+   SmolLM2 also judges each episode's final answer (a yes/no judge at weight 0 on the
+   rollout ranks' Megatron engines): each logged judge score equals HF transformers' P(Yes) /
+   (P(Yes) + P(No)) over the judge prompt as the chat template renders it.
 """
 
 from __future__ import annotations
@@ -219,16 +219,16 @@ def test_exported_model_greedy_through_vllm_equals_hf(hf_dir, grpo_run, work):
     model = transformers.AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32)
     compared = 0
     for prompt, theirs in zip(prompts, engine_tokens):
-        ids = list(prompt)
+        # One forward over the prompt and the engine's tokens: position i's logits are HF's
+        # greedy choice after the engine's first i tokens, as long as they agree so far.
+        with torch.no_grad():
+            logits = model(torch.tensor([list(prompt) + list(theirs)])).logits[0]
         for position, token in enumerate(theirs):
-            with torch.no_grad():
-                logits = model(torch.tensor([ids])).logits[0, -1]
-            top2 = logits.topk(2)
+            top2 = logits[len(prompt) - 1 + position].topk(2)
             if float(top2.values[0] - top2.values[1]) < NEAR_TIE:
                 break  # either token is a correct greedy choice from here on
             assert token == int(top2.indices[0]), (prompt, position)
             compared += 1
-            ids.append(token)
             if token == model.generation_config.eos_token_id:
                 break
     assert compared >= 3 * len(prompts)
@@ -323,21 +323,32 @@ def test_tool_calls_on_the_real_model(hf_dir, actor, work):
     template takes no tools=, so they go into a system message) for one step with the
     Megatron engine: the model's calls are parsed and run, each result comes back as a tool
     message equal to the expression's value computed here, tool messages are never trained
-    on, and the gap on the model's tokens stays below 1e-4."""
+    on, and the gap on the model's tokens stays below 1e-4. The recipe's math reward is a
+    `rewards` term beside a yes/no judge (SmolLM2 itself, weight 0): each episode's judge
+    score is recomputed from HF transformers' fp32 forward of the judge prompt, within 1e-3
+    (probabilities; the engine's and HF's logits over 30 layers differ by ~1e-4, a wrong
+    prompt or token moves them by > 1e-2)."""
     from megarlhf.data import synthetic
 
     train, _ = synthetic.tool_arithmetic_records(rows=16, held_out=0)
     prompts = synthetic.write_jsonl(train, str(work / "tools.jsonl"))
     out_dir = work / "tools"
+    template = work / "judge.txt"
+    template.write_text(JUDGE_TEMPLATE)
     _run(sys.executable, "-m", "megarlhf.cli", "ppo", "--config",
          os.path.join(REPO, "recipes", "smollm2-135m-grpo-tools.yaml"), f"actor={actor}",
          f"prompts={prompts}", "val_prompts=null", f"out_dir={out_dir}", "steps=1",
-         "prompts_per_step=2", "samples_per_prompt=2", "log_samples=4", "val_every=0")
+         "prompts_per_step=2", "samples_per_prompt=2", "log_samples=4", "val_every=0",
+         "reward_fn=null", f"reward_judge={{model: {hf_dir}, template: {template}, "
+         "max_new_tokens: 2}", "rewards=[{name: correct, kind: math}, "
+         "{name: judge, kind: judge, weight: 0}]")
     (m,) = read_steps(str(out_dir))
     print(f"tools: calls per episode {m['env/tool_calls_mean']:.2f}, errors "
           f"{m['env/tool_errors']:.0f}, turns {m['env/turns_mean']:.2f}, gap max "
           f"{m['rollout/logprob_gap_max']:.3g}, reward {m['reward/mean']:.3f}")
     assert m["rollout/logprob_gap_max"] < 1e-4 and m["env/tool_calls_mean"] > 0.25, m
+    assert m["time/worker/judge"] > 0 and m["reward/judge_parse_failures"] >= 0, m
+    _check_judge_scores(hf_dir, _episode_rows(str(out_dir)), m)
     calls = 0
     for row in _episode_rows(str(out_dir)):
         parts = row["turns"]
@@ -363,56 +374,34 @@ JUDGE_TEMPLATE = ("Question: {prompt}\nProposed answer: {response}\nThe correct 
                   "{ground_truth}. Is the proposed answer correct? Answer Yes or No.")
 
 
-def test_a_judge_scores_grpo_samples_on_the_real_model(hf_dir, actor, work):
-    """GRPO, 2 steps on 2 colocated ranks (Megatron engines, DP2), the reward a yes/no judge
-    (SmolLM2 itself, one engine per DP replica beside the actor's) with the capital checker
-    logged beside it at weight 0. Every logged reward is recomputed here from HF
-    transformers' fp32 forward of the judge prompt: within 1e-3 (probabilities; the engine's
-    and HF's logits over 30 layers differ by ~1e-4, a wrong prompt or token moves them by
-    > 1e-2). The scores vary, and the judge's metrics are logged."""
+JUDGE_TEMPLATE = ("Question: {prompt}\nProposed answer: {response}\nThe correct answer is "
+                  "{ground_truth}. Is the proposed answer correct? Answer Yes or No.")
+
+
+def _check_judge_scores(hf_dir: str, rows: list[dict], step: dict) -> None:
+    """Each row's judge score against HF transformers' P(Yes) / (P(Yes) + P(No)) at the
+    first new token of the judge prompt (its question: the prompt's last user message)."""
     import transformers
 
-    prompts = real_tasks.write_prompts(str(work / "judge_prompts.jsonl"), real_tasks.TRAIN)
-    template = work / "judge.txt"
-    template.write_text(JUDGE_TEMPLATE)
-    out_dir = work / "judge"
-    recipe = work / "judge.yaml"
-    recipe.write_text(
-        f"actor: {actor}\nprompts: {prompts}\nout_dir: {out_dir}\nalgorithm: grpo\nnproc: 2\n"
-        "prompts_per_step: 4\nsamples_per_prompt: 4\nmax_new_tokens: 16\nsteps: 2\n"
-        "log_samples: 16\nactor_lr: 1.0e-6\n"
-        f"reward_judge: {{model: {hf_dir}, template: {template}, max_new_tokens: 4}}\n"
-        "rewards: [{name: judge, kind: judge},\n"
-        "          {name: rule, kind: fn, function: 'tests.real_tasks:capital_reward', "
-        "weight: 0}]\n")
-    _run(sys.executable, "-m", "megarlhf.cli", "ppo", "--config", str(recipe))
-    steps = read_steps(str(out_dir))
-    for m in steps:
-        print(f"judge step {m['step']}: judge {m['reward/judge']:.3f} (parse failures "
-              f"{m['reward/judge_parse_failures']:.0f}, {m['time/worker/judge']:.2f} s), rule "
-              f"{m['reward/rule']:.3f}, step {m['time/wall']:.1f} s")
-        assert m["time/worker/judge"] > 0 and m["reward/judge_seconds"] > 0, m
-        assert m["reward/judge"] == pytest.approx(m["reward/mean"], abs=1e-6), m
     tokenizer = transformers.AutoTokenizer.from_pretrained(hf_dir)
     model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
     yes = [tokenizer.encode(w, add_special_tokens=False)[0] for w in ("Yes", " Yes")]
     no = [tokenizer.encode(w, add_special_tokens=False)[0] for w in ("No", " No")]
-    country = {city: c for c, city in real_tasks.TRAIN.items()}
-    with open(out_dir / "samples.jsonl") as f:
-        rows = [json.loads(line) for line in f]
-    assert len(rows) == 32 and all(row["judge_score"] == row["reward"] for row in rows)
+    scores = []
     for row in rows:
-        text = JUDGE_TEMPLATE.format(prompt=real_tasks.question(country[row["ground_truth"]]),
-                                     response=row["response"],
+        question = row["prompt"].split("<|im_start|>user\n")[-1].split("<|im_end|>")[0]
+        text = JUDGE_TEMPLATE.format(prompt=question, response=row["response"],
                                      ground_truth=row["ground_truth"])
         ids = tokenizer.apply_chat_template([{"role": "user", "content": text}],
                                             add_generation_prompt=True, return_dict=False)
         with torch.no_grad():
             p = torch.softmax(model(torch.tensor([ids])).logits[0, -1].double(), dim=-1)
         p_yes = float(p[yes].sum() / (p[yes].sum() + p[no].sum()))
-        assert row["reward"] == pytest.approx(p_yes, abs=1e-3), row
-    rewards = [row["reward"] for row in rows]
-    assert max(rewards) - min(rewards) > 0.05, rewards
+        assert row["judge_score"] == pytest.approx(p_yes, abs=1e-3), (row, p_yes)
+        scores.append(row["judge_score"])
+    print(f"judge scores {[round(s, 3) for s in scores]}, verdict mass "
+          f"{step['reward/judge_verdict_mass']:.3f}")
+    assert step["reward/judge"] == pytest.approx(sum(scores) / len(scores), abs=1e-6), step
 
 
 QUICKSTART = os.path.join(REPO, "docs", "quickstart.md")
