@@ -60,7 +60,7 @@ slurm-packages:
 
 # --durations: the slowest tests, for keeping the suite inside its CI budget.
 test: $(STAMP) slurm-packages
-	$(PY) -m pytest -q --durations=30 tests
+	$(PY) -m pytest -q --durations=60 tests
 	$(MAKE) test-mcore-newest
 
 $(MCORE_NEWEST_DIR)/.installed: $(STAMP)
