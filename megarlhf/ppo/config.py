@@ -124,7 +124,8 @@ REWARD_KINDS = ("math", "exact_match", "fn", "url", "reward_model", "judge")
 reward model, the judge."""
 RESERVED_REWARD_NAMES = ("mean", "std", "timeouts", "worker_restarts", "overlong_penalty",
                          "url_failed_samples", "url_retries", "url_seconds",
-                         "judge_parse_failures", "judge_score", "judge_seconds")
+                         "judge_parse_failures", "judge_score", "judge_seconds",
+                         "judge_verdict_mass")
 """reward/<name> metrics the run logs itself: no term may take their names."""
 
 

@@ -126,9 +126,14 @@ def read_inputs(config: PPOConfig) -> RunInputs:
             raise ValueError(f"reward_judge reads the responses as text, but no tokenizer is "
                              f"known to decode them (the actor checkpoint has no "
                              f"{config.actor}/hf tokenizer); set tokenizer=HF_DIR")
-        columns = set.intersection(*(set(p.metadata) for p in kept_train))
+        names = set.intersection(*(set(p.metadata) for p in kept_train))
+        # Each column with its longest value, for the judge's length check.
+        columns = {name: max((p.metadata[name] for p in kept_train), key=lambda v: len(str(v)))
+                   for name in names}
+        columns["ground_truth"] = max((p.ground_truth for p in kept_train),
+                                      key=lambda v: len(str(v)) if v is not None else 0)
         if config.environment is not None:
-            columns.add("conversation")  # the episode's turns (RunInputs.samples)
+            columns["conversation"] = None  # the episode's turns (RunInputs.samples)
         judge = Judge(config.reward_judge, columns, seed=config.seed,
                       tensor_parallel=config.parallel_of("actor").tensor_parallel,
                       decode_prompt=lambda ids: tokenizer.decode(ids, skip_special=True),

@@ -33,21 +33,23 @@ class Judged:
     texts: list[str]
 
 
-MARKER = "\x1fjudge-user-text\x1f"
+MARKER = "\ue000judge-user-text\ue001"
 """Stands for the judge's user message while its chat template renders: the text around it
 is the template's (special tokens recognised), the message itself is encoded with special
-tokens split, so a response that spells out "<|im_end|>" cannot end the judge's turn."""
+tokens split, so a response that spells out "<|im_end|>" cannot end the judge's turn.
+Private-use characters, not whitespace: templates that trim the message keep it."""
 
 
 class Judge:
-    def __init__(self, config: JudgeConfig, columns: set[str], *, seed: int,
+    def __init__(self, config: JudgeConfig, columns: dict[str, object], *, seed: int,
                  tensor_parallel: int, decode_prompt: Callable[[Sequence[int]], str],
                  longest_sample: int):
         """`columns`: the dataset columns every prompt row has (what else the template may
-        name); `decode_prompt`: a pre-tokenized prompt's text, special tokens dropped;
-        `longest_sample`: the longest prompt plus max_new_tokens, in the actor's tokens (the
-        judge's prompt must have room for it). ValueError naming the field for a judge the
-        run cannot use."""
+        name), each with its longest value (ground_truth's too; the judge's prompt must have
+        room for them); `decode_prompt`: a pre-tokenized prompt's text, special tokens
+        dropped; `longest_sample`: the longest prompt plus max_new_tokens, in the actor's
+        tokens (room for {prompt} and {response}, or an episode's {conversation}). ValueError
+        naming the field for a judge the run cannot use."""
         self.config, self.seed, self.decode_prompt = config, seed, decode_prompt
         self._calls: dict[int, int] = {}
         if not os.path.isfile(os.path.join(config.model, "config.json")):
@@ -68,7 +70,7 @@ class Judge:
             fields = template_fields(self.template)
         except ValueError as e:
             raise ValueError(f"reward_judge.template {config.template}: {e}") from None
-        unknown = sorted(set(fields) - set(SAMPLE_FIELDS) - columns)
+        unknown = sorted(set(fields) - set(SAMPLE_FIELDS) - set(columns))
         if unknown:
             raise ValueError(f"reward_judge.template {config.template} names {unknown}, which "
                              f"are neither {list(SAMPLE_FIELDS)} nor a column of every prompt "
@@ -81,6 +83,7 @@ class Judge:
             raise ValueError(f"reward_judge.model {config.model}: its tokenizer has "
                              f"{self.tokenizer.vocab_size} ids, its model {model.vocab_size}; "
                              f"give the model's own tokenizer")
+        self._trims = False
         self._around = self._chat_around()
         self.stop_ids = eos_token_ids(config.model) or (self.tokenizer.eos_id,)
         self.verdict = Verdict(config)
@@ -89,13 +92,18 @@ class Judge:
         if config.verdict == "yes_no":
             yes, no = (self._single_tokens(s) for s in (YES_SPELLINGS, NO_SPELLINGS))
             self.candidates, self.yes_count = yes + no, len(yes)
-        # The longest judge prompt the run can make, counted in the actor's tokens for the
-        # sample (another tokenizer may count differently: each step checks again).
-        frame = len(self.prompt_ids(fill(self.template, {name: "" for name in fields})))
-        need = frame + longest_sample + config.max_new_tokens
+        # The longest judge prompt the run can make: the template with each column's longest
+        # value, and room for the sample counted in the actor's tokens (another tokenizer
+        # may count differently: each step checks again).
+        longest = {name: _text(columns.get(name)) for name in fields}
+        longest.update(prompt="", response="", conversation="")
+        frame = len(self.prompt_ids(fill(self.template, longest)))
+        sample = longest_sample * (("prompt" in fields or "response" in fields)
+                                   + ("conversation" in fields))
+        need = frame + sample + config.max_new_tokens
         if need > self.max_positions:
-            raise ValueError(f"reward_judge: its prompt (template {frame} tokens, the longest "
-                             f"prompt and response {longest_sample}) plus max_new_tokens="
+            raise ValueError(f"reward_judge: its prompt (template and columns {frame} tokens, "
+                             f"the longest sample {sample}) plus max_new_tokens="
                              f"{config.max_new_tokens} is {need} tokens, over the judge's "
                              f"max_position_embeddings={self.max_positions}; shorten the "
                              f"template, the prompts or max_new_tokens")
@@ -105,11 +113,15 @@ class Judge:
         tok = self.tokenizer
         if not tok.has_chat_template:
             return None
-        rendered = tok.render_chat([("user", MARKER)], add_generation_prompt=True)
+        rendered = tok.render_chat([("user", f" {MARKER} ")], add_generation_prompt=True)
         if rendered.count(MARKER) != 1:
             raise ValueError(f"reward_judge.model {self.config.model}: its chat template does "
-                             f"not show the user message as given")
-        before, after = rendered.split(MARKER)
+                             f"not show the user message once as given, so the judge's prompt "
+                             f"cannot be built around it")
+        # A template that trims the message (Llama 3's, Gemma's) gets the text trimmed.
+        self._trims = f" {MARKER} " not in rendered
+        spaced = MARKER if self._trims else f" {MARKER} "
+        before, after = rendered.split(spaced)
         return before, after
 
     def _single_tokens(self, spellings: tuple[str, ...]) -> tuple[int, ...]:
@@ -136,12 +148,14 @@ class Judge:
             text = self.decode_prompt(prompt.ids)
         values = {**sample.metadata, "prompt": text, "response": sample.response,
                   "ground_truth": sample.ground_truth}
-        return fill(self.template, values)
+        return fill(self.template, {name: _text(value) for name, value in values.items()})
 
     def prompt_ids(self, text: str) -> list[int]:
         """The judge's prompt: `text` as the user message of its chat template (plain, after
         a BOS, without one), special tokens in `text` split into ordinary ones."""
         tok = self.tokenizer
+        if self._around is not None and self._trims:
+            text = text.strip()
         plain = tok.tok.encode(text, add_special_tokens=False, split_special_tokens=True)
         if self._around is None:
             bos = tok.tok.bos_token_id
@@ -189,6 +203,14 @@ class Judge:
         if self.candidates:
             metrics["reward/judge_verdict_mass"] = mass / len(completions)
         return Judged(scores, metrics, texts)
+
+
+def _text(value) -> str:
+    """A template value as text: an episode's messages one "role: content" block each."""
+    if isinstance(value, (list, tuple)) and value and all(
+            isinstance(m, dict) and "role" in m and "content" in m for m in value):
+        return "\n\n".join(f"{m['role']}: {m['content']}" for m in value)
+    return "" if value is None else str(value)
 
 
 _SEED = 0x5DEECE66D
