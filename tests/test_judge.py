@@ -20,7 +20,10 @@ from megarlhf.rewards.judge import JudgeConfig, Verdict, fill, template_fields, 
 from tests.test_multiturn import QUESTIONS, chat_model  # noqa: F401 (a fixture)
 
 TEMPLATE = "Question: {prompt}\nAnswer: {response}\nReference: {ground_truth}\nIs it right?"
-WORDS = "Question: Answer: Reference: Is it right? Yes No 0 1 2 3 4 5 6 7".split()
+# Digits and [[N]] ratings: a judge sampling at temperature 1 writes some of each (the value
+# runs of tests/test_ppo.py parse them with the rating and regex verdicts).
+WORDS = ("Question: Answer: Reference: Is it right? Yes No 0 1 2 3 4 5 6 7".split()
+         + [f"[[{n}]]" for n in range(10)])
 
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} {% endfor %}"
@@ -46,7 +49,7 @@ def _judge_tokenizer(directory: str, template: str = CHAT_TEMPLATE) -> None:
 
 @pytest.fixture(scope="module")
 def judge_dir(tmp_path_factory):
-    """A toy Llama (64 ids: room for the word-level tokenizer's 41) as an HF directory."""
+    """A toy Llama (64 ids: room for the word-level tokenizer's 51) as an HF directory."""
     from tests import hf_models
 
     directory = str(tmp_path_factory.mktemp("judge") / "hf")

@@ -32,10 +32,12 @@ from megarlhf.ppo.config import Layout, PPOConfig, RoleLayout, RolloutLayout
 from megarlhf.ppo.controller import run
 from megarlhf.ppo.data import PromptSampler
 from megarlhf.ppo.groups import WorkerError, WorkerInputError
+from megarlhf.rewards.judge import JudgeConfig
 from megarlhf.ppo.layout import group_specs
 from tests import role_workers
 from tests.own_lines import foreign_lines
 from tests.ranks import rank_processes
+from tests.test_judge import _template as _judge_template, judge_dir  # noqa: F401 (a fixture)
 
 VLLM_TOL = 2e-5
 """Rollout/trainer logprob gap with vLLM rollouts, as in tests/test_vllm_engine.py: vLLM's CPU
@@ -1094,6 +1096,9 @@ def test_bf16_ppo_with_a_tp2_vllm_engine_over_two_ranks(base, vllm_checkpoints, 
 
 # ------------------------------------------------------------ every accepted config value runs
 
+# A judge sampling at temperature 1 (its text varies) beside the task's reward; model and
+# template are filled in by test_value_run (the toy judge of tests/test_judge.py).
+_JUDGED = dict(model="judge", template="judge.txt", temperature=1.0, max_new_tokens=4)
 VALUE_RUNS = {
     # Values no other test runs, a few per run so the matrix stays small (one rank, one step).
     # An algorithm's preset values count as run (the enum test resolves them).
@@ -1106,12 +1111,17 @@ VALUE_RUNS = {
                          samples_per_prompt=1, prompts_per_step=16),
     "reinforce_pp_baseline": dict(algorithm="reinforce++_baseline", kl_estimator="k1",
                                   dual_clip=3.0),
-    "dapo_tis": dict(algorithm="dapo", rollout_correction="tis"),
+    "dapo_tis": dict(algorithm="dapo", rollout_correction="tis",
+                     reward_judge=JudgeConfig(verdict="fn", function="tests.test_judge:"
+                                              "_length_or_none", **_JUDGED)),
     "dr_grpo_mis": dict(algorithm="dr_grpo", rollout_correction="mis",
                         rollout_correction_level="sequence"),
-    "gspo": dict(algorithm="gspo", layer_spec="sdpa"),
+    "gspo": dict(algorithm="gspo", layer_spec="sdpa",
+                 reward_judge=JudgeConfig(verdict="rating", failure_score=-1.0, **_JUDGED)),
     "cispo_seq_sum": dict(algorithm="cispo", aggregation="seq_mean_token_sum", kl_in="reward",
-                          layer_spec="local"),
+                          layer_spec="local",
+                          reward_judge=JudgeConfig(verdict="regex", pattern=r"(\d)\]\]",
+                                                   **_JUDGED)),
 }
 RUN_ELSEWHERE = {
     # field: {value: the test above that runs a step with it}
@@ -1123,6 +1133,8 @@ RUN_ELSEWHERE = {
     "nan_policy": {"stop": "test_grpo_reward_rises"},
     "layer_spec": {"auto": "test_grpo_reward_rises"},
     "logprob_gap_policy": {"stop": "test_gap_over_the_limit_stops_before_training"},
+    "verdict": {"yes_no": "test_judge.py::test_judge_scores_equal_transformers_and_add_to_"
+                          "the_weighted_sum"},
     "reward_url_format": {"native": "test_a_reward_service_scores_the_rollouts",
                           "openrlhf": "test_a_reward_service_scores_the_rollouts"},
     "old_logprobs": {"auto": "test_one_pass_old_logprobs_equal_an_experience_pass",
@@ -1244,6 +1256,7 @@ def test_every_enum_value_and_placement_backend_pair_has_a_run():
     from megarlhf.rl import AGGREGATION_MODES, KL_ESTIMATORS
     from megarlhf.rl.correction import CORRECTION_LEVELS, CORRECTIONS
     from megarlhf.rl.losses import POLICY_LOSSES, RATIO_LEVELS
+    from megarlhf.rewards.judge import VERDICTS
     from megarlhf.rollout.gap import GAP_POLICIES
 
     accepted = {"algorithm": ppo_config.ALGORITHMS, "aggregation": AGGREGATION_MODES,
@@ -1254,7 +1267,7 @@ def test_every_enum_value_and_placement_backend_pair_has_a_run():
                 "nan_policy": ppo_config.NAN_POLICIES,
                 "logprob_gap_policy": GAP_POLICIES, "worker_group": ppo_config.WORKER_GROUPS,
                 "old_logprobs": ppo_config.OLD_LOGPROBS,
-                "reward_url_format": ppo_config.REWARD_URL_FORMATS,
+                "reward_url_format": ppo_config.REWARD_URL_FORMATS, "verdict": VERDICTS,
                 "template": TEMPLATES, "on_bad_record": BAD_RECORD_POLICIES,
                 "recompute": ppo_config.RECOMPUTE, "layer_spec": ppo_config.LAYER_SPECS,
                 "on_env_error": ENV_ERROR_POLICIES, "tool_parser": PARSERS,
@@ -1274,6 +1287,8 @@ def test_every_enum_value_and_placement_backend_pair_has_a_run():
         values = {**dataclasses.asdict(config), **dataclasses.asdict(config.options)}
         if config.rollout_correction == "none":  # its level is not used
             del values["rollout_correction_level"]
+        if config.reward_judge is not None:
+            values["verdict"] = config.reward_judge.verdict
         return values
 
     runs = [resolved(run) for run in VALUE_RUNS.values()]
@@ -1318,18 +1333,55 @@ def _check_group_advantages(config: PPOConfig, metrics: dict) -> None:
     assert metrics["advantages/min"] == pytest.approx(min(expected), rel=1e-5, abs=1e-6)
 
 
+def _check_verdicts(config: PPOConfig, metrics: dict) -> None:
+    """Each logged sample's judge score is its verdict on the judge's logged text, worked out
+    here (a failure scores failure_score and is counted), and the step's judge metrics are
+    those rows' mean and count. Scores travel as float32: 1e-6 is one rounding of a value
+    below 10."""
+    judge = config.reward_judge
+
+    def expected(text: str) -> float | None:
+        if judge.verdict == "rating":  # the last [[N]] over 10, clipped to [0, 1]
+            numbers = [word[2:-2] for word in text.split()
+                       if word.startswith("[[") and word.endswith("]]")]
+            return min(max(float(numbers[-1]) / 10, 0.0), 1.0) if numbers else None
+        if judge.verdict == "regex":  # (\d)]] here: the digit of the last [[N]]
+            digits = [text[i - 1] for i in range(1, len(text)) if text.startswith("]]", i)
+                      and text[i - 1].isdigit()]
+            return float(digits[-1]) if digits else None
+        return float(len(text)) if text else None  # fn: tests.test_judge:_length_or_none
+
+    with open(os.path.join(config.out_dir, "samples.jsonl")) as f:
+        rows = [row for row in map(json.loads, f) if row["phase"] == "train"]
+    assert len(rows) == config.rows_per_step
+    scores = [expected(row["judge"]) for row in rows]
+    for row, score in zip(rows, scores):
+        assert row["judge_score"] == pytest.approx(
+            judge.failure_score if score is None else score, abs=1e-6), row
+    parsed = [s for s in scores if s is not None]
+    assert len(set(parsed)) > 1, rows  # the verdict read different scores from the texts
+    assert metrics["reward/judge_parse_failures"] == len(scores) - len(parsed), metrics
+    assert metrics["reward/judge_score"] == pytest.approx(
+        sum(row["judge_score"] for row in rows) / len(rows), abs=1e-6), metrics
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(VALUE_RUNS))
-def test_each_config_value_runs_a_step(base, tmp_path, name):
+def test_each_config_value_runs_a_step(base, judge_dir, tmp_path, name):  # noqa: F811
     fields = VALUE_RUNS[name]
     critic_free = fields.get("algorithm", "ppo") != "ppo"
+    if "reward_judge" in fields:
+        fields = {**fields, "tokenizer": judge_dir, "reward_judge": dataclasses.replace(
+            fields["reward_judge"], model=judge_dir, template=_judge_template(tmp_path))}
     # kl_coef: the algorithm's (base sets one for its own runs)
-    config = dataclasses.replace(base, out_dir=str(tmp_path), nproc=1, tensor_parallel=1,
-                                 steps=1, ppo_epochs=1, mini_batches=1,
+    config = dataclasses.replace(base, out_dir=str(tmp_path / "run"), nproc=1,
+                                 tensor_parallel=1, steps=1, ppo_epochs=1, mini_batches=1,
                                  critic=None if critic_free else base.critic, log_samples=16,
                                  **{"kl_coef": None, "prompts_per_step": 4,
                                     "samples_per_prompt": 4, **fields})
     (metrics,) = run(config)
+    if config.reward_judge is not None:
+        _check_verdicts(config, metrics)
     _check_group_advantages(config, metrics)
     assert metrics["actor/skipped"] == 0.0 and math.isfinite(metrics["actor/policy_loss"]), metrics
     assert metrics["actor/grad_norm"] > 0, metrics
