@@ -246,10 +246,15 @@ def test_megatron_core_before_0_18_still_loads_through_the_deprecated_dcp_call()
         assert "load_state_dict" not in calls and len(calls["load"]) == 1
 
 
-def test_a_checkpoint_load_warns_of_no_deprecated_call(tmp_path):
-    """A model saved and loaded back in one process: equal weights, and no warning a plain run
-    would print (the filters of compat/warnings.py applied, none of pytest's)."""
+def test_a_checkpoint_saves_in_this_process_and_loads_without_a_deprecated_call(tmp_path):
+    """A model saved and loaded back in one process: equal weights, no warning a plain run
+    would print (the filters of compat/warnings.py applied, none of pytest's), and no process
+    left by the save (`save_dist_checkpoint`: megatron-core's results queue in this process,
+    not in a spawned manager that outlives the save)."""
     import warnings
+
+    import psutil
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     from megarlhf.compat.warnings import quiet_known_warnings
     from megarlhf.convert.mcore_io import single_rank_mesh
@@ -261,7 +266,10 @@ def test_a_checkpoint_load_warns_of_no_deprecated_call(tmp_path):
     with single_rank_mesh() as mesh:
         spec = workers.make_spec(preset("tiny"), ParallelConfig())
         saved = TrainEngine(spec, mesh)
+        assert hasattr(filesystem_async, "_results_queue")  # what the shim fills
+        children = {p.pid for p in psutil.Process().children()}
         save_checkpoint(path, saved, mesh, with_optimizer=False)
+        assert {p.pid for p in psutil.Process().children()} <= children
         loaded = TrainEngine(spec, mesh)
         with warnings.catch_warnings(record=True) as caught:
             warnings.resetwarnings()

@@ -14,6 +14,7 @@
    `bind_missing_te_names`: its MoE router without Transformer Engine.
    `aux_loss_split_factor`: its load-balancing loss's weight when a sequence is split.
    `load_dist_checkpoint`: its dist-checkpoint load through torch's current DCP call.
+   `save_dist_checkpoint`: its synchronous dist-checkpoint save without a spawned manager.
    `moe_routers`, `attach_replay_slot`, `replay_slot`: its routers' per-router top-k replay
    interface, which routing replay (models/routing_replay.py) fills.
 3. `PostprocessHook`: a GPTModel subclass replaces the LM head through the private method
@@ -364,6 +365,25 @@ def load_dist_checkpoint(sharded_state_dict: dict, path: str) -> dict:
         return dist_checkpointing.load(sharded_state_dict, path)
     finally:
         torch_strategy.checkpoint = dcp
+
+
+def save_dist_checkpoint(sharded_state_dict: dict, path: str) -> None:
+    """megatron-core's `dist_checkpointing.save(sharded_state_dict, path)`, synchronous.
+
+    Its torch_dist writer hands the write results back through a queue that, for saves run
+    in another process, lives in a `multiprocessing` manager it spawns at a process's first
+    save (module-global `_results_queue`, 0.16.1 through 0.19.2). The spawned interpreter
+    imports torch to unpickle the first results: 3-4 s of every rank's first save on a 2-core
+    machine (profiled), for a queue a synchronous save puts into and reads back from in this
+    same process. An in-process queue does that job."""
+    import queue
+
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = queue.Queue()
+    dist_checkpointing.save(sharded_state_dict, path)
 
 
 class _CallingLoad:

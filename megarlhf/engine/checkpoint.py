@@ -14,14 +14,15 @@ import shutil
 
 import torch
 import torch.distributed as dist
-from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import (
     ShardedBase, ShardedTensor, ShardedTensorFactory,
 )
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-from megarlhf.compat.megatron import load_dist_checkpoint, torch_adam_load_fixes
+from megarlhf.compat.megatron import (
+    load_dist_checkpoint, save_dist_checkpoint, torch_adam_load_fixes,
+)
 from megarlhf.models.arch import Architecture, architecture_for_model
 from megarlhf.models.config import ModelConfig
 from megarlhf.engine.optim import OptimConfig
@@ -190,8 +191,8 @@ def save_checkpoint(path: str, engine, mesh: Mesh, *, extra: dict | None = None,
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     dist.barrier()
-    dist_checkpointing.save(_sharded_state(engine, is_loading=False,
-                                           with_optimizer=with_optimizer), tmp)
+    save_dist_checkpoint(_sharded_state(engine, is_loading=False,
+                                        with_optimizer=with_optimizer), tmp)
     dist.barrier()
     if mesh.rank == 0:
         layout = {"tp": mesh.tp, "pp": mesh.pp, "cp": mesh.cp, "ep": mesh.ep, "dp": mesh.dp_size,
