@@ -9,15 +9,15 @@ carries the failing rank's traceback; a run that exceeds `timeout_s` is killed r
 left hanging.
 
 Ranks are forked from multiprocessing's fork server, one process per launching process that
-imported megarlhf, torch and megatron-core once, instead of each spawned interpreter importing
-them again (5 s of CPU per rank on a 2-core machine: a PPO run with four roles spent 20-30 s
-starting). The server is a fresh interpreter that never ran anything else, so a fork of it
-holds no threads or state of the launching process. A rank starts with exactly the
-environment a spawned one would have (the launching process's at that moment plus its own
-variables), writes to the launching process's stdout and stderr as they are when it starts,
-and sets its thread count itself, since torch read OMP_NUM_THREADS in the server. What a
-process reads only when it starts (PYTHONPATH, LD_PRELOAD, OpenMP's settings) comes from the
-server: a change of those in the launching process starts a new server.
+imported megarlhf, torch, megatron-core and transformers once, instead of each spawned
+interpreter importing them again (5 s of CPU per rank on a 2-core machine: a PPO run with four
+roles spent 20-30 s starting). The server is a fresh interpreter that never ran anything else,
+so a fork of it holds no threads or state of the launching process. A rank starts with exactly
+the environment a spawned one would have (the launching process's at that moment plus its own
+variables), writes to the launching process's stdout and stderr as they are when it starts, and
+sets its thread count itself, since torch read OMP_NUM_THREADS in the server. What a process
+reads only when it starts (PYTHONPATH, LD_PRELOAD, OpenMP's settings) comes from the server: a
+change of those in the launching process starts a new server.
 Where a CUDA device is visible the server imports nothing: megatron-core's import loads
 Transformer Engine, which must not be initialised before a fork, and no GPU run has shown
 that it is not; ranks there import everything themselves, as spawned ones do.
@@ -92,7 +92,9 @@ def rank_context() -> mp.context.BaseContext:
         import torch
 
         if not torch.cuda.is_available():
-            ctx.set_forkserver_preload(["megarlhf", "megatron.core"])
+            # What every rank imports: the engine and its checkpoints bring the architectures
+            # and transformers with them (1.2 s of each rank's start when not preloaded).
+            ctx.set_forkserver_preload(["megarlhf", "megatron.core", "megarlhf.engine.checkpoint"])
         startup = _startup_variables()
         if _server_startup is not None and startup != _server_startup:
             # multiprocessing's own way to end its server (its tests use it); ranks already
