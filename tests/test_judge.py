@@ -172,6 +172,39 @@ def test_the_launching_process_refuses_a_judge_it_cannot_use(judge_dir, tmp_path
     assert judge().candidates == (*yes, *no) and judge().yes_count == 1
 
 
+def test_a_resume_with_another_judge_is_refused(judge_dir, tmp_path):
+    """A checkpoint records its judge (template text, config and tokenizer files, each weight
+    file's header and sampled data): a moved copy resumes; another template or other weights
+    of the same shapes stop the run, naming reward_judge, unless allowed."""
+    from megarlhf.ppo import run_dir
+    from tests import hf_models
+
+    for name in ("actor", "prompts"):
+        (tmp_path / name).mkdir()
+
+    def inputs(model: str, template: str) -> dict:
+        config = PPOConfig(actor=str(tmp_path / "actor"), prompts=str(tmp_path / "prompts"),
+                           out_dir=str(tmp_path / "out"), algorithm="grpo", samples_per_prompt=2,
+                           reward_judge=JudgeConfig(model=model, template=template))
+        return run_dir.run_inputs(config, [])
+
+    recorded = inputs(judge_dir, _template(tmp_path))
+    moved = str(tmp_path / "moved")
+    shutil.copytree(judge_dir, moved)
+    run_dir.check_resume("step_2", recorded, inputs(moved, _template(tmp_path)), ())
+    other_weights = str(tmp_path / "retrained")
+    shutil.copytree(judge_dir, other_weights)
+    hf_models.make_model("llama", vocab_size=64, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=512, seed=6).save_pretrained(other_weights)
+    for now in (inputs(judge_dir, _template(tmp_path, TEMPLATE + " Answer Yes or No.")),
+                inputs(other_weights, _template(tmp_path))):
+        with pytest.raises(ValueError, match=r"reward_judge: checkpoint .* vs now .*\n.*"
+                                             r"resume_allow_changes=\[reward_judge\]"):
+            run_dir.check_resume("step_2", recorded, now, ())
+        run_dir.check_resume("step_2", recorded, now, ("reward_judge",))
+
+
 def test_a_byte_level_judge_tokenizer(tmp_path):
     """ChatML byte-level BPE: no single token for "Yes", so yes_no is refused (rating is
     not); a response that spells the judge's turn markers cannot end its turn, they are

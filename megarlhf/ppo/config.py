@@ -42,8 +42,8 @@ LAYER_SPECS = ("auto", "local", "sdpa")
 """Megatron layer specs of every role and of the Megatron rollout engine (models/specs.py;
 'te' is refused there: TE_REFUSED)."""
 PROMPT_FIELDS = KIND_FIELDS["prompt"] + OPTIONAL_FIELDS["prompt"]
-RESUME_INPUTS = ("actor", "actor_adapter", "critic", "reward_model", "prompts", "seed",
-                 "algorithm")
+RESUME_INPUTS = ("actor", "actor_adapter", "critic", "reward_model", "reward_judge", "prompts",
+                 "seed", "algorithm")
 EPISODE_FIELDS = {"env_args": {}, "max_turns": 8, "max_turn_tokens": None,
                   "max_observation_tokens": None, "on_env_error": "stop", "tools": (),
                   "tool_parser": "hermes", "tool_timeout": 30.0, "tool_workers": 2,
@@ -568,9 +568,9 @@ class PPOConfig:
     """The shortest phase deadline (see phase_timeout_factor)."""
     resume_allow_changes: tuple[str, ...] = ()
     """Inputs a resumed run may change on purpose (of RESUME_INPUTS: actor, actor_adapter
-    (layout.actor.lora.from_peft: the reference's adapter), critic, reward_model, prompts,
-    seed, algorithm); any other difference from what the checkpoint in out_dir was trained
-    with stops the run before it starts."""
+    (layout.actor.lora.from_peft: the reference's adapter), critic, reward_model,
+    reward_judge (its model and template), prompts, seed, algorithm); any other difference
+    from what the checkpoint in out_dir was trained with stops the run before it starts."""
     skip_overlong: bool = False
     """Drop prompts that do not fit the model's positions (or rollout_max_model_len) next to
     max_new_tokens, with a count, instead of refusing the prompts file."""

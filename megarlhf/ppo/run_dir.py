@@ -101,6 +101,8 @@ def run_inputs(config, prompts) -> dict:
     adapter = config.reference_adapter
     inputs["actor_adapter"] = None if adapter is None else _files_fingerprint(
         adapter.from_peft, (CONFIG_FILE, WEIGHTS_FILE))
+    judge = config.reward_judge
+    inputs["reward_judge"] = None if judge is None else _judge_fingerprint(judge)
     return inputs
 
 
@@ -144,6 +146,30 @@ def _checkpoint_fingerprint(path: str) -> dict:
     """A checkpoint's metadata (its completion marker and DCP's .metadata), not its weights:
     every save writes new metadata, so two checkpoints never share one."""
     return _files_fingerprint(path, (COMPLETE_MARKER, ".metadata"))
+
+
+_JUDGE_FILES = ("config.json", "generation_config.json", "tokenizer.json",
+                "tokenizer_config.json", "chat_template.jinja", "model.safetensors.index.json")
+_WEIGHT_SAMPLE = 1 << 20
+
+
+def _judge_fingerprint(judge) -> dict:
+    """The judge by what decides its scores: its template's text, its config and tokenizer
+    files, and each safetensors file's header (names, shapes, dtypes) with the first and last
+    MiB of its data. Reading every weight of a 70B judge at each launch would take minutes; a
+    fine-tuned judge differs from its base in those sampled bytes too (every tensor moves)."""
+    digest = hashlib.sha256()
+    with open(judge.template, "rb") as f:
+        digest.update(b"template\0" + f.read())
+    digest.update(_files_fingerprint(judge.model, _JUDGE_FILES)["sha256"].encode())
+    for name in sorted(n for n in os.listdir(judge.model) if n.endswith(".safetensors")):
+        with open(os.path.join(judge.model, name), "rb") as f:
+            header = f.read(8)
+            digest.update(name.encode() + b"\0" + header)
+            digest.update(f.read(int.from_bytes(header, "little") + _WEIGHT_SAMPLE))
+            f.seek(max(f.tell(), os.fstat(f.fileno()).st_size - _WEIGHT_SAMPLE))
+            digest.update(f.read())
+    return {"path": os.path.abspath(judge.model), "sha256": digest.hexdigest()}
 
 
 def _files_fingerprint(path: str, names: tuple[str, ...]) -> dict:
