@@ -144,6 +144,9 @@ CONFIG_CASES = [  # (overrides, what the message must name)
     (["logprob_gap_limit=-1"], "logprob_gap_limit must be > 0"),
     (["logprob_gap_max_limit=0"], "logprob_gap_max_limit must be > 0"),
     (["rollout_backend=vllm"], "needs vllm_model_dir"),
+    (["sync_mode=delta"], "sync_mode=delta needs placement=disaggregated"),
+    (["sync_mode=diff"], "sync_mode='diff' is not one of"),
+    (["placement=disaggregated", "delta_full_every=0"], "delta_full_every=0 is out of range"),
     (["rollout_gpu_memory_utilization=1.5"], "rollout_gpu_memory_utilization must be in"),
     # multi-turn episodes (megarlhf/envs)
     (["environment=tests.env_fns:Missing"], "environment 'tests.env_fns:Missing' cannot be "

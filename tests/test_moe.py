@@ -207,7 +207,9 @@ def test_hf_moe_models_run_ppo_steps(tmp_path, run_name):
     test_engine_routing_replays_in_the_trainer measures token by token); the update passes
     replay it after the actor's first mini-batch update too, when the routers would move some
     tokens (actor/routing_replay_moved > 0; measured 0.26-0.35 of them: a toy router's logits
-    are small next to an Adam step)."""
+    are small next to an Adam step). Disaggregated, the sync is sync_mode=delta (fp32: most
+    elements move each step, so most buckets go whole, all through the delta channel's
+    checks)."""
     from megarlhf.convert.hf_to_mcore import hf_to_mcore
     from megarlhf.ppo.config import PPOConfig
     from megarlhf.ppo.controller import run
@@ -232,6 +234,7 @@ def test_hf_moe_models_run_ppo_steps(tmp_path, run_name):
         samples_per_prompt=2, max_new_tokens=8, ppo_epochs=2, mini_batches=2, actor_lr=3e-3,
         placement=placement, expert_parallel=ep, rollout_backend=backend,
         vllm_model_dir=hf_dir if backend == "vllm" else None, routing_replay=replay,
+        sync_mode="delta" if placement == "disaggregated" else "full",
         out_dir=str(tmp_path / "run")))
     assert len(history) == 2
     for step in history:
@@ -242,6 +245,8 @@ def test_hf_moe_models_run_ppo_steps(tmp_path, run_name):
             assert 0 < step["actor/routing_replay_moved"] < 1, step
         else:
             assert "actor/routing_replay_moved" not in step
+        if placement == "disaggregated":
+            assert 0 < step["sync/sent_mib"] <= step["sync/full_mib"], step
 
 
 def test_routing_replay_refuses_what_it_cannot_replay(moe, tiny):

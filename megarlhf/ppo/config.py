@@ -38,6 +38,7 @@ OLD_LOGPROBS = ("auto", "experience_pass")
 REWARD_URL_FORMATS = ("native", "openrlhf")
 WORKER_GROUPS = ("local", "ray")
 PLACEMENTS = ("colocated", "disaggregated")
+SYNC_MODES = ("full", "delta")
 LAYER_SPECS = ("auto", "local", "sdpa")
 """Megatron layer specs of every role and of the Megatron rollout engine (models/specs.py;
 'te' is refused there: TE_REFUSED)."""
@@ -88,6 +89,7 @@ _RANGES = (  # (field, low, high, low included?); high is included, values must 
     ("reward_timeout", 0.0, math.inf, False),
     ("tool_timeout", 0.0, math.inf, False),
     ("reward_max_timeout_fraction", 0.0, 1.0, True),
+    ("delta_full_every", 1, math.inf, True),
 )
 
 
@@ -330,6 +332,15 @@ class PPOConfig:
     rollout_nproc: int = 1
     """Disaggregated only: rollout ranks, in engines of rollout_tp ranks, fed by the actor's
     ranks."""
+    sync_mode: str = "full"
+    """Disaggregated only: how the actor's weights travel to the rollout ranks. 'full':
+    every bucket whole; 'delta': per bucket, only the elements whose bits changed since the
+    last sync (or the whole bucket where that is not smaller), patched into the bucket each
+    side keeps in host memory (a copy of the model per rollout rank and per sending rank),
+    checked against the trainer's CRC-32. Pays in bf16, where most elements keep their bits
+    between steps; in fp32 nearly all change."""
+    delta_full_every: int = 20
+    """sync_mode=delta: a bucket goes whole at least every this many syncs."""
     async_rollout: bool = False
     """Disaggregated only: generate step n+1's samples while step n trains (one-step-off
     policy). The engine's weights are then one update behind the actor's when it samples;
@@ -628,6 +639,7 @@ class PPOConfig:
                 problems.append(f"resume_allow_changes: {name!r} is not one of "
                                 f"{list(RESUME_INPUTS)}")
         choice("placement", PLACEMENTS)
+        choice("sync_mode", SYNC_MODES)
         for name, options in (("ratio_level", RATIO_LEVELS), ("policy_loss", POLICY_LOSSES),
                               ("aggregation", AGGREGATION_MODES), ("kl_in", KL_IN),
                               ("kl_estimator", KL_ESTIMATORS)):
@@ -699,6 +711,9 @@ class PPOConfig:
         if self.async_rollout and self.rollout_correction == "none":
             problems.append("async_rollout=true trains on samples of weights one update old: "
                             "set rollout_correction=tis or mis")
+        if self.placement == "colocated" and self.sync_mode == "delta":
+            problems.append(f"sync_mode={self.sync_mode} needs placement=disaggregated; a "
+                            f"colocated sync copies the weights inside each rank")
         if self.placement == "colocated" and self.rollout_nproc != 1:
             problems.append(f"rollout_nproc={self.rollout_nproc} needs "
                             f"placement=disaggregated; colocated rollouts run on the nproc "

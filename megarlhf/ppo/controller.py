@@ -266,7 +266,7 @@ def ppo_step(config: PPOConfig, data: RunInputs, workers: Placement,
     log.phase("sync")
     steps.finish()  # the rollout drawn ahead: the engine must be idle for the sync
     timer["wait_rollout_ahead"], t = time.perf_counter() - t, time.perf_counter()
-    workers.sync()
+    synced = workers.sync()
     steps.synced(step)
     timer["sync"] = time.perf_counter() - t
     probed = {}
@@ -292,7 +292,7 @@ def ppo_step(config: PPOConfig, data: RunInputs, workers: Placement,
               for phase, nbytes in workers.take_memory().items()}
     if config.profiles(step):
         log_profile(log, step, workers.take_profile())
-    return {**metrics, **drawn.metrics, **correction, **probed,
+    return {**metrics, **drawn.metrics, **correction, **probed, **synced,
             "rollout/stopped_fraction": stopped,
             "rollout/weight_version": float(drawn.weight_version),
             "rollout/policy_lag": float(lag), **memory, **span,

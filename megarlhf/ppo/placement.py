@@ -131,8 +131,10 @@ class Placement:
                  for steps in zip(*(metrics for metrics, _ in parts))]
         return steps, {k: v for _, own in parts for k, v in own.items()}
 
-    def sync(self) -> None:
-        _, self.busy["sync"] = self._run(WorkerAPI.sync_weights, SYNC)
+    def sync(self) -> dict[str, float]:
+        """The weight sync; what it moved (sync_mode=delta: the rollout group's sync/*)."""
+        parts, self.busy["sync"] = self._run(WorkerAPI.sync_weights, SYNC)
+        return {k: v for part in parts for k, v in part.items()}
 
     def profile(self, step: int) -> None:
         """Profile every rank's phases (megarlhf/profiling.py) until take_profile."""

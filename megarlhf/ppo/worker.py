@@ -38,6 +38,7 @@ from megarlhf.ppo.layout import GroupSpec
 from megarlhf.ppo.residency import Residency
 from megarlhf.profiling import PhaseProfiler
 from megarlhf.rollout.bridge import WeightBridge, open_channel, receive
+from megarlhf.rollout.delta import DeltaChannel
 from megarlhf.rollout.engine import Completion, EngineError, SamplingParams
 from megarlhf.rollout import projection, sizing
 from megarlhf.rollout.sizing import EngineSize
@@ -109,7 +110,7 @@ class PPOWorker:
              if not (role == "ref" and c.reference_is_actor_base)},
             params=c.offload_params, grads=c.offload_grads, optimizer=c.offload_optimizer)
         model, arch = self._actor_model()
-        self.bridge = self.engine = self.channel = None
+        self.bridge = self.engine = self.channel = self.delta = None
         if self.actor is not None:
             self.bridge = WeightBridge(self.actor.engine.chunks, self.mesh, model, arch,
                                        lora=c.lora_of("actor"))
@@ -218,6 +219,9 @@ class PPOWorker:
             self.channel = open_channel(host, port, pp + self.rank, size, timeout_s=timeout)
         elif self.mesh.tp_rank == 0 and self.mesh.dp_rank == 0 and self.mesh.cp_rank == 0:
             self.channel = open_channel(host, port, self.mesh.pp_rank, size, timeout_s=timeout)
+        if self.channel is not None and self.config.sync_mode == "delta":
+            self.delta = DeltaChannel(self.channel, full_every=self.config.delta_full_every,
+                                      engine=self.engine is not None)
 
     # -- the loop's phases -----------------------------------------------------------------
 
@@ -366,20 +370,25 @@ class PPOWorker:
         return metrics, own
 
     @_phase("sync")
-    def sync_weights(self) -> None:
+    def sync_weights(self) -> dict[str, float]:
         """The actor's weights into the rollout engines: streamed inside this rank
         (colocated), or sent (actor group) / received (rollout group) over the channel. A
-        sleeping engine wakes in stages: its weights, the sync, then its KV cache."""
+        sleeping engine wakes in stages: its weights, the sync, then its KV cache. Returns,
+        on a rollout rank of a delta sync, what the sync moved (sync/* metrics)."""
         if self.bridge is not None and self.engine is not None:
             self.residency.keep("sync", residency.SYNC)
             self.engine.wake(("weights",))
             self._update_engine(self.bridge.stream(reuse_buffer=self.engine.copies_each_bucket))
             self.residency.keep("sync", residency.ROLLOUT)
             self.engine.wake(("kv_cache",))
-        elif self.bridge is not None:
-            self.bridge.send(self.channel)
-        else:
-            self._update_engine(receive(self.channel))
+            return {}
+        if self.delta is not None:
+            self.delta.start()
+        if self.bridge is not None:
+            self.bridge.send(self.channel, self.delta)
+            return {}
+        self._update_engine(receive(self.channel, self.delta))
+        return {} if self.delta is None else self.delta.stats.metrics()
 
     def _update_engine(self, stream) -> None:
         """The stream into the engine, then the engine's output projection, read back through

@@ -37,6 +37,7 @@ from megarlhf.models.arch import Architecture, layer_major
 from megarlhf.models.config import ModelConfig
 from megarlhf.models.lora import LoraConfig, adapter_keys, is_adapter_key, merged
 from megarlhf.parallel.mesh import Mesh
+from megarlhf.rollout.delta import DeltaChannel
 from megarlhf.rollout.engine import WeightStream
 from megarlhf.rollout.pieces import Piece, Unit, local_pieces
 
@@ -315,24 +316,27 @@ class WeightBridge:
             yield named_views(bucket, buffer)
             del buffer
 
-    def send(self, channel: "Channel") -> None:
+    def send(self, channel: "Channel", delta: DeltaChannel | None = None) -> None:
         """Disaggregated: DP replica 0 (its CP rank 0) sends every bucket over `channel` (see
-        `open_channel`); its other TP ranks only help assemble. Other DP replicas and CP ranks,
-        which hold the same weights, return at once, unless they hold experts (EP > 1): then
-        they take part in assembling too."""
+        `open_channel`), whole or, with `delta` (this sender's side of it), as the elements
+        that changed since the last sync; its other TP ranks only help assemble. Other DP
+        replicas and CP ranks, which hold the same weights, return at once, unless they hold
+        experts (EP > 1): then they take part in assembling too."""
         replica0 = self.mesh.dp_rank == 0 and self.mesh.cp_rank == 0
         if not replica0 and self.mesh.ep == 1:
             return
         sender = replica0 and self.mesh.tp_rank == 0
         if sender:  # every channel member takes part in every broadcast
             channel.broadcast_object(self.plan, root=0)
-        for bucket in self.plan.buckets:
-            if self.mesh.pp_rank == bucket.stage:
-                buffer = self._fill(bucket)
-                if sender:
-                    channel.broadcast(buffer, root=bucket.stage)
-            elif sender:
-                channel.broadcast(self._buffer(bucket), root=bucket.stage)
+        for index, bucket in enumerate(self.plan.buckets):
+            buffer = self._fill(bucket) if self.mesh.pp_rank == bucket.stage else None
+            if not sender:
+                continue
+            if delta is not None:  # a sender of another stage takes part with None
+                delta.exchange(index, bucket.numel, self.plan.dtype, bucket.stage, buffer)
+            else:
+                channel.broadcast(self._buffer(bucket) if buffer is None else buffer,
+                                  root=bucket.stage)
 
 
 def _is_expert(unit: Unit) -> bool:
@@ -367,12 +371,17 @@ def named_views(bucket: Bucket, buffer: torch.Tensor) -> list[tuple[str, torch.T
             for slots in bucket.slots for s in slots]
 
 
-def receive(channel: "Channel") -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Disaggregated: the engine side of `WeightBridge.send` (a WeightStream)."""
+def receive(channel: "Channel", delta: DeltaChannel | None = None
+            ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Disaggregated: the engine side of `WeightBridge.send` (a WeightStream); with `delta`
+    (this engine process's side of it), each bucket is the one it kept, patched."""
     plan: BridgePlan = channel.broadcast_object(None, root=0)
-    for bucket in plan.buckets:
-        buffer = torch.empty(bucket.numel, dtype=plan.dtype)
-        channel.broadcast(buffer, root=bucket.stage)
+    for index, bucket in enumerate(plan.buckets):
+        if delta is not None:
+            buffer = delta.exchange(index, bucket.numel, plan.dtype, bucket.stage)
+        else:
+            buffer = torch.empty(bucket.numel, dtype=plan.dtype)
+            channel.broadcast(buffer, root=bucket.stage)
         yield named_views(bucket, buffer)
         del buffer
 
@@ -387,6 +396,11 @@ class Channel:
 
     def broadcast(self, tensor: torch.Tensor, root: int) -> None:
         self.group.broadcast(tensor, root).wait()
+
+    def all_reduce_min(self, tensor: torch.Tensor) -> None:
+        options = dist.AllreduceOptions()
+        options.reduceOp = dist.ReduceOp.MIN
+        self.group.allreduce([tensor], options).wait()
 
     def broadcast_object(self, obj, root: int):
         payload = pickle.dumps(obj) if self.rank == root else b""
