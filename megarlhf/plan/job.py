@@ -236,7 +236,8 @@ class Plan:
     models: dict[str, ModelSource]
     groups: tuple[GroupPlan, ...]
     host_per_node: tuple[int, ...]
-    """Pinned host bytes of each node (the sum over its ranks)."""
+    """Host bytes of each node (the sum over its ranks): pinned offloads, and with
+    sync_mode=delta the buckets kept for it (delta_copy_bytes)."""
 
     @property
     def param_bytes(self) -> int:
@@ -333,9 +334,27 @@ def plan(config: PPOConfig, cluster: Cluster, prompt_len: int,
                                              for r in range(spec.parallel.pipeline_parallel)))
         groups.append(group)
         for rank in range(spec.nproc):
-            host[(first + rank) // cluster.gpus_per_node] += group.rank_pinned_bytes(rank)
+            host[(first + rank) // cluster.gpus_per_node] += group.rank_pinned_bytes(rank) \
+                + delta_copy_bytes(config, spec, rank, models["actor"].model)
         first += spec.nproc
     return Plan(config, cluster, prompt_len, models, tuple(groups), tuple(host))
+
+
+def delta_copy_bytes(config: PPOConfig, spec: GroupSpec, rank: int, model: ModelConfig) -> int:
+    """sync_mode=delta: the bridge buckets a rank keeps in host memory (rollout/delta.py):
+    the whole model on each rollout rank, its pipeline stage's tensors on the actor's sender
+    of that stage (TP rank 0 of DP replica 0: the stage's first rank, in Megatron's tp-cp-ep-
+    dp-pp order)."""
+    if config.sync_mode != "delta":
+        return 0
+    if spec.roles == {"rollout"}:
+        return total_params(model) * param_bytes(config)
+    per_stage = spec.nproc // spec.parallel.pipeline_parallel
+    if "actor" not in spec.roles or rank % per_stage:
+        return 0
+    whole = ParallelConfig(pipeline_parallel=spec.parallel.pipeline_parallel,
+                           virtual_pipeline_parallel=spec.parallel.virtual_pipeline_parallel)
+    return rank_params(model, whole, rank // per_stage) * param_bytes(config)
 
 
 def residency(config: PPOConfig, role: str, what: str) -> dict:

@@ -107,8 +107,8 @@ def render(plan: Plan, recipe: str) -> str:
     worst = plan.worst
     verdict = "fits" if plan.fits else "DOES NOT FIT"
     lines += [f"per-phase peaks (GiB per GPU): {phase_peaks(plan)}",
-              f"pinned host memory per node: {_gib(plan.host_peak)} GiB (node {plan.host_node})"
-              f" of {_gib(plan.cluster.usable_host_bytes)} usable",
+              f"{_host_label(plan)} per node: {_gib(plan.host_peak)} GiB (node "
+              f"{plan.host_node}) of {_gib(plan.cluster.usable_host_bytes)} usable",
               f"peak {_gib(worst.peak)} GiB per GPU (group {worst.spec.name}, "
               f"{worst.peak_phase}) of {_gib(plan.cluster.usable_bytes)} usable: {verdict}"]
     return "\n".join(lines)
@@ -145,3 +145,9 @@ def refusal(plan: Plan, fixes: list[tuple[str, Plan]],
                      "the recipe's batch-split rules), nor any combination of "
                      f"{', '.join(SWITCHES)}, sequence_parallel and recompute")
     return "\n".join(lines)
+
+
+def _host_label(plan: Plan) -> str:
+    if plan.config.sync_mode == "delta":
+        return "host memory (pinned, and delta-sync copies)"
+    return "pinned host memory"
