@@ -21,15 +21,14 @@ SIZES = (1000, 300)
 class Members:
     """A sender and two engines, each a DeltaChannel on its own thread, kept across syncs."""
 
-    def __init__(self, full_every: int):
+    def __init__(self):
         store = dist.HashStore()
         self.channels = [None] * 3
 
         def join(rank):
             group = dist.ProcessGroupGloo(dist.PrefixStore("delta", store), rank, 3,
                                           datetime.timedelta(seconds=20))
-            self.channels[rank] = DeltaChannel(Channel(group, rank, 3), full_every=full_every,
-                                               engine=rank > 0)
+            self.channels[rank] = DeltaChannel(Channel(group, rank, 3), engine=rank > 0)
 
         self._each(join)
 
@@ -52,12 +51,12 @@ class Members:
                 raise error
         return results
 
-    def sync(self, buckets: list[torch.Tensor]) -> list[dict]:
+    def sync(self, buckets: list[torch.Tensor], whole: bool = False) -> list[dict]:
         """One sync of `buckets` (the sender's); each engine's received buckets checked
         against them bitwise. Returns each engine's sync metrics."""
         def member(rank):
             channel = self.channels[rank]
-            channel.start()
+            channel.start(whole)
             held = [channel.exchange(i, b.numel(), b.dtype, 0, b.clone() if rank == 0 else None)
                     for i, b in enumerate(buckets)]
             if rank:
@@ -74,7 +73,7 @@ def _bf16(n: int, seed: int) -> torch.Tensor:
 
 
 def test_only_changed_bits_travel_and_the_engines_hold_the_senders_buckets():
-    members = Members(full_every=3)
+    members = Members()
     first = [_bf16(n, i) for i, n in enumerate(SIZES)]
     first[0][8], first[0][9] = 0.0, float("nan")
     stats = members.sync(first)
@@ -103,11 +102,14 @@ def test_only_changed_bits_travel_and_the_engines_hold_the_senders_buckets():
     assert stats[0]["sync/changed_fraction"] == pytest.approx((1 + SIZES[1]) / sum(SIZES))
     assert stats[0]["sync/sent_mib"] == pytest.approx((1 * 6 + 2 * SIZES[1]) / 2**20)
 
-    # Bucket 0's third sync in a row after a whole one: full_every=3 sends it whole.
+    # A whole sync (the controller's, every delta_full_every weight versions): every bucket
+    # whole, the changed count still the sender's comparison.
     fourth = [third[0].clone(), third[1].clone()]
     fourth[0][0] += 1
-    stats = members.sync(fourth)
-    assert stats[0]["sync/delta_buckets"] == 1.0  # bucket 1 (whole last time) is a delta
+    stats = members.sync(fourth, whole=True)
+    assert stats[0]["sync/delta_buckets"] == 0.0
+    assert stats[0]["sync/sent_mib"] == stats[0]["sync/full_mib"]
+    assert stats[0]["sync/changed_fraction"] == pytest.approx(1 / sum(SIZES))
 
     # Half of bucket 0 changes: a bitmap (a bit per element, 125 bytes) and the 500 values
     # beat 500 int32 indices with them and the whole bucket.
@@ -119,12 +121,12 @@ def test_only_changed_bits_travel_and_the_engines_hold_the_senders_buckets():
 
 
 def test_an_engine_without_the_base_makes_the_bucket_whole_for_everyone():
-    members = Members(full_every=20)
+    members = Members()
     first = [_bf16(n, i) for i, n in enumerate(SIZES)]
     members.sync(first)
     # Engine 2 restarted: a fresh channel side holding no buckets. The sender offers deltas;
     # engine 2's flag turns them into whole buckets, and both engines hold the new weights.
-    members.channels[2] = DeltaChannel(members.channels[2].channel, full_every=20, engine=True)
+    members.channels[2] = DeltaChannel(members.channels[2].channel, engine=True)
     second = [b + 1 for b in first]
     second[1] = first[1].clone()
     second[1][0] += 1
@@ -134,7 +136,7 @@ def test_an_engine_without_the_base_makes_the_bucket_whole_for_everyone():
 
 
 def test_a_damaged_base_stops_the_sync_naming_the_bucket():
-    members = Members(full_every=20)
+    members = Members()
     first = [_bf16(n, i) for i, n in enumerate(SIZES)]
     members.sync(first)
     # Engine 1's kept copy of the last bucket loses a bit it was never sent (its recorded

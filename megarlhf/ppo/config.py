@@ -340,7 +340,8 @@ class PPOConfig:
     checked against the trainer's CRC-32. Pays in bf16, where most elements keep their bits
     between steps; in fp32 nearly all change."""
     delta_full_every: int = 20
-    """sync_mode=delta: a bucket goes whole at least every this many syncs."""
+    """sync_mode=delta: the weights of every step that is a multiple of this sync whole (and
+    the first sync of each start); the other steps' as deltas."""
     async_rollout: bool = False
     """Disaggregated only: generate step n+1's samples while step n trains (one-step-off
     policy). The engine's weights are then one update behind the actor's when it samples;

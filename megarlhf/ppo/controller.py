@@ -266,7 +266,9 @@ def ppo_step(config: PPOConfig, data: RunInputs, workers: Placement,
     log.phase("sync")
     steps.finish()  # the rollout drawn ahead: the engine must be idle for the sync
     timer["wait_rollout_ahead"], t = time.perf_counter() - t, time.perf_counter()
-    synced = workers.sync()
+    # The weights of version `step`; with sync_mode=delta whole every delta_full_every
+    # versions, so a resumed run syncs each version as a straight run does.
+    synced = workers.sync(whole=step % config.delta_full_every == 0)
     steps.synced(step)
     timer["sync"] = time.perf_counter() - t
     probed = {}

@@ -131,9 +131,11 @@ class Placement:
                  for steps in zip(*(metrics for metrics, _ in parts))]
         return steps, {k: v for _, own in parts for k, v in own.items()}
 
-    def sync(self) -> dict[str, float]:
-        """The weight sync; what it moved (sync_mode=delta: the rollout group's sync/*)."""
-        parts, self.busy["sync"] = self._run(WorkerAPI.sync_weights, SYNC)
+    def sync(self, whole: bool = True) -> dict[str, float]:
+        """The weight sync; what it moved (sync_mode=delta: the rollout group's sync/*).
+        `whole`: every bucket whole (sync_mode=delta sends the rest as deltas); a phase of
+        its own for deadlines, so a whole sync is not judged by the deltas before it."""
+        parts, self.busy["sync"] = self._run(WorkerAPI.sync_weights, SYNC, whole)
         return {k: v for part in parts for k, v in part.items()}
 
     def profile(self, step: int) -> None:
@@ -251,6 +253,8 @@ def call_size(args: tuple) -> tuple:
             size.append(arg.tokens.shape[0])
         elif isinstance(arg, SamplingParams):
             size.append((arg.n, arg.max_new_tokens))
+        elif isinstance(arg, bool):  # a weight sync whole or as deltas
+            size.append(arg)
     return tuple(size)
 
 

@@ -220,8 +220,7 @@ class PPOWorker:
         elif self.mesh.tp_rank == 0 and self.mesh.dp_rank == 0 and self.mesh.cp_rank == 0:
             self.channel = open_channel(host, port, self.mesh.pp_rank, size, timeout_s=timeout)
         if self.channel is not None and self.config.sync_mode == "delta":
-            self.delta = DeltaChannel(self.channel, full_every=self.config.delta_full_every,
-                                      engine=self.engine is not None)
+            self.delta = DeltaChannel(self.channel, engine=self.engine is not None)
 
     # -- the loop's phases -----------------------------------------------------------------
 
@@ -370,11 +369,12 @@ class PPOWorker:
         return metrics, own
 
     @_phase("sync")
-    def sync_weights(self) -> dict[str, float]:
+    def sync_weights(self, whole: bool = True) -> dict[str, float]:
         """The actor's weights into the rollout engines: streamed inside this rank
         (colocated), or sent (actor group) / received (rollout group) over the channel. A
-        sleeping engine wakes in stages: its weights, the sync, then its KV cache. Returns,
-        on a rollout rank of a delta sync, what the sync moved (sync/* metrics)."""
+        sleeping engine wakes in stages: its weights, the sync, then its KV cache. With
+        sync_mode=delta, `whole` sends every bucket whole. Returns, on a rollout rank of a
+        delta sync, what the sync moved (sync/* metrics)."""
         if self.bridge is not None and self.engine is not None:
             self.residency.keep("sync", residency.SYNC)
             self.engine.wake(("weights",))
@@ -383,7 +383,7 @@ class PPOWorker:
             self.engine.wake(("kv_cache",))
             return {}
         if self.delta is not None:
-            self.delta.start()
+            self.delta.start(whole)
         if self.bridge is not None:
             self.bridge.send(self.channel, self.delta)
             return {}

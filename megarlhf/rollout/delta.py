@@ -16,8 +16,8 @@ Per bucket, every channel member takes part in:
 3. the full bucket, or the changed elements' values with their indices or a bitmap of them
    (a bit per element), whichever of the three is smallest.
 Every engine process checks the CRC-32 of what it then holds against the sender's, so the
-weights after a delta sync are the bits a full sync gives or the run stops. A full sync
-also goes every `full_every` syncs of a bucket.
+weights after a delta sync are the bits a full sync gives or the run stops. The controller
+asks for a whole sync now and then (`start(whole=True)`; PPOConfig.delta_full_every).
 """
 
 from __future__ import annotations
@@ -93,26 +93,25 @@ class SyncStats:
 
 
 class _Base:
-    """The last bucket a member exchanged, with its CRC-32 and how many syncs ago it went
-    whole."""
+    """The last bucket a member exchanged, with its CRC-32."""
 
     def __init__(self, buffer: torch.Tensor):
-        self.buffer, self.crc, self.since_full = buffer, None, 0
+        self.buffer, self.crc = buffer, None
 
 
 class DeltaChannel:
     """One member's side of delta sync over a bridge `Channel` (the sender of a stage, or an
-    engine process). `full_every`: the most syncs of a bucket in a row that go as deltas."""
+    engine process)."""
 
-    def __init__(self, channel, *, full_every: int, engine: bool):
-        if full_every < 1:
-            raise ValueError(f"full_every must be >= 1, got {full_every}")
-        self.channel, self.full_every, self.engine = channel, full_every, engine
+    def __init__(self, channel, *, engine: bool):
+        self.channel, self.engine = channel, engine
         self._bases: dict[int, _Base] = {}
+        self._whole = True
         self.stats = SyncStats()
 
-    def start(self) -> None:
-        self.stats = SyncStats()
+    def start(self, whole: bool) -> None:
+        """A new sync; `whole`: its sender sends every bucket whole."""
+        self.stats, self._whole = SyncStats(), whole
 
     def _scratch(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A buffer reused across buckets and syncs, for a member that only takes part in a
@@ -135,7 +134,7 @@ class DeltaChannel:
                 changed = _bits(buffer) != _bits(base.buffer)
                 count = int(torch.count_nonzero(changed))
                 header[1:3] = torch.tensor([count, base.crc])
-                if base.since_full + 1 < self.full_every:
+                if not self._whole:
                     header[0] = min((FULL, INDICES, BITMAP), key=lambda mode: _encoded_bytes(
                         mode, buffer.numel(), count, buffer.element_size()))
         self.channel.broadcast(header, root)
@@ -204,6 +203,6 @@ class DeltaChannel:
                                f"a {'full' if mode == FULL else 'delta'} sync (CRC-32 "
                                f"{held:#x} vs {new_crc:#x}); the engine's weights are not the "
                                f"trained ones")
-        base.crc, base.since_full = new_crc, 0 if mode == FULL else base.since_full + 1
+        base.crc = new_crc
         return base.buffer if self.engine else None
 
