@@ -146,6 +146,10 @@ CONFIG_CASES = [  # (overrides, what the message must name)
     (["rollout_backend=vllm"], "needs vllm_model_dir"),
     (["sync_mode=delta"], "sync_mode=delta needs placement=disaggregated"),
     (["sync_mode=diff"], "sync_mode='diff' is not one of"),
+    (["placement=disaggregated", "sync_mode=delta", "worker_group=ray"],
+     "sync_mode=delta is not tested under worker_group=ray yet"),
+    (["placement=disaggregated", "sync_mode=delta", "nproc=2", "pipeline_parallel=2"],
+     "sync_mode=delta is not tested with the actor's pipeline_parallel > 1 yet"),
     (["placement=disaggregated", "delta_full_every=0"], "delta_full_every=0 is out of range"),
     (["rollout_gpu_memory_utilization=1.5"], "rollout_gpu_memory_utilization must be in"),
     # multi-turn episodes (megarlhf/envs)

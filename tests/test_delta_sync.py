@@ -148,3 +148,43 @@ def test_a_damaged_base_stops_the_sync_naming_the_bucket():
     with pytest.raises(RuntimeError, match=r"weight sync: bucket 1 differs from the trainer's "
                                            r"after a delta sync \(CRC-32"):
         members.sync(second)
+
+
+def test_two_stages_senders_each_send_their_buckets():
+    """A pipeline of two stages: channel ranks 0 and 1 send bucket 0 and 1 (each taking part
+    in the other's with nothing to send), ranks 2 and 3 are engines. Two syncs, the second
+    with deltas from both stages; the engines hold both senders' bits."""
+    store, size = dist.HashStore(), 4
+    buckets = [[_bf16(n, i) for i, n in enumerate(SIZES)]]
+    buckets.append([b.clone() for b in buckets[0]])
+    buckets[1][0][:3] += 1
+    buckets[1][1][5] += 1
+    held, metrics, errors = {}, {}, []
+
+    def member(rank):
+        try:
+            group = dist.ProcessGroupGloo(dist.PrefixStore("stages", store), rank, size,
+                                          datetime.timedelta(seconds=20))
+            channel = DeltaChannel(Channel(group, rank, size), engine=rank >= 2)
+            for sync in buckets:
+                channel.start(False)
+                held[rank] = [channel.exchange(i, b.numel(), b.dtype, i,
+                                               b.clone() if rank == i else None)
+                              for i, b in enumerate(sync)]
+                held[rank] = [None if t is None else t.clone() for t in held[rank]]
+            metrics[rank] = channel.stats.metrics()
+        except Exception as e:  # noqa: BLE001 - handed to the test
+            errors.append(e)
+
+    threads = [threading.Thread(target=member, args=(r,)) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for engine in (2, 3):
+        for mine, theirs in zip(held[engine], buckets[1]):
+            assert torch.equal(mine.view(torch.int16), theirs.view(torch.int16))
+        assert metrics[engine]["sync/delta_buckets"] == 2.0
+        assert metrics[engine]["sync/sent_mib"] == pytest.approx(4 * (4 + 2) / 2**20)
+    assert held[0] == [None, None] and held[1] == [None, None]

@@ -715,6 +715,13 @@ class PPOConfig:
         if self.placement == "colocated" and self.sync_mode == "delta":
             problems.append(f"sync_mode={self.sync_mode} needs placement=disaggregated; a "
                             f"colocated sync copies the weights inside each rank")
+        # Not run end to end yet (its channel protocol with several senders is tested).
+        if self.sync_mode == "delta" and self._actor_layout().pipeline_parallel > 1:
+            problems.append("sync_mode=delta is not tested with the actor's pipeline_parallel "
+                            "> 1 yet; use sync_mode=full")
+        if self.sync_mode == "delta" and self.worker_group == "ray":
+            problems.append("sync_mode=delta is not tested under worker_group=ray yet; use "
+                            "sync_mode=full or worker_group=local")
         if self.placement == "colocated" and self.rollout_nproc != 1:
             problems.append(f"rollout_nproc={self.rollout_nproc} needs "
                             f"placement=disaggregated; colocated rollouts run on the nproc "
