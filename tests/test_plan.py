@@ -1107,7 +1107,7 @@ def measure_phases(tmp: str, model_name: str, dtype: str, tp: int, fields: dict)
                for i in range(s["prompts_per_step"])]
     params = SamplingParams(max_new_tokens=s["max_new_tokens"], n=s["samples_per_prompt"],
                             temperature=1.0, seed=1, stop_token_ids=())
-    worker.sync_weights()
+    worker.sync_weights(True)
     for step in range(2):  # the second step's numbers: Adam's moments exist after a step
         calls.clear()
         phase[0] = "rollout"

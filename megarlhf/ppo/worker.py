@@ -369,7 +369,7 @@ class PPOWorker:
         return metrics, own
 
     @_phase("sync")
-    def sync_weights(self, whole: bool = True) -> dict[str, float]:
+    def sync_weights(self, whole: bool) -> dict[str, float]:
         """The actor's weights into the rollout engines: streamed inside this rank
         (colocated), or sent (actor group) / received (rollout group) over the channel. A
         sleeping engine wakes in stages: its weights, the sync, then its KV cache. With
