@@ -1119,7 +1119,7 @@ def measure_phases(tmp: str, model_name: str, dtype: str, tp: int, fields: dict)
         worker.train(batch, exp["logp"], advantages, exp["values"], exp["values"] + advantages,
                      PolicyInputs())
         phase[0] = "sync"
-        worker.sync_weights()
+        worker.sync_weights(True)
         phase[0] = "checkpoint"
         worker.save(os.path.join(tmp, f"checkpoint{step}"))
     worker.shutdown()
