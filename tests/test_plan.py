@@ -1242,16 +1242,16 @@ def test_a_peft_started_actor_plans_a_reference_copy_with_its_adapter(tmp_path):
 
 def test_delta_sync_copies_count_in_the_nodes_host_memory():
     """sync_mode=delta keeps the bridge's buckets in host memory: the whole model on each
-    rollout rank (node 2 here), its stage's tensors on each stage's sending rank (node 0:
-    the first rank of each pipeline stage), none on the reference's node or with
-    sync_mode=full."""
+    rollout rank (node 2 here) and on the actor's sending rank (node 0: TP rank 0 of DP
+    replica 0; one pipeline stage, as delta sync runs today), none on the reference's node or
+    with sync_mode=full."""
     from megarlhf.plan.job import Cluster, plan
     from megarlhf.ppo.config import PPOConfig
     from megarlhf.ppo.sources import ModelSource
 
     model = preset("llama3-8b")
     config = PPOConfig(actor="a", prompts="p", out_dir="o", reward_fn="m:f", algorithm="grpo",
-                       samples_per_prompt=2, nproc=4, tensor_parallel=2, pipeline_parallel=2,
+                       samples_per_prompt=2, nproc=4, tensor_parallel=2,
                        placement="disaggregated", rollout_nproc=4, dtype="bf16",
                        sync_mode="delta")
     models = {"actor": ModelSource(model, False, "preset"),
@@ -1259,6 +1259,5 @@ def test_delta_sync_copies_count_in_the_nodes_host_memory():
     delta = plan(config, Cluster(nodes=3, gpus_per_node=4), 256, models)
     full = plan(dataclasses.replace(config, sync_mode="full"), Cluster(nodes=3, gpus_per_node=4),
                 256, models)
-    stages = [rank_params(model, ParallelConfig(pipeline_parallel=2), s) for s in (0, 1)]
     assert full.host_per_node == (0, 0, 0)
-    assert delta.host_per_node == (2 * sum(stages), 0, 4 * 2 * total_params(model))
+    assert delta.host_per_node == (2 * total_params(model), 0, 4 * 2 * total_params(model))
