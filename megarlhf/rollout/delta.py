@@ -107,6 +107,7 @@ class DeltaChannel:
         self.channel, self.engine = channel, engine
         self._bases: dict[int, _Base] = {}
         self._whole = True
+        self._spare: torch.Tensor | None = None
         self.stats = SyncStats()
 
     def start(self, whole: bool) -> None:
@@ -116,7 +117,7 @@ class DeltaChannel:
     def _scratch(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A buffer reused across buckets and syncs, for a member that only takes part in a
         broadcast (a fresh one per bucket page-faults the model in again at every sync)."""
-        if getattr(self, "_spare", None) is None or self._spare.numel() < numel \
+        if self._spare is None or self._spare.numel() < numel \
                 or self._spare.dtype != dtype:
             self._spare = torch.empty(numel, dtype=dtype)
         return self._spare[:numel]
