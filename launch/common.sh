@@ -13,7 +13,7 @@
 #   NCCL_DEBUG          WARN by default; INFO prints the transport chosen for each connection
 #   GLOO_SOCKET_IFNAME  interface for gloo (CPU ranks and CPU-side collectives)
 #   MASTER_ADDR         torch.distributed rendezvous host (train.sbatch; default: first node)
-#   MASTER_PORT         its port (default: 20000 + job id % 20000, so jobs sharing a node differ)
+#   MASTER_PORT         its port (default: 12000 + job id % 20000, so jobs sharing a node differ)
 # Software
 #   MEGARLHF            the megarlhf command (default: `megarlhf` from PATH: activate the
 #                       environment before sbatch, or use a container)

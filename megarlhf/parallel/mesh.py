@@ -22,6 +22,7 @@ import dataclasses
 import datetime
 import math
 import os
+import random
 import socket
 
 import torch
@@ -236,8 +237,9 @@ class DistEnv:
             world_size=int(env.get("SLURM_STEP_NUM_TASKS") or env["SLURM_NTASKS"]),
             local_rank=int(env.get("SLURM_LOCALID", 0)),
             master_addr=master,
-            # One port per job, so two jobs sharing a node do not collide.
-            master_port=int(env.get("MASTER_PORT") or 20000 + job_id % 20000),
+            # One port per job, so two jobs sharing a node do not collide; below the
+            # ephemeral range, where no outgoing socket takes it first.
+            master_port=int(env.get("MASTER_PORT") or SLURM_BASE_PORT + job_id % 20000),
         )
 
 
@@ -275,18 +277,40 @@ def first_host(nodelist: str) -> str:
 
 _HANDED_OUT: set[int] = set()
 
+# Rendezvous ports come from below the system's ephemeral range (Linux: 32768-60999), where the
+# kernel never hands a port to a socket bound to port 0. A port the system offered from inside
+# that range could be taken, between choosing it and a rank binding it seconds later, by any
+# other process's outgoing or gloo socket (seen in CI: EADDRINUSE when a group's rank 0 starts).
+_PORTS_BELOW_EPHEMERAL = 16384
+SLURM_BASE_PORT = 12000  # a job's default port is SLURM_BASE_PORT + job id % 20000
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
 
 def free_port() -> int:
-    """A port nothing listens on now that this process has not handed out before. Ranks bind
-    their port seconds after it is chosen, so two launches in a row (a PPO job's groups) could
-    otherwise both be given the one the system just offered (seen: EADDRINUSE at start-up)."""
-    while True:
+    """A port nothing listens on now, outside the ephemeral range, that this process has not
+    handed out before (two launches in a row, a PPO job's groups, each get their own)."""
+    high = _ephemeral_low()
+    low = max(1024, high - _PORTS_BELOW_EPHEMERAL)
+    for _ in range(1000):
+        port = random.randrange(low, high) if high > low else 0
+        if port in _HANDED_OUT:
+            continue
         with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
             port = s.getsockname()[1]
-        if port not in _HANDED_OUT:
-            _HANDED_OUT.add(port)
-            return port
+        _HANDED_OUT.add(port)
+        return port
+    raise RuntimeError(f"no free port in {low}-{high - 1}; set MASTER_PORT")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
