@@ -1,16 +1,19 @@
-"""One-step-off-policy rollouts (async_rollout) against synchronous ones in the disaggregated
-placement: step rate and the reward curve of each over the same steps, in one run.
+"""Synchronous, one-step-off (rollout_mode=one_step_off) and fully asynchronous
+(rollout_mode=fully_async) rollouts in the disaggregated placement: step rate, policy lag
+and the reward curve of each over the same steps, in one run.
 
 Setup: bench_ppo's tiny actor and reference (4 layers, hidden 64, vocabulary 300, seed-0
 weights), GRPO on the low-token task (tests/ppo_tasks.py: the fraction of 'low' tokens in a
-response) with TIS, 8 prompts x 4 samples of --new-tokens tokens per step, 2 epochs of
+response) with TIS, 8 prompts x 4 samples of up to --new-tokens tokens per step, 2 epochs of
 --mini-batches optimizer steps, Megatron rollouts on their own rank, actor and reference
-groups of one rank each. Synchronous, the rollout rank
-waits while the others learn and the other way round; asynchronous, step n+1's rollout runs
-while step n learns, sampled with weights one update older.
+groups of one rank each. Synchronous, the rollout rank waits while the others learn and the
+other way round; one-step-off, step n+1's rollout runs while step n learns; fully
+asynchronous, the rollout rank generates without waiting (max_staleness 1, 16 tokens per
+call). With --stop-ids K, the first K token ids end a sample: lengths then spread out to
+--new-tokens (a long tail), which is where the synchronous modes wait for the slowest sample.
 
     python -m bench.bench_async [--steps 15] [--new-tokens 48] [--mini-batches 4]
-                                [--append BENCHMARKS.md]
+                                [--stop-ids 0] [--append BENCHMARKS.md]
 """
 
 from __future__ import annotations
@@ -40,40 +43,53 @@ def _run(config) -> dict:
     return {"step": statistics.median(m["time/wall"] for m in history[1:]), "phases": phases,
             "steps_total": sum(m["time/wall"] for m in history[1:]), "total": total,
             "reward": [m["reward/mean"] for m in history],
-            "lag": [m["rollout/policy_lag"] for m in history]}
+            "lag": [m["rollout/policy_lag"] for m in history],
+            "token_lag": [m.get("rollout/policy_lag_mean", m["rollout/policy_lag"])
+                          for m in history]}
 
 
-def measure(steps: int, new_tokens: int, mini_batches: int) -> tuple[str, dict]:
+MODES = {"sync": "synchronous", "one_step_off": "one-step-off", "fully_async": "fully async"}
+
+
+def measure(steps: int, new_tokens: int, mini_batches: int, stop_ids: int) -> tuple[str, dict]:
     from megarlhf.ppo.config import PPOConfig
 
     load = [os.getloadavg()[0]]
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
         actor, _, prompts = write_inputs(tmp)
-        for mode in ("sync", "async"):
+        for mode in MODES:
             config = PPOConfig(
                 actor=actor, prompts=prompts, out_dir=os.path.join(tmp, mode),
                 reward_fn="tests.ppo_tasks:low_token_fraction", algorithm="grpo",
-                rollout_correction="tis", placement="disaggregated",
-                async_rollout=mode == "async", steps=steps, prompts_per_step=8,
+                rollout_correction="tis", placement="disaggregated", rollout_mode=mode,
+                max_staleness=1, partial_rollout_tokens=16,
+                stop_token_ids=tuple(range(stop_ids)), steps=steps, prompts_per_step=8,
                 samples_per_prompt=4, max_new_tokens=new_tokens, actor_lr=3e-3,
                 mini_batches=mini_batches, ppo_epochs=2)
             out[mode] = _run(config)
             load.append(os.getloadavg()[0])
-    sync, async_ = out["sync"], out["async"]
-    lines = ["| | synchronous | one-step-off (async_rollout) | ratio |", "|---|---|---|---|",
-             f"| step wall time (s, median of steps 2-{steps}) | {sync['step']:.2f} | "
-             f"{async_['step']:.2f} | {sync['step'] / async_['step']:.2f}x |",
-             f"| steps 2-{steps}, sum of step wall times (s) | {sync['steps_total']:.1f} | "
-             f"{async_['steps_total']:.1f} | {sync['steps_total'] / async_['steps_total']:.2f}x |",
-             *[f"| {p} (s, median) | {sync['phases'][p]:.3f} | {async_['phases'][p]:.3f} | |"
-               for p in PHASES],
+    base = out["sync"]
+    others = list(MODES)[1:]
+    lines = ["| | " + " | ".join(MODES.values()) + " | ratios to synchronous |",
+             "|---" * (len(MODES) + 2) + "|",
+             f"| step wall time (s, median of steps 2-{steps}) | "
+             + " | ".join(f"{out[m]['step']:.2f}" for m in MODES) + " | "
+             + ", ".join(f"{base['step'] / out[m]['step']:.2f}x" for m in others) + " |",
+             f"| steps 2-{steps}, sum of step wall times (s) | "
+             + " | ".join(f"{out[m]['steps_total']:.1f}" for m in MODES) + " | "
+             + ", ".join(f"{base['steps_total'] / out[m]['steps_total']:.2f}x"
+                         for m in others) + " |",
+             *[f"| {p} (s, median) | " + " | ".join(f"{out[m]['phases'][p]:.3f}" for m in MODES)
+               + " | |" for p in PHASES],
              "", "| step | " + " | ".join(str(i) for i in range(1, steps + 1)) + " |",
              "|---" * (steps + 1) + "|",
-             "| reward, synchronous | " + " | ".join(f"{r:.3f}" for r in sync["reward"]) + " |",
-             "| reward, async | " + " | ".join(f"{r:.3f}" for r in async_["reward"]) + " |"]
+             *[f"| reward, {label} | " + " | ".join(f"{r:.3f}" for r in out[m]["reward"])
+               + " |" for m, label in MODES.items()]]
     note = (f"1-minute load average during the run: {min(load):.1f} to {max(load):.1f}; "
-            f"async policy lag per step: {[int(x) for x in async_['lag']]}.")
+            f"policy lag per step, one-step-off: {[int(x) for x in out['one_step_off']['lag']]},"
+            f" fully async (over tokens, mean): "
+            f"{[round(x, 2) for x in out['fully_async']['token_lag']]}.")
     table = "\n".join(lines) + "\n\n" + note
     print(table)
     return table, out
@@ -84,15 +100,17 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=15)
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--mini-batches", type=int, default=4)
+    parser.add_argument("--stop-ids", type=int, default=0,
+                        help="token ids 0..K-1 end a sample (a long tail of lengths)")
     parser.add_argument("--append", help="append the results to this markdown file")
     args = parser.parse_args()
-    table, _ = measure(args.steps, args.new_tokens, args.mini_batches)
+    table, _ = measure(args.steps, args.new_tokens, args.mini_batches, args.stop_ids)
     if args.append:
-        append_entry(args.append, "One-step-off-policy rollouts vs synchronous, disaggregated "
-                     "GRPO (tiny model): step rate and reward curves",
+        append_entry(args.append, "Synchronous, one-step-off and fully asynchronous rollouts, "
+                     "disaggregated GRPO (tiny model): step rate and reward curves",
                      f"python -m bench.bench_async --steps {args.steps} "
-                     f"--new-tokens {args.new_tokens} --mini-batches {args.mini_batches}",
-                     table)
+                     f"--new-tokens {args.new_tokens} --mini-batches {args.mini_batches} "
+                     f"--stop-ids {args.stop_ids}", table)
 
 
 if __name__ == "__main__":

@@ -113,9 +113,27 @@ def test_config_errors_name_the_problem(prompts_file, tmp_path):
         dataclasses.replace(base, placement="disaggregated", rollout_nproc=0)
     with pytest.raises(ValueError, match="async_rollout=true needs placement=disaggregated"):
         dataclasses.replace(base, async_rollout=True, rollout_correction="tis")
-    with pytest.raises(ValueError, match="async_rollout=true trains on samples of weights one "
-                                         "update old: set rollout_correction=tis or mis"):
+    with pytest.raises(ValueError, match="async_rollout=true trains on samples of older "
+                                         "weights: set rollout_correction=tis or mis"):
         dataclasses.replace(base, async_rollout=True, placement="disaggregated")
+    with pytest.raises(ValueError, match="async_rollout=true means rollout_mode=one_step_off, "
+                                         "but rollout_mode=fully_async; set only rollout_mode"):
+        dataclasses.replace(base, async_rollout=True, rollout_mode="fully_async")
+    with pytest.raises(ValueError, match="rollout_mode=fully_async needs placement="
+                                         "disaggregated"):
+        dataclasses.replace(base, rollout_mode="fully_async", rollout_correction="tis")
+    with pytest.raises(ValueError, match="rollout_mode=fully_async is not tested with "
+                                         "dynamic_sampling, worker_group=ray yet"):
+        dataclasses.replace(base, rollout_mode="fully_async", rollout_correction="tis",
+                            placement="disaggregated", algorithm="dapo", critic=None,
+                            worker_group="ray")
+    with pytest.raises(ValueError, match="rollout_mode='later' is not one of"):
+        dataclasses.replace(base, rollout_mode="later")
+    with pytest.raises(ValueError, match=r"max_staleness=-1.0 is out of range"):
+        dataclasses.replace(base, max_staleness=-1.0)
+    assert dataclasses.replace(base, async_rollout=True, rollout_mode="one_step_off",
+                               placement="disaggregated", rollout_correction="tis"
+                               ).resolved_rollout_mode == "one_step_off"
     with pytest.raises(ValueError, match="layout.reference is set, but with layout.actor.lora "
                                          "the reference is the actor's own engine"):
         dataclasses.replace(base, placement="disaggregated", layout=Layout(
@@ -949,6 +967,75 @@ def test_async_rollout_overlaps_training_and_resumes_exactly(base, value_refs, t
 
 
 @pytest.mark.slow
+def test_fully_async_rollouts_train_within_the_staleness_bound_and_resume(base, tmp_path):
+    """rollout_mode=fully_async (disaggregated, PPO with a critic): the engines fill a buffer
+    without waiting, 3 tokens per call, max_staleness=1. Every trained token's lag, worked
+    out from the per-token versions in samples.jsonl (every sample logged), equals the
+    logged rollout/policy_lag_mean and _max and stays within the bound; step 2 trains groups
+    the engines started before step 1 trained (lag 1: the engines ran ahead), weighed by
+    TIS; the probe after every sync holds the fresh weights to the actor. A run resumed from
+    the step-2 checkpoint trains in steps 3-4 every group that checkpoint kept (finished or
+    partial) that the bound allows, and counts the rest as dropped."""
+    rows = 8
+    config = dataclasses.replace(
+        base, out_dir=str(tmp_path / "stream"), nproc=1, tensor_parallel=1, steps=4,
+        save_every=2, placement="disaggregated", rollout_mode="fully_async", max_staleness=1,
+        partial_rollout_tokens=3, rollout_correction="tis", prompts_per_step=4,
+        log_samples=rows, mini_batches=1)
+    straight = run(config)
+
+    def logged(out_dir):
+        with open(os.path.join(out_dir, "samples.jsonl")) as f:
+            return [json.loads(line) for line in f if json.loads(line)["phase"] == "train"]
+
+    def check(history, samples):
+        for m in history:
+            mine = [r for r in samples if r["step"] == m["step"]]
+            assert len(mine) == rows
+            lags = [m["step"] - 1 - v for r in mine for v, count in r["token_versions"]
+                    for _ in range(count)]
+            assert m["rollout/policy_lag_mean"] == pytest.approx(sum(lags) / len(lags))
+            assert m["rollout/policy_lag_max"] == max(lags) <= 1
+            assert m["rollout/weight_version"] == min(r["weight_version"] for r in mine)
+            assert m["rollout/probe_logprob_gap_max"] < 1e-5, m
+
+    samples = logged(config.out_dir)
+    check(straight, samples)
+    assert straight[1]["rollout/policy_lag_max"] == 1
+    assert straight[1]["rollout/is_ratio_mean"] != 1.0
+
+    kept_dir = f"{checkpoints.of_run(config.out_dir).root}/step_2"
+    kept = torch.load(os.path.join(kept_dir, checkpoints.PENDING), weights_only=False)
+    resumed = dataclasses.replace(config, out_dir=str(tmp_path / "resumed"))
+    shutil.copytree(kept_dir, f"{checkpoints.of_run(resumed.out_dir).root}/step_2")
+    history = run(resumed)
+    assert [m["step"] for m in history] == [3, 4]
+    trained = logged(resumed.out_dir)
+    check(history, trained)
+    # Kept groups go ahead of any new one (same or older weights, buffered earlier), and
+    # steps 3-4 take as many groups as the checkpoint may keep: each kept finished group of
+    # version 2 trains (lag <= 1 at either step); one of version 1 trains at step 3 or is
+    # dropped as stale at step 4; version 0 is dropped at step 3.
+    pairs = {(json.dumps(r["prompt"]), json.dumps(r["response"])) for r in trained}
+
+    def was_trained(group):
+        return all((json.dumps(s.prompt_ids), json.dumps(s.response_ids)) in pairs
+                   for s in group.group.samples)
+
+    assert len(kept.buffer) + len(kept.in_flight) <= 2 * config.prompts_per_step
+    assert all(was_trained(g) for g in kept.buffer if g.oldest == 2)
+    missed = sum(not was_trained(g) for g in kept.buffer if g.oldest <= 1)
+    assert missed <= sum(m["rollout/stale_dropped"] for m in history)
+    # A kept partial sample that trained kept its first tokens' versions.
+    partial = {json.dumps(list(g.prompt.ids)): g for g in kept.in_flight}
+    for r in trained:
+        g = partial.get(json.dumps(r["prompt"]))
+        if g is not None:
+            runs = [v for v, count in r["token_versions"] for _ in range(count)]
+            assert any(runs[:len(s.versions)] == s.versions for s in g.samples), r
+
+
+@pytest.mark.slow
 def test_sequence_parallel_recompute_and_packing_equal_tp1(base, tmp_path):
     """Colocated at TP2, the actor and critic with sequence parallelism (the reference
     without: one mesh, a per-model switch) and recomputation (actor selective, critic full),
@@ -1142,6 +1229,9 @@ RUN_ELSEWHERE = {
     "nan_policy": {"stop": "test_grpo_reward_rises"},
     "layer_spec": {"auto": "test_grpo_reward_rises"},
     "logprob_gap_policy": {"stop": "test_gap_over_the_limit_stops_before_training"},
+    "rollout_mode": {
+        "one_step_off": "test_async_rollout_overlaps_training_and_resumes_exactly",
+        "fully_async": "test_fully_async_rollouts_train_within_the_staleness_bound_and_resume"},
     "sync_mode": {"full": "test_disaggregated_ppo_under_ray_with_vllm_syncs_every_step",
                   "delta": "test_disaggregated_equals_colocated_and_resumes_exactly"},
     "verdict": {"yes_no": "test_judge.py::test_judge_scores_equal_transformers_and_add_to_"
@@ -1279,7 +1369,7 @@ def test_every_enum_value_and_placement_backend_pair_has_a_run():
                 "logprob_gap_policy": GAP_POLICIES, "worker_group": ppo_config.WORKER_GROUPS,
                 "old_logprobs": ppo_config.OLD_LOGPROBS,
                 "reward_url_format": ppo_config.REWARD_URL_FORMATS, "verdict": VERDICTS,
-                "sync_mode": ppo_config.SYNC_MODES,
+                "sync_mode": ppo_config.SYNC_MODES, "rollout_mode": ppo_config.ROLLOUT_MODES,
                 "template": TEMPLATES, "on_bad_record": BAD_RECORD_POLICIES,
                 "recompute": ppo_config.RECOMPUTE, "layer_spec": ppo_config.LAYER_SPECS,
                 "on_env_error": ENV_ERROR_POLICIES, "tool_parser": PARSERS,
@@ -1301,6 +1391,7 @@ def test_every_enum_value_and_placement_backend_pair_has_a_run():
             del values["rollout_correction_level"]
         if config.reward_judge is not None:
             values["verdict"] = config.reward_judge.verdict
+        values["rollout_mode"] = config.resolved_rollout_mode
         return values
 
     runs = [resolved(run) for run in VALUE_RUNS.values()]

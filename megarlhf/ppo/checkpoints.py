@@ -1,9 +1,10 @@
 """What a PPO step checkpoint holds: every rank's part of the workers' models, optimizers,
 schedulers and RNG states (ppo/worker.py: save), the next step's rollout when it was drawn
-ahead (async_rollout: pending_rollout.pt), and the controller's state (step, data position, KL
-controller, the run's inputs, the pending rollout's checksum) in controller.json, written
-last, so a step directory is complete once it holds it. Naming, finding the latest, pruning to `keep_last` and
-removing leftovers: engine/run_checkpoints.py, as for SFT and RM.
+ahead (one_step_off) or the stream's buffer and samples in flight (fully_async), in
+pending_rollout.pt, and the controller's state (step, data position, KL controller, the run's
+inputs, the pending rollout's checksum) in controller.json, written last, so a step directory
+is complete once it holds it. Naming, finding the latest, pruning to `keep_last` and removing
+leftovers: engine/run_checkpoints.py, as for SFT and RM.
 """
 
 from __future__ import annotations

@@ -1,7 +1,9 @@
 """The PPO loop: one controller drives the worker groups, top to bottom.
 
     prompts -> rollout (n per prompt) and rewards (megarlhf/ppo/rollouts.py; with dynamic
-    sampling, more rounds; with async_rollout, drawn during the step before) -> experience (logprobs, ref logprobs, values) -> advantages ->
+    sampling, more rounds; one_step_off: drawn during the step before; fully_async: taken
+    from a buffer the engines fill without waiting, ppo/streaming.py) -> experience
+    (logprobs, ref logprobs, values) -> advantages ->
     policy inputs (KL loss, rollout correction) -> PPO epochs (actor, critic) -> weight sync
     -> metrics -> checkpoint
     (and, with val_prompts, validation before the first step, every val_every steps and after
@@ -18,6 +20,7 @@ or hangs sends the run back to its latest checkpoint (`max_restarts`, `_run_rest
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import logging
 import math
@@ -29,7 +32,7 @@ from megarlhf import profiling
 from megarlhf.errors import RunFault
 from megarlhf.envs.episodes import Episode
 from megarlhf.metrics import MetricsLog
-from megarlhf.ppo import checkpoints, gap_probe, placement, rollouts, run_dir
+from megarlhf.ppo import checkpoints, gap_probe, placement, rollouts, run_dir, streaming
 from megarlhf.ppo.config import PPOConfig
 from megarlhf.ppo.data import PromptSampler
 from megarlhf.ppo.groups import WorkerLost
@@ -144,15 +147,17 @@ def _train(config: PPOConfig, groups_backend, data: RunInputs, history: list[dic
                                    after_fault=bool(restarts)), None
         try:
             # After a resume the engine holds the checkpoint's weights (loading syncs them).
-            steps = rollouts.Rollouts(config, data, workers, sampler, weight_version=start,
-                                      pending=kept)
+            stream = streaming.Stream if config.resolved_rollout_mode == "fully_async" \
+                else rollouts.Rollouts
+            steps = stream(config, data, workers, sampler, weight_version=start, pending=kept)
             if state is not None:
                 workers.load(latest)
                 sampler.load_state_dict(state["sampler"])
                 kl_ctl.load_state_dict(state["kl"])
                 log.note(f"resumed from {latest} (step {start})")
             elif data.val:
-                log.write({"step": 0, **validate(config, data, workers, 0, log)})
+                with steps.paused():  # the reward function's pool serves one thread
+                    log.write({"step": 0, **validate(config, data, workers, 0, log)})
             for step in range(start + 1, config.steps + 1):
                 current = step
                 metrics = ppo_step(config, data, workers, steps, kl_ctl, step, log)
@@ -160,15 +165,18 @@ def _train(config: PPOConfig, groups_backend, data: RunInputs, history: list[dic
                     metrics["fault/restarts"] = len(restarts)
                 if data.val and (step == config.steps or
                                  (config.val_every and step % config.val_every == 0)):
-                    metrics.update(validate(config, data, workers, step, log))
+                    with steps.paused():  # as above
+                        metrics.update(validate(config, data, workers, step, log))
                 history.append(metrics)
                 log.write(metrics)
                 if step == config.steps or (config.save_every and
                                             step % config.save_every == 0):
+                    position, pending = steps.snapshot()
                     checkpoints.save(config, workers, step, {
-                        "step": step, "sampler": sampler.state_dict(),
-                        "kl": kl_ctl.state_dict(), "inputs": inputs}, pending=steps.pending,
+                        "step": step, "sampler": position,
+                        "kl": kl_ctl.state_dict(), "inputs": inputs}, pending=pending,
                         settings=rollouts.settings(config))
+            steps.stop()
         finally:
             if steps is not None and steps.drawing():  # its ranks are busy drawing a rollout
                 workers.abandon()
@@ -192,13 +200,14 @@ def _log_restart(log: MetricsLog, restart: dict) -> None:
 
 
 def ppo_step(config: PPOConfig, data: RunInputs, workers: Placement,
-             steps: rollouts.Rollouts, kl_ctl, step: int, log: MetricsLog) -> dict:
+             steps: rollouts.Rollouts | streaming.Stream, kl_ctl, step: int,
+             log: MetricsLog) -> dict:
     o = config.options
     start = time.perf_counter()
     if config.profiles(step):
         workers.profile(step)
     log.phase("rollout")
-    drawn = steps.take(step)  # with async_rollout, the next step's starts beside this one
+    drawn = steps.take(step)  # one_step_off: the next step's starts beside this one
     lag = step - 1 - drawn.weight_version  # actor updates the sampling weights missed
     # Wall-clock bounds of experience + train, and of the rollout drawn beside them.
     span = {"time/learn_start": time.time()}
@@ -210,9 +219,9 @@ def ppo_step(config: PPOConfig, data: RunInputs, workers: Placement,
     mask = batch.response_mask.float()
     # A rollout drawn ahead ran during the step before: its seconds are not this step's.
     timer = {} if drawn.busy else dict(drawn.seconds)
-    log.samples(step, [{**row, "weight_version": drawn.weight_version} for row in
-                       sample_rows(drawn.samples, score, config.log_samples, "train",
-                                   episodes, drawn.judged)])
+    log.samples(step, sample_rows(drawn.samples, score, config.log_samples, "train",
+                                  episodes, drawn.judged, versions=drawn.versions,
+                                  weight_version=drawn.weight_version))
 
     log.phase("experience")
     t = time.perf_counter()
@@ -268,18 +277,19 @@ def ppo_step(config: PPOConfig, data: RunInputs, workers: Placement,
     timer["wait_rollout_ahead"], t = time.perf_counter() - t, time.perf_counter()
     # The weights of version `step`; with sync_mode=delta whole every delta_full_every
     # versions, so a resumed run syncs each version as a straight run does.
-    synced = workers.sync(whole=step % config.delta_full_every == 0)
-    steps.synced(step)
+    with steps.paused():  # fully_async: between two of the engines' calls
+        synced = workers.sync(whole=step % config.delta_full_every == 0)
+        steps.synced(step)
     timer["sync"] = time.perf_counter() - t
     probed = {}
-    if config.async_rollout:  # the guard above saw samples of older weights
+    if config.resolved_rollout_mode != "sync":  # the guard above saw older weights' samples
         t = time.perf_counter()
         probed, warning = gap_probe.probe(config, data, workers, drawn.prompts, step)
         timer["gap_probe"] = time.perf_counter() - t
         if warning:
             _log.warning(warning)
-    if steps.pending is not None:  # when the next step's rollout ran (async_rollout)
-        span["time/rollout_ahead_start"], span["time/rollout_ahead_end"] = steps.ahead_span
+    if steps.overlap() is not None:  # when the next step's rollout ran (one_step_off)
+        span["time/rollout_ahead_start"], span["time/rollout_ahead_end"] = steps.overlap()
 
     kl = ((exp["logp"] - exp["ref_logp"]) * mask).sum() / mask.sum()
     kl_ctl.update(float(kl), config.rows_per_step)
@@ -439,10 +449,12 @@ def validate(config: PPOConfig, data: RunInputs, workers: Placement, step: int,
 
 def sample_rows(samples: list[Sample], score: torch.Tensor, count: int, phase: str,
                 episodes: list[Episode] | None = None,
-                judged: list[dict] | None = None) -> list[dict]:
+                judged: list[dict] | None = None, *, weight_version: int | None = None,
+                versions: list[list[int]] | None = None) -> list[dict]:
     """`count` of the samples, spread over the batch, as samples.jsonl rows; an episode's
     with its turns in order (role, text, tokens, trained on or not); with the judge's text
-    and score."""
+    and score; with the weight version it was sampled under (fully_async: its oldest token's,
+    and `token_versions`, [version, tokens] runs over its response)."""
     picked = sorted({i * len(samples) // count for i in range(count)}) if count else []
     rows = []
     for i in picked:
@@ -457,6 +469,12 @@ def sample_rows(samples: list[Sample], score: torch.Tensor, count: int, phase: s
                 row["env_error"] = episodes[i].error
         if judged is not None:
             row.update(judged[i])
+        if versions is not None:
+            row["weight_version"] = min(versions[i])
+            row["token_versions"] = [[v, len(list(run))]
+                                     for v, run in itertools.groupby(versions[i])]
+        elif weight_version is not None:
+            row["weight_version"] = weight_version
         rows.append(row)
     return rows
 

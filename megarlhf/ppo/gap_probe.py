@@ -1,8 +1,8 @@
 """The logprob-gap guard for every weight sync of an async run.
 
-With `async_rollout` a step trains on samples of weights one update old, so their gap to the
-actor holds the update too and the guard cannot judge them (it runs at lag 0 only: the first
-step and the first after a resume). A sync that breaks later would go unseen. So after each
+With asynchronous rollouts (rollout_mode one_step_off or fully_async) a step trains on
+samples of older weights, so their gap to the actor holds the updates too and the guard cannot
+judge them (it runs at lag 0 only: the first step and the first after a resume). A sync that breaks later would go unseen. So after each
 sync, while the engine and the actor hold the same weights (the next update comes later), a
 few of the step's prompts are sampled once each with the fresh weights and the engine's
 logprobs are held to the actor's under the same limits. The seconds it costs are reported

@@ -72,9 +72,10 @@ class Placement:
         self._durations: dict[tuple, list[float]] = {}  # per phase (_run): last wall times
         self._backend = groups_backend
         self._groups = []
-        # A group serves one call at a time. With async_rollout the next step's rollout (and
-        # its reward-model scores) runs in a thread beside the training phases: a call takes
-        # the locks of its groups, in group order (no deadlock), for as long as it runs.
+        # A group serves one call at a time. With asynchronous rollouts the engines' calls (and
+        # the reward model's scores of their samples) run in a thread beside the training
+        # phases: a call takes the locks of its groups, in group order (no deadlock), for as
+        # long as it runs.
         self._locks = [threading.Lock() for _ in self.specs]
         # After a fault all groups together wait at most restart_wait_s for room.
         room_until = time.monotonic() + config.restart_wait_s if after_fault else None

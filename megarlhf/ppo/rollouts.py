@@ -11,6 +11,7 @@ with the sum of its turns' rewards (plus the reward function and reward model, w
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -102,6 +103,9 @@ class StepRollout:
     judged: list[dict] | None = None
     """With reward_judge: per sample, what the judge wrote and its score (samples.jsonl's
     judge and judge_score)."""
+    versions: list[list[int]] | None = None
+    """rollout_mode=fully_async: per sample, the weight version each token was sampled under
+    (weight_version is the oldest of them)."""
 
 
 def draw(config: PPOConfig, data: RunInputs, workers: Placement, sampler, step: int,
@@ -133,12 +137,19 @@ def draw(config: PPOConfig, data: RunInputs, workers: Placement, sampler, step: 
         if len(kept) >= config.prompts_per_step:
             break
     short = config.prompts_per_step - min(len(kept), config.prompts_per_step)
-    groups = kept[:config.prompts_per_step] + dropped[:short]
-    metrics = _merge(scored)
+    metrics = merge_metrics(scored)
     if o.dynamic_sampling:
         metrics.update({"rollout/dynamic_sampling_rounds": float(round_),
                         "rollout/dynamic_sampling_dropped": float(len(dropped)),
                         "rollout/dynamic_sampling_short": float(short)})
+    return assemble(data, kept[:config.prompts_per_step] + dropped[:short], metrics, seconds,
+                    weight_version)
+
+
+def assemble(data: RunInputs, groups: list[Group], metrics: dict[str, float],
+             seconds: dict[str, float], weight_version: int,
+             versions: list[list[int]] | None = None) -> StepRollout:
+    """A step's rollout of the `groups` chosen for it, in their order."""
     chosen = [g.answers for g in groups]
     return StepRollout(
         prompts=[p for a in chosen for p in a.prompts],
@@ -148,7 +159,8 @@ def draw(config: PPOConfig, data: RunInputs, workers: Placement, sampler, step: 
         score=torch.cat([g.score for g in groups]), metrics=metrics, seconds=seconds,
         weight_version=weight_version,
         episodes=[e for a in chosen for e in a.episodes] if data.episodes else None,
-        judged=[t for g in groups for t in g.judged] if data.judge else None)
+        judged=[t for g in groups for t in g.judged] if data.judge else None,
+        versions=versions)
 
 
 class Rollouts:
@@ -166,7 +178,7 @@ class Rollouts:
         """The updates the engine's weights hold now."""
         self.pending = pending
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="rollout-ahead") \
-            if config.async_rollout else None
+            if config.resolved_rollout_mode == "one_step_off" else None
         self._ahead = None
         self.ahead_span: tuple[float, float] | None = None
         """Wall-clock (start, end) of the latest rollout drawn ahead."""
@@ -194,8 +206,23 @@ class Rollouts:
             ahead, self._ahead = self._ahead, None
             self.pending = ahead.result()
 
+    def paused(self):
+        """The engines idle for a weight sync (a rollout drawn ahead was finished by then)."""
+        return contextlib.nullcontext()
+
     def synced(self, step: int) -> None:
         self.weight_version = step
+
+    def snapshot(self) -> tuple[dict, StepRollout | None]:
+        """What a checkpoint keeps: the sampler's state and the rollout drawn ahead."""
+        return self.sampler.state_dict(), self.pending
+
+    def overlap(self) -> tuple[float, float] | None:
+        """Wall-clock (start, end) of the rollout drawn beside this step, if one was."""
+        return self.ahead_span if self.pending is not None else None
+
+    def stop(self) -> None:
+        """Nothing runs between steps (a rollout drawn ahead is finished before the sync)."""
 
     def drawing(self) -> bool:
         """A rollout is being drawn ahead (after a failed step)."""
@@ -217,7 +244,12 @@ def settings(config: PPOConfig) -> dict:
     values draws its first rollout again."""
     drawn = {name: getattr(config, name) for name in (
         "prompts_per_step", "samples_per_prompt", "max_new_tokens", "temperature", "top_p",
-        "top_k", "stop_token_ids", "reward_fn", "reward_model", "async_rollout")}
+        "top_k", "stop_token_ids", "reward_fn", "reward_model")}
+    mode = config.resolved_rollout_mode
+    drawn["async_rollout"] = mode == "one_step_off"  # as checkpoints before rollout_mode say
+    if mode == "fully_async":  # named only when set, as below
+        drawn.update(rollout_mode=mode, max_staleness=config.max_staleness,
+                     partial_rollout_tokens=config.partial_rollout_tokens)
     if config.reward_url is not None:  # named only when set, as routing_replay below
         drawn["reward_url"] = config.reward_url
     if config.reward_judge is not None:
@@ -283,7 +315,7 @@ def score_answers(config: PPOConfig, data: RunInputs, workers: Placement, answer
         values, fn_metrics = s.scorer.score(step, samples)
         score += s.weight * values
         for key, value in fn_metrics.items():  # several functions' counts add up
-            metrics[key] = metrics.get(key, 0.0) + value if key in _COUNTS else value
+            metrics[key] = metrics.get(key, 0.0) + value if key in COUNT_METRICS else value
         if s.name is not None:
             metrics[f"reward/{s.name}"] = float(values.mean())
     buffer = config.options.overlong_buffer
@@ -296,7 +328,7 @@ def score_answers(config: PPOConfig, data: RunInputs, workers: Placement, answer
     return Scored(score, metrics, judged_rows)
 
 
-_COUNTS = ("reward/timeouts", "reward/worker_restarts", "reward/url_failed_samples",
+COUNT_METRICS = ("reward/timeouts", "reward/worker_restarts", "reward/url_failed_samples",
            "reward/url_retries",
            "reward/url_seconds", "reward/judge_parse_failures", "reward/judge_seconds",
            "env/errors", "env/tool_errors", "env/observations_cut",
@@ -304,14 +336,14 @@ _COUNTS = ("reward/timeouts", "reward/worker_restarts", "reward/url_failed_sampl
 """Metrics of a round that are totals (the step's is their sum over rounds)."""
 
 
-def _merge(scored: list[tuple[int, dict[str, float]]]) -> dict[str, float]:
+def merge_metrics(scored: list[tuple[int, dict[str, float]]]) -> dict[str, float]:
     """The reward and environment metrics of every sample scored this step (all rounds,
     dropped groups too): totals add up, the longest episode is the longest of any round; the
     others are means over the rounds that reported them, weighted by their samples."""
     out = {}
     for key in sorted({key for _, metrics in scored for key in metrics}):
         rounds = [(count, m[key]) for count, m in scored if key in m]
-        if key in _COUNTS:
+        if key in COUNT_METRICS:
             out[key] = sum(value for _, value in rounds)
         elif key == "env/turns_max":
             out[key] = max(value for _, value in rounds)

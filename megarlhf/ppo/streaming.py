@@ -1,0 +1,334 @@
+"""Fully asynchronous rollouts (rollout_mode=fully_async, disaggregated): the rollout engines
+never wait for the trainer.
+
+A producer thread keeps the engines busy. Each of its engine calls gives every sample in
+flight up to partial_rollout_tokens more tokens (a sample continues from its prompt and the
+tokens it has, under whatever weights the engines hold then), and starts new prompts
+(samples_per_prompt samples each) when the staleness bound leaves room. A group whose samples
+have all finished is scored and joins the buffer. Each step takes prompts_per_step groups
+from the buffer, oldest weights first, as soon as it holds them.
+
+The weight sync waits for the call in progress (`paused`), so a call runs under one weight
+version and every token records it: a sample's tokens may span versions (a partial rollout),
+each with the engine's own logprob, so rollout correction weighs them token by token. A
+group's age is its oldest token's: one started at version v trains at step s with lag
+s - 1 - v. The producer starts a group only if some step up to v + 1 + floor(max_staleness)
+can still take it, so groups wait in the buffer for at most that long; a group that lags more
+anyway (it finished late, behind younger groups) is dropped and counted.
+
+Timing decides which tokens fall under which version, so a run is not repeatable bitwise.
+A checkpoint keeps the groups in flight and in the buffer (`snapshot`, taken between two
+calls with the sampler's position), and a resumed run continues them: its first step trains
+on the groups the checkpoint buffered.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import logging
+import math
+import threading
+import time
+
+from megarlhf.data.prompts import Prompt
+from megarlhf.ppo.config import PPOConfig
+from megarlhf.ppo.inputs import RunInputs
+from megarlhf.ppo.placement import Placement
+from megarlhf.ppo.rollouts import (
+    COUNT_METRICS, Answers, Group, StepRollout, assemble, merge_metrics, sampling,
+    score_answers,
+)
+from megarlhf.rollout.engine import Completion
+
+_log = logging.getLogger(__name__)
+
+_CALL_SEED = 2**46
+"""Offsets the producer's calls' sampling seeds from the other rollouts' (see gap_probe)."""
+_CALLS_PER_VERSION = 2**20
+"""A fresh stream at weight version v counts its calls from v * this."""
+
+
+@dataclasses.dataclass
+class Partial:
+    """One sample as far as it has been generated."""
+
+    key: int
+    """Its engine key: every call sends it to the engine that holds its prefix."""
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    versions: list[int] = dataclasses.field(default_factory=list)
+    """Per token, the weight version it was sampled under."""
+    finish_reason: str | None = None
+    """None while it is still generating."""
+
+
+@dataclasses.dataclass
+class Started:
+    """A group in flight: one prompt's samples."""
+
+    prompt: Prompt
+    samples: list[Partial]
+    version: int
+    """The weight version of its first tokens (its oldest)."""
+
+
+@dataclasses.dataclass
+class Finished:
+    """A group in the buffer, scored."""
+
+    group: Group
+    versions: list[list[int]]
+    oldest: int
+    metrics: dict[str, float]
+    """Its scoring's metrics (merged over a step's groups as rounds are)."""
+
+
+@dataclasses.dataclass
+class StreamState:
+    """What a checkpoint keeps of the stream."""
+
+    in_flight: list[Started]
+    buffer: list[Finished]
+    calls: int
+    """Engine calls so far: each call's sampling seed."""
+    next_key: int
+
+
+class Stream:
+    """The fully asynchronous counterpart of rollouts.Rollouts, with the same methods for the
+    controller (see the module doc)."""
+
+    def __init__(self, config: PPOConfig, data: RunInputs, workers: Placement, sampler, *,
+                 weight_version: int, pending: StreamState | None = None):
+        self.config, self.data, self.workers, self.sampler = config, data, workers, sampler
+        self.weight_version = weight_version
+        """The updates the engine's weights hold now."""
+        # A fresh stream (also one whose kept state was refused) seeds its calls apart from
+        # those of the steps before.
+        state = pending or StreamState([], [], weight_version * _CALLS_PER_VERSION, 0)
+        self._in_flight, self._buffer = state.in_flight, state.buffer
+        self._calls, self._next_key = state.calls, state.next_key
+        self._taken = weight_version  # the last step that took its groups
+        self._dropped = 0  # stale groups dropped since the last step took its groups
+        self._cond = threading.Condition()  # guards the state; not held during a call
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._pausing = False  # the controller waits for the engines to idle
+        self._calling = False  # an engine call, or the scoring of what it finished, runs
+        self._error: BaseException | None = None
+        self._raised = False  # a step raised _error
+
+    # -- the controller's side ---------------------------------------------------------------
+
+    def take(self, step: int) -> StepRollout:
+        """Step `step`'s groups, oldest weights first, once the buffer holds enough."""
+        n = self.config.prompts_per_step
+        start = time.perf_counter()
+        with self._cond:
+            while True:
+                if self._error is not None:
+                    self._raised = True
+                    raise self._error
+                self._drop_stale(step)
+                if len(self._buffer) >= n:
+                    break
+                self._start()
+                self._cond.wait()
+            self._start()  # after a resume: once the step took the kept buffer's groups
+            self._buffer.sort(key=lambda f: f.oldest)  # stable: in finishing order otherwise
+            chosen, self._buffer = self._buffer[:n], self._buffer[n:]
+            self._taken, dropped, self._dropped = step, self._dropped, 0
+            buffered = len(self._buffer)
+            self._cond.notify_all()  # room for more groups
+        waited = time.perf_counter() - start
+        versions = [v for f in chosen for v in f.versions]
+        lags = [step - 1 - v for sample in versions for v in sample]
+        metrics = {**merge_metrics([(len(f.versions), f.metrics) for f in chosen]),
+                   "rollout/policy_lag_mean": sum(lags) / len(lags),
+                   "rollout/policy_lag_max": float(max(lags)),
+                   "rollout/stale_dropped": float(dropped),
+                   "rollout/buffer_groups": float(buffered)}
+        return assemble(self.data, [f.group for f in chosen], metrics, {"rollout": waited},
+                        min(f.oldest for f in chosen), versions)
+
+    def finish(self) -> None:
+        """Nothing to wait for: the sync pauses the producer instead (`paused`)."""
+
+    @contextlib.contextmanager
+    def paused(self):
+        """The engines idle between two of the producer's calls (for the weight sync and a
+        checkpoint's snapshot); the producer starts no call until this ends."""
+        with self._cond:
+            self._pausing = True
+            while self._calling:
+                self._cond.wait()
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._pausing = False
+                self._cond.notify_all()
+
+    def synced(self, step: int) -> None:
+        """The engines hold the weights of version `step` (call while `paused`)."""
+        with self._cond:
+            self.weight_version = step
+            self._drop_stale(self._taken + 1)  # no room kept for groups no step can take
+
+    def snapshot(self) -> tuple[dict, StreamState]:
+        """The sampler's state and the stream's, between two calls."""
+        with self.paused():
+            return self.sampler.state_dict(), copy.deepcopy(StreamState(
+                self._in_flight, self._buffer, self._calls, self._next_key))
+
+    def overlap(self) -> None:
+        """The engines run beside every phase: no span of their own."""
+
+    def stop(self) -> None:
+        """End the producer after its call in progress (the run's last step is done)."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def drawing(self) -> bool:
+        """After a failed step: the producer starts no further call; whether it is inside
+        one."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+            return self._calling
+
+    def close(self) -> None:
+        """Join the producer (after the workers' shutdown, which ends a call it waits on)."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+        if self._error is not None and not self._raised:
+            _log.error("the rollout stream failed too: %r", self._error)
+
+    # -- the producer ------------------------------------------------------------------------
+
+    def _start(self) -> None:
+        if self._thread is None and not self._stopping:
+            self._thread = threading.Thread(target=self._produce, daemon=True,
+                                            name="rollout-stream")
+            self._thread.start()
+
+    def _produce(self) -> None:
+        """Engine calls until `stop`. A call and the scoring of what it finished run outside
+        the lock (the controller may take groups meanwhile), flagged by `_calling`."""
+        try:
+            while True:
+                with self._cond:
+                    while not self._stopping and (self._pausing or not (
+                            self._in_flight or self._room())):
+                        self._cond.wait()
+                    if self._stopping or self._taken >= self.config.steps:
+                        return  # (the last step took its groups: the rest would go unused)
+                    while self._room():
+                        self._start_group()
+                    live = [s for g in self._in_flight for s in g.samples
+                            if s.finish_reason is None]
+                    prompts = [list(g.prompt.ids) + s.tokens for g in self._in_flight
+                               for s in g.samples if s.finish_reason is None]
+                    per_call = self.config.partial_rollout_tokens or self.config.max_new_tokens
+                    limits = [min(per_call, self.config.max_new_tokens - len(s.tokens))
+                              for s in live]
+                    version, seed = self.weight_version, self._calls
+                    self._calls += 1
+                    self._calling = True
+                completions = self._generate(prompts, limits, [s.key for s in live], seed)
+                with self._cond:
+                    for sample, limit, done in zip(live, limits, completions):
+                        sample.tokens += done.token_ids
+                        sample.logprobs += done.logprobs
+                        sample.versions += [version] * len(done.token_ids)
+                        # Fewer tokens than asked without a stop: the engine's context is
+                        # full; the sample ends there ('length').
+                        if done.finish_reason == "stop" or len(done.token_ids) < limit or \
+                                len(sample.tokens) >= self.config.max_new_tokens:
+                            sample.finish_reason = done.finish_reason
+                    done = [g for g in self._in_flight
+                            if all(s.finish_reason is not None for s in g.samples)]
+                    self._in_flight = [g for g in self._in_flight
+                                       if not any(g is d for d in done)]
+                    scoring_step = self._taken + 1
+                scored = self._score(done, scoring_step) if done else []
+                with self._cond:
+                    self._buffer += scored
+                    self._calling = False
+                    self._cond.notify_all()
+        except BaseException as error:  # the step waiting in `take` raises it
+            with self._cond:
+                self._error, self._calling = error, False
+                self._cond.notify_all()
+
+    def _room(self) -> bool:
+        """Whether a new group, started now, could still train within the staleness bound:
+        the steps up to weight_version + 1 + floor(max_staleness) not yet given their
+        groups would take more than those in flight and buffered."""
+        last = min(self.weight_version + 1 + math.floor(self.config.max_staleness),
+                   self.config.steps)
+        wanted = self.config.prompts_per_step * (last - self._taken)
+        return len(self._in_flight) + len(self._buffer) < wanted
+
+    def _start_group(self) -> None:
+        (prompt,) = self.sampler.next(1)
+        samples = [Partial(key=self._next_key + i)
+                   for i in range(self.config.samples_per_prompt)]
+        self._next_key += len(samples)
+        self._in_flight.append(Started(prompt, samples, self.weight_version))
+
+    def _generate(self, prompts: list[list[int]], limits: list[int], keys: list[int],
+                  seed: int) -> list[Completion]:
+        """One engine call: `limits` more tokens for each unfinished sample (`prompts`: its
+        prompt and its tokens so far)."""
+        c = self.config
+        params = dataclasses.replace(
+            sampling(c, self.data, n=1, temperature=c.temperature,
+                     seed=c.seed * 1_000_003 + _CALL_SEED + seed),
+            max_new_tokens=max(limits), max_new_tokens_each=tuple(limits))
+        completions = self.workers.rollout(prompts, params, keys=keys)
+        self.workers.take_busy()  # the producer's calls belong to no step's timings
+        return completions
+
+    def _score(self, done: list[Started], step: int) -> list[Finished]:
+        """The finished groups scored together, for `step` (the next to take groups)."""
+        n = self.config.samples_per_prompt
+        answers = Answers(
+            [g.prompt for g in done for _ in g.samples],
+            [Completion(prompt_index=row, token_ids=s.tokens, logprobs=s.logprobs,
+                        finish_reason=s.finish_reason)
+             for row, s in enumerate(s for g in done for s in g.samples)], None, {})
+        samples = self.data.samples(answers.prompts, answers.completions)
+        scored = score_answers(self.config, self.data, self.workers, answers, samples, step)
+        # Each group carries an equal share of the call's totals (steps may take its groups
+        # apart); its means hold for every group.
+        share = {key: value / len(done) if key in COUNT_METRICS else value
+                 for key, value in scored.metrics.items()}
+        return [Finished(Group(answers.rows(slice(i * n, (i + 1) * n)),
+                               samples[i * n:(i + 1) * n], scored.score[i * n:(i + 1) * n],
+                               None), [s.versions for s in g.samples], g.version, share)
+                for i, g in enumerate(done)]
+
+    def _drop_stale(self, step: int) -> None:
+        """Drop the groups that step `step` or any later one would train beyond
+        max_staleness (in the buffer, and in flight: they would only finish to be
+        dropped)."""
+        def fresh(oldest: int) -> bool:
+            return step - 1 - oldest <= self.config.max_staleness
+
+        before = len(self._buffer) + len(self._in_flight)
+        self._buffer = [f for f in self._buffer if fresh(f.oldest)]
+        self._in_flight = [g for g in self._in_flight if fresh(g.version)]
+        dropped = before - len(self._buffer) - len(self._in_flight)
+        if dropped:
+            self._dropped += dropped
+            self._cond.notify_all()  # room for new groups (the producer may be idle)

@@ -1,0 +1,283 @@
+"""The fully asynchronous rollout stream (ppo/streaming.py) against a scripted engine, in
+threads: the engine's tokens say what the stream must have asked for, so every bookkeeping
+rule is checked against values the engine wrote independently of the stream.
+
+The scripted engine answers sample `key` with tokens 0, 1, 2, ... up to a length fixed by the
+key, each with logprob -(the weight version it holds), and checks that each call continues a
+sample from exactly the tokens it has (a partial rollout), and that no call runs during a
+weight sync."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import threading
+import time
+import types
+
+import pytest
+import torch
+
+from megarlhf.data.prompts import Prompt
+from megarlhf.ppo import streaming
+from megarlhf.ppo.data import PromptSampler
+from megarlhf.ppo.rollouts import Scored
+from megarlhf.rewards.calls import Sample
+from megarlhf.rollout.engine import Completion
+
+MAX = 8  # max_new_tokens
+
+
+def _length(key: int) -> int:
+    return 1 + (key * 5) % MAX
+
+
+class ScriptedEngine:
+    def __init__(self, delay: float):
+        self.delay, self.version, self.syncing, self.calls = delay, 0, False, 0
+
+    def rollout(self, prompts, params, keys):
+        assert not self.syncing, "an engine call during a weight sync"
+        self.calls += 1
+        out = []
+        for row, (ids, key, limit) in enumerate(zip(prompts, keys,
+                                                     params.max_new_tokens_each)):
+            so_far = ids[1:]  # prompts are one token long
+            assert so_far == list(range(len(so_far))), (key, ids)
+            assert len(so_far) < _length(key) and limit >= 1
+            new = list(range(len(so_far), min(len(so_far) + limit, _length(key))))
+            out.append(Completion(prompt_index=row, token_ids=new,
+                                  logprobs=[-float(self.version)] * len(new),
+                                  finish_reason="stop" if len(so_far) + len(new)
+                                  == _length(key) else "length"))
+        time.sleep(self.delay)
+        return out
+
+    def take_busy(self):
+        return {}
+
+
+def _score(config, data, workers, answers, samples, step):
+    """Length as reward; one timeout per scoring call (a count metric)."""
+    score = torch.tensor([float(len(c.token_ids)) for c in answers.completions])
+    return Scored(score, {"reward/timeouts": 1.0, "reward/length": float(score.mean())}, None)
+
+
+def _stream(monkeypatch, *, steps, staleness, per_call, delay, version=0, pending=None,
+            sampler=None):
+    monkeypatch.setattr(streaming, "score_answers", _score)
+    config = types.SimpleNamespace(
+        prompts_per_step=2, samples_per_prompt=3, max_staleness=staleness, steps=steps,
+        partial_rollout_tokens=per_call, max_new_tokens=MAX, temperature=1.0, seed=1,
+        top_p=1.0, top_k=0)
+    data = types.SimpleNamespace(
+        checked=types.SimpleNamespace(stop_token_ids=()), episodes=None, judge=None,
+        samples=lambda prompts, completions: [
+            Sample(prompt=None, response=None, prompt_ids=list(prompts[c.prompt_index].ids),
+                   response_ids=c.token_ids)
+            for c in completions])
+    sampler = sampler or PromptSampler([Prompt(ids=(1000 + i,), where=f"p{i}")
+                                        for i in range(64)], seed=0)
+    engine = ScriptedEngine(delay)
+    engine.version = version
+    return streaming.Stream(config, data, engine, sampler, weight_version=version,
+                            pending=pending), engine
+
+
+def _train(stream, engine, first, last, train_s):
+    """Steps first..last as the controller runs them; each step's rollout."""
+    drawn = []
+    for step in range(first, last + 1):
+        d = stream.take(step)
+        drawn.append(d)
+        time.sleep(train_s)
+        with stream.paused():
+            engine.syncing = True
+            time.sleep(0.002)
+            engine.version = step
+            stream.synced(step)
+            engine.syncing = False
+    return drawn
+
+
+def _check(step, d, staleness):
+    """Every token carries the version the engine sampled it under; the lag metrics over
+    tokens; whole groups; the staleness bound."""
+    n = 3
+    assert len(d.completions) == 2 * n
+    for row, c in enumerate(d.completions):
+        assert c.token_ids == list(range(len(c.token_ids)))
+        assert c.logprobs == [-float(v) for v in d.versions[row]]
+        assert d.prompts[row] == d.prompts[row - row % n]  # a group's samples in a row
+    lags = [step - 1 - v for sample in d.versions for v in sample]
+    assert d.metrics["rollout/policy_lag_mean"] == pytest.approx(sum(lags) / len(lags))
+    assert d.metrics["rollout/policy_lag_max"] == max(lags) <= staleness
+    assert d.weight_version == min(min(v) for v in d.versions)
+    assert d.score.tolist() == [float(len(c.token_ids)) for c in d.completions]
+
+
+def test_partial_rollouts_keep_each_tokens_version_within_the_bound(monkeypatch):
+    """A slow engine (4 calls per 8-token sample) beside a fast trainer: syncs land in the
+    middle of samples, which continue under the new weights; each token keeps its version.
+    Scoring totals are shared out over a call's groups, so a step's sum over its groups is
+    a fraction of calls and the run's total is the number of scoring calls."""
+    stream, engine = _stream(monkeypatch, steps=6, staleness=1, per_call=2, delay=0.03)
+    drawn = _train(stream, engine, 1, 6, train_s=0.005)
+    stream.stop()
+    assert stream._error is None
+    for step, d in enumerate(drawn, start=1):
+        _check(step, d, staleness=1)
+    spans = [len(set(v)) for d in drawn for v in d.versions]
+    assert max(spans) > 1, "no sample continued across a weight sync"
+    assert max(d.metrics["rollout/policy_lag_max"] for d in drawn) == 1
+    prompts = [p.ids for d in drawn for p in d.prompts[::3]]
+    assert len(set(prompts)) == len(prompts) == 12  # each prompt trained once
+
+
+def test_staleness_zero_samples_only_the_weights_it_trains(monkeypatch):
+    """max_staleness=0: the stream starts a step's groups only after the sync before it,
+    so every token is of the actor's own weights (lag 0), however fast the engine."""
+    stream, engine = _stream(monkeypatch, steps=4, staleness=0, per_call=3, delay=0.0)
+    drawn = _train(stream, engine, 1, 4, train_s=0.02)
+    stream.stop()
+    assert stream._error is None
+    for step, d in enumerate(drawn, start=1):
+        _check(step, d, staleness=0)
+        assert d.weight_version == step - 1
+        assert d.metrics["rollout/stale_dropped"] == 0
+
+
+def _idle(stream):
+    """Wait until the producer has nothing left to run (it finished what was in flight)."""
+    deadline = time.monotonic() + 30
+    while stream._in_flight or stream._calling:
+        assert time.monotonic() < deadline, "the producer did not finish its groups"
+        time.sleep(0.005)
+
+
+def test_a_snapshot_resumes_with_its_buffer_first(monkeypatch):
+    """A snapshot of an idle producer with a full buffer: a new stream from it (as a resumed
+    run builds) trains first on the buffered groups, oldest first, before it generates."""
+    stream, engine = _stream(monkeypatch, steps=6, staleness=2, per_call=1, delay=0.0)
+    before = _train(stream, engine, 1, 2, train_s=0.0)
+    _idle(stream)
+    position, kept = stream.snapshot()
+    stream.stop()
+    assert stream._error is None
+    assert len(kept.buffer) == 6 and not kept.in_flight  # 3 steps' worth: versions 1 and 2
+    sampler = PromptSampler([Prompt(ids=(1000 + i,), where=f"p{i}") for i in range(64)],
+                            seed=0)
+    sampler.load_state_dict(position)
+    resumed, engine = _stream(monkeypatch, steps=6, staleness=2, per_call=1, delay=0.0,
+                              version=2, pending=copy.deepcopy(kept), sampler=sampler)
+    drawn = _train(resumed, engine, 3, 4, train_s=0.0)
+    resumed.stop()
+    assert resumed._error is None
+    for step, d in enumerate(drawn, start=3):
+        _check(step, d, staleness=2)
+    oldest_first = sorted(kept.buffer, key=lambda f: f.oldest)[:2]
+    assert [c.token_ids for c in drawn[0].completions] == [
+        c.token_ids for f in oldest_first for c in f.group.answers.completions]
+    assert [p.ids for p in drawn[0].prompts] == [
+        p.ids for f in oldest_first for p in f.group.answers.prompts]
+    # Kept groups and any new ones are prompts steps 1-2 did not train (the sampler went on
+    # from where the snapshot left it).
+    assert not {p.ids for d in drawn for p in d.prompts} & {
+        p.ids for d in before for p in d.prompts}
+
+
+def test_a_kept_partial_sample_continues_from_its_tokens(monkeypatch):
+    """A group in flight with 2 of its tokens sampled under version 0, resumed at version 1:
+    the engine is asked to continue each sample from exactly those tokens (it checks), and
+    the trained samples keep their first tokens' versions."""
+    prompt = Prompt(ids=(1000,), where="p0")
+    partial = streaming.Started(prompt, [streaming.Partial(key=key, tokens=[0, 1],
+                                                           logprobs=[0.0, 0.0],
+                                                           versions=[0, 0])
+                                         for key in (3, 4, 5)], version=0)
+    # keys 3, 4, 5 end at lengths 8, 5, 2: two continue, one had already ended at length 2
+    partial.samples[2].finish_reason = "stop"
+    stream, engine = _stream(monkeypatch, steps=3, staleness=1, per_call=2, delay=0.0,
+                             version=1, pending=streaming.StreamState([partial], [], 7, 6))
+    (d,) = _train(stream, engine, 2, 2, train_s=0.0)
+    stream.stop()
+    assert stream._error is None
+    _check(2, d, staleness=1)
+    rows = [row for row, p in enumerate(d.prompts) if p.ids == (1000,)]
+    assert [len(d.completions[row].token_ids) for row in rows] == [8, 5, 2]
+    assert [d.versions[row][:2] for row in rows] == [[0, 0]] * 3
+    assert d.versions[rows[0]][2:] == [1] * 6
+
+
+def test_a_stale_drop_wakes_an_idle_producer(monkeypatch):
+    """The last step: a buffered group of version 0 is too old, the other is fine, and the
+    producer is idle (its room was full). Dropping the old one makes room, and the step
+    gets a new group instead of waiting forever."""
+    stream, engine = _stream(monkeypatch, steps=1, staleness=1, per_call=MAX, delay=0.0)
+    (d,) = _train(stream, engine, 1, 1, train_s=0.0)
+    stream.stop()
+    template = streaming.Finished(group=_first_group(d), versions=d.versions[:3], oldest=0,
+                                  metrics={})
+    old, fine = _aged(template, 0), _aged(template, 2)
+    late, engine = _stream(monkeypatch, steps=3, staleness=1, per_call=MAX, delay=0.0,
+                           version=2, pending=streaming.StreamState([], [old, fine], 0, 10))
+    late._start()
+    time.sleep(0.05)  # the producer finds no room: in flight + buffered = 2 = what step 3 takes
+    assert late._thread.is_alive() and not late._in_flight
+    result = []
+    taker = threading.Thread(target=lambda: result.append(late.take(3)), daemon=True)
+    taker.start()
+    taker.join(timeout=30)
+    assert not taker.is_alive(), "the step waits forever for a group nobody generates"
+    late.stop()
+    assert late._error is None
+    assert result[0].metrics["rollout/stale_dropped"] == 1 and engine.calls == 1
+
+
+def test_groups_beyond_max_staleness_are_dropped_and_counted(monkeypatch):
+    """Groups of versions 0, 1, 2 and 2 buffered, the engines at version 3, max_staleness=1:
+    step 4 would train them at lags 3, 2, 1 and 1, so the first two are dropped."""
+    stream, engine = _stream(monkeypatch, steps=2, staleness=1, per_call=MAX, delay=0.0)
+    (d,) = _train(stream, engine, 1, 1, train_s=0.0)
+    stream.stop()
+    template = streaming.Finished(group=_first_group(d), versions=d.versions[:3], oldest=0,
+                                  metrics={})
+    groups = [_aged(template, version) for version in (0, 1, 2, 2)]
+    late, engine = _stream(monkeypatch, steps=6, staleness=1, per_call=1, delay=0.0,
+                           version=3, pending=streaming.StreamState([], groups, 0, 10_000))
+    d = late.take(4)
+    late.stop()
+    assert late._error is None
+    _check(4, d, staleness=1)
+    assert d.metrics["rollout/stale_dropped"] == 2
+    assert d.weight_version == 2 and d.metrics["rollout/policy_lag_max"] == 1
+
+
+def _aged(template, version):
+    """A copy of a buffered group as if sampled under `version` (its logprobs say so too)."""
+    f = copy.deepcopy(template)
+    f.oldest, f.versions = version, [[version] * len(v) for v in f.versions]
+    f.group.answers.completions = [dataclasses.replace(
+        c, logprobs=[-float(version)] * len(c.token_ids)) for c in f.group.answers.completions]
+    return f
+
+
+def _first_group(d):
+    from megarlhf.ppo.rollouts import Answers, Group
+    return Group(Answers(d.prompts[:3], d.completions[:3], None, {}), d.samples[:3],
+                 d.score[:3], None)
+
+
+def test_an_engine_failure_reaches_the_waiting_step(monkeypatch):
+    """The producer's exception is raised by the step that waits for its groups, once."""
+    stream, engine = _stream(monkeypatch, steps=2, staleness=1, per_call=2, delay=0.0)
+
+    def broken(*args, **kwargs):
+        raise ConnectionError("rollout rank 0 is gone")
+
+    engine.rollout = broken
+    with pytest.raises(ConnectionError, match="rollout rank 0 is gone"):
+        stream.take(1)
+    assert not stream.drawing()
+    stream.close()
+    assert not any(t.name == "rollout-stream" for t in threading.enumerate())
