@@ -123,9 +123,9 @@ def test_config_errors_name_the_problem(prompts_file, tmp_path):
                                          "disaggregated"):
         dataclasses.replace(base, rollout_mode="fully_async", rollout_correction="tis")
     with pytest.raises(ValueError, match="rollout_mode=fully_async is not tested with "
-                                         "dynamic_sampling, worker_group=ray yet"):
+                                         "routing_replay, worker_group=ray yet"):
         dataclasses.replace(base, rollout_mode="fully_async", rollout_correction="tis",
-                            placement="disaggregated", algorithm="dapo", critic=None,
+                            placement="disaggregated", routing_replay=True,
                             worker_group="ray")
     with pytest.raises(ValueError, match="rollout_mode='later' is not one of"):
         dataclasses.replace(base, rollout_mode="later")
@@ -1033,6 +1033,17 @@ def test_fully_async_rollouts_train_within_the_staleness_bound_and_resume(base, 
         if g is not None:
             runs = [v for v, count in r["token_versions"] for _ in range(count)]
             assert any(runs[:len(s.versions)] == s.versions for s in g.samples), r
+
+    # DAPO (no critic): its dynamic sampling drops equal-score groups as they complete.
+    dapo = dataclasses.replace(config, out_dir=str(tmp_path / "dapo"), algorithm="dapo",
+                               critic=None, save_every=0, steps=2)
+    for m in run(dapo):
+        mine = [r for r in logged(dapo.out_dir) if r["step"] == m["step"]]
+        groups = [mine[i:i + 2] for i in range(0, rows, 2)]
+        equal = sum(a["reward"] == b["reward"] for a, b in groups)
+        assert equal == m["rollout/dynamic_sampling_short"], m
+        assert m["rollout/policy_lag_max"] <= 1
+    assert "rollout/dynamic_sampling_dropped" in m
 
 
 @pytest.mark.slow

@@ -25,6 +25,9 @@ path, with the commands docs/guides/own-model.md ("Bring your own model") gives.
 5. The tool-calling recipe (a calculator, hermes calls, SmolLM2's template without tool
    support) for a step with the Megatron engine: calls parsed and run, results equal to the
    expressions' values, tool messages masked.
+7. Fully asynchronous GRPO (disaggregated, Megatron engine) with partial rollouts of 4 tokens
+   per engine call at max_staleness 0: the samples, continued call after call from their
+   tokens so far and ended at the model's EOS, give the trainer's logprobs within 1e-4.
 6. DPO on conversational preference rows (chosen / rejected as message lists) at PP2: at step
    1 the loss is ln 2 and the logged chosen and rejected logprobs equal HF transformers'
    logprobs of the responses as the chat template renders them.
@@ -201,6 +204,38 @@ def test_grpo_with_vllm_rollouts_on_the_real_model(hf_dir, grpo_run):
     for r in rows:
         assert r["prompt"] in templated, r["prompt"]
         assert r["reward"] == real_tasks.capital_reward([r["response"]], [r["ground_truth"]])[0]
+
+
+def test_fully_async_partial_rollouts_on_the_real_model(actor, work):
+    """rollout_mode=fully_async, the rollout rank apart from the trainer's, each engine call
+    giving every sample at most 4 more tokens; max_staleness=0 keeps each step's samples to
+    the weights it trains, so the logprob-gap guard judges every step: a sample continued
+    from the wrong prefix, or a token's logprob kept from the wrong call, moves the gap far
+    past 1e-4 (fp32, 30 layers). Answers run past one call and end at the model's EOS."""
+    prompts = real_tasks.write_prompts(str(work / "async_prompts.jsonl"), real_tasks.TRAIN)
+    out_dir = work / "fully_async"
+    recipe = work / "fully_async.yaml"
+    recipe.write_text(
+        f"actor: {actor}\nprompts: {prompts}\nout_dir: {out_dir}\n"
+        "reward_fn: tests.real_tasks:capital_reward\nalgorithm: grpo\nnproc: 1\n"
+        "placement: disaggregated\nrollout_mode: fully_async\nmax_staleness: 0\n"
+        "partial_rollout_tokens: 4\nrollout_correction: tis\nprompts_per_step: 2\n"
+        "samples_per_prompt: 2\nmax_new_tokens: 24\nsteps: 2\nlog_samples: 4\n"
+        "actor_lr: 1.0e-6\n")
+    _run(sys.executable, "-m", "megarlhf.cli", "ppo", "--config", str(recipe))
+    history = read_steps(str(out_dir))
+    assert [m["step"] for m in history] == [1, 2]
+    for m in history:
+        print(f"step {m['step']}: gap max {m['rollout/logprob_gap_max']:.3g}, stopped "
+              f"{m['rollout/stopped_fraction']:.2f}, reward {m['reward/mean']:.3f}, wall "
+              f"{m['time/wall']:.1f} s")
+        assert m["rollout/logprob_gap_max"] < 1e-4, m
+        assert m["rollout/policy_lag_max"] == 0 and m["rollout/weight_version"] == m["step"] - 1
+        assert m["rollout/stopped_fraction"] > 0, m  # an EOS found in a later call
+    with open(os.path.join(out_dir, "samples.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    lengths = [sum(count for _, count in r["token_versions"]) for r in rows]
+    assert len(rows) == 8 and max(lengths) > 4, lengths  # continued over several calls
 
 
 def test_exported_model_greedy_through_vllm_equals_hf(hf_dir, grpo_run, work):

@@ -57,19 +57,26 @@ class ScriptedEngine:
         return {}
 
 
+def _reward(prompt, completion) -> float:
+    """Length, except on every third prompt, where every sample scores 0."""
+    return 0.0 if prompt.ids[0] % 3 == 0 else float(len(completion.token_ids))
+
+
 def _score(config, data, workers, answers, samples, step):
-    """Length as reward; one timeout per scoring call (a count metric)."""
-    score = torch.tensor([float(len(c.token_ids)) for c in answers.completions])
+    """_reward; one timeout per scoring call (a count metric)."""
+    score = torch.tensor([_reward(answers.prompts[c.prompt_index], c)
+                          for c in answers.completions])
     return Scored(score, {"reward/timeouts": 1.0, "reward/length": float(score.mean())}, None)
 
 
 def _stream(monkeypatch, *, steps, staleness, per_call, delay, version=0, pending=None,
-            sampler=None):
-    monkeypatch.setattr(streaming, "score_answers", _score)
+            sampler=None, score=_score, dynamic_rounds=None):
+    monkeypatch.setattr(streaming, "score_answers", score)
     config = types.SimpleNamespace(
         prompts_per_step=2, samples_per_prompt=3, max_staleness=staleness, steps=steps,
         partial_rollout_tokens=per_call, max_new_tokens=MAX, temperature=1.0, seed=1,
-        top_p=1.0, top_k=0)
+        top_p=1.0, top_k=0, dynamic_sampling_rounds=dynamic_rounds or 0,
+        options=types.SimpleNamespace(dynamic_sampling=dynamic_rounds is not None))
     data = types.SimpleNamespace(
         checked=types.SimpleNamespace(stop_token_ids=()), episodes=None, judge=None,
         samples=lambda prompts, completions: [
@@ -113,7 +120,8 @@ def _check(step, d, staleness):
     assert d.metrics["rollout/policy_lag_mean"] == pytest.approx(sum(lags) / len(lags))
     assert d.metrics["rollout/policy_lag_max"] == max(lags) <= staleness
     assert d.weight_version == min(min(v) for v in d.versions)
-    assert d.score.tolist() == [float(len(c.token_ids)) for c in d.completions]
+    assert d.score.tolist() == [_reward(d.prompts[row], c) for row, c in
+                                enumerate(d.completions)]
 
 
 def test_partial_rollouts_keep_each_tokens_version_within_the_bound(monkeypatch):
@@ -266,6 +274,33 @@ def _first_group(d):
     from megarlhf.ppo.rollouts import Answers, Group
     return Group(Answers(d.prompts[:3], d.completions[:3], None, {}), d.samples[:3],
                  d.score[:3], None)
+
+
+def test_dynamic_sampling_drops_equal_score_groups_within_its_budget(monkeypatch):
+    """DAPO's filter as groups complete: every third prompt's samples all score 0. With a
+    budget of 2 rounds x 2 prompts, the steps train only varied groups and count the
+    dropped ones; with a budget of 0 rounds (nothing may be dropped) equal-score groups
+    complete the batch and are counted short."""
+    stream, engine = _stream(monkeypatch, steps=4, staleness=1, per_call=MAX, delay=0.0,
+                             dynamic_rounds=2)
+    drawn = _train(stream, engine, 1, 4, train_s=0.0)
+    stream.stop()
+    assert stream._error is None
+    for step, d in enumerate(drawn, start=1):
+        _check(step, d, staleness=1)
+        assert d.metrics["rollout/dynamic_sampling_short"] == 0
+        assert all(p.ids[0] % 3 for p in d.prompts)  # no equal-score group trained
+    # The first call starts the sampler's first 4 prompts (seed 0): 1044, 1046, 1017 and
+    # 1003, of which 1044 and 1017 score equal, so step 1 alone drops two groups.
+    assert drawn[0].metrics["rollout/dynamic_sampling_dropped"] >= 2
+    stream, engine = _stream(monkeypatch, steps=4, staleness=1, per_call=MAX, delay=0.0,
+                             dynamic_rounds=0)
+    drawn = _train(stream, engine, 1, 4, train_s=0.0)
+    stream.stop()
+    shorts = [d.metrics["rollout/dynamic_sampling_short"] for d in drawn]
+    constant = [sum(p.ids[0] % 3 == 0 for p in d.prompts[::3]) for d in drawn]
+    assert shorts == constant and sum(constant) >= 1
+    assert all(d.metrics["rollout/dynamic_sampling_dropped"] == 0 for d in drawn)
 
 
 def test_an_engine_failure_reaches_the_waiting_step(monkeypatch):

@@ -996,8 +996,6 @@ class PPOConfig:
             ("environment", self.environment is not None),
             ("reward_judge", self.reward_judge is not None),
             ("routing_replay", self.routing_replay),
-            ("dynamic_sampling", self.algorithm in ALGORITHMS
-             and self.options.dynamic_sampling),
             ("worker_group=ray", self.worker_group == "ray")) if on]
         if untested:
             problems.append(f"rollout_mode=fully_async is not tested with "

@@ -40,6 +40,7 @@ from megarlhf.ppo.rollouts import (
     COUNT_METRICS, Answers, Group, StepRollout, assemble, merge_metrics, sampling,
     score_answers,
 )
+from megarlhf.rl.shaping import varied_groups
 from megarlhf.rollout.engine import Completion
 
 _log = logging.getLogger(__name__)
@@ -83,6 +84,8 @@ class Finished:
     oldest: int
     metrics: dict[str, float]
     """Its scoring's metrics (merged over a step's groups as rounds are)."""
+    varied: bool = True
+    """Its scores are not all equal (dynamic sampling keeps only such groups while it may)."""
 
 
 @dataclasses.dataclass
@@ -112,6 +115,7 @@ class Stream:
         self._calls, self._next_key = state.calls, state.next_key
         self._taken = weight_version  # the last step that took its groups
         self._dropped = 0  # stale groups dropped since the last step took its groups
+        self._filtered = 0  # dynamic sampling: equal-score groups dropped since then
         self._cond = threading.Condition()  # guards the state; not held during a call
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -140,6 +144,7 @@ class Stream:
             self._buffer.sort(key=lambda f: f.oldest)  # stable: in finishing order otherwise
             chosen, self._buffer = self._buffer[:n], self._buffer[n:]
             self._taken, dropped, self._dropped = step, self._dropped, 0
+            filtered, self._filtered = self._filtered, 0
             buffered = len(self._buffer)
             self._cond.notify_all()  # room for more groups
         waited = time.perf_counter() - start
@@ -150,6 +155,10 @@ class Stream:
                    "rollout/policy_lag_max": float(max(lags)),
                    "rollout/stale_dropped": float(dropped),
                    "rollout/buffer_groups": float(buffered)}
+        if self.config.options.dynamic_sampling:
+            metrics.update({"rollout/dynamic_sampling_dropped": float(filtered),
+                            "rollout/dynamic_sampling_short": float(
+                                sum(not f.varied for f in chosen))})
         return assemble(self.data, [f.group for f in chosen], metrics, {"rollout": waited},
                         min(f.oldest for f in chosen), versions)
 
@@ -262,7 +271,7 @@ class Stream:
                     scoring_step = self._taken + 1
                 scored = self._score(done, scoring_step) if done else []
                 with self._cond:
-                    self._buffer += scored
+                    self._buffer += self._filter(scored)
                     self._calling = False
                     self._cond.notify_all()
         except BaseException as error:  # the step waiting in `take` raises it
@@ -313,10 +322,28 @@ class Stream:
         # apart); its means hold for every group.
         share = {key: value / len(done) if key in COUNT_METRICS else value
                  for key, value in scored.metrics.items()}
+        varied = varied_groups(scored.score, n).tolist()
         return [Finished(Group(answers.rows(slice(i * n, (i + 1) * n)),
                                samples[i * n:(i + 1) * n], scored.score[i * n:(i + 1) * n],
-                               None), [s.versions for s in g.samples], g.version, share)
+                               None), [s.versions for s in g.samples], g.version, share,
+                         varied[i])
                 for i, g in enumerate(done)]
+
+    def _filter(self, scored: list[Finished]) -> list[Finished]:
+        """Dynamic sampling (DAPO): a group whose samples all scored the same teaches nothing
+        and is dropped, up to dynamic_sampling_rounds x prompts_per_step groups per step (as
+        many as the synchronous modes' extra rounds would draw); past that, such groups
+        complete the batch (rollout/dynamic_sampling_short)."""
+        if not self.config.options.dynamic_sampling:
+            return scored
+        budget = self.config.dynamic_sampling_rounds * self.config.prompts_per_step
+        kept = []
+        for f in scored:
+            if f.varied or self._filtered >= budget:
+                kept.append(f)
+            else:
+                self._filtered += 1
+        return kept
 
     def _drop_stale(self, step: int) -> None:
         """Drop the groups that step `step` or any later one would train beyond
