@@ -998,6 +998,15 @@ def test_fully_async_rollouts_train_within_the_staleness_bound_and_resume(base, 
             assert m["rollout/policy_lag_max"] == max(lags) <= 1
             assert m["rollout/weight_version"] == min(r["weight_version"] for r in mine)
             assert m["rollout/probe_logprob_gap_max"] < 1e-5, m
+            # The tokens of the actor's own weights, also in samples begun under older ones,
+            # carry the engine's logprobs of those weights (fp32 noise; older tokens differ
+            # by the updates).
+            fresh = sum(count for r in mine for v, count in r["token_versions"]
+                        if v == m["step"] - 1)
+            if m["rollout/policy_lag_max"] > 0:
+                assert m["rollout/fresh_tokens"] == fresh, m
+            if fresh and m["rollout/policy_lag_max"] > 0:
+                assert m["rollout/fresh_logprob_gap_max"] < 1e-5, m
 
     samples = logged(config.out_dir)
     check(straight, samples)
@@ -1033,6 +1042,37 @@ def test_fully_async_rollouts_train_within_the_staleness_bound_and_resume(base, 
         if g is not None:
             runs = [v for v, count in r["token_versions"] for _ in range(count)]
             assert any(runs[:len(s.versions)] == s.versions for s in g.samples), r
+
+    # Planted in the kept state: 4 groups whose samples have 3 tokens of version 1. Resumed
+    # at version 2, the engine continues them with the checkpoint's weights, and step 3's
+    # guard holds those fresh tokens of the mixed samples to the actor's logprobs.
+    from megarlhf.data.prompts import Prompt
+    from megarlhf.integrity import file_sha256
+    from megarlhf.ppo import streaming
+
+    with open(config.prompts) as f:
+        ids = [tuple(json.loads(line)["prompt_ids"]) for line in f][:4]
+    planted = streaming.StreamState([streaming.Started(
+        Prompt(ids=prompt, where=f"planted {i}"),
+        [streaming.Partial(key=2 * i + j, tokens=[5, 6, 7], logprobs=[-5.7] * 3,
+                           versions=[1, 1, 1]) for j in range(2)], version=1)
+        for i, prompt in enumerate(ids)], [], 0, 100)
+    mixed = dataclasses.replace(config, out_dir=str(tmp_path / "mixed"), steps=3)
+    step_2 = f"{checkpoints.of_run(mixed.out_dir).root}/step_2"
+    shutil.copytree(kept_dir, step_2)
+    torch.save(planted, os.path.join(step_2, checkpoints.PENDING))
+    state = checkpoints.read_state(step_2)
+    state["pending_rollout_sha256"] = file_sha256(os.path.join(step_2, checkpoints.PENDING))
+    with open(os.path.join(step_2, checkpoints.STATE), "w") as f:
+        json.dump(state, f)
+    (m,) = run(mixed)
+    rows_3 = logged(mixed.out_dir)
+    assert sorted(json.dumps(r["prompt"]) for r in rows_3) == sorted(
+        json.dumps(list(prompt)) for prompt in ids for _ in range(2))
+    assert all(r["token_versions"][0] == [1, 3] for r in rows_3)
+    fresh = sum(count for r in rows_3 for v, count in r["token_versions"] if v == 2)
+    assert fresh == m["rollout/fresh_tokens"] > 0 and m["rollout/policy_lag_max"] == 1
+    assert m["rollout/fresh_logprob_gap_max"] < 1e-5, m
 
     # DAPO (no critic): its dynamic sampling drops equal-score groups as they complete.
     dapo = dataclasses.replace(config, out_dir=str(tmp_path / "dapo"), algorithm="dapo",

@@ -46,7 +46,7 @@ from megarlhf.rl import (
 )
 from megarlhf.rl.correction import rollout_correction
 from megarlhf.roles.policy import PolicyInputs
-from megarlhf.rollout.experience import rollout_batch
+from megarlhf.rollout.experience import response_tokens_where, rollout_batch
 from megarlhf.rollout.gap import GapGuard, LogprobGap, check_gap, logprob_gap
 
 
@@ -235,6 +235,8 @@ def ppo_step(config: PPOConfig, data: RunInputs, workers: Placement,
     exp = workers.experience(batch, roles, routing)
     gap = guard_gap(config, rollout.engine_logp, exp, batch, lag, step) \
         if not one_pass else None
+    fresh = guard_fresh(config, rollout.engine_logp, exp, batch, drawn.versions, step) \
+        if drawn.versions is not None and lag > 0 else {}
     timer["experience"], t = time.perf_counter() - t, time.perf_counter()
 
     values = exp.get("values")
@@ -304,7 +306,7 @@ def ppo_step(config: PPOConfig, data: RunInputs, workers: Placement,
               for phase, nbytes in workers.take_memory().items()}
     if config.profiles(step):
         log_profile(log, step, workers.take_profile())
-    return {**metrics, **drawn.metrics, **correction, **probed, **synced,
+    return {**metrics, **drawn.metrics, **correction, **probed, **synced, **fresh,
             "rollout/stopped_fraction": stopped,
             "rollout/weight_version": float(drawn.weight_version),
             "rollout/policy_lag": float(lag), **memory, **span,
@@ -331,6 +333,24 @@ def guard_gap(config: PPOConfig, engine_logp: torch.Tensor, exp: dict, batch, la
     if warning:
         _log.warning(warning)
     return gap
+
+
+def guard_fresh(config: PPOConfig, engine_logp: torch.Tensor, exp: dict, batch,
+                versions: list[list[int]], step: int) -> dict[str, float]:
+    """fully_async: the guard on the tokens sampled with the actor's own weights (version
+    step - 1) when the step also holds older ones, which a partial rollout may mix in one
+    sample; rollout/fresh_logprob_gap_mean and _max over them (none: fresh_tokens 0)."""
+    own = response_tokens_where(batch, [[v == step - 1 for v in sample] for sample in versions])
+    if not bool(own.any()):
+        return {"rollout/fresh_tokens": 0.0}
+    limits = config.gap_limits
+    gap = logprob_gap(engine_logp, exp["logp"], own, limits.max)
+    warning = check_gap(gap, limits, policy=config.logprob_gap_policy, step=step)
+    if warning:
+        _log.warning(warning)
+    return {"rollout/fresh_tokens": float(gap.num_tokens),
+            "rollout/fresh_logprob_gap_mean": gap.mean_abs,
+            "rollout/fresh_logprob_gap_max": gap.max_abs}
 
 
 def log_profile(log: MetricsLog, step: int, groups: dict[str, dict[str, dict]]) -> None:

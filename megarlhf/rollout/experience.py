@@ -74,6 +74,18 @@ def rollout_batch(prompts: list[list[int]], completions: list[Completion], *,
         routing=_routing(prompts, completions, P, T), rewards_at=placed)
 
 
+def response_tokens_where(batch: SequenceBatch, flags: list[list[bool]]) -> torch.Tensor:
+    """[B, T] long: the response positions of `batch` (rollout_batch's layout: every response
+    starts at one column) whose completion token is flagged (`flags`: per completion, one per
+    token)."""
+    T = batch.response_mask.shape[1]
+    start = T - max(len(f) for f in flags)
+    out = torch.zeros_like(batch.response_mask)
+    for row, row_flags in enumerate(flags):
+        out[row, start:start + len(row_flags)] = torch.tensor(row_flags, dtype=out.dtype)
+    return out * batch.response_mask
+
+
 def _routing(prompts: list[list[int]], completions: list[Completion], P: int, T: int
              ) -> torch.Tensor | None:
     if completions[0].routing is None:
