@@ -177,24 +177,44 @@ def test_vllm_engines_at_tp2_packed_with_tool_calls_and_dynamic_sampling(chat_mo
                                               abs=1e-5), (row, length)
 
 
-@pytest.mark.parametrize("layout", ["pp2", "cp2_async"])
+@pytest.mark.parametrize("layout", ["pp2_fully_async", "cp2_async", "vllm_fully_async"])
 def test_megatron_engine_disaggregated_at_pp2_and_cp2(chat_model, prompts, tmp_path, layout):
-    """A Megatron rollout rank feeding an actor at PP2, or at CP2 on packed rows (each split
-    over the 2 CP ranks) with the next step's episodes drawn during this one (async_rollout:
-    the gap is checked on the first step's, drawn with the actor's own weights). (Episodes
-    run in the controller: under Ray they are the same generate calls, disaggregated roles
-    under Ray are tests/test_ppo.py's; vLLM at PP2 and at CP2 on packed rows:
+    """A rollout rank feeding the actor: a Megatron engine at PP2 with fully asynchronous
+    rollouts (rollout_mode=fully_async: batches of episodes run while steps train, a weight
+    sync waiting only for the turn in progress); at CP2 on packed rows (each split over the 2
+    CP ranks) with the next step's episodes drawn during this one (async_rollout); a vLLM
+    engine, fully asynchronous. The gap is checked on the first step's episodes, drawn with
+    the actor's own weights, and, fully asynchronous, on every later step's tokens of the
+    actor's weights (rollout/fresh_logprob_gap_max). (Episodes run in the controller: under
+    Ray they are the same generate calls, disaggregated roles under Ray are
+    tests/test_ppo.py's; vLLM at PP2 and at CP2 on packed rows:
     test_offloading_every_idle_role_changes_no_metric[grpo-pp2] and the real-model GRPO.)"""
-    fields = dict(pipeline_parallel=2) if layout == "pp2" else \
-        dict(context_parallel=2, async_rollout=True, rollout_correction="tis",
-             max_tokens_per_micro_batch=128, pack_sequences=True)
+    stream = dict(rollout_mode="fully_async", rollout_correction="tis", max_staleness=1)
+    fields = {"pp2_fully_async": dict(pipeline_parallel=2, **stream),
+              "cp2_async": dict(context_parallel=2, async_rollout=True,
+                                rollout_correction="tis", max_tokens_per_micro_batch=128,
+                                pack_sequences=True),
+              "vllm_fully_async": dict(nproc=1, rollout_backend="vllm", **stream)}[layout]
+    if layout.startswith("vllm"):
+        _vllm()
     config = _config(chat_model, prompts, tmp_path, placement="disaggregated", **fields)
     run(config)
     history = read_steps(config.out_dir)
     _check_episodes(history, config.out_dir, turns=3,
-                    gap_steps=1 if config.async_rollout else None)
+                    gap_steps=None if config.resolved_rollout_mode == "sync" else 1)
     if config.async_rollout:
         assert [m["rollout/policy_lag"] for m in history] == [0.0, 1.0]
+    if config.resolved_rollout_mode == "fully_async":
+        rows = _samples(config.out_dir)
+        for m in history:
+            mine = [r for r in rows if r["step"] == m["step"]]
+            # every token of the episode (observations take their turn's version)
+            assert all(sum(n for _, n in r["token_versions"]) == sum(
+                p["tokens"] for p in r["turns"]) for r in mine), mine
+            assert m["rollout/policy_lag_max"] <= 1, m
+            if m.get("rollout/fresh_tokens"):
+                assert m["rollout/fresh_logprob_gap_max"] <= GAP, m
+        assert history[0]["rollout/policy_lag_max"] == 0.0
 
 
 def test_resumed_episodes_equal_a_straight_run(chat_model, prompts, tmp_path, monkeypatch):

@@ -79,7 +79,7 @@ def _stream(monkeypatch, *, steps, staleness, per_call, delay, version=0, pendin
         options=types.SimpleNamespace(dynamic_sampling=dynamic_rounds is not None))
     data = types.SimpleNamespace(
         checked=types.SimpleNamespace(stop_token_ids=()), episodes=None, judge=None,
-        samples=lambda prompts, completions: [
+        samples=lambda prompts, completions, episodes=None: [
             Sample(prompt=None, response=None, prompt_ids=list(prompts[c.prompt_index].ids),
                    response_ids=c.token_ids)
             for c in completions])
@@ -301,6 +301,77 @@ def test_dynamic_sampling_drops_equal_score_groups_within_its_budget(monkeypatch
     constant = [sum(p.ids[0] % 3 == 0 for p in d.prompts[::3]) for d in drawn]
     assert shorts == constant and sum(constant) >= 1
     assert all(d.metrics["rollout/dynamic_sampling_dropped"] == 0 for d in drawn)
+
+
+class TwoTurnEpisodes:
+    """Episodes of two model turns of 2 tokens (7, 7) with one observation token (99)
+    between, the environment taking `think_s` over its step; keys as the real runner deals
+    them (a prompt's n episodes in a row)."""
+
+    def __init__(self, think_s: float):
+        self.think_s = think_s
+
+    def run(self, prompts, params, generate):
+        from megarlhf.envs.episodes import Episode
+
+        keys = list(range(len(prompts) * params.n))
+        context = {k: list(prompts[k // params.n].ids) for k in keys}
+        done = {k: ([], [], []) for k in keys}  # tokens, logprobs, sampled
+        for turn in range(2):
+            turn_params = dataclasses.replace(params, n=1, max_new_tokens=2,
+                                              max_new_tokens_each=(2,) * len(keys))
+            for k, c in zip(keys, generate([context[k] for k in keys], turn_params, keys)):
+                assert context[k][1:] == [7, 7, 99][:len(context[k]) - 1]
+                for part, values in zip(done[k], (c.token_ids, c.logprobs,
+                                                   [True] * len(c.token_ids))):
+                    part += values
+                context[k] += c.token_ids
+            if turn == 0:
+                time.sleep(self.think_s)
+                for k in keys:
+                    for part, value in zip(done[k], (99, 0.0, False)):
+                        part.append(value)
+                    context[k].append(99)
+        return [Episode(prompt=prompts[k // params.n], completion=Completion(
+            prompt_index=k, token_ids=done[k][0], logprobs=done[k][1], finish_reason="length",
+            sampled=tuple(done[k][2])), parts=(), rewards_at=(), conversation=(),
+            final_response="", final_ids=()) for k in keys], {"env/turns_mean": 2.0}
+
+
+class EpisodeEngine(ScriptedEngine):
+    def rollout(self, prompts, params, keys):
+        assert not self.syncing, "an engine call during a weight sync"
+        self.calls += 1
+        return [Completion(prompt_index=row, token_ids=[7, 7],
+                           logprobs=[-float(self.version)] * 2, finish_reason="length")
+                for row in range(len(prompts))]
+
+
+def test_episodes_take_weight_syncs_between_their_turns(monkeypatch):
+    """With an environment, a batch of episodes runs to its end, and a weight sync waits
+    only for the turn in progress: episodes begun under one version finish their second turn
+    under the next, each model token keeping its turn's version (the observation token, not
+    trained, that of the turn before), and the lags count the model's tokens only."""
+    stream, _ = _stream(monkeypatch, steps=4, staleness=1, per_call=1, delay=0.0)
+    engine = EpisodeEngine(0.0)
+    stream.workers, stream.data.episodes = engine, TwoTurnEpisodes(think_s=0.3)
+    drawn = _train(stream, engine, 1, 4, train_s=0.0)
+    stream.stop()
+    assert stream._error is None
+    for step, d in enumerate(drawn, start=1):
+        assert len(d.episodes) == 6 and d.episodes[0].completion.sampled == (True,) * 2 + (
+            False,) + (True,) * 2
+        for c, versions in zip(d.completions, d.versions):
+            assert versions[2] == versions[1]  # the observation: its turn's version
+            assert c.logprobs == [-float(v) if sampled else 0.0
+                                  for v, sampled in zip(versions, c.sampled)]
+        lags = [step - 1 - v for versions in d.versions for i, v in enumerate(versions)
+                if i != 2]
+        assert d.metrics["rollout/policy_lag_mean"] == pytest.approx(sum(lags) / len(lags))
+        assert max(lags) <= 1
+    # Step 2 took the first batch's second half; the second batch (begun after sync 1) had
+    # its second turns after sync 2, during the environment's 0.3 s step.
+    assert any(v[0] != v[-1] for d in drawn for v in d.versions)
 
 
 def test_an_engine_failure_reaches_the_waiting_step(monkeypatch):

@@ -993,7 +993,6 @@ class PPOConfig:
             return problems
         # Not run end to end yet: refused until a test runs a step with each.
         untested = [name for name, on in (
-            ("environment", self.environment is not None),
             ("reward_judge", self.reward_judge is not None),
             ("routing_replay", self.routing_replay),
             ("worker_group=ray", self.worker_group == "ray")) if on]

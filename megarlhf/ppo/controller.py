@@ -156,7 +156,7 @@ def _train(config: PPOConfig, groups_backend, data: RunInputs, history: list[dic
                 kl_ctl.load_state_dict(state["kl"])
                 log.note(f"resumed from {latest} (step {start})")
             elif data.val:
-                with steps.paused():  # the reward function's pool serves one thread
+                with steps.idle():  # the reward function's pool serves one thread
                     log.write({"step": 0, **validate(config, data, workers, 0, log)})
             for step in range(start + 1, config.steps + 1):
                 current = step
@@ -165,7 +165,7 @@ def _train(config: PPOConfig, groups_backend, data: RunInputs, history: list[dic
                     metrics["fault/restarts"] = len(restarts)
                 if data.val and (step == config.steps or
                                  (config.val_every and step % config.val_every == 0)):
-                    with steps.paused():  # as above
+                    with steps.idle():  # as above
                         metrics.update(validate(config, data, workers, step, log))
                 history.append(metrics)
                 log.write(metrics)

@@ -210,6 +210,10 @@ class Rollouts:
         """The engines idle for a weight sync (a rollout drawn ahead was finished by then)."""
         return contextlib.nullcontext()
 
+    def idle(self):
+        """Nothing runs between steps (a rollout drawn ahead is finished before the sync)."""
+        return contextlib.nullcontext()
+
     def synced(self, step: int) -> None:
         self.weight_version = step
 

@@ -24,15 +24,18 @@ on the groups the checkpoint buffered.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import dataclasses
+import functools
 import logging
 import math
 import threading
 import time
 
 from megarlhf.data.prompts import Prompt
+from megarlhf.envs.episodes import Episode
 from megarlhf.ppo.config import PPOConfig
 from megarlhf.ppo.inputs import RunInputs
 from megarlhf.ppo.placement import Placement
@@ -73,6 +76,22 @@ class Started:
     samples: list[Partial]
     version: int
     """The weight version of its first tokens (its oldest)."""
+
+
+@dataclasses.dataclass
+class Scoring:
+    """A finished group on its way to the buffer."""
+
+    group: Started
+    completions: list[Completion]
+    episodes: list[Episode] | None
+    versions: list[list[int]]
+    metrics: dict[str, float]
+    """The environment's, once per batch of episodes."""
+
+
+class _Stopped(Exception):
+    """The run ended while episodes were running (they are dropped)."""
 
 
 @dataclasses.dataclass
@@ -119,8 +138,10 @@ class Stream:
         self._cond = threading.Condition()  # guards the state; not held during a call
         self._thread: threading.Thread | None = None
         self._stopping = False
-        self._pausing = False  # the controller waits for the engines to idle
+        self._pausing = False  # the controller waits for the engines to idle (a sync)
+        self._holding = False  # ... for everything to idle (a snapshot, a validation)
         self._calling = False  # an engine call, or the scoring of what it finished, runs
+        self._running = 0  # groups of the batch of episodes that runs
         self._error: BaseException | None = None
         self._raised = False  # a step raised _error
 
@@ -149,7 +170,9 @@ class Stream:
             self._cond.notify_all()  # room for more groups
         waited = time.perf_counter() - start
         versions = [v for f in chosen for v in f.versions]
-        lags = [step - 1 - v for sample in versions for v in sample]
+        completions = [c for f in chosen for c in f.group.answers.completions]
+        lags = [step - 1 - v for sample, c in zip(versions, completions)  # sampled tokens'
+                for v, sampled in zip(sample, c.sampled or [True] * len(sample)) if sampled]
         metrics = {**merge_metrics([(len(f.versions), f.metrics) for f in chosen]),
                    "rollout/policy_lag_mean": sum(lags) / len(lags),
                    "rollout/policy_lag_max": float(max(lags)),
@@ -167,8 +190,9 @@ class Stream:
 
     @contextlib.contextmanager
     def paused(self):
-        """The engines idle between two of the producer's calls (for the weight sync and a
-        checkpoint's snapshot); the producer starts no call until this ends."""
+        """The engines idle between two of the producer's calls (for the weight sync; with
+        an environment, between two turns of the episodes); the producer starts no call
+        until this ends."""
         with self._cond:
             self._pausing = True
             while self._calling:
@@ -180,6 +204,22 @@ class Stream:
                 self._pausing = False
                 self._cond.notify_all()
 
+    @contextlib.contextmanager
+    def idle(self):
+        """Nothing of the producer's runs (for a checkpoint's snapshot, and for validation,
+        which shares the reward function's and the environments' workers): the running
+        episodes end first."""
+        with self._cond:
+            self._holding = True
+            while self._calling or self._running:
+                self._cond.wait()
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._holding = False
+                self._cond.notify_all()
+
     def synced(self, step: int) -> None:
         """The engines hold the weights of version `step` (call while `paused`)."""
         with self._cond:
@@ -188,7 +228,7 @@ class Stream:
 
     def snapshot(self) -> tuple[dict, StreamState]:
         """The sampler's state and the stream's, between two calls."""
-        with self.paused():
+        with self.idle():
             return self.sampler.state_dict(), copy.deepcopy(StreamState(
                 self._in_flight, self._buffer, self._calls, self._next_key))
 
@@ -231,52 +271,45 @@ class Stream:
             self._thread.start()
 
     def _produce(self) -> None:
-        """Engine calls until `stop`. A call and the scoring of what it finished run outside
-        the lock (the controller may take groups meanwhile), flagged by `_calling`."""
+        """Engine calls (or batches of episodes) until `stop`. A call and the scoring of what
+        it finished run outside the lock (the controller may take groups meanwhile), flagged
+        by `_calling`."""
         try:
             while True:
                 with self._cond:
-                    while not self._stopping and (self._pausing or not (
+                    while not self._stopping and (self._pausing or self._holding or not (
                             self._in_flight or self._room())):
                         self._cond.wait()
                     if self._stopping or self._taken >= self.config.steps:
                         return  # (the last step took its groups: the rest would go unused)
+                    started = []
                     while self._room():
-                        self._start_group()
-                    live = [s for g in self._in_flight for s in g.samples
-                            if s.finish_reason is None]
-                    prompts = [list(g.prompt.ids) + s.tokens for g in self._in_flight
-                               for s in g.samples if s.finish_reason is None]
-                    per_call = self.config.partial_rollout_tokens or self.config.max_new_tokens
-                    limits = [min(per_call, self.config.max_new_tokens - len(s.tokens))
-                              for s in live]
-                    version, seed = self.weight_version, self._calls
+                        started.append(self._start_group())
+                        if self.data.episodes is None:
+                            self._in_flight.append(started[-1])
+                        else:
+                            self._running += 1
+                    seed = self._calls
                     self._calls += 1
                     self._calling = True
-                completions = self._generate(prompts, limits, [s.key for s in live], seed)
+                if self.data.episodes is None:
+                    done = self._advance(seed)
+                else:
+                    done = self._episodes(started, seed)
                 with self._cond:
-                    for sample, limit, done in zip(live, limits, completions):
-                        sample.tokens += done.token_ids
-                        sample.logprobs += done.logprobs
-                        sample.versions += [version] * len(done.token_ids)
-                        # Fewer tokens than asked without a stop: the engine's context is
-                        # full; the sample ends there ('length').
-                        if done.finish_reason == "stop" or len(done.token_ids) < limit or \
-                                len(sample.tokens) >= self.config.max_new_tokens:
-                            sample.finish_reason = done.finish_reason
-                    done = [g for g in self._in_flight
-                            if all(s.finish_reason is not None for s in g.samples)]
-                    self._in_flight = [g for g in self._in_flight
-                                       if not any(g is d for d in done)]
-                    scoring_step = self._taken + 1
-                scored = self._score(done, scoring_step) if done else []
+                    self._calling = True  # (the episodes let the syncs between turns in)
+                    step = self._taken + 1
+                scored = self._score(done, step) if done else []
                 with self._cond:
                     self._buffer += self._filter(scored)
+                    self._running = 0
                     self._calling = False
                     self._cond.notify_all()
+        except _Stopped:
+            pass
         except BaseException as error:  # the step waiting in `take` raises it
             with self._cond:
-                self._error, self._calling = error, False
+                self._error, self._calling, self._running = error, False, 0
                 self._cond.notify_all()
 
     def _room(self) -> bool:
@@ -286,37 +319,106 @@ class Stream:
         last = min(self.weight_version + 1 + math.floor(self.config.max_staleness),
                    self.config.steps)
         wanted = self.config.prompts_per_step * (last - self._taken)
-        return len(self._in_flight) + len(self._buffer) < wanted
+        return len(self._in_flight) + self._running + len(self._buffer) < wanted
 
-    def _start_group(self) -> None:
+    def _start_group(self) -> Started:
         (prompt,) = self.sampler.next(1)
         samples = [Partial(key=self._next_key + i)
                    for i in range(self.config.samples_per_prompt)]
         self._next_key += len(samples)
-        self._in_flight.append(Started(prompt, samples, self.weight_version))
+        return Started(prompt, samples, self.weight_version)
 
-    def _generate(self, prompts: list[list[int]], limits: list[int], keys: list[int],
-                  seed: int) -> list[Completion]:
-        """One engine call: `limits` more tokens for each unfinished sample (`prompts`: its
-        prompt and its tokens so far)."""
+    def _advance(self, seed: int) -> list[Scoring]:
+        """One engine call: up to partial_rollout_tokens more tokens for each unfinished
+        sample in flight, continuing from its prompt and its tokens so far; the groups it
+        finished."""
         c = self.config
-        params = dataclasses.replace(
-            sampling(c, self.data, n=1, temperature=c.temperature,
-                     seed=c.seed * 1_000_003 + _CALL_SEED + seed),
-            max_new_tokens=max(limits), max_new_tokens_each=tuple(limits))
-        completions = self.workers.rollout(prompts, params, keys=keys)
+        with self._cond:
+            live = [(g, s) for g in self._in_flight for s in g.samples
+                    if s.finish_reason is None]
+            version = self.weight_version
+        per_call = c.partial_rollout_tokens or c.max_new_tokens
+        limits = [min(per_call, c.max_new_tokens - len(s.tokens)) for _, s in live]
+        params = dataclasses.replace(self._params(seed, n=1), max_new_tokens=max(limits),
+                                     max_new_tokens_each=tuple(limits))
+        completions = self.workers.rollout([list(g.prompt.ids) + s.tokens for g, s in live],
+                                           params, keys=[s.key for _, s in live])
         self.workers.take_busy()  # the producer's calls belong to no step's timings
+        with self._cond:
+            for (_, sample), limit, out in zip(live, limits, completions):
+                sample.tokens += out.token_ids
+                sample.logprobs += out.logprobs
+                sample.versions += [version] * len(out.token_ids)
+                # Fewer tokens than asked without a stop: the engine's context is full; the
+                # sample ends there ('length').
+                if out.finish_reason == "stop" or len(out.token_ids) < limit or \
+                        len(sample.tokens) >= c.max_new_tokens:
+                    sample.finish_reason = out.finish_reason
+            done = [g for g in self._in_flight
+                    if all(s.finish_reason is not None for s in g.samples)]
+            self._in_flight = [g for g in self._in_flight if not any(g is d for d in done)]
+        return [Scoring(g, [Completion(prompt_index=0, token_ids=s.tokens,
+                                       logprobs=s.logprobs, finish_reason=s.finish_reason)
+                            for s in g.samples], None, [s.versions for s in g.samples], {})
+                for g in done]
+
+    def _episodes(self, groups: list[Started], seed: int) -> list[Scoring]:
+        """The groups' episodes, run to their end (environment state cannot be kept in a
+        checkpoint); each turn is one engine call, and a weight sync may come between two
+        turns, so an episode's turns may be of several versions."""
+        turns = collections.defaultdict(list)  # episode key: (version, tokens) per turn
+        episodes, metrics = self.data.episodes.run(
+            [g.prompt for g in groups], self._params(seed, n=self.config.samples_per_prompt),
+            functools.partial(self._turn, turns))
+        n = self.config.samples_per_prompt
+        out = []
+        for i, g in enumerate(groups):
+            mine = episodes[i * n:(i + 1) * n]
+            out.append(Scoring(g, [e.completion for e in mine], mine,
+                               [_episode_versions(e.completion, turns[i * n + j])
+                                for j, e in enumerate(mine)],
+                               metrics if i == 0 else {}))
+        return out
+
+    def _turn(self, turns: dict, prompts: list[list[int]], params, keys: list[int]
+              ) -> list[Completion]:
+        """One turn of every live episode: a call under one weight version, after any sync
+        the controller waits to make."""
+        with self._cond:
+            self._calling = False
+            self._cond.notify_all()
+            while self._pausing and not self._stopping:
+                self._cond.wait()
+            if self._stopping:
+                raise _Stopped()
+            self._calling = True
+            version = self.weight_version
+        completions = self.workers.rollout(prompts, params, keys)
+        self.workers.take_busy()
+        for key, c in zip(keys, completions):
+            turns[key].append((version, len(c.token_ids)))
+        with self._cond:
+            self._calling = False  # the environments' steps run next
+            self._cond.notify_all()
         return completions
 
-    def _score(self, done: list[Started], step: int) -> list[Finished]:
+    def _params(self, seed: int, *, n: int):
+        c = self.config
+        return sampling(c, self.data, n=n, temperature=c.temperature,
+                        seed=c.seed * 1_000_003 + _CALL_SEED + seed)
+
+    def _score(self, done: list[Scoring], step: int) -> list[Finished]:
         """The finished groups scored together, for `step` (the next to take groups)."""
         n = self.config.samples_per_prompt
-        answers = Answers(
-            [g.prompt for g in done for _ in g.samples],
-            [Completion(prompt_index=row, token_ids=s.tokens, logprobs=s.logprobs,
-                        finish_reason=s.finish_reason)
-             for row, s in enumerate(s for g in done for s in g.samples)], None, {})
-        samples = self.data.samples(answers.prompts, answers.completions)
+        episodes = [e for d in done for e in d.episodes] if done[0].episodes else None
+        metrics = {}
+        for d in done:
+            metrics.update(d.metrics)
+        answers = Answers([d.group.prompt for d in done for _ in range(n)],
+                          [dataclasses.replace(c, prompt_index=row) for row, c in
+                           enumerate(c for d in done for c in d.completions)],
+                          episodes, metrics)
+        samples = self.data.samples(answers.prompts, answers.completions, episodes)
         scored = score_answers(self.config, self.data, self.workers, answers, samples, step)
         # Each group carries an equal share of the call's totals (steps may take its groups
         # apart); its means hold for every group.
@@ -325,9 +427,8 @@ class Stream:
         varied = varied_groups(scored.score, n).tolist()
         return [Finished(Group(answers.rows(slice(i * n, (i + 1) * n)),
                                samples[i * n:(i + 1) * n], scored.score[i * n:(i + 1) * n],
-                               None), [s.versions for s in g.samples], g.version, share,
-                         varied[i])
-                for i, g in enumerate(done)]
+                               None), d.versions, d.group.version, share, varied[i])
+                for i, d in enumerate(done)]
 
     def _filter(self, scored: list[Finished]) -> list[Finished]:
         """Dynamic sampling (DAPO): a group whose samples all scored the same teaches nothing
@@ -359,3 +460,19 @@ class Stream:
         if dropped:
             self._dropped += dropped
             self._cond.notify_all()  # room for new groups (the producer may be idle)
+
+
+def _episode_versions(completion: Completion, turns: list[tuple[int, int]]) -> list[int]:
+    """Per token of an episode, the weight version of its turn (an observation: of the turn
+    before it), from the (version, tokens) of each of its turns in order."""
+    sampled = completion.sampled or (True,) * len(completion.token_ids)
+    out, i = [], 0
+    for version, count in turns:
+        out += [version] * count
+        i += count
+        while i < len(sampled) and not sampled[i]:
+            out.append(version)
+            i += 1
+    if i != len(sampled):
+        raise RuntimeError(f"an episode's turns account for {i} of its {len(sampled)} tokens")
+    return out
