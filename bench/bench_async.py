@@ -43,6 +43,8 @@ def _run(config) -> dict:
     return {"step": statistics.median(m["time/wall"] for m in history[1:]), "phases": phases,
             "steps_total": sum(m["time/wall"] for m in history[1:]), "total": total,
             "reward": [m["reward/mean"] for m in history],
+            "length": statistics.mean(m["response_length"] for m in history),
+            "dropped": sum(m.get("rollout/stale_dropped", 0.0) for m in history),
             "lag": [m["rollout/policy_lag"] for m in history],
             "token_lag": [m.get("rollout/policy_lag_mean", m["rollout/policy_lag"])
                           for m in history]}
@@ -82,6 +84,10 @@ def measure(steps: int, new_tokens: int, mini_batches: int, stop_ids: int) -> tu
                          for m in others) + " |",
              *[f"| {p} (s, median) | " + " | ".join(f"{out[m]['phases'][p]:.3f}" for m in MODES)
                + " | |" for p in PHASES],
+             "| trained response length (tokens, mean) | "
+             + " | ".join(f"{out[m]['length']:.1f}" for m in MODES) + " | |",
+             "| groups dropped as stale | "
+             + " | ".join(f"{out[m]['dropped']:.0f}" for m in MODES) + " | |",
              "", "| step | " + " | ".join(str(i) for i in range(1, steps + 1)) + " |",
              "|---" * (steps + 1) + "|",
              *[f"| reward, {label} | " + " | ".join(f"{r:.3f}" for r in out[m]["reward"])

@@ -305,11 +305,11 @@ def test_dynamic_sampling_drops_equal_score_groups_within_its_budget(monkeypatch
 
 class TwoTurnEpisodes:
     """Episodes of two model turns of 2 tokens (7, 7) with one observation token (99)
-    between, the environment taking `think_s` over its step; keys as the real runner deals
-    them (a prompt's n episodes in a row)."""
+    between; the environment's step lasts until the engine's weights move on (at most
+    `think_s`); keys as the real runner deals them (a prompt's n episodes in a row)."""
 
-    def __init__(self, think_s: float):
-        self.think_s = think_s
+    def __init__(self, engine, think_s: float):
+        self.engine, self.think_s = engine, think_s
 
     def run(self, prompts, params, generate):
         from megarlhf.envs.episodes import Episode
@@ -327,7 +327,9 @@ class TwoTurnEpisodes:
                     part += values
                 context[k] += c.token_ids
             if turn == 0:
-                time.sleep(self.think_s)
+                version, deadline = self.engine.version, time.monotonic() + self.think_s
+                while self.engine.version == version and time.monotonic() < deadline:
+                    time.sleep(0.005)
                 for k in keys:
                     for part, value in zip(done[k], (99, 0.0, False)):
                         part.append(value)
@@ -354,8 +356,20 @@ def test_episodes_take_weight_syncs_between_their_turns(monkeypatch):
     trained, that of the turn before), and the lags count the model's tokens only."""
     stream, _ = _stream(monkeypatch, steps=4, staleness=1, per_call=1, delay=0.0)
     engine = EpisodeEngine(0.0)
-    stream.workers, stream.data.episodes = engine, TwoTurnEpisodes(think_s=0.3)
-    drawn = _train(stream, engine, 1, 4, train_s=0.0)
+    stream.workers, stream.data.episodes = engine, TwoTurnEpisodes(engine, think_s=0.5)
+    drawn, served = [], 0
+    for step in range(1, 5):
+        drawn.append(stream.take(step))
+        deadline = time.monotonic() + 10
+        while engine.calls == served:  # a turn since the last sync (the next batch began)
+            assert time.monotonic() < deadline
+            time.sleep(0.002)
+        with stream.paused():
+            engine.syncing = True
+            engine.version = step
+            stream.synced(step)
+            engine.syncing = False
+        served = engine.calls
     stream.stop()
     assert stream._error is None
     for step, d in enumerate(drawn, start=1):
@@ -369,9 +383,10 @@ def test_episodes_take_weight_syncs_between_their_turns(monkeypatch):
                 if i != 2]
         assert d.metrics["rollout/policy_lag_mean"] == pytest.approx(sum(lags) / len(lags))
         assert max(lags) <= 1
-    # Step 2 took the first batch's second half; the second batch (begun after sync 1) had
-    # its second turns after sync 2, during the environment's 0.3 s step.
-    assert any(v[0] != v[-1] for d in drawn for v in d.versions)
+    # Step 2 takes the first batch's second half, and sync 2 follows once the second batch
+    # (begun after sync 1) has had its first turn; its environment step waits for the sync,
+    # so step 3 trains episodes whose first turn is of version 1 and second of version 2.
+    assert all(v == [1, 1, 1, 2, 2] for v in drawn[2].versions), drawn[2].versions
 
 
 def test_an_engine_failure_reaches_the_waiting_step(monkeypatch):

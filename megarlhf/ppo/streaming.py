@@ -172,7 +172,8 @@ class Stream:
         versions = [v for f in chosen for v in f.versions]
         completions = [c for f in chosen for c in f.group.answers.completions]
         lags = [step - 1 - v for sample, c in zip(versions, completions)  # sampled tokens'
-                for v, sampled in zip(sample, c.sampled or [True] * len(sample)) if sampled]
+                for v, sampled in zip(sample, c.sampled or [True] * len(sample)) if sampled
+                ] or [step - 1 - min(f.oldest for f in chosen)]
         metrics = {**merge_metrics([(len(f.versions), f.metrics) for f in chosen]),
                    "rollout/policy_lag_mean": sum(lags) / len(lags),
                    "rollout/policy_lag_max": float(max(lags)),
@@ -297,7 +298,6 @@ class Stream:
                 else:
                     done = self._episodes(started, seed)
                 with self._cond:
-                    self._calling = True  # (the episodes let the syncs between turns in)
                     step = self._taken + 1
                 scored = self._score(done, step) if done else []
                 with self._cond:
@@ -306,7 +306,9 @@ class Stream:
                     self._calling = False
                     self._cond.notify_all()
         except _Stopped:
-            pass
+            with self._cond:
+                self._calling, self._running = False, 0
+                self._cond.notify_all()
         except BaseException as error:  # the step waiting in `take` raises it
             with self._cond:
                 self._error, self._calling, self._running = error, False, 0
@@ -370,6 +372,7 @@ class Stream:
         episodes, metrics = self.data.episodes.run(
             [g.prompt for g in groups], self._params(seed, n=self.config.samples_per_prompt),
             functools.partial(self._turn, turns))
+        self._claim()  # scoring next: not beside a sync, nor after the run ended
         n = self.config.samples_per_prompt
         out = []
         for i, g in enumerate(groups):
@@ -380,10 +383,9 @@ class Stream:
                                metrics if i == 0 else {}))
         return out
 
-    def _turn(self, turns: dict, prompts: list[list[int]], params, keys: list[int]
-              ) -> list[Completion]:
-        """One turn of every live episode: a call under one weight version, after any sync
-        the controller waits to make."""
+    def _claim(self) -> None:
+        """Mark the producer busy (`_calling`) again, once no sync waits and the run goes
+        on (between turns of episodes, it lets the controller's calls in)."""
         with self._cond:
             self._calling = False
             self._cond.notify_all()
@@ -392,6 +394,13 @@ class Stream:
             if self._stopping:
                 raise _Stopped()
             self._calling = True
+
+    def _turn(self, turns: dict, prompts: list[list[int]], params, keys: list[int]
+              ) -> list[Completion]:
+        """One turn of every live episode: a call under one weight version, after any sync
+        the controller waits to make."""
+        self._claim()
+        with self._cond:
             version = self.weight_version
         completions = self.workers.rollout(prompts, params, keys)
         self.workers.take_busy()
@@ -414,7 +423,9 @@ class Stream:
         metrics = {}
         for d in done:
             metrics.update(d.metrics)
-        answers = Answers([d.group.prompt for d in done for _ in range(n)],
+        # An episode's prompt holds what its environment's reset added.
+        answers = Answers([e.prompt for e in episodes] if episodes else
+                          [d.group.prompt for d in done for _ in range(n)],
                           [dataclasses.replace(c, prompt_index=row) for row, c in
                            enumerate(c for d in done for c in d.completions)],
                           episodes, metrics)
@@ -427,7 +438,7 @@ class Stream:
         varied = varied_groups(scored.score, n).tolist()
         return [Finished(Group(answers.rows(slice(i * n, (i + 1) * n)),
                                samples[i * n:(i + 1) * n], scored.score[i * n:(i + 1) * n],
-                               None), d.versions, d.group.version, share, varied[i])
+                               None), d.versions, _oldest(d), share, varied[i])
                 for i, d in enumerate(done)]
 
     def _filter(self, scored: list[Finished]) -> list[Finished]:
@@ -460,6 +471,13 @@ class Stream:
         if dropped:
             self._dropped += dropped
             self._cond.notify_all()  # room for new groups (the producer may be idle)
+
+
+def _oldest(scoring: Scoring) -> int:
+    """A group's age: its oldest token's version (an episode's reset may have waited out a
+    sync, so its first turn can be newer than the group's start)."""
+    versions = [v for sample in scoring.versions for v in sample]
+    return min(versions) if versions else scoring.group.version
 
 
 def _episode_versions(completion: Completion, turns: list[tuple[int, int]]) -> list[int]:
