@@ -11,9 +11,12 @@ other way round; one-step-off, step n+1's rollout runs while step n learns; full
 asynchronous, the rollout rank generates without waiting (max_staleness 1, 16 tokens per
 call). With --stop-ids K, the first K token ids end a sample: lengths then spread out to
 --new-tokens (a long tail), which is where the synchronous modes wait for the slowest sample.
+With --episodes, the multi-turn tests' setup instead: a toy chat Llama (2 layers, hidden 128,
+the ChatML test tokenizer) in 3-turn episodes of up to 16 tokens a turn (tests/env_fns.py's
+LowIds: the share of early letters in each turn as its reward).
 
     python -m bench.bench_async [--steps 15] [--new-tokens 48] [--mini-batches 4]
-                                [--stop-ids 0] [--append BENCHMARKS.md]
+                                [--stop-ids 0] [--episodes] [--append BENCHMARKS.md]
 """
 
 from __future__ import annotations
@@ -53,22 +56,53 @@ def _run(config) -> dict:
 MODES = {"sync": "synchronous", "one_step_off": "one-step-off", "fully_async": "fully async"}
 
 
-def measure(steps: int, new_tokens: int, mini_batches: int, stop_ids: int) -> tuple[str, dict]:
+def _episode_inputs(tmp: str) -> dict:
+    """The multi-turn tests' toy chat model and questions, as recipe fields."""
+    import json
+
+    from megarlhf.convert.hf_to_mcore import hf_to_mcore
+    from megarlhf.parallel.mesh import ParallelConfig
+    from tests import chat_tokenizer, hf_models
+    from tests.test_multiturn import QUESTIONS
+
+    hf_dir = hf_models.save_model(os.path.join(tmp, "hf"), "llama", hidden_size=128,
+                                  intermediate_size=256, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2,
+                                  tie_word_embeddings=True, max_position_embeddings=1024)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if os.path.exists(os.path.join(hf_dir, name)):
+            os.remove(os.path.join(hf_dir, name))
+    chat_tokenizer.save(hf_dir)
+    actor = os.path.join(tmp, "actor")
+    hf_to_mcore(hf_dir, actor, parallel=ParallelConfig())
+    prompts = os.path.join(tmp, "questions.jsonl")
+    with open(prompts, "w") as f:
+        f.writelines(json.dumps({"prompt": q}) + "\n" for q in QUESTIONS * 4)
+    return dict(actor=actor, prompts=prompts, environment="tests.env_fns:LowIds",
+                env_args={"turns": 3}, max_turns=3, max_turn_tokens=16, max_new_tokens=96)
+
+
+def measure(steps: int, new_tokens: int, mini_batches: int, stop_ids: int,
+            episodes: bool = False) -> tuple[str, dict]:
     from megarlhf.ppo.config import PPOConfig
 
     load = [os.getloadavg()[0]]
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
-        actor, _, prompts = write_inputs(tmp)
+        if episodes:
+            task = _episode_inputs(tmp)
+        else:
+            actor, _, prompts = write_inputs(tmp)
+            task = dict(actor=actor, prompts=prompts,
+                        reward_fn="tests.ppo_tasks:low_token_fraction",
+                        stop_token_ids=tuple(range(stop_ids)), max_new_tokens=new_tokens)
         for mode in MODES:
             config = PPOConfig(
-                actor=actor, prompts=prompts, out_dir=os.path.join(tmp, mode),
-                reward_fn="tests.ppo_tasks:low_token_fraction", algorithm="grpo",
+                out_dir=os.path.join(tmp, mode), algorithm="grpo",
                 rollout_correction="tis", placement="disaggregated", rollout_mode=mode,
-                max_staleness=1, partial_rollout_tokens=16,
-                stop_token_ids=tuple(range(stop_ids)), steps=steps, prompts_per_step=8,
-                samples_per_prompt=4, max_new_tokens=new_tokens, actor_lr=3e-3,
-                mini_batches=mini_batches, ppo_epochs=2)
+                max_staleness=1, partial_rollout_tokens=16, steps=steps, prompts_per_step=8,
+                samples_per_prompt=4, actor_lr=3e-3, mini_batches=mini_batches, ppo_epochs=2,
+                **task)
             out[mode] = _run(config)
             load.append(os.getloadavg()[0])
     base = out["sync"]
@@ -108,15 +142,20 @@ def main() -> None:
     parser.add_argument("--mini-batches", type=int, default=4)
     parser.add_argument("--stop-ids", type=int, default=0,
                         help="token ids 0..K-1 end a sample (a long tail of lengths)")
+    parser.add_argument("--episodes", action="store_true",
+                        help="3-turn episodes of a toy chat model instead")
     parser.add_argument("--append", help="append the results to this markdown file")
     args = parser.parse_args()
-    table, _ = measure(args.steps, args.new_tokens, args.mini_batches, args.stop_ids)
+    table, _ = measure(args.steps, args.new_tokens, args.mini_batches, args.stop_ids,
+                       args.episodes)
     if args.append:
+        task = "3-turn episodes" if args.episodes else "single-turn"
         append_entry(args.append, "Synchronous, one-step-off and fully asynchronous rollouts, "
-                     "disaggregated GRPO (tiny model): step rate and reward curves",
+                     f"disaggregated GRPO (tiny model, {task}): step rate and reward curves",
                      f"python -m bench.bench_async --steps {args.steps} "
                      f"--new-tokens {args.new_tokens} --mini-batches {args.mini_batches} "
-                     f"--stop-ids {args.stop_ids}", table)
+                     f"--stop-ids {args.stop_ids}" + (" --episodes" if args.episodes else ""),
+                     table)
 
 
 if __name__ == "__main__":

@@ -123,10 +123,9 @@ def test_config_errors_name_the_problem(prompts_file, tmp_path):
                                          "disaggregated"):
         dataclasses.replace(base, rollout_mode="fully_async", rollout_correction="tis")
     with pytest.raises(ValueError, match="rollout_mode=fully_async is not tested with "
-                                         "routing_replay, worker_group=ray yet"):
+                                         "routing_replay yet"):
         dataclasses.replace(base, rollout_mode="fully_async", rollout_correction="tis",
-                            placement="disaggregated", routing_replay=True,
-                            worker_group="ray")
+                            placement="disaggregated", routing_replay=True)
     with pytest.raises(ValueError, match="rollout_mode='later' is not one of"):
         dataclasses.replace(base, rollout_mode="later")
     with pytest.raises(ValueError, match=r"max_staleness=-1.0 is out of range"):
@@ -1174,6 +1173,16 @@ def test_disaggregated_ppo_under_ray_with_vllm_syncs_every_step(base, vllm_check
     assert max(m["rollout/logprob_gap_max"] for m in history) < VLLM_TOL
     for key in ("critic/value_loss", "time/worker/experience", "time/controller_overhead"):
         assert key in history[-1]
+
+    # Fully asynchronous under Ray: the stream's thread calls the Ray groups beside the
+    # training phases; each sync's probe holds the fresh weights to the actor, and step 2
+    # trains groups begun before step 1 trained.
+    stream = dataclasses.replace(config, out_dir=str(tmp_path / "stream"), steps=2,
+                                 rollout_mode="fully_async", rollout_correction="tis")
+    history = run(stream)
+    assert [m["rollout/policy_lag_max"] for m in history] == [0.0, 1.0]
+    assert history[0]["rollout/logprob_gap_max"] < VLLM_TOL
+    assert all(m["rollout/probe_logprob_gap_max"] < VLLM_TOL for m in history), history
 
 
 @pytest.mark.slow
