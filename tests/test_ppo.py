@@ -906,6 +906,25 @@ def test_context_parallel_equals_cp1_through_the_controller(base, tmp_path):
 
 
 @pytest.mark.slow
+def test_delta_sync_at_tp2_equals_a_full_sync(base, tmp_path, monkeypatch):
+    """The actor at TP2 (LoRA: only the merged projections change between syncs) feeding a
+    TP1 Megatron rollout rank: with sync_mode=delta most buckets travel as deltas, each
+    checked by CRC-32 on the rollout rank, and every metric of 3 steps equals the full-sync
+    run's bitwise (the engine samples from the same bits)."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # same threads everywhere: same summation order
+    short = dict(nproc=2, tensor_parallel=2, steps=3, placement="disaggregated",
+                 prompts_per_step=4, layout=Layout(actor=RoleLayout(lora=LoraConfig(rank=4))))
+    full = run(dataclasses.replace(base, out_dir=str(tmp_path / "full"), **short))
+    delta = run(dataclasses.replace(base, out_dir=str(tmp_path / "delta"), sync_mode="delta",
+                                    **short))
+    same = lambda m: {k: v for k, v in _without_timings(m).items()  # noqa: E731
+                      if not k.startswith("sync/")}
+    assert [same(m) for m in delta] == [same(m) for m in full]
+    for m in delta:
+        assert m["sync/delta_buckets"] > 0 and m["sync/sent_mib"] < m["sync/full_mib"], m
+
+
+@pytest.mark.slow
 def test_async_rollout_overlaps_training_and_resumes_exactly(base, value_refs, tmp_path,
                                                              monkeypatch):
     """Disaggregated with a reward model (its scores come from the ref+reward group, which
