@@ -62,17 +62,10 @@ def _episode_inputs(tmp: str) -> dict:
 
     from megarlhf.convert.hf_to_mcore import hf_to_mcore
     from megarlhf.parallel.mesh import ParallelConfig
-    from tests import chat_tokenizer, hf_models
+    from tests import hf_models
     from tests.test_multiturn import QUESTIONS
 
-    hf_dir = hf_models.save_model(os.path.join(tmp, "hf"), "llama", hidden_size=128,
-                                  intermediate_size=256, num_hidden_layers=2,
-                                  num_attention_heads=4, num_key_value_heads=2,
-                                  tie_word_embeddings=True, max_position_embeddings=1024)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        if os.path.exists(os.path.join(hf_dir, name)):
-            os.remove(os.path.join(hf_dir, name))
-    chat_tokenizer.save(hf_dir)
+    hf_dir = hf_models.save_chat_llama(os.path.join(tmp, "hf"))
     actor = os.path.join(tmp, "actor")
     hf_to_mcore(hf_dir, actor, parallel=ParallelConfig())
     prompts = os.path.join(tmp, "questions.jsonl")

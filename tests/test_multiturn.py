@@ -40,14 +40,7 @@ def chat_model(tmp_path_factory):
     from tests import hf_models
 
     root = tmp_path_factory.mktemp("chat_model")
-    hf_dir = hf_models.save_model(str(root / "hf"), "llama", hidden_size=128,
-                                  intermediate_size=256, num_hidden_layers=2,
-                                  num_attention_heads=4, num_key_value_heads=2,
-                                  tie_word_embeddings=True, max_position_embeddings=1024)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        if os.path.exists(os.path.join(hf_dir, name)):
-            os.remove(os.path.join(hf_dir, name))
-    chat_tokenizer.save(hf_dir)
+    hf_dir = hf_models.save_chat_llama(str(root / "hf"))
     hf_to_mcore(hf_dir, str(root / "actor"), parallel=ParallelConfig())
     hf_to_mcore(hf_dir, str(root / "critic"), parallel=ParallelConfig(), role="critic",
                 init_value_head=True)

@@ -6,7 +6,8 @@ flight up to partial_rollout_tokens more tokens (a sample continues from its pro
 tokens it has, under whatever weights the engines hold then), and starts new prompts
 (samples_per_prompt samples each) when the staleness bound leaves room. A group whose samples
 have all finished is scored and joins the buffer. Each step takes prompts_per_step groups
-from the buffer, oldest weights first, as soon as it holds them.
+from the buffer, oldest weights first, as soon as it holds them. With an environment, the
+producer runs batches of episodes instead, each turn one engine call (`_episodes`).
 
 The weight sync waits for the call in progress (`paused`), so a call runs under one weight
 version and every token records it: a sample's tokens may span versions (a partial rollout),
