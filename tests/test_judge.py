@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from megarlhf.ppo import checkpoints
-from megarlhf.ppo.config import PPOConfig, RewardTerm
+from megarlhf.ppo.config import JudgeLayout, Layout, PPOConfig, RewardTerm
 from megarlhf.ppo.judge import Judge
 from megarlhf.rewards.judge import JudgeConfig, Verdict, fill, template_fields, yes_probability
 from tests.test_multiturn import QUESTIONS, chat_model  # noqa: F401 (a fixture)
@@ -49,11 +49,12 @@ def _judge_tokenizer(directory: str, template: str = CHAT_TEMPLATE) -> None:
 
 @pytest.fixture(scope="module")
 def judge_dir(tmp_path_factory):
-    """A toy Llama (64 ids: room for the word-level tokenizer's 51) as an HF directory."""
+    """A toy Llama (64 ids: room for the word-level tokenizer's 51) as an HF directory, of
+    head_dim 32 (vLLM's CPU attention serves it)."""
     from tests import hf_models
 
     directory = str(tmp_path_factory.mktemp("judge") / "hf")
-    hf_models.make_model("llama", vocab_size=64, hidden_size=64, intermediate_size=128,
+    hf_models.make_model("llama", vocab_size=64, hidden_size=128, intermediate_size=128,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                          max_position_embeddings=512, seed=5).save_pretrained(directory)
     _judge_tokenizer(directory)
@@ -125,11 +126,28 @@ def test_judge_config_errors_name_the_field(tmp_path):
     with pytest.raises(ValueError, match="reward_judge is set, but no rewards term of kind "
                                          "judge"):
         PPOConfig(**base, reward_judge=judge, rewards=(RewardTerm("c", "math"),))
-    with pytest.raises(ValueError, match="reward_judge runs on the colocated rollout ranks"):
-        PPOConfig(**base, reward_judge=judge, placement="disaggregated")
-    with pytest.raises(ValueError, match="reward_judge runs on a Megatron engine at PP=1"):
+    assert any("backend='sglang'" in p for p in problems(backend="sglang"))
+    with pytest.raises(ValueError, match="reward_judge runs colocated on a Megatron engine at "
+                                         "PP=1"):
         PPOConfig(**base, reward_judge=judge, pipeline_parallel=2, rollout_backend="vllm",
                   vllm_model_dir=str(tmp_path))
+    vllm_judge = dataclasses.replace(judge, backend="vllm")
+    with pytest.raises(ValueError, match="reward_judge.backend=vllm runs on ranks of its own"):
+        PPOConfig(**base, reward_judge=vllm_judge)
+    with pytest.raises(ValueError, match="layout.judge.tensor_parallel=1: a colocated judge "
+                                         "runs in the actor's layout, at tensor_parallel=2"):
+        PPOConfig(**base, reward_judge=judge, tensor_parallel=2,
+                  layout=Layout(judge=JudgeLayout(tensor_parallel=1)))
+    with pytest.raises(ValueError, match="judge_nproc=2 needs placement=disaggregated"):
+        PPOConfig(**base, reward_judge=judge, judge_nproc=2)
+    with pytest.raises(ValueError, match="judge_nproc=2 is set, but no reward_judge"):
+        PPOConfig(**base, reward_fn="math", judge_nproc=2)
+    apart = dict(base, placement="disaggregated", reward_judge=vllm_judge)
+    with pytest.raises(ValueError, match="layout.judge.tensor_parallel=2 does not divide "
+                                         "judge_nproc=3"):
+        PPOConfig(**apart, judge_nproc=3, layout=Layout(judge=JudgeLayout(tensor_parallel=2)))
+    assert PPOConfig(**apart, judge_nproc=2).judge_tp == 1  # its own ranks: TP 1 unless set
+    assert PPOConfig(**base, reward_judge=judge, tensor_parallel=2).judge_tp == 2
     assert PPOConfig(**base, reward_judge=judge).reward_judge == judge  # the only reward
 
 
@@ -165,6 +183,17 @@ def test_the_launching_process_refuses_a_judge_it_cannot_use(judge_dir, tmp_path
               longest_sample=400)
     with pytest.raises(ValueError, match="has no config.json"):
         _judge(JudgeConfig(model=str(tmp_path), template=_template(tmp_path)))
+    if not torch.cuda.is_available():  # vLLM's CPU attention: head_dim 32 and up
+        narrow = str(tmp_path / "narrow")
+        shutil.copytree(judge_dir, narrow)
+        with open(os.path.join(narrow, "config.json")) as f:
+            hf_config = json.load(f)
+        with open(os.path.join(narrow, "config.json"), "w") as f:
+            json.dump({**hf_config, "num_attention_heads": 8, "num_key_value_heads": 4,
+                       "head_dim": 16}, f)
+        with pytest.raises(ValueError, match="reward_judge.backend=vllm: vLLM's CPU attention "
+                                             "cannot serve head_dim 16"):
+            _judge(JudgeConfig(model=narrow, template=_template(tmp_path), backend="vllm"))
     with pytest.raises(ValueError, match="template .*No such file"):
         _judge(JudgeConfig(model=judge_dir, template=str(tmp_path / "none.txt")))
     # One id per side here: the whitespace splitter gives " Yes" the id of "Yes".
@@ -264,44 +293,41 @@ def test_judge_prompts_as_transformers_renders_them(judge_dir, tmp_path):
 
 # -- a run: the judge's scores against transformers ----------------------------------------
 
-@pytest.mark.slow
-def test_judge_scores_equal_transformers_and_add_to_the_weighted_sum(chat_model,  # noqa: F811
-                                                                     judge_dir, tmp_path):
-    """GRPO at TP2 whose reward is 0.5 x the judge's yes_no score plus a rule (the share of
-    response characters in a-h), the judge asleep between its calls. Every sample of both
-    steps is logged with its reward and the judge's text; each reward is recomputed here
-    from transformers' forward of the judge over the judge prompt (its chat template
-    rendered by transformers) and the rule. A run resumed from the step-1 checkpoint repeats
-    step 2 and its weights exactly. Judge and trainer are both fp32: 1e-4 is a few float32
-    roundings of a softmax ratio; the TP2 engine and HF sum in different orders."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from megarlhf.metrics import read_steps
-    from megarlhf.ppo.controller import run
-    from tests import reward_fns
-
-    actor = chat_model[0]
+def _judge_run(chat_model, judge_dir, tmp_path, **fields) -> PPOConfig:  # noqa: F811
+    """GRPO whose reward is 0.5 x the judge's yes_no score plus a rule (the share of response
+    characters in a-h), every sample logged."""
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": q, "ground_truth": str(i)}) + "\n"
                                for i, q in enumerate(QUESTIONS)))
-    config = PPOConfig(
-        actor=actor, prompts=str(prompts), out_dir=str(tmp_path / "run"), algorithm="grpo",
-        nproc=2, tensor_parallel=2, prompts_per_step=4, samples_per_prompt=2, steps=2,
-        max_new_tokens=6, actor_lr=1e-3, log_samples=8, save_every=1,
-        # The judge's weights freed after each call and read from its directory again.
-        rollout_sleep=True,
-        reward_judge=JudgeConfig(model=judge_dir, template=_template(tmp_path),
-                                 max_new_tokens=3),
-        rewards=(RewardTerm("judged", "judge", weight=0.5),
-                 RewardTerm("low", "fn", function="tests.reward_fns:low_letters")))
-    history = run(config)
+    return PPOConfig(**{
+        **dict(actor=chat_model[0], prompts=str(prompts), out_dir=str(tmp_path / "run"),
+               algorithm="grpo", prompts_per_step=4, samples_per_prompt=2, steps=2,
+               max_new_tokens=6, actor_lr=1e-3, log_samples=8,
+               reward_judge=JudgeConfig(model=judge_dir, template=_template(tmp_path),
+                                        max_new_tokens=3),
+               rewards=(RewardTerm("judged", "judge", weight=0.5),
+                        RewardTerm("low", "fn", function="tests.reward_fns:low_letters"))),
+        **fields})
+
+
+def _check_judged(config: PPOConfig, judge_dir: str) -> list[dict]:
+    """Every training sample's judge_score and reward recomputed from transformers' forward
+    of the judge over the judge prompt (its chat template rendered by transformers) and the
+    rule; the step metrics from the samples. Judge and trainer are both fp32: 1e-4 is a few
+    float32 roundings of a softmax ratio (the engines and HF sum in different orders).
+    Returns the step metrics."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from megarlhf.metrics import read_steps
+    from tests import reward_fns
 
     tok = AutoTokenizer.from_pretrained(judge_dir)
     judge = AutoModelForCausalLM.from_pretrained(judge_dir, torch_dtype=torch.float32).eval()
     yes, no = tok.convert_tokens_to_ids("Yes"), tok.convert_tokens_to_ids("No")
     with open(os.path.join(config.out_dir, "samples.jsonl")) as f:
         rows = [row for row in map(json.loads, f) if row["phase"] == "train"]
-    assert len(rows) == 16  # every sample of both steps
+    per_step = config.rows_per_step
+    assert len(rows) == config.steps * per_step  # every sample of every step
     failures, judged = [], []
     for row in rows:
         text = fill(TEMPLATE, {"prompt": QUESTIONS[int(row["ground_truth"])],
@@ -322,10 +348,38 @@ def test_judge_scores_equal_transformers_and_add_to_the_weighted_sum(chat_model,
     assert max(judged) - min(judged) > 0.05, judged  # the judge tells the samples apart
     steps = read_steps(config.out_dir)
     assert [m["reward/judge_parse_failures"] for m in steps] == \
-        [sum(failures[:8]), sum(failures[8:])]
-    for m, part in zip(steps, (rows[:8], rows[8:])):
-        assert m["reward/mean"] == pytest.approx(sum(r["reward"] for r in part) / 8, abs=1e-6)
+        [sum(failures[i:i + per_step]) for i in range(0, len(rows), per_step)]
+    for i, m in enumerate(steps):
+        part = rows[i * per_step:(i + 1) * per_step]
+        assert m["reward/mean"] == pytest.approx(sum(r["reward"] for r in part) / per_step,
+                                                 abs=1e-6)
         assert m["reward/judged"] == pytest.approx(m["reward/judge_score"])
+        assert m["reward/judge_seconds"] > 0
+    return steps
+
+
+@pytest.mark.slow
+def test_judge_scores_equal_transformers_and_add_to_the_weighted_sum(chat_model,  # noqa: F811
+                                                                     judge_dir, tmp_path):
+    """Colocated GRPO at TP2, the judge's engine beside the actor's, asleep between its calls
+    (rollout_sleep) with its weights kept in host memory: scores as transformers says
+    (_check_judged); the judge phase holds exactly the judge's weights on top of what the
+    rollout phase holds (the roles' state untouched), counted by the planner's formula. A
+    run resumed from the step-1 checkpoint repeats step 2 and its weights exactly."""
+    from megarlhf.convert.hf_to_mcore import inspect_hf
+    from megarlhf.parallel.mesh import ParallelConfig
+    from megarlhf.plan.params import rank_params
+    from megarlhf.ppo.controller import run
+
+    config = _judge_run(chat_model, judge_dir, tmp_path, nproc=2, tensor_parallel=2,
+                        save_every=1, rollout_sleep=True)
+    history = run(config)
+    steps = _check_judged(config, judge_dir)
+    judge_mib = rank_params(inspect_hf(judge_dir).model, ParallelConfig(tensor_parallel=2),
+                            0) * 4 / 2**20
+    for m in steps:
+        assert m["memory/judge_state_mib"] - m["memory/rollout_state_mib"] == \
+            pytest.approx(judge_mib, rel=1e-9)
         assert m["time/worker/judge"] > 0
     assert history[-1]["step"] == 2
 
@@ -337,3 +391,27 @@ def test_judge_scores_equal_transformers_and_add_to_the_weighted_sum(chat_model,
     assert [_without_timings(m) for m in run(resumed)] == [_without_timings(history[1])]
     ours, theirs = (_final_weights(d, "actor") for d in (resumed.out_dir, config.out_dir))
     assert all(torch.equal(ours[key], theirs[key]) for key in theirs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend,mode,judge_tp", [
+    pytest.param("megatron", "fully_async", 2, id="megatron-tp2-fully_async"),
+    pytest.param("vllm", "one_step_off", 1, id="vllm-one_step_off")])
+def test_a_judge_on_ranks_of_its_own(chat_model, judge_dir, tmp_path,  # noqa: F811
+                                     backend, mode, judge_tp):
+    """Disaggregated: the judge on a group of its own (two ranks: one TP2 Megatron engine, or
+    two vLLM engines the step's prompts are dealt over), scoring while the actor trains in an
+    asynchronous rollout mode. Every score is transformers' (_check_judged); yes_no on vLLM
+    reads each candidate's logprob from a forced continuation."""
+    from megarlhf.ppo.controller import run
+
+    config = _judge_run(
+        chat_model, judge_dir, tmp_path, placement="disaggregated", rollout_mode=mode,
+        rollout_correction="tis", nproc=1, judge_nproc=2,
+        layout=Layout(judge=JudgeLayout(tensor_parallel=judge_tp)),
+        reward_judge=JudgeConfig(model=judge_dir, template=_template(tmp_path),
+                                 max_new_tokens=3, backend=backend))
+    history = run(config)
+    steps = _check_judged(config, judge_dir)
+    assert [m["rollout/policy_lag"] for m in steps] == [0.0, 1.0]  # scored beside training
+    assert history[-1]["step"] == 2

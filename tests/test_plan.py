@@ -528,6 +528,40 @@ def test_the_judge_engine_is_planned_beside_the_rollout_engine(sleep, tmp_path):
     assert {p for p in phases if by["KV cache"].on_device(p)} == {"rollout"}
 
 
+@pytest.mark.parametrize("backend", ["megatron", "vllm"])
+def test_a_judge_of_its_own_is_a_group_of_its_own(backend, tmp_path):
+    """Disaggregated: the judge's 4 ranks (2 engines of TP2) are a group after the rollout
+    group, holding the judge's weights in every phase and nothing of the other roles."""
+    from megarlhf.plan.job import Cluster, plan
+    from megarlhf.ppo.config import JudgeLayout, Layout
+    from megarlhf.rewards.judge import JudgeConfig
+
+    template = tmp_path / "judge.txt"
+    template.write_text("Q: {prompt} A: {response}")  # 25 characters
+    config = config_of(placement="disaggregated", rollout_nproc=2, judge_nproc=4,
+                       layout=Layout(judge=JudgeLayout(tensor_parallel=2)),
+                       reward_judge=JudgeConfig(model="preset:tiny", template=str(template),
+                                                max_new_tokens=3, backend=backend))
+    result = plan(config, Cluster(nodes=4), 16, tiny_models())
+    judge = result.groups[-1]
+    assert (judge.spec.name, judge.spec.nproc, judge.first_gpu) == ("judge", 4, 8 + 8 + 8 + 2)
+    (stage,) = judge.stages
+    assert {t.role for t in stage.terms} == {"judge"}
+    by = {t.what: t for t in stage.terms}
+    assert by["weights"].bytes == rank_params(preset("tiny"), ParallelConfig(
+        tensor_parallel=2), 0) * 2
+    phases = ("rollout", "experience", "train", "sync", "checkpoint")
+    assert all(by["weights"].on_device(p) for p in phases)
+    if backend == "vllm":  # allocated for good, at least one sequence of full length
+        assert by["KV cache"].bytes == config.judge_engine_size(
+            preset("tiny"), 16 + 16 + 25 + 3).kv_cache_bytes
+        assert all(by["KV cache"].on_device(p) for p in phases)
+    else:  # 16 samples over 2 engines, 8 rows of 60 tokens, while judging
+        assert by["KV cache"].bytes == 2 * 4 * 8 * (16 + 16 + 25 + 3) * 1 * 16 * 2
+    assert not any(t.role == "judge" for g in result.groups[:-1] for st in g.stages
+                   for t in st.terms)
+
+
 def test_pinned_host_memory_per_node_sums_its_ranks_offloaded_state():
     """The 70B PPO recipe: TP8 x PP4 x DP2 on 8 nodes, so node n holds 8 ranks of pipeline
     stage n // 2 (Megatron's order: stage-major, 16 ranks a stage). Each rank pins every

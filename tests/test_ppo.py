@@ -1315,6 +1315,11 @@ RUN_ELSEWHERE = {
                   "delta": "test_disaggregated_equals_colocated_and_resumes_exactly"},
     "verdict": {"yes_no": "test_judge.py::test_judge_scores_equal_transformers_and_add_to_"
                           "the_weighted_sum"},
+    # reward_judge.backend: colocated Megatron there, on ranks of its own (Megatron at TP2,
+    # vLLM) in test_a_judge_on_ranks_of_its_own; a colocated vLLM judge is refused.
+    "judge_backend": {"megatron": "test_judge.py::test_judge_scores_equal_transformers_and_"
+                                  "add_to_the_weighted_sum",
+                      "vllm": "test_judge.py::test_a_judge_on_ranks_of_its_own"},
     "reward_url_format": {"native": "test_a_reward_service_scores_the_rollouts",
                           "openrlhf": "test_a_reward_service_scores_the_rollouts"},
     "old_logprobs": {"auto": "test_one_pass_old_logprobs_equal_an_experience_pass",
@@ -1436,7 +1441,7 @@ def test_every_enum_value_and_placement_backend_pair_has_a_run():
     from megarlhf.rl import AGGREGATION_MODES, KL_ESTIMATORS
     from megarlhf.rl.correction import CORRECTION_LEVELS, CORRECTIONS
     from megarlhf.rl.losses import POLICY_LOSSES, RATIO_LEVELS
-    from megarlhf.rewards.judge import VERDICTS
+    from megarlhf.rewards.judge import JUDGE_BACKENDS, VERDICTS
     from megarlhf.rollout.gap import GAP_POLICIES
 
     accepted = {"algorithm": ppo_config.ALGORITHMS, "aggregation": AGGREGATION_MODES,
@@ -1448,6 +1453,7 @@ def test_every_enum_value_and_placement_backend_pair_has_a_run():
                 "logprob_gap_policy": GAP_POLICIES, "worker_group": ppo_config.WORKER_GROUPS,
                 "old_logprobs": ppo_config.OLD_LOGPROBS,
                 "reward_url_format": ppo_config.REWARD_URL_FORMATS, "verdict": VERDICTS,
+                "judge_backend": JUDGE_BACKENDS,
                 "sync_mode": ppo_config.SYNC_MODES, "rollout_mode": ppo_config.ROLLOUT_MODES,
                 "template": TEMPLATES, "on_bad_record": BAD_RECORD_POLICIES,
                 "recompute": ppo_config.RECOMPUTE, "layer_spec": ppo_config.LAYER_SPECS,
@@ -1470,6 +1476,7 @@ def test_every_enum_value_and_placement_backend_pair_has_a_run():
             del values["rollout_correction_level"]
         if config.reward_judge is not None:
             values["verdict"] = config.reward_judge.verdict
+            values["judge_backend"] = config.reward_judge.backend
         values["rollout_mode"] = config.resolved_rollout_mode
         return values
 
@@ -1758,7 +1765,7 @@ CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="checks made on 
     ([[5]], {"routing_replay": True, "layout": Layout(actor=RoleLayout(recompute="full"))},
      r"routing_replay=true with the actor's recompute=full"),
     pytest.param([[5]], {"rollout_backend": "vllm", "vllm_model_dir": "hf"},
-                 r"vLLM's CPU attention cannot serve the actor's head_dim 16", marks=CPU_ONLY),
+                 r"vLLM's CPU attention cannot serve head_dim 16", marks=CPU_ONLY),
     pytest.param([[5]], {"rollout_backend": "vllm", "vllm_model_dir": "hf",
                          "rollout_cuda_graphs": True},
                  r"rollout_cuda_graphs=true needs CUDA", marks=CPU_ONLY),
@@ -1766,10 +1773,11 @@ CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="checks made on 
                   "rollout_max_model_len": 40},
      r"prompt p.jsonl:1: a prompt of 30 tokens \+ max_new_tokens=16 does not fit "
      r"rollout_max_model_len=40 .* raise rollout_max_model_len"),
+    # 46 tokens: 2 blocks of 32, and the block vLLM keeps aside.
     ([[5] * 30], {"rollout_backend": "vllm", "vllm_model_dir": "hf",
                   "rollout_kv_cache_bytes": 1000},
      r"rollout_kv_cache_bytes=1000 cannot hold one sequence of 46 tokens .*; set "
-     r"rollout_kv_cache_bytes >= 65536"),
+     r"rollout_kv_cache_bytes >= 98304"),
 ])
 def test_preflight_refuses_what_the_ranks_would_fail_on(toy_actor, prompts, fields, match):
     with pytest.raises(ValueError, match=match):

@@ -206,18 +206,25 @@ def test_grpo_with_vllm_rollouts_on_the_real_model(hf_dir, grpo_run):
         assert r["reward"] == real_tasks.capital_reward([r["response"]], [r["ground_truth"]])[0]
 
 
-def test_fully_async_partial_rollouts_on_the_real_model(actor, work):
+def test_fully_async_partial_rollouts_on_the_real_model(hf_dir, actor, work):
     """rollout_mode=fully_async, the rollout rank apart from the trainer's, each engine call
     giving every sample at most 4 more tokens; max_staleness=0 keeps each step's samples to
     the weights it trains, so the logprob-gap guard judges every step: a sample continued
     from the wrong prefix, or a token's logprob kept from the wrong call, moves the gap far
-    past 1e-4 (fp32, 30 layers). Answers run past one call and end at the model's EOS."""
+    past 1e-4 (fp32, 30 layers). Answers run past one call and end at the model's EOS.
+    Beside the rule, SmolLM2 judges each answer (weight 0) on a vLLM engine of its own rank:
+    each score is HF transformers' P(Yes) / (P(Yes) + P(No)) within 1e-3."""
     prompts = real_tasks.write_prompts(str(work / "async_prompts.jsonl"), real_tasks.TRAIN)
     out_dir = work / "fully_async"
     recipe = work / "fully_async.yaml"
+    template = work / "async_judge.txt"
+    template.write_text(JUDGE_TEMPLATE)
     recipe.write_text(
         f"actor: {actor}\nprompts: {prompts}\nout_dir: {out_dir}\n"
-        "reward_fn: tests.real_tasks:capital_reward\nalgorithm: grpo\nnproc: 1\n"
+        "rewards: [{name: capital, kind: fn, function: tests.real_tasks:capital_reward}, "
+        "{name: judge, kind: judge, weight: 0}]\n"
+        f"reward_judge: {{model: {hf_dir}, template: {template}, max_new_tokens: 2, "
+        "backend: vllm}\nalgorithm: grpo\nnproc: 1\n"
         "placement: disaggregated\nrollout_mode: fully_async\nmax_staleness: 0\n"
         "partial_rollout_tokens: 4\nrollout_correction: tis\nprompts_per_step: 2\n"
         "samples_per_prompt: 2\nmax_new_tokens: 24\nsteps: 2\nlog_samples: 4\n"
@@ -236,6 +243,8 @@ def test_fully_async_partial_rollouts_on_the_real_model(actor, work):
         rows = [json.loads(line) for line in f]
     lengths = [sum(count for _, count in r["token_versions"]) for r in rows]
     assert len(rows) == 8 and max(lengths) > 4, lengths  # continued over several calls
+    for m in history:
+        _check_judge_scores(hf_dir, [r for r in rows if r["step"] == m["step"]], m)
 
 
 def test_exported_model_greedy_through_vllm_equals_hf(hf_dir, grpo_run, work):
@@ -403,10 +412,6 @@ def test_tool_calls_on_the_real_model(hf_dir, actor, work):
                 assert f"<|im_start|>tool\n{shown}<|im_end|>" in tool["text"], (model, tool)
                 calls += 1
     assert calls > 0
-
-
-JUDGE_TEMPLATE = ("Question: {prompt}\nProposed answer: {response}\nThe correct answer is "
-                  "{ground_truth}. Is the proposed answer correct? Answer Yes or No.")
 
 
 JUDGE_TEMPLATE = ("Question: {prompt}\nProposed answer: {response}\nThe correct answer is "

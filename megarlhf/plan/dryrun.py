@@ -45,9 +45,14 @@ def ppo(config: PPOConfig) -> str:
                      f"{tools}")
     if data.judge is not None:
         j = config.reward_judge
+        where = ("the rollout ranks' Megatron engines" if config.placement == "colocated"
+                 else f"{config.judge_nproc} rank(s) of its own, {j.backend} engines of TP "
+                      f"{config.judge_tp}")
+        size = (f", max_model_len {data.judge_size.max_model_len}, KV cache "
+                f"{data.judge_size.kv_cache_bytes} bytes per rank"
+                if data.judge_size is not None else "")
         lines.append(f"  judge: {j.model}, verdict {j.verdict}, <= {j.max_new_tokens} new "
-                     f"tokens, template {j.template} (placeholders checked), on the rollout "
-                     f"ranks' Megatron engines")
+                     f"tokens, template {j.template} (placeholders checked), on {where}{size}")
     if checked.engine_size is not None:
         size = checked.engine_size
         lines.append(f"  vLLM engines: max_model_len {size.max_model_len}, KV cache "

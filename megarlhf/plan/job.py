@@ -441,17 +441,18 @@ def _stage(config: PPOConfig, spec: GroupSpec, models: dict[str, ModelSource],
             lora=config.lora_of("actor") is not None), running=frozenset({"sync"})))
     if "rollout" in spec.roles:
         terms += _rollout_terms(config, spec, actor, prompt_len)
-        if judge is not None:
-            terms += _judge_terms(config, spec, judge.model, prompt_len)
+    if "judge" in spec.roles:
+        terms += _judge_terms(config, spec, judge.model, prompt_len)
     return Stage(pp_rank, tuple(terms))
 
 
 def _judge_terms(config: PPOConfig, spec: GroupSpec, model: ModelConfig, prompt_len: int
                  ) -> list[Term]:
-    """reward_judge's engine (one per DP replica at the group's TP, as the Megatron rollout
-    engine): its weights, asleep outside the rollout phase with rollout_sleep, and its KV
-    cache and working set while it judges a rollout's samples. Its prompt: the sample, and
-    the template counted as one token per character (more than any tokenizer makes)."""
+    """reward_judge's engines (at the group's TP: one per DP replica for Megatron, vLLM's of
+    judge_tp consecutive ranks): their weights, asleep outside the rollout phase when
+    colocated with rollout_sleep, and the KV cache and working set while they judge a
+    rollout's samples (vLLM's cache allocated for good). Its prompt: the sample, and the
+    template counted as one token per character (more than any tokenizer makes)."""
     judge, nbytes = config.reward_judge, param_bytes(config)
     try:
         with open(judge.template) as f:
@@ -461,16 +462,20 @@ def _judge_terms(config: PPOConfig, spec: GroupSpec, model: ModelConfig, prompt_
     seq = prompt_len + config.max_new_tokens + template + judge.max_new_tokens
     tp = spec.parallel.tensor_parallel
     engines = spec.parallel.data_parallel_size(spec.nproc)
-    rows = min(math.ceil(config.rows_per_step / engines), MegatronEngineConfig().max_batch_size)
     rollout = frozenset({"rollout"})
     weights = rank_params(model, ParallelConfig(tensor_parallel=tp), 0) * nbytes
-    return [Term("judge", "weights", weights, held=rollout if config.rollout_sleep else EVERY),
-            Term("judge", "KV cache", memory.kv_cache(model, tp, rows, seq, nbytes),
-                 running=rollout),
-            Term("judge", "generation", max(
-                memory.inference_layer(model, tp, rows, seq, nbytes),
-                memory.lm_logits(model, 1, rows, 1, nbytes, backward=False)),
-                running=rollout)]
+    sleeps = config.rollout_sleep and "rollout" in spec.roles
+    terms = [Term("judge", "weights", weights, held=rollout if sleeps else EVERY)]
+    if judge.backend == "vllm":
+        return terms + [Term("judge", "KV cache", config.judge_engine_size(
+            model, min(seq, model.max_position_embeddings)).kv_cache_bytes, held=EVERY)]
+    rows = min(math.ceil(config.rows_per_step / engines), MegatronEngineConfig().max_batch_size)
+    return terms + [
+        Term("judge", "KV cache", memory.kv_cache(model, tp, rows, seq, nbytes),
+             running=rollout),
+        Term("judge", "generation", max(
+            memory.inference_layer(model, tp, rows, seq, nbytes),
+            memory.lm_logits(model, 1, rows, 1, nbytes, backward=False)), running=rollout)]
 
 
 def _rollout_terms(config: PPOConfig, spec: GroupSpec, model: ModelConfig, prompt_len: int

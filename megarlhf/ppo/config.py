@@ -105,6 +105,14 @@ class RolloutLayout:
 
 
 @dataclasses.dataclass(frozen=True)
+class JudgeLayout:
+    tensor_parallel: int | None = None
+    """Ranks per judge engine (reward_judge). None: the actor's tensor_parallel when
+    colocated (the judge's Megatron engine runs in the actor's layout, which it must then
+    keep), else 1."""
+
+
+@dataclasses.dataclass(frozen=True)
 class RoleLayout(LayoutOverride):
     """A model role's layout in the `layout` section: the mesh fields (expert_parallel and
     expert_tensor_parallel for a mixture-of-experts model), sequence parallelism, and
@@ -168,6 +176,8 @@ class Layout:
     """The reward model's layout (frozen: no adapters, no recomputation)."""
     rollout: RolloutLayout = dataclasses.field(default_factory=RolloutLayout)
     """The rollout engines' size."""
+    judge: JudgeLayout = dataclasses.field(default_factory=JudgeLayout)
+    """The judge engines' size (reward_judge)."""
 
 
 _RUN_REWARDS = (("url", "reward_url"), ("reward_model", "reward_model"),
@@ -234,10 +244,13 @@ class PPOConfig:
     the reward model's, reward_fn's (reward_fn_by_source's) and reward_url's scores are
     added with weight 1, unnamed."""
     reward_judge: JudgeConfig | None = None
-    """A generative judge (megarlhf/rewards/judge.py): a language model on the rollout ranks
-    reads each training sample through a prompt template and its verdict is scored, e.g.
-    {model: HF_DIR, template: judge.txt, verdict: yes_no}. Colocated placement, at the
-    actor's tensor parallel size (PP, CP and EP 1). Validation does not consult it."""
+    """A generative judge (megarlhf/rewards/judge.py): a language model reads each training
+    sample through a prompt template and its verdict is scored, e.g. {model: HF_DIR,
+    template: judge.txt, verdict: yes_no}. Colocated, it runs on the rollout ranks beside the
+    actor's engine (Megatron backend, the actor's TP, PP/CP/EP 1); disaggregated, on
+    judge_nproc ranks of its own (layout.judge.tensor_parallel per engine; Megatron or vLLM),
+    scoring beside the other groups' work in the asynchronous rollout modes. Validation
+    does not consult it."""
     reward_url_check: bool = True
     """Refuse the run before any rank starts when the reward server accepts no connection;
     false for a server that starts after the trainer (its first step then waits on the
@@ -335,6 +348,10 @@ class PPOConfig:
     rollout_nproc: int = 1
     """Disaggregated only: rollout ranks, in engines of rollout_tp ranks, fed by the actor's
     ranks."""
+    judge_nproc: int = 1
+    """Disaggregated only, with reward_judge: the judge's ranks (a group of their own), in
+    engines of layout.judge.tensor_parallel ranks; a step's judge prompts are dealt over the
+    engines."""
     sync_mode: str = "full"
     """Disaggregated only: how the actor's weights travel to the rollout ranks. 'full':
     every bucket whole; 'delta': per bucket, only the elements whose bits changed since the
@@ -684,7 +701,8 @@ class PPOConfig:
                      "prompts_per_step",
                      "samples_per_prompt", "max_new_tokens", "steps", "ppo_epochs",
                      "mini_batches", "micro_batches", "keep_last", "rollout_nproc",
-                     "reward_workers", "reward_url_batch_size", "reward_url_concurrency"):
+                     "judge_nproc", "reward_workers", "reward_url_batch_size",
+                     "reward_url_concurrency"):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be >= 1, got {getattr(self, name)}")
         problems += self._range_problems()
@@ -991,8 +1009,7 @@ class PPOConfig:
                             f"rollout_correction=tis or mis")
         if mode != "fully_async":
             return problems
-        # Not run end to end yet: refused until a test runs a step with it (a judge needs
-        # placement=colocated, refused above for any asynchronous mode).
+        # Not run end to end yet: refused until a test runs a step with it.
         if self.routing_replay:
             problems.append("rollout_mode=fully_async is not tested with routing_replay yet; "
                             "use rollout_mode=one_step_off")
@@ -1041,17 +1058,60 @@ class PPOConfig:
     def _judge_problems(self) -> list[str]:
         judge = self.reward_judge
         if judge is None:
-            return []
+            return (["layout.judge.tensor_parallel is set, but no reward_judge"]
+                    if self.layout.judge.tensor_parallel is not None else []) + \
+                ([f"judge_nproc={self.judge_nproc} is set, but no reward_judge"]
+                 if self.judge_nproc != 1 else [])
         problems = judge.problems()
-        actor = self._actor_layout()
+        tp = self.judge_tp
+        if tp < 1:
+            return problems + [f"layout.judge.tensor_parallel must be >= 1, got {tp}"]
         if self.placement != "colocated":
-            problems.append("reward_judge runs on the colocated rollout ranks: set "
-                            "placement=colocated")
+            if self.judge_nproc % tp:
+                problems.append(f"layout.judge.tensor_parallel={tp} does not divide "
+                                f"judge_nproc={self.judge_nproc} (the judge's ranks, {tp} per "
+                                f"engine)")
+            return problems
+        actor = self._actor_layout()
+        if judge.backend == "vllm":
+            problems.append("reward_judge.backend=vllm runs on ranks of its own: set "
+                            "placement=disaggregated (a second vLLM engine inside the rollout "
+                            "ranks is not tested), or backend=megatron")
         elif actor.pipeline_parallel > 1 or actor.context_parallel > 1 or \
                 actor.expert_parallel > 1:
-            problems.append("reward_judge runs on a Megatron engine at PP=1, CP=1 and EP=1 "
-                            "(the actor's layout): set those to 1")
+            problems.append("reward_judge runs colocated on a Megatron engine at PP=1, CP=1 "
+                            "and EP=1 (the actor's layout): set those to 1, or "
+                            "placement=disaggregated for a judge on ranks of its own")
+        if tp != actor.tensor_parallel:
+            problems.append(f"layout.judge.tensor_parallel={tp}: a colocated judge runs in "
+                            f"the actor's layout, at tensor_parallel={actor.tensor_parallel}; "
+                            f"leave it unset, or use placement=disaggregated")
+        if self.judge_nproc != 1:
+            problems.append(f"judge_nproc={self.judge_nproc} needs placement=disaggregated; a "
+                            f"colocated judge runs on the nproc training ranks")
         return problems
+
+    @property
+    def judge_tp(self) -> int:
+        """Ranks per judge engine, with layout.judge.tensor_parallel's default resolved."""
+        if self.layout.judge.tensor_parallel is not None:
+            return self.layout.judge.tensor_parallel
+        return self._actor_layout().tensor_parallel if self.placement == "colocated" else 1
+
+    def judge_engine_size(self, model: ModelConfig, longest: int) -> EngineSize:
+        """A vLLM judge engine's size (reward_judge.backend=vllm): the judge's positions
+        (each step's prompts are checked against them), a KV cache for its share of a step's
+        judge prompts of `longest` tokens (the launch-time bound, with room for the forced
+        verdict token of yes_no), at least one sequence of full length."""
+        length, dtype_bytes = model.max_position_embeddings, DTYPES[self.dtype].itemsize
+        engines = max(1, self.judge_nproc // self.judge_tp)
+        rows = math.ceil(self.rows_per_step / engines)
+        kv = max(sizing.minimum_kv_cache_bytes(model, engine_tp=self.judge_tp,
+                                               max_model_len=length, dtype_bytes=dtype_bytes),
+                 sizing.job_kv_cache_bytes(model, engine_tp=self.judge_tp, rows=rows,
+                                           max_model_len=min(length, longest + 1),
+                                           dtype_bytes=dtype_bytes))
+        return EngineSize(max_model_len=length, kv_cache_bytes=kv)
 
     def lora_of(self, role: str) -> LoraConfig | None:
         """The LoRA adapters model role `role` trains (layout.actor.lora, layout.critic.lora);

@@ -144,6 +144,7 @@ def _train(config: PPOConfig, groups_backend, data: RunInputs, history: list[dic
             _log_restart(log, restarts[-1])
         log.write({"event": "data", **data.report}, echo=False)
         workers, steps = Placement(config, groups_backend, data.checked.engine_size,
+                                   judge_size=data.judge_size,
                                    after_fault=bool(restarts)), None
         try:
             # After a resume the engine holds the checkpoint's weights (loading syncs them).

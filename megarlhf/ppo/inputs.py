@@ -19,6 +19,7 @@ from megarlhf.ppo.preflight import Preflight, preflight
 from megarlhf.ppo.remote_reward import RemoteReward, check_reachable, read_headers
 from megarlhf.ppo.rewards import RewardFunction
 from megarlhf.rewards.calls import Sample
+from megarlhf.rollout.sizing import EngineSize
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +48,8 @@ class RunInputs:
     toolbox: Toolbox | None = None
     judge: Judge | None = None
     """With reward_judge: builds the judge's prompts and reads its verdicts."""
+    judge_size: EngineSize | None = None
+    """With a vLLM judge (reward_judge.backend=vllm): its engines' size."""
 
     def samples(self, prompts: list[Prompt], completions,
                 episodes: list[Episode] | None = None) -> list[Sample]:
@@ -120,7 +123,7 @@ def read_inputs(config: PPOConfig) -> RunInputs:
     if config.environment is not None:
         toolbox, runner = _environment(config, tokenizer, kept_train[0],
                                        checked.max_prompt_tokens)
-    judge = None
+    judge = judge_size = None
     if config.reward_judge is not None:
         if path is None:
             raise ValueError(f"reward_judge reads the responses as text, but no tokenizer is "
@@ -135,13 +138,15 @@ def read_inputs(config: PPOConfig) -> RunInputs:
         if config.environment is not None:
             columns["conversation"] = None  # the episode's turns (RunInputs.samples)
         judge = Judge(config.reward_judge, columns, seed=config.seed,
-                      tensor_parallel=config.parallel_of("actor").tensor_parallel,
+                      tensor_parallel=config.judge_tp,
                       decode_prompt=lambda ids: tokenizer.decode(ids, skip_special=True),
                       longest_sample=max(len(p.ids) for p in kept_train)
                       + config.max_new_tokens)
+        if config.reward_judge.backend == "vllm":
+            judge_size = config.judge_engine_size(judge.model, judge.longest)
     return RunInputs(train=kept_train, val=kept_val,
                      checked=checked, scorers=scorers, tokenizer=tokenizer, report=report,
-                     episodes=runner, toolbox=toolbox, judge=judge)
+                     episodes=runner, toolbox=toolbox, judge=judge, judge_size=judge_size)
 
 
 def _scorers(config: PPOConfig) -> list[Scorer]:

@@ -17,6 +17,7 @@ from megarlhf.convert.hf_to_mcore import inspect_hf
 from megarlhf.data.prompts import Prompt
 from megarlhf.data.tokenizer import HFTokenizer, eos_token_ids
 from megarlhf.parallel.mesh import ParallelConfig
+from megarlhf.ppo.preflight import vllm_head_dim_problem
 from megarlhf.rewards.calls import Sample
 from megarlhf.rewards.judge import (
     NO_SPELLINGS, SAMPLE_FIELDS, YES_SPELLINGS, JudgeConfig, Verdict, fill, template_fields,
@@ -60,6 +61,12 @@ class Judge:
             model.check_parallel(ParallelConfig(tensor_parallel=tensor_parallel))
         except ValueError as e:
             raise ValueError(f"reward_judge.model: {e}") from None
+        if config.backend == "vllm":
+            problem = vllm_head_dim_problem(model)
+            if problem:
+                raise ValueError(f"reward_judge.backend=vllm: {problem}; use backend=megatron")
+        self.model = model
+        """The judge's ModelConfig."""
         self.max_positions = model.max_position_embeddings
         try:
             with open(config.template) as f:
@@ -101,6 +108,9 @@ class Judge:
         sample = longest_sample * (("prompt" in fields or "response" in fields)
                                    + ("conversation" in fields))
         need = frame + sample + config.max_new_tokens
+        self.longest = need
+        """The longest judge prompt plus max_new_tokens the launch foresees (engines are sized
+        for it)."""
         if need > self.max_positions:
             raise ValueError(f"reward_judge: its prompt (template and columns {frame} tokens, "
                              f"the longest sample {sample}) plus max_new_tokens="

@@ -30,8 +30,9 @@ def group_specs(config: PPOConfig) -> tuple[GroupSpec, ...]:
         return dataclasses.replace(config.parallel_of(role), sequence_parallel=False)
 
     actor = mesh("actor")
+    judge = {"judge"} if config.reward_judge is not None else set()
     if config.placement == "colocated":
-        roles = frozenset({"actor", "ref", "rollout"} | critic | reward)
+        roles = frozenset({"actor", "ref", "rollout"} | critic | reward | judge)
         return (GroupSpec("colocated", roles, config.nproc, actor),)
     # With the actor's LoRA adapters the reference is the actor with them off: in its group.
     ref = {"ref"}
@@ -46,4 +47,7 @@ def group_specs(config: PPOConfig) -> tuple[GroupSpec, ...]:
                                 mesh(min(inference))))
     groups.append(GroupSpec("rollout", frozenset({"rollout"}), config.rollout_nproc,
                             ParallelConfig(tensor_parallel=config.rollout_tp)))
+    if judge:  # engines of its own, like the rollout group's
+        groups.append(GroupSpec("judge", frozenset(judge), config.judge_nproc,
+                                ParallelConfig(tensor_parallel=config.judge_tp)))
     return tuple(groups)

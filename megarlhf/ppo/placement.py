@@ -4,9 +4,10 @@
   rollout engine, fed by the bridge inside each rank.
 - disaggregated: a group per role set, each with a torch.distributed world and Megatron mesh of
   its own: actor (trains; the weight source), critic (PPO only), ref+reward (frozen
-  inference), each `nproc` ranks at TP x PP; and `rollout_nproc` rollout ranks (engines of
+  inference), each `nproc` ranks at TP x PP; `rollout_nproc` rollout ranks (engines of
   config.rollout_tp consecutive ranks) that all receive the actor's weights over the bridge's
-  channel, each engine rank loading its own shard.
+  channel, each engine rank loading its own shard; and with reward_judge `judge_nproc` judge
+  ranks (engines of config.judge_tp ranks, their weights the judge's own, never synced).
 
 The loop calls the same phases either way. A phase goes to every group holding a role it
 needs, all at once, and then waits for all of them: disaggregated, the actor's and ref's
@@ -33,10 +34,11 @@ from megarlhf.roles.policy import PolicyInputs
 if TYPE_CHECKING:
     import torch
 
-ROLLOUT, EXPERIENCE, TRAIN, SYNC = (frozenset({"rollout"}),
-                                    frozenset({"actor", "ref", "critic", "reward"}),
-                                    frozenset({"actor", "critic"}),
-                                    frozenset({"actor", "rollout"}))
+ROLLOUT, EXPERIENCE, TRAIN, SYNC, JUDGE = (frozenset({"rollout"}),
+                                           frozenset({"actor", "ref", "critic", "reward"}),
+                                           frozenset({"actor", "critic"}),
+                                           frozenset({"actor", "rollout"}),
+                                           frozenset({"judge"}))
 """The roles each phase needs: the groups holding any of them take part."""
 _NOTHING = object()
 
@@ -60,10 +62,11 @@ class Placement:
     groups at once), connects the weight channel and loads the rollout engines' weights."""
 
     def __init__(self, config: PPOConfig, groups_backend, engine_size: EngineSize | None = None,
-                 *, after_fault: bool = False):
-        """`groups_backend`: the run's (`backend`); `engine_size`: the vLLM engines' (from
-        `preflight`); `after_fault`: started again after a fault (Ray: a cluster without room
-        for the groups for restart_wait_s stops the run, for a requeue)."""
+                 *, judge_size: EngineSize | None = None, after_fault: bool = False):
+        """`groups_backend`: the run's (`backend`); `engine_size`: the vLLM rollout engines'
+        (from `preflight`), `judge_size` the vLLM judge engines' (RunInputs.judge_size);
+        `after_fault`: started again after a fault (Ray: a cluster without room for the
+        groups for restart_wait_s stops the run, for a requeue)."""
         self.config = config
         self.specs = group_specs(config)
         self._all_roles = set().union(*(spec.roles for spec in self.specs))
@@ -81,8 +84,9 @@ class Placement:
         room_until = time.monotonic() + config.restart_wait_s if after_fault else None
         try:
             for spec in self.specs:
+                size = judge_size if spec.roles == JUDGE else engine_size
                 self._groups.append(self._backend.group(
-                    spec.name, spec.nproc, (config, spec, engine_size),
+                    spec.name, spec.nproc, (config, spec, size),
                     room_wait_s=None if room_until is None
                     else max(0.0, room_until - time.monotonic())))
             self._wait([g.starting for g in self._groups])
@@ -107,7 +111,7 @@ class Placement:
 
     def judge(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
         """The judge engine's completions (reward_judge), one per prompt (PPOWorker.judge)."""
-        (completions,), seconds = self._run(WorkerAPI.judge, ROLLOUT, prompts, params)
+        (completions,), seconds = self._run(WorkerAPI.judge, JUDGE, prompts, params)
         self.busy["judge"] = self.busy.get("judge", 0.0) + seconds
         return completions
 

@@ -15,6 +15,7 @@ import torch
 
 from megarlhf.data.tokenizer import eos_token_ids, tokenizer_fingerprint
 from megarlhf.engine.checkpoint import HF_SIDECAR
+from megarlhf.models.config import ModelConfig
 from megarlhf.ppo.config import PPOConfig
 from megarlhf.ppo.sources import MODEL_ROLES, check_models, resolve_models
 from megarlhf.rollout.sizing import EngineSize
@@ -38,6 +39,14 @@ class Preflight:
     """The longest prompt a sample may start from next to max_new_tokens (the models'
     positions, the vLLM engines' length): an environment's reset messages must keep within
     it."""
+
+
+def vllm_head_dim_problem(model: ModelConfig) -> str | None:
+    """Why vLLM cannot serve `model` here, if its CPU attention cannot (on CPU only)."""
+    if torch.cuda.is_available() or model.kv_channels in VLLM_CPU_HEAD_DIMS:
+        return None
+    return (f"vLLM's CPU attention cannot serve head_dim {model.kv_channels} (it serves "
+            f"{list(VLLM_CPU_HEAD_DIMS)})")
 
 
 def preflight(config: PPOConfig, prompts: list[list[int]],
@@ -110,10 +119,9 @@ def preflight(config: PPOConfig, prompts: list[list[int]],
         if not torch.cuda.is_available() and config.rollout_cuda_graphs:
             problems.append("rollout_cuda_graphs=true needs CUDA (there is no GPU here); "
                             "leave it false on CPU")
-        if not torch.cuda.is_available() and model.kv_channels not in VLLM_CPU_HEAD_DIMS:
-            problems.append(f"rollout_backend=vllm: vLLM's CPU attention cannot serve the "
-                            f"actor's head_dim {model.kv_channels} (it serves "
-                            f"{list(VLLM_CPU_HEAD_DIMS)}); use rollout_backend=megatron")
+        problem = vllm_head_dim_problem(model)
+        if problem:
+            problems.append(f"rollout_backend=vllm: {problem}; use rollout_backend=megatron")
         try:
             size = config.vllm_engine_size(model, longest)
         except ValueError as e:

@@ -14,7 +14,10 @@ starts by moving the switched kinds of state of every role it does not use off t
 
 The rollout engine sleeps (PPOConfig.rollout_sleep) from the first phase after the step's
 rollouts to the weight sync, which wakes it in stages; that part is the worker's (it
-owns the engine).
+owns the engine). A colocated judge engine (reward_judge) sleeps outside its own calls
+(a phase `judge`, holding what rollout holds); its weights are counted in each phase's
+bytes, so with rollout_sleep the judge phase shows them on top of what the roles hold and
+no other phase does.
 """
 
 from __future__ import annotations
@@ -41,10 +44,14 @@ def forward_of(role: str) -> Needs:
 
 
 class Residency:
-    def __init__(self, engines: dict, *, params: bool, grads: bool, optimizer: bool):
-        """`engines`: role -> its TrainEngine; the flags: which kinds are offloaded."""
+    def __init__(self, models: dict, *, params: bool, grads: bool, optimizer: bool,
+                 engines: dict | None = None):
+        """`models`: role -> its TrainEngine; the flags: which kinds are offloaded;
+        `engines`: name -> an inference engine whose device_bytes() count too (the judge's;
+        it sleeps and wakes on its own)."""
         self.switched = frozenset(k for k, on in zip(KINDS, (params, grads, optimizer)) if on)
-        self.roles = {role: Offloader(engine) for role, engine in engines.items()}
+        self.roles = {role: Offloader(engine) for role, engine in models.items()}
+        self.engines = engines or {}
         self.peaks: dict[str, int] = {}
         """phase -> the most bytes of the roles' state on the device in it (the metrics'
         memory/<phase>_state_mib; the planner's resident terms)."""
@@ -62,7 +69,8 @@ class Residency:
     def note(self, phase: str) -> None:
         """Count what is on the device now as `phase`'s (also after a phase that creates
         state: the first step's Adam moments, a checkpoint's loaded optimizer)."""
-        held = sum(offloader.device_bytes() for offloader in self.roles.values())
+        held = sum(offloader.device_bytes() for offloader in self.roles.values()) + \
+            sum(engine.device_bytes() for engine in self.engines.values())
         self.peaks[phase] = max(self.peaks.get(phase, 0), held)
 
     def take_peaks(self) -> dict[str, int]:

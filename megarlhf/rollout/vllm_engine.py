@@ -154,6 +154,15 @@ class VLLMEngine:
         limits = [m for m in params.limits(len(prompts)) for _ in range(params.n)]
         per_sample = [_vllm_params(params, seed, limit) for seed, limit in
                       zip(_sample_seeds(params, len(requests)), limits)]
+        samples = len(requests)
+        # first_token_candidates: vLLM reports logprobs of the sampled and the top tokens
+        # only, so each candidate is scored as a forced continuation, the prompt plus that
+        # token, whose last prompt logprob is the candidate's at the first new position
+        # (raw logits, like the sampled ones; same batch).
+        candidates = params.first_token_candidates
+        requests += [TokensPrompt(prompt_token_ids=[*p, c]) for p in prompts
+                     for _ in range(params.n) for c in candidates]
+        per_sample += [_forced_params()] * (samples * len(candidates))
         try:
             outputs = llm.generate(requests, per_sample, use_tqdm=False)
         except Exception as e:  # noqa: BLE001 - any failure must name this engine
@@ -161,7 +170,15 @@ class VLLMEngine:
 
             shims.drop_unfinished(llm)
             raise EngineError(f"{self.name}: generation failed: {type(e).__name__}: {e}") from e
-        return [self._completion(i // params.n, out.outputs[0]) for i, out in enumerate(outputs)]
+        completions = [self._completion(i // params.n, out.outputs[0])
+                       for i, out in enumerate(outputs[:samples])]
+        if candidates:
+            forced = outputs[samples:]
+            completions = [dataclasses.replace(c, first_logprobs=tuple(
+                _last_prompt_logprob(out, token) for out, token in zip(
+                    forced[i * len(candidates):(i + 1) * len(candidates)], candidates)))
+                for i, c in enumerate(completions)]
+        return completions
 
     def _check_prompts(self, prompts: list[list[int]], params: SamplingParams,
                        limit: int) -> None:
@@ -169,10 +186,15 @@ class VLLMEngine:
         prompt plus max_new_tokens exceeds max_model_len."""
         if not prompts:
             raise ValueError(f"{self.name}: no prompts given")
-        if params.first_token_candidates:
-            raise ValueError(f"{self.name}: first_token_candidates is the Megatron engine's "
-                             f"(a judge runs on it)")
-        length, i = max((len(p) + m, i) for i, (p, m) in
+        vocab = self._llm.llm_engine.model_config.get_vocab_size()
+        outside = [t for t in params.first_token_candidates if t >= vocab]
+        if outside:
+            raise ValueError(f"{self.name}: first_token_candidates {outside} are outside the "
+                             f"vocabulary ({vocab})")
+        # A forced continuation (first_token_candidates) is one token longer than its prompt
+        # and generates one token.
+        forced = 2 if params.first_token_candidates else 0
+        length, i = max((len(p) + max(m, forced), i) for i, (p, m) in
                         enumerate(zip(prompts, params.limits(len(prompts)))))
         if length > limit:
             raise ValueError(f"{self.name}: prompt {i} ({len(prompts[i])} tokens) plus its "
@@ -306,6 +328,20 @@ def _vllm_params(params: SamplingParams, seed: int | None, max_tokens: int):
         repetition_penalty=params.repetition_penalty, max_tokens=max_tokens,
         stop_token_ids=list(params.stop_token_ids), ignore_eos=True, detokenize=False,
         logprobs=0)  # 0: only the sampled token's logprob
+
+
+def _forced_params():
+    """A forced continuation's params: its prompt's own logprobs (prompt_logprobs=0: each
+    prompt token's), one throwaway greedy token."""
+    import vllm
+
+    return vllm.SamplingParams(n=1, temperature=0.0, max_tokens=1, ignore_eos=True,
+                               detokenize=False, prompt_logprobs=0)
+
+
+def _last_prompt_logprob(output, token: int) -> float:
+    """The logprob vLLM gave the last token of a forced continuation's prompt."""
+    return float(output.prompt_logprobs[-1][token].logprob)
 
 
 def _sample_seeds(params: SamplingParams, count: int) -> list[int | None]:
