@@ -13,15 +13,20 @@ call). With --stop-ids K, the first K token ids end a sample: lengths then sprea
 --new-tokens (a long tail), which is where the synchronous modes wait for the slowest sample.
 With --episodes, the multi-turn tests' setup instead: a toy chat Llama (2 layers, hidden 128,
 the ChatML test tokenizer) in 3-turn episodes of up to 16 tokens a turn (tests/env_fns.py's
-LowIds: the share of early letters in each turn as its reward).
+LowIds: the share of early letters in each turn as its reward). With --reward-latency S
+(single-turn), the same task is scored by a reward service on 127.0.0.1 (tests/
+reward_server.py) that answers each request after S seconds, as a remote judge would: the
+fully asynchronous mode scores finished groups while the engine generates the others.
 
     python -m bench.bench_async [--steps 15] [--new-tokens 48] [--mini-batches 4]
-                                [--stop-ids 0] [--episodes] [--append BENCHMARKS.md]
+                                [--stop-ids 0] [--episodes] [--reward-latency 0]
+                                [--append BENCHMARKS.md]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import tempfile
@@ -76,12 +81,14 @@ def _episode_inputs(tmp: str) -> dict:
 
 
 def measure(steps: int, new_tokens: int, mini_batches: int, stop_ids: int,
-            episodes: bool = False) -> tuple[str, dict]:
+            episodes: bool = False, reward_latency: float = 0.0) -> tuple[str, dict]:
     from megarlhf.ppo.config import PPOConfig
+    from tests.reward_server import RewardServer
 
     load = [os.getloadavg()[0]]
     out = {}
-    with tempfile.TemporaryDirectory() as tmp:
+    server = None
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         if episodes:
             task = _episode_inputs(tmp)
         else:
@@ -89,6 +96,11 @@ def measure(steps: int, new_tokens: int, mini_batches: int, stop_ids: int,
             task = dict(actor=actor, prompts=prompts,
                         reward_fn="tests.ppo_tasks:low_token_fraction",
                         stop_token_ids=tuple(range(stop_ids)), max_new_tokens=new_tokens)
+            if reward_latency:
+                server = RewardServer()
+                stack.callback(server.close)
+                server.delay = reward_latency
+                task.update(reward_fn=None, reward_url=server.url)
         for mode in MODES:
             config = PPOConfig(
                 out_dir=os.path.join(tmp, mode), algorithm="grpo",
@@ -137,17 +149,21 @@ def main() -> None:
                         help="token ids 0..K-1 end a sample (a long tail of lengths)")
     parser.add_argument("--episodes", action="store_true",
                         help="3-turn episodes of a toy chat model instead")
+    parser.add_argument("--reward-latency", type=float, default=0.0,
+                        help="seconds a local reward service takes to answer each request")
     parser.add_argument("--append", help="append the results to this markdown file")
     args = parser.parse_args()
     table, _ = measure(args.steps, args.new_tokens, args.mini_batches, args.stop_ids,
-                       args.episodes)
+                       args.episodes, args.reward_latency)
     if args.append:
         task = "3-turn episodes" if args.episodes else "single-turn"
         append_entry(args.append, "Synchronous, one-step-off and fully asynchronous rollouts, "
                      f"disaggregated GRPO (tiny model, {task}): step rate and reward curves",
                      f"python -m bench.bench_async --steps {args.steps} "
                      f"--new-tokens {args.new_tokens} --mini-batches {args.mini_batches} "
-                     f"--stop-ids {args.stop_ids}" + (" --episodes" if args.episodes else ""),
+                     f"--stop-ids {args.stop_ids}" + (" --episodes" if args.episodes else "")
+                     + (f" --reward-latency {args.reward_latency}"
+                        if args.reward_latency else ""),
                      table)
 
 

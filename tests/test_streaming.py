@@ -158,7 +158,7 @@ def test_staleness_zero_samples_only_the_weights_it_trains(monkeypatch):
 def _idle(stream):
     """Wait until the producer has nothing left to run (it finished what was in flight)."""
     deadline = time.monotonic() + 30
-    while stream._in_flight or stream._calling:
+    while stream._in_flight or stream._calling or stream._scoring:
         assert time.monotonic() < deadline, "the producer did not finish its groups"
         time.sleep(0.005)
 
@@ -401,4 +401,38 @@ def test_an_engine_failure_reaches_the_waiting_step(monkeypatch):
         stream.take(1)
     assert not stream.drawing()
     stream.close()
-    assert not any(t.name == "rollout-stream" for t in threading.enumerate())
+    assert not any(t.name in ("rollout-stream", "rollout-scorer")
+                   for t in threading.enumerate())
+
+
+def test_groups_are_scored_while_the_engines_generate_the_others(monkeypatch):
+    """The first scoring waits until the engine has made another call: were scoring in the
+    producer's thread, between its calls, none would come (it gives up after 10 s and the
+    test fails). The steps' groups are as without it. A scoring failure reaches the waiting
+    step."""
+    overlaps = []
+
+    def slow_score(config, data, workers, answers, samples, step):
+        calls, start = engine.calls, time.monotonic()
+        limit = 0.1 if overlaps else 10.0  # the first waits for a call; later ones watch
+        while engine.calls == calls and time.monotonic() < start + limit:
+            time.sleep(0.001)
+        overlaps.append(engine.calls > calls)
+        return _score(config, data, workers, answers, samples, step)
+
+    stream, engine = _stream(monkeypatch, steps=3, staleness=1, per_call=1, delay=0.002,
+                             score=slow_score)
+    drawn = _train(stream, engine, 1, 3, train_s=0.0)
+    stream.stop()
+    assert stream._error is None and overlaps[0], overlaps
+    for step, d in enumerate(drawn, start=1):
+        _check(step, d, staleness=1)
+
+    def failing(*args):
+        raise RuntimeError("the judge group is gone")
+
+    stream, engine = _stream(monkeypatch, steps=2, staleness=1, per_call=2, delay=0.0,
+                             score=failing)
+    with pytest.raises(RuntimeError, match="the judge group is gone"):
+        stream.take(1)
+    stream.close()

@@ -5,9 +5,11 @@ A producer thread keeps the engines busy. Each of its engine calls gives every s
 flight up to partial_rollout_tokens more tokens (a sample continues from its prompt and the
 tokens it has, under whatever weights the engines hold then), and starts new prompts
 (samples_per_prompt samples each) when the staleness bound leaves room. A group whose samples
-have all finished is scored and joins the buffer. Each step takes prompts_per_step groups
-from the buffer, oldest weights first, as soon as it holds them. With an environment, the
-producer runs batches of episodes instead, each turn one engine call (`_episodes`).
+have all finished goes to a scorer thread, which scores it while the engines go on with the
+others (a judge, a reward model or a reward service answers beside the generation), and
+joins the buffer. Each step takes prompts_per_step groups from the buffer, oldest weights
+first, as soon as it holds them. With an environment, the producer runs batches of episodes
+instead, each turn one engine call (`_episodes`).
 
 The weight sync waits for the call in progress (`paused`), so a call runs under one weight
 version and every token records it: a sample's tokens may span versions (a partial rollout),
@@ -138,10 +140,14 @@ class Stream:
         self._filtered = 0  # dynamic sampling: equal-score groups dropped since then
         self._cond = threading.Condition()  # guards the state; not held during a call
         self._thread: threading.Thread | None = None
+        self._scorer: threading.Thread | None = None
+        self._to_score: collections.deque[list[Scoring]] = collections.deque()
+        self._scoring = 0  # groups finished and not yet scored (queued, or being scored)
+        self._scoring_call = False  # the scorer is inside a scoring call
         self._stopping = False
         self._pausing = False  # the controller waits for the engines to idle (a sync)
         self._holding = False  # ... for everything to idle (a snapshot, a validation)
-        self._calling = False  # an engine call, or the scoring of what it finished, runs
+        self._calling = False  # an engine call runs
         self._running = 0  # groups of the batch of episodes that runs
         self._error: BaseException | None = None
         self._raised = False  # a step raised _error
@@ -208,12 +214,12 @@ class Stream:
 
     @contextlib.contextmanager
     def idle(self):
-        """Nothing of the producer's runs (for a checkpoint's snapshot, and for validation,
-        which shares the reward function's and the environments' workers): the running
-        episodes end first."""
+        """Nothing of the producer's or the scorer's runs (for a checkpoint's snapshot, and
+        for validation, which shares the reward function's and the environments' workers):
+        the running episodes end and every finished group is scored first."""
         with self._cond:
             self._holding = True
-            while self._calling or self._running:
+            while self._calling or self._running or self._scoring:
                 self._cond.wait()
         try:
             yield
@@ -238,29 +244,27 @@ class Stream:
         """The engines run beside every phase: no span of their own."""
 
     def stop(self) -> None:
-        """End the producer after its call in progress (the run's last step is done)."""
+        """End the producer and the scorer after their calls in progress (the run's last
+        step is done)."""
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        self._join()
 
     def drawing(self) -> bool:
-        """After a failed step: the producer starts no further call; whether it is inside
-        one."""
+        """After a failed step: the producer and the scorer start no further call; whether
+        one is inside one."""
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
-            return self._calling
+            return self._calling or self._scoring_call
 
     def close(self) -> None:
-        """Join the producer (after the workers' shutdown, which ends a call it waits on)."""
+        """Join the threads (after the workers' shutdown, which ends a call they wait on)."""
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
-        if self._thread is not None:
-            self._thread.join()
+        self._join()
         if self._error is not None and not self._raised:
             _log.error("the rollout stream failed too: %r", self._error)
 
@@ -270,12 +274,21 @@ class Stream:
         if self._thread is None and not self._stopping:
             self._thread = threading.Thread(target=self._produce, daemon=True,
                                             name="rollout-stream")
+            self._scorer = threading.Thread(target=self._score_finished, daemon=True,
+                                            name="rollout-scorer")
             self._thread.start()
+            self._scorer.start()
+
+    def _join(self) -> None:
+        for thread in (self._thread, self._scorer):
+            if thread is not None:
+                thread.join()
+        self._thread = self._scorer = None
 
     def _produce(self) -> None:
-        """Engine calls (or batches of episodes) until `stop`. A call and the scoring of what
-        it finished run outside the lock (the controller may take groups meanwhile), flagged
-        by `_calling`."""
+        """Engine calls (or batches of episodes) until `stop`, each outside the lock (the
+        controller may take groups meanwhile), flagged by `_calling`; what a call finished
+        goes to the scorer."""
         try:
             while True:
                 with self._cond:
@@ -299,10 +312,9 @@ class Stream:
                 else:
                     done = self._episodes(started, seed)
                 with self._cond:
-                    step = self._taken + 1
-                scored = self._score(done, step) if done else []
-                with self._cond:
-                    self._buffer += self._filter(scored)
+                    if done:
+                        self._to_score.append(done)
+                        self._scoring += len(done)
                     self._running = 0
                     self._calling = False
                     self._cond.notify_all()
@@ -315,14 +327,41 @@ class Stream:
                 self._error, self._calling, self._running = error, False, 0
                 self._cond.notify_all()
 
+    def _score_finished(self) -> None:
+        """Score what the producer's calls finished, a call's groups together and in the
+        order they finished, for the step that will take them next; into the buffer."""
+        try:
+            while True:
+                with self._cond:
+                    while not self._stopping and not self._to_score:
+                        self._cond.wait()
+                    if self._stopping:
+                        return
+                    done, step = self._to_score[0], self._taken + 1
+                    self._scoring_call = True
+                scored = self._score(done, step)
+                with self._cond:
+                    self._to_score.popleft()
+                    self._buffer += self._filter(scored)
+                    self._scoring -= len(done)
+                    self._scoring_call = False
+                    self._cond.notify_all()
+        except BaseException as error:  # the step waiting in `take` raises it
+            with self._cond:
+                self._error, self._scoring_call = error, False
+                self._to_score.clear()
+                self._scoring = 0
+                self._cond.notify_all()
+
     def _room(self) -> bool:
         """Whether a new group, started now, could still train within the staleness bound:
         the steps up to weight_version + 1 + floor(max_staleness) not yet given their
-        groups would take more than those in flight and buffered."""
+        groups would take more than those in flight, being scored and buffered."""
         last = min(self.weight_version + 1 + math.floor(self.config.max_staleness),
                    self.config.steps)
         wanted = self.config.prompts_per_step * (last - self._taken)
-        return len(self._in_flight) + self._running + len(self._buffer) < wanted
+        held = len(self._in_flight) + self._running + self._scoring + len(self._buffer)
+        return held < wanted
 
     def _start_group(self) -> Started:
         (prompt,) = self.sampler.next(1)
@@ -373,7 +412,6 @@ class Stream:
         episodes, metrics = self.data.episodes.run(
             [g.prompt for g in groups], self._params(seed, n=self.config.samples_per_prompt),
             functools.partial(self._turn, turns))
-        self._claim()  # scoring next: not beside a sync, nor after the run ended
         n = self.config.samples_per_prompt
         out = []
         for i, g in enumerate(groups):
