@@ -216,6 +216,19 @@ def _lifecycle_checks(engine, weights, prompts, mesh, spec) -> dict:
     out["woken_generate"] = error_of(lambda: engine.generate(prompts, GREEDY))
     engine.update_weights([weights])
     out["greedy_after_wake"] = as_tuples(engine.generate(prompts, GREEDY))
+    # A judge's sleep keeps the weights in host memory (once): woken, it generates without an
+    # update, twice over; an update after such a wake still replaces them.
+    for cycle in (1, 2):
+        engine.sleep(keep_weights=True)
+        out[f"kept_asleep_bytes_{cycle}"] = sum(p.untyped_storage().nbytes()
+                                                for p in engine.model.parameters())
+        engine.wake()
+        out[f"greedy_after_kept_wake_{cycle}"] = as_tuples(engine.generate(prompts, GREEDY))
+    engine.update_weights([[(name, torch.zeros_like(tensor)) for name, tensor in weights]])
+    engine.sleep(keep_weights=True)
+    engine.wake()
+    out["greedy_after_zero_update"] = as_tuples(engine.generate(prompts, GREEDY))
+    engine.update_weights([weights])
 
     def broken_forward(*args, **kwargs):
         raise RuntimeError("simulated kernel failure")

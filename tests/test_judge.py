@@ -393,25 +393,48 @@ def test_judge_scores_equal_transformers_and_add_to_the_weighted_sum(chat_model,
     assert all(torch.equal(ours[key], theirs[key]) for key in theirs)
 
 
+JUDGE_RUNS = {
+    # A TP2 Megatron engine on two ranks of its own, while the actor trains fully async;
+    # checkpoints every step (a resume then gives the judge one rank: it keeps no RNG files).
+    "own-megatron-tp2-fully_async": dict(
+        placement="disaggregated", rollout_mode="fully_async", rollout_correction="tis",
+        nproc=1, judge_nproc=2, layout=Layout(judge=JudgeLayout(tensor_parallel=2)),
+        save_every=1),
+    # Two vLLM engines of one rank each, the step's prompts dealt over them, one step off.
+    "own-vllm-one_step_off": dict(
+        placement="disaggregated", rollout_mode="one_step_off", rollout_correction="tis",
+        nproc=1, judge_nproc=2),
+    # Beside vLLM rollout engines in each of two training ranks, asleep between its calls.
+    "colocated-vllm-sleep": dict(nproc=2, rollout_backend="vllm", rollout_sleep=True),
+}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("backend,mode,judge_tp", [
-    pytest.param("megatron", "fully_async", 2, id="megatron-tp2-fully_async"),
-    pytest.param("vllm", "one_step_off", 1, id="vllm-one_step_off")])
-def test_a_judge_on_ranks_of_its_own(chat_model, judge_dir, tmp_path,  # noqa: F811
-                                     backend, mode, judge_tp):
-    """Disaggregated: the judge on a group of its own (two ranks: one TP2 Megatron engine, or
-    two vLLM engines the step's prompts are dealt over), scoring while the actor trains in an
-    asynchronous rollout mode. Every score is transformers' (_check_judged); yes_no on vLLM
-    reads each candidate's logprob from a forced continuation."""
+@pytest.mark.parametrize("name", list(JUDGE_RUNS))
+def test_judge_engines_by_placement_and_backend(chat_model, judge_dir, tmp_path,  # noqa: F811
+                                                name):
+    """The judge on ranks of its own (Megatron at TP2, or vLLM engines) scoring beside
+    training in an asynchronous mode, or on vLLM beside vLLM rollouts in the training ranks:
+    every score is transformers' (_check_judged); vLLM's yes_no reads the verdict tokens'
+    logprobs beside the sampled one's."""
     from megarlhf.ppo.controller import run
 
-    config = _judge_run(
-        chat_model, judge_dir, tmp_path, placement="disaggregated", rollout_mode=mode,
-        rollout_correction="tis", nproc=1, judge_nproc=2,
-        layout=Layout(judge=JudgeLayout(tensor_parallel=judge_tp)),
-        reward_judge=JudgeConfig(model=judge_dir, template=_template(tmp_path),
-                                 max_new_tokens=3, backend=backend))
+    fields = dict(JUDGE_RUNS[name])
+    backend = "megatron" if "megatron" in name else "vllm"
+    if fields.get("rollout_backend") == "vllm":
+        fields["vllm_model_dir"] = chat_model[2]
+    config = _judge_run(chat_model, judge_dir, tmp_path, **fields, reward_judge=JudgeConfig(
+        model=judge_dir, template=_template(tmp_path), max_new_tokens=3, backend=backend))
     history = run(config)
     steps = _check_judged(config, judge_dir)
-    assert [m["rollout/policy_lag"] for m in steps] == [0.0, 1.0]  # scored beside training
+    asynchronous = config.resolved_rollout_mode != "sync"
+    assert [m["rollout/policy_lag"] for m in steps] == ([0.0, 1.0] if asynchronous
+                                                        else [0.0, 0.0])
     assert history[-1]["step"] == 2
+    if config.save_every:
+        resumed = dataclasses.replace(config, out_dir=str(tmp_path / "resumed"), judge_nproc=1,
+                                      layout=Layout())
+        root = checkpoints.of_run(resumed.out_dir).root
+        shutil.copytree(f"{checkpoints.of_run(config.out_dir).root}/step_1", f"{root}/step_1")
+        (again,) = run(resumed)
+        assert again["step"] == 2 and 0 <= again["reward/judge_score"] <= 1

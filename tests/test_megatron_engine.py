@@ -164,6 +164,12 @@ def test_sleep_frees_the_weights_and_wake_needs_an_update(tp1):
                                                    "before update_weights")
     assert tp1["woken_generate"][0] == "EngineError"
     assert tp1["greedy_after_wake"] == tp1["greedy"]
+    # sleep(keep_weights=True), a judge's: freed, and back on wake without an update.
+    for cycle in (1, 2):
+        assert tp1[f"kept_asleep_bytes_{cycle}"] == 0
+        assert tp1[f"greedy_after_kept_wake_{cycle}"] == tp1["greedy"]
+    # An update drops the kept copy: a later kept sleep brings back the new weights.
+    assert tp1["greedy_after_zero_update"] != tp1["greedy"]
 
 
 def test_a_failure_inside_generation_names_the_engine(tp1):

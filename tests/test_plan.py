@@ -526,6 +526,12 @@ def test_the_judge_engine_is_planned_beside_the_rollout_engine(sleep, tmp_path):
     assert {p for p in phases if by["weights"].on_device(p)} == \
         ({"rollout"} if sleep else set(phases))
     assert {p for p in phases if by["KV cache"].on_device(p)} == {"rollout"}
+    # Asleep, its weights wait in pinned host memory: every rank of the node holds a copy.
+    assert by["weights"].pinned == sleep
+    host = plan(config, Cluster(nodes=1), 16, tiny_models()).host_per_node[0]
+    assert host - plan(dataclasses.replace(config, reward_judge=None), Cluster(nodes=1), 16,
+                       tiny_models()).host_per_node[0] == (8 * by["weights"].bytes if sleep
+                                                           else 0)
 
 
 @pytest.mark.parametrize("backend", ["megatron", "vllm"])
@@ -552,9 +558,9 @@ def test_a_judge_of_its_own_is_a_group_of_its_own(backend, tmp_path):
         tensor_parallel=2), 0) * 2
     phases = ("rollout", "experience", "train", "sync", "checkpoint")
     assert all(by["weights"].on_device(p) for p in phases)
-    if backend == "vllm":  # allocated for good, at least one sequence of full length
-        assert by["KV cache"].bytes == config.judge_engine_size(
-            preset("tiny"), 16 + 16 + 25 + 3).kv_cache_bytes
+    if backend == "vllm":  # allocated for good: 8 rows of 60 tokens (2 blocks of 32) each,
+        # more than one sequence of the engines' length (120, and the block vLLM keeps aside)
+        assert by["KV cache"].bytes == 8 * 2 * 32 * 2 * 4 * 1 * 16 * 2
         assert all(by["KV cache"].on_device(p) for p in phases)
     else:  # 16 samples over 2 engines, 8 rows of 60 tokens, while judging
         assert by["KV cache"].bytes == 2 * 4 * 8 * (16 + 16 + 25 + 3) * 1 * 16 * 2

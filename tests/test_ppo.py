@@ -1315,11 +1315,13 @@ RUN_ELSEWHERE = {
                   "delta": "test_disaggregated_equals_colocated_and_resumes_exactly"},
     "verdict": {"yes_no": "test_judge.py::test_judge_scores_equal_transformers_and_add_to_"
                           "the_weighted_sum"},
-    # reward_judge.backend: colocated Megatron there, on ranks of its own (Megatron at TP2,
-    # vLLM) in test_a_judge_on_ranks_of_its_own; a colocated vLLM judge is refused.
-    "judge_backend": {"megatron": "test_judge.py::test_judge_scores_equal_transformers_and_"
-                                  "add_to_the_weighted_sum",
-                      "vllm": "test_judge.py::test_a_judge_on_ranks_of_its_own"},
+    # reward_judge.backend by placement (test_judge.py)
+    ("placement", "judge_backend"): {
+        ("colocated", "megatron"): "test_judge.py::test_judge_scores_equal_transformers_and_"
+                                   "add_to_the_weighted_sum",
+        **{pair: "test_judge.py::test_judge_engines_by_placement_and_backend" for pair in (
+            ("colocated", "vllm"), ("disaggregated", "megatron"),
+            ("disaggregated", "vllm"))}},
     "reward_url_format": {"native": "test_a_reward_service_scores_the_rollouts",
                           "openrlhf": "test_a_reward_service_scores_the_rollouts"},
     "old_logprobs": {"auto": "test_one_pass_old_logprobs_equal_an_experience_pass",
@@ -1453,7 +1455,8 @@ def test_every_enum_value_and_placement_backend_pair_has_a_run():
                 "logprob_gap_policy": GAP_POLICIES, "worker_group": ppo_config.WORKER_GROUPS,
                 "old_logprobs": ppo_config.OLD_LOGPROBS,
                 "reward_url_format": ppo_config.REWARD_URL_FORMATS, "verdict": VERDICTS,
-                "judge_backend": JUDGE_BACKENDS,
+                ("placement", "judge_backend"): tuple(
+                    (p, b) for p in ppo_config.PLACEMENTS for b in JUDGE_BACKENDS),
                 "sync_mode": ppo_config.SYNC_MODES, "rollout_mode": ppo_config.ROLLOUT_MODES,
                 "template": TEMPLATES, "on_bad_record": BAD_RECORD_POLICIES,
                 "recompute": ppo_config.RECOMPUTE, "layer_spec": ppo_config.LAYER_SPECS,
@@ -1476,7 +1479,6 @@ def test_every_enum_value_and_placement_backend_pair_has_a_run():
             del values["rollout_correction_level"]
         if config.reward_judge is not None:
             values["verdict"] = config.reward_judge.verdict
-            values["judge_backend"] = config.reward_judge.backend
         values["rollout_mode"] = config.resolved_rollout_mode
         return values
 

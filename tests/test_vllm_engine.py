@@ -331,6 +331,25 @@ def test_sleep_frees_the_kv_cache_and_wake_needs_an_update(colocated):
                        "update_weights() before generate")
     assert colocated["greedy_after_wake"] == colocated["greedy"]
     assert colocated["greedy_after_second_wake"] == colocated["greedy"]
+    # sleep(keep_weights=True), a judge's: the cache freed, the weights back on wake.
+    assert colocated["kv_bytes_kept_asleep"] == 0
+    assert colocated["kept_asleep_generate"][0] == "EngineError"
+    assert colocated["greedy_after_kept_wake"] == colocated["greedy"]
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_first_token_candidates_get_the_trainers_logprobs(colocated):
+    """A judge's yes/no on vLLM (logprob_token_ids): each of the 3 samples of a prompt
+    reports the candidates' raw log p at its first new token, whatever it then samples,
+    within the bridged engine's TOL of the trainer's logprob of that candidate forced there."""
+    assert [i for i, _ in colocated["first"]] == [i for i in range(len(PROMPTS))
+                                                  for _ in range(3)]
+    for i, logprobs in colocated["first"]:
+        torch.testing.assert_close(torch.tensor(logprobs),
+                                   torch.tensor(colocated["first_ref"][i]), atol=TOL, rtol=0)
+    kind, message = colocated["first_out_of_vocab"]
+    assert kind == "ValueError" and "first_token_candidates [100000] are outside" in message
 
 
 @needs_vllm

@@ -22,7 +22,7 @@ from megarlhf.models.lora import LoraConfig
 from megarlhf.parallel.mesh import ParallelConfig, init_mesh
 from megarlhf.roles.policy import PolicyRole
 from megarlhf.rollout.bridge import WeightBridge
-from megarlhf.rollout.engine import SamplingParams
+from megarlhf.rollout.engine import Completion, SamplingParams
 from megarlhf.rollout.experience import rollout_batch
 from megarlhf.rollout.gap import logprob_gap
 from megarlhf.rollout.megatron_engine import MegatronEngine, MegatronEngineConfig
@@ -83,6 +83,19 @@ def colocated(hf_dir: str, ckpt: str, out_dir: str, prompts: list[list[int]]) ->
     out["many_seeded"] = as_tuples(engine.generate(many, dataclasses.replace(
         SAMPLED, max_new_tokens=3, n=1, max_new_tokens_each=limits)))
     out["many_limits"] = limits
+    # A judge's yes/no: each of n=3 sampled completions of a prompt reports the candidates'
+    # raw log p at its first new token; the trainer's, of each candidate forced as that token.
+    candidates = (5, 17, 250)
+    first = engine.generate(prompts, dataclasses.replace(SAMPLED, seed=4,
+                                                         first_token_candidates=candidates))
+    out["first"] = [(c.prompt_index, c.first_logprobs) for c in first]
+    forced = [Completion(prompt_index=i, token_ids=[c], logprobs=[0.0], finish_reason="length")
+              for i in range(len(prompts)) for c in candidates]
+    scored = _scored(actor, prompts, forced)  # one response token a row
+    out["first_ref"] = scored["trainer"][scored["mask"].bool()].view(
+        len(prompts), len(candidates)).tolist()
+    out["first_out_of_vocab"] = error_of(lambda: engine.generate(
+        prompts, dataclasses.replace(GREEDY, first_token_candidates=(100_000,))))
     stop = greedy[0].token_ids[3]
     out["stop_token"] = stop
     out["greedy_stopped"] = as_tuples(engine.generate(
@@ -198,6 +211,12 @@ def _sleep_wake(engine: VLLMEngine, bridge: WeightBridge, prompts) -> dict:
     engine.wake()
     engine.update_weights(bridge.stream())
     out["greedy_after_second_wake"] = as_tuples(engine.generate(prompts, GREEDY))
+    # A judge's sleep keeps its weights: woken, it generates without an update.
+    engine.sleep(keep_weights=True)
+    out["kv_bytes_kept_asleep"] = engine.kv_cache_bytes()
+    out["kept_asleep_generate"] = error_of(lambda: engine.generate(prompts, GREEDY))
+    engine.wake()
+    out["greedy_after_kept_wake"] = as_tuples(engine.generate(prompts, GREEDY))
     return out
 
 

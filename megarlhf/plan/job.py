@@ -60,6 +60,7 @@ from megarlhf.plan.params import (rank_adapter_params, rank_expert_params, rank_
 from megarlhf.ppo import residency as phase_needs
 from megarlhf.ppo.config import PPOConfig
 from megarlhf.ppo.layout import GroupSpec, group_specs
+from megarlhf.rewards.judge import judge_limit
 from megarlhf.ppo.sources import (MODEL_ROLES, ModelSource, check_models, resolve,
                                   resolve_models)
 from megarlhf.rollout.bridge import DEFAULT_BUCKET_BYTES
@@ -448,11 +449,13 @@ def _stage(config: PPOConfig, spec: GroupSpec, models: dict[str, ModelSource],
 
 def _judge_terms(config: PPOConfig, spec: GroupSpec, model: ModelConfig, prompt_len: int
                  ) -> list[Term]:
-    """reward_judge's engines (at the group's TP: one per DP replica for Megatron, vLLM's of
-    judge_tp consecutive ranks): their weights, asleep outside the rollout phase when
-    colocated with rollout_sleep, and the KV cache and working set while they judge a
-    rollout's samples (vLLM's cache allocated for good). Its prompt: the sample, and the
-    template counted as one token per character (more than any tokenizer makes)."""
+    """reward_judge's engines (Megatron: one per DP replica of the group, at its TP; vLLM:
+    judge_tp consecutive ranks each): their weights, and the KV cache and working set while
+    they judge a rollout's samples (vLLM's cache allocated for good). Colocated with
+    rollout_sleep, the weights are on the device in the rollout phase only, and a copy stays
+    in pinned host memory (Megatron's, and vLLM's level-1 sleep); vLLM's cache is freed too.
+    Its prompt: the sample, and the template counted as one token per character (more than
+    any tokenizer makes)."""
     judge, nbytes = config.reward_judge, param_bytes(config)
     try:
         with open(judge.template) as f:
@@ -460,15 +463,18 @@ def _judge_terms(config: PPOConfig, spec: GroupSpec, model: ModelConfig, prompt_
     except OSError:  # the run's preflight names it; the plan still sizes the rest
         template = 0
     seq = prompt_len + config.max_new_tokens + template + judge.max_new_tokens
-    tp = spec.parallel.tensor_parallel
-    engines = spec.parallel.data_parallel_size(spec.nproc)
+    tp = config.judge_tp
     rollout = frozenset({"rollout"})
     weights = rank_params(model, ParallelConfig(tensor_parallel=tp), 0) * nbytes
     sleeps = config.rollout_sleep and "rollout" in spec.roles
-    terms = [Term("judge", "weights", weights, held=rollout if sleeps else EVERY)]
+    awake = rollout if sleeps else EVERY
+    terms = [Term("judge", "weights", weights, held=awake, pinned=sleeps)]
     if judge.backend == "vllm":
-        return terms + [Term("judge", "KV cache", config.judge_engine_size(
-            model, min(seq, model.max_position_embeddings)).kv_cache_bytes, held=EVERY)]
+        longest = min(seq, model.max_position_embeddings)
+        limit = judge_limit(judge, longest, model.max_position_embeddings)
+        size = config.judge_engine_size(model, longest, limit)
+        return terms + [Term("judge", "KV cache", size.kv_cache_bytes, held=awake)]
+    engines = spec.parallel.data_parallel_size(spec.nproc)
     rows = min(math.ceil(config.rows_per_step / engines), MegatronEngineConfig().max_batch_size)
     return terms + [
         Term("judge", "KV cache", memory.kv_cache(model, tp, rows, seq, nbytes),

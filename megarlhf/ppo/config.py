@@ -107,9 +107,10 @@ class RolloutLayout:
 @dataclasses.dataclass(frozen=True)
 class JudgeLayout:
     tensor_parallel: int | None = None
-    """Ranks per judge engine (reward_judge). None: the actor's tensor_parallel when
-    colocated (the judge's Megatron engine runs in the actor's layout, which it must then
-    keep), else 1."""
+    """Ranks per judge engine (reward_judge). None: colocated, the actor's tensor_parallel
+    for a Megatron judge (it runs in the actor's layout, which it must then keep) and the
+    vLLM rollout engines' size for a vLLM judge (one vLLM parallel state per rank; 1 beside
+    Megatron rollouts); disaggregated, 1."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -409,7 +410,8 @@ class PPOConfig:
     with a device of their own (next to a resident trainer a fraction is fragile; on CPU it
     is a fraction of all RAM). Excludes rollout_kv_cache_bytes."""
     rollout_cuda_graphs: bool = False
-    """vLLM engines: capture CUDA graphs for decoding (GPU: slower start, faster decode).
+    """vLLM engines (rollout and judge): capture CUDA graphs for decoding (GPU: slower start,
+    faster decode).
     False runs eagerly (CPU always does)."""
     routing_replay: bool = False
     """Mixture-of-experts actor: the rollout engine returns the experts it sent each token
@@ -1074,18 +1076,24 @@ class PPOConfig:
             return problems
         actor = self._actor_layout()
         if judge.backend == "vllm":
-            problems.append("reward_judge.backend=vllm runs on ranks of its own: set "
-                            "placement=disaggregated (a second vLLM engine inside the rollout "
-                            "ranks is not tested), or backend=megatron")
+            if self.nproc % tp:
+                problems.append(f"layout.judge.tensor_parallel={tp} does not divide nproc="
+                                f"{self.nproc} (the ranks that run the judge's engines)")
+            if self.rollout_backend == "vllm" and tp != self.rollout_tp:
+                problems.append(f"layout.judge.tensor_parallel={tp}: a colocated vLLM judge "
+                                f"shares vLLM's parallel state with the vLLM rollout engines "
+                                f"in each rank, so it needs their size, {self.rollout_tp}; "
+                                f"leave it unset")
         elif actor.pipeline_parallel > 1 or actor.context_parallel > 1 or \
                 actor.expert_parallel > 1:
             problems.append("reward_judge runs colocated on a Megatron engine at PP=1, CP=1 "
-                            "and EP=1 (the actor's layout): set those to 1, or "
+                            "and EP=1 (the actor's layout): set those to 1, backend=vllm, or "
                             "placement=disaggregated for a judge on ranks of its own")
-        if tp != actor.tensor_parallel:
-            problems.append(f"layout.judge.tensor_parallel={tp}: a colocated judge runs in "
-                            f"the actor's layout, at tensor_parallel={actor.tensor_parallel}; "
-                            f"leave it unset, or use placement=disaggregated")
+        elif tp != actor.tensor_parallel:
+            problems.append(f"layout.judge.tensor_parallel={tp}: a colocated Megatron judge "
+                            f"runs in the actor's layout, at tensor_parallel="
+                            f"{actor.tensor_parallel}; leave it unset, or use backend=vllm "
+                            f"or placement=disaggregated")
         if self.judge_nproc != 1:
             problems.append(f"judge_nproc={self.judge_nproc} needs placement=disaggregated; a "
                             f"colocated judge runs on the nproc training ranks")
@@ -1096,22 +1104,26 @@ class PPOConfig:
         """Ranks per judge engine, with layout.judge.tensor_parallel's default resolved."""
         if self.layout.judge.tensor_parallel is not None:
             return self.layout.judge.tensor_parallel
-        return self._actor_layout().tensor_parallel if self.placement == "colocated" else 1
+        if self.placement != "colocated" or self.reward_judge is None:
+            return 1
+        if self.reward_judge.backend == "megatron":
+            return self._actor_layout().tensor_parallel
+        return self.rollout_tp if self.rollout_backend == "vllm" else 1
 
-    def judge_engine_size(self, model: ModelConfig, longest: int) -> EngineSize:
-        """A vLLM judge engine's size (reward_judge.backend=vllm): the judge's positions
-        (each step's prompts are checked against them), a KV cache for its share of a step's
-        judge prompts of `longest` tokens (the launch-time bound, with room for the forced
-        verdict token of yes_no), at least one sequence of full length."""
-        length, dtype_bytes = model.max_position_embeddings, DTYPES[self.dtype].itemsize
-        engines = max(1, self.judge_nproc // self.judge_tp)
-        rows = math.ceil(self.rows_per_step / engines)
+    def judge_engine_size(self, model: ModelConfig, longest: int, limit: int) -> EngineSize:
+        """A vLLM judge engine's size (reward_judge.backend=vllm): `limit` tokens of judge
+        prompt and answer (each step's are checked against it), a KV cache for its share of
+        a step's judge prompts at the launch-time bound `longest`, at least one sequence of
+        `limit`."""
+        dtype_bytes = DTYPES[self.dtype].itemsize
+        ranks = self.judge_nproc if self.placement != "colocated" else self.nproc
+        rows = math.ceil(self.rows_per_step / max(1, ranks // self.judge_tp))
         kv = max(sizing.minimum_kv_cache_bytes(model, engine_tp=self.judge_tp,
-                                               max_model_len=length, dtype_bytes=dtype_bytes),
+                                               max_model_len=limit, dtype_bytes=dtype_bytes),
                  sizing.job_kv_cache_bytes(model, engine_tp=self.judge_tp, rows=rows,
-                                           max_model_len=min(length, longest + 1),
+                                           max_model_len=min(longest, limit),
                                            dtype_bytes=dtype_bytes))
-        return EngineSize(max_model_len=length, kv_cache_bytes=kv)
+        return EngineSize(max_model_len=limit, kv_cache_bytes=kv)
 
     def lora_of(self, role: str) -> LoraConfig | None:
         """The LoRA adapters model role `role` trains (layout.actor.lora, layout.critic.lora);

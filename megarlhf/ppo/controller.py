@@ -143,8 +143,9 @@ def _train(config: PPOConfig, groups_backend, data: RunInputs, history: list[dic
         if restarts:
             _log_restart(log, restarts[-1])
         log.write({"event": "data", **data.report}, echo=False)
-        workers, steps = Placement(config, groups_backend, data.checked.engine_size,
-                                   judge_size=data.judge_size,
+        sizes = {name: size for name, size in (("rollout", data.checked.engine_size),
+                                                ("judge", data.judge_size)) if size}
+        workers, steps = Placement(config, groups_backend, sizes,
                                    after_fault=bool(restarts)), None
         try:
             # After a resume the engine holds the checkpoint's weights (loading syncs them).

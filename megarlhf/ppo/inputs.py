@@ -143,7 +143,7 @@ def read_inputs(config: PPOConfig) -> RunInputs:
                       longest_sample=max(len(p.ids) for p in kept_train)
                       + config.max_new_tokens)
         if config.reward_judge.backend == "vllm":
-            judge_size = config.judge_engine_size(judge.model, judge.longest)
+            judge_size = config.judge_engine_size(judge.model, judge.longest, judge.limit)
     return RunInputs(train=kept_train, val=kept_val,
                      checked=checked, scorers=scorers, tokenizer=tokenizer, report=report,
                      episodes=runner, toolbox=toolbox, judge=judge, judge_size=judge_size)

@@ -1,6 +1,7 @@
 """The judge's side in the launching process: its tokenizer and template read and checked
 before any rank starts, each sample's judge prompt built and tokenized, the verdicts of the
-rollout ranks' judge engine (PPOWorker.judge) turned into scores (megarlhf/rewards/judge.py).
+judge engines (PPOWorker.judge: on the rollout ranks, or on ranks of their own) turned into
+scores (megarlhf/rewards/judge.py).
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from megarlhf.parallel.mesh import ParallelConfig
 from megarlhf.ppo.preflight import vllm_head_dim_problem
 from megarlhf.rewards.calls import Sample
 from megarlhf.rewards.judge import (
-    NO_SPELLINGS, SAMPLE_FIELDS, YES_SPELLINGS, JudgeConfig, Verdict, fill, template_fields,
+    NO_SPELLINGS, SAMPLE_FIELDS, YES_SPELLINGS, JudgeConfig, Verdict, fill, judge_limit,
+    template_fields,
 )
 from megarlhf.rollout.engine import SamplingParams
 
@@ -111,6 +113,8 @@ class Judge:
         self.longest = need
         """The longest judge prompt plus max_new_tokens the launch foresees (engines are sized
         for it)."""
+        self.limit = judge_limit(config, need, self.max_positions)
+        """The longest judge prompt plus max_new_tokens its engines take."""
         if need > self.max_positions:
             raise ValueError(f"reward_judge: its prompt (template and columns {frame} tokens, "
                              f"the longest sample {sample}) plus max_new_tokens="
@@ -189,11 +193,14 @@ class Judge:
         start = time.perf_counter()
         ids = [self.prompt_ids(self.prompt_text(p, s)) for p, s in zip(prompts, samples)]
         longest = max(map(len, ids))
-        if longest + self.config.max_new_tokens > self.max_positions:
+        if longest + self.config.max_new_tokens > self.limit:
+            what = (f"max_position_embeddings={self.max_positions}"
+                    if self.limit == self.max_positions else
+                    f"vLLM engines' max_model_len={self.limit} (twice the launch-time bound)")
             raise ValueError(f"reward_judge: a judge prompt of {longest} tokens plus "
                              f"max_new_tokens={self.config.max_new_tokens} exceeds the judge's "
-                             f"max_position_embeddings={self.max_positions}; shorten the "
-                             f"template or the responses (max_new_tokens)")
+                             f"{what}; shorten the template or the responses "
+                             f"(max_new_tokens)")
         completions = generate(ids, self.params(step))
         scores, texts, failures, mass = [], [], 0, 0.0
         for c in completions:

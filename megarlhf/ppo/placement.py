@@ -61,12 +61,13 @@ class Placement:
     """The controller's handle on every group of the job. Starting it starts every rank (all
     groups at once), connects the weight channel and loads the rollout engines' weights."""
 
-    def __init__(self, config: PPOConfig, groups_backend, engine_size: EngineSize | None = None,
-                 *, judge_size: EngineSize | None = None, after_fault: bool = False):
-        """`groups_backend`: the run's (`backend`); `engine_size`: the vLLM rollout engines'
-        (from `preflight`), `judge_size` the vLLM judge engines' (RunInputs.judge_size);
-        `after_fault`: started again after a fault (Ray: a cluster without room for the
-        groups for restart_wait_s stops the run, for a requeue)."""
+    def __init__(self, config: PPOConfig, groups_backend,
+                 engine_sizes: dict[str, EngineSize] | None = None, *,
+                 after_fault: bool = False):
+        """`groups_backend`: the run's (`backend`); `engine_sizes`: the vLLM engines' sizes,
+        "rollout" (from `preflight`) and "judge" (RunInputs.judge_size); `after_fault`:
+        started again after a fault (Ray: a cluster without room for the groups for
+        restart_wait_s stops the run, for a requeue)."""
         self.config = config
         self.specs = group_specs(config)
         self._all_roles = set().union(*(spec.roles for spec in self.specs))
@@ -84,9 +85,8 @@ class Placement:
         room_until = time.monotonic() + config.restart_wait_s if after_fault else None
         try:
             for spec in self.specs:
-                size = judge_size if spec.roles == JUDGE else engine_size
                 self._groups.append(self._backend.group(
-                    spec.name, spec.nproc, (config, spec, size),
+                    spec.name, spec.nproc, (config, spec, engine_sizes or {}),
                     room_wait_s=None if room_until is None
                     else max(0.0, room_until - time.monotonic())))
             self._wait([g.starting for g in self._groups])

@@ -115,10 +115,12 @@ def preflight(config: PPOConfig, prompts: list[list[int]],
         problems.append(f"stop_token_ids {bad_stops} are outside the actor's vocabulary "
                         f"({model.vocab_size})")
     size = None
+    vllm_judge = config.reward_judge is not None and config.reward_judge.backend == "vllm"
+    if (config.rollout_backend == "vllm" or vllm_judge) and config.rollout_cuda_graphs and \
+            not torch.cuda.is_available():
+        problems.append("rollout_cuda_graphs=true needs CUDA (there is no GPU here); "
+                        "leave it false on CPU")
     if config.rollout_backend == "vllm":
-        if not torch.cuda.is_available() and config.rollout_cuda_graphs:
-            problems.append("rollout_cuda_graphs=true needs CUDA (there is no GPU here); "
-                            "leave it false on CPU")
         problem = vllm_head_dim_problem(model)
         if problem:
             problems.append(f"rollout_backend=vllm: {problem}; use rollout_backend=megatron")

@@ -69,8 +69,10 @@ def _rows(batch: SequenceBatch, rows: slice) -> SequenceBatch:
 
 class PPOWorker:
     def __init__(self, config: PPOConfig, group: GroupSpec,
-                 engine_size: EngineSize | None = None):
-        self.config, self.group, self.engine_size = config, group, engine_size
+                 engine_sizes: dict[str, EngineSize] | None = None):
+        """`engine_sizes`: the vLLM engines' sizes the controller's preflight computed
+        ("rollout", "judge")."""
+        self.config, self.group, self.engine_sizes = config, group, engine_sizes or {}
         c, roles = config, group.roles
         self.mesh = init_mesh(group.parallel, seed=c.seed, timeout_s=c.collective_timeout_s)
         self.rank = self.mesh.rank
@@ -114,12 +116,14 @@ class PPOWorker:
         # on ranks of its own nothing else wants the memory.
         self._judge_sleeps = c.rollout_sleep and "rollout" in roles
         self.judge_engine = self._judge_engine() if "judge" in roles else None
+        # A Megatron judge's weights count in the phases' memory (vLLM's live in its own
+        # allocator).
+        counted = self.judge_engine is not None and c.reward_judge.backend == "megatron"
         self.residency = Residency(
             {role: r.engine for role, r in self._models().items()
              if not (role == "ref" and c.reference_is_actor_base)},
             params=c.offload_params, grads=c.offload_grads, optimizer=c.offload_optimizer,
-            engines={"judge": self.judge_engine} if self.judge_engine is not None
-            and "rollout" in roles else {})
+            engines={"judge": self.judge_engine} if counted else {})
         if "rollout" in roles:
             self.engine = self._rollout_engine(model, arch.name)
             self._output_name = projection.output_name(
@@ -165,7 +169,8 @@ class PPOWorker:
     def _rollout_engine(self, model: ModelConfig, arch_name: str):
         c = self.config
         if c.rollout_backend == "vllm":
-            return self._vllm_engine(c.vllm_model_dir, c.rollout_tp, load_format="dummy",
+            return self._vllm_engine("rollout", c.vllm_model_dir, c.rollout_tp,
+                                     load_format="dummy",
                                      prefix_caching=c.environment is not None)
         from megarlhf.rollout.megatron_engine import MegatronEngine, MegatronEngineConfig
 
@@ -174,13 +179,13 @@ class PPOWorker:
                               self.mesh, MegatronEngineConfig(architecture=arch_name,
                                                               return_routing=c.routing_replay))
 
-    def _vllm_engine(self, model_dir: str, tp: int, *, load_format: str,
+    def _vllm_engine(self, kind: str, model_dir: str, tp: int, *, load_format: str,
                      prefix_caching: bool = False):
         """A vLLM engine of `tp` consecutive ranks of this group, sized by the controller's
-        preflight (engine_size: the rollout engines', or in a judge group the judge's)."""
+        preflight (engine_sizes[kind]: "rollout" or "judge")."""
         from megarlhf.rollout.vllm_engine import VLLMEngine, VLLMEngineConfig
 
-        size = self.engine_size
+        size = self.engine_sizes.get(kind)
         if size is None:
             raise ValueError("vLLM engines need the engine size the controller's preflight "
                              "computes")
@@ -205,7 +210,11 @@ class PPOWorker:
         host memory while it sleeps) or vLLM (which reads the directory itself)."""
         judge = self.config.reward_judge
         if judge.backend == "vllm":
-            return self._vllm_engine(judge.model, self.config.judge_tp, load_format="auto")
+            engine = self._vllm_engine("judge", judge.model, self.config.judge_tp,
+                                       load_format="auto")
+            if self._judge_sleeps:
+                engine.sleep(keep_weights=True)  # until the first judge call
+            return engine
         from megarlhf.convert.hf_to_mcore import inspect_hf
         from megarlhf.rollout.megatron_engine import MegatronEngine, MegatronEngineConfig
 
@@ -253,11 +262,13 @@ class PPOWorker:
     def judge(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
         """The judge engines' completions of its prompts, on every rank: one Megatron engine
         per DP replica, or vLLM engines of judge_tp consecutive ranks. A colocated judge with
-        rollout_sleep wakes with its weights from host memory and sleeps again after."""
+        rollout_sleep wakes with the weights it kept (in host memory) and sleeps again
+        after."""
         engine = self.judge_engine
+        self.residency.keep("judge", residency.ROLLOUT)  # the rest off first
         if self._judge_sleeps:
             engine.wake()
-        self.residency.keep("judge", residency.ROLLOUT)
+            self.residency.note("judge")
         try:
             vllm = self.config.reward_judge.backend == "vllm"
             return self._deal(engine, self.config.judge_tp if vllm else None, prompts, params,
@@ -427,6 +438,12 @@ class PPOWorker:
 
     # -- checkpoints -------------------------------------------------------------------------
 
+    @property
+    def _has_rng(self) -> bool:
+        """A judge-only group draws nothing from its RNGs (its calls carry their seeds), so
+        a checkpoint keeps none of its: a resume may add or resize it."""
+        return self.group.roles != {"judge"}
+
     def save(self, directory: str) -> None:
         """The trained models with their optimizers, and every rank's RNG states."""
         self.residency.keep("checkpoint", residency.CHECKPOINT)
@@ -434,9 +451,10 @@ class PPOWorker:
             save_checkpoint(os.path.join(directory, "actor"), self.actor.engine, self.mesh)
         if self.critic is not None:
             save_checkpoint(os.path.join(directory, "critic"), self.critic.engine, self.mesh)
-        os.makedirs(os.path.join(directory, "rng"), exist_ok=True)
-        torch.save({"torch": torch.get_rng_state(), "python": random.getstate(),
-                    "numpy": np.random.get_state()}, self._rng_path(directory))
+        if self._has_rng:
+            os.makedirs(os.path.join(directory, "rng"), exist_ok=True)
+            torch.save({"torch": torch.get_rng_state(), "python": random.getstate(),
+                        "numpy": np.random.get_state()}, self._rng_path(directory))
         dist.barrier()
 
     def load(self, directory: str) -> None:
@@ -447,6 +465,8 @@ class PPOWorker:
         if self.critic is not None:
             load_checkpoint(os.path.join(directory, "critic"), self.critic.engine)
         self.residency.note("checkpoint")
+        if not self._has_rng:
+            return
         rng = torch.load(self._rng_path(directory), weights_only=False)
         torch.set_rng_state(rng["torch"])
         random.setstate(rng["python"])

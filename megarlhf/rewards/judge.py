@@ -1,6 +1,6 @@
 """A generative judge's settings, its prompt template and its verdict parsers: from a sample to
 the judge's prompt text, and from the judge's answer to a score. No model here: the controller
-(megarlhf/ppo/judge.py) tokenizes the prompts and has the rollout ranks' judge engine answer.
+(megarlhf/ppo/judge.py) tokenizes the prompts and has the judge's engines answer.
 
 Verdicts:
 - yes_no: P(Yes) / (P(Yes) + P(No)) at the judge's first new token, each side summed over its
@@ -46,9 +46,9 @@ class JudgeConfig:
     braces ({{ and }} for literal braces). Rendered with the judge tokenizer's chat template
     when it has one."""
     backend: str = "megatron"
-    """The judge's engine: megatron (colocated on the rollout ranks beside the actor's
-    engine, or on ranks of its own) or vllm (ranks of its own: placement=disaggregated). Its
-    ranks: PPOConfig.judge_nproc, in engines of layout.judge.tensor_parallel."""
+    """The judge's engine: megatron or vllm, on the rollout ranks beside the actor's engine
+    (placement colocated) or on ranks of its own (disaggregated: PPOConfig.judge_nproc), in
+    engines of layout.judge.tensor_parallel ranks."""
     verdict: str = "yes_no"
     """yes_no | rating | regex | fn (module doc)."""
     pattern: str | None = None
@@ -93,6 +93,16 @@ class JudgeConfig:
         if not (0 <= self.temperature < math.inf):
             out.append(f"reward_judge.temperature must be >= 0, got {self.temperature}")
         return out
+
+
+def judge_limit(config: JudgeConfig, longest: int, max_positions: int) -> int:
+    """The judge engines' length: the judge's positions (a Megatron engine allocates its
+    cache per call), or for vLLM's, which allocate a cache for it at start, twice the
+    launch-time bound `longest` (room for a judge tokenizer that counts the samples in more
+    tokens than the actor's did), within the positions."""
+    if config.backend == "megatron":
+        return max_positions
+    return min(max_positions, 2 * longest)
 
 
 def template_fields(template: str) -> list[str]:

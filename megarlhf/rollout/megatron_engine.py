@@ -291,6 +291,7 @@ class MegatronEngine:
         if self._asleep:
             raise EngineError(f"{self.name}: asleep; call wake() before update_weights")
         self._weights_ready = False  # a failed update leaves a half-written model
+        self._kept = None  # a host copy of other weights
         try:
             self._load_stream(buckets)
         except ValueError as e:
@@ -341,14 +342,16 @@ class MegatronEngine:
         """Free the weights' memory (storage resized to 0; the parameter objects and the views
         our pieces hold stay valid). The KV cache exists only inside generate(), so there is
         none to drop between calls. `keep_weights`: loaded weights are copied to host memory
-        first (pinned, on a GPU) and wake() puts them back, so no update_weights is needed
-        (weights that never change: a judge's)."""
+        first (pinned, on a GPU; once: the copy stays until update_weights) and wake() puts
+        them back, so no update_weights is needed (weights that never change: a judge's)."""
         if self._asleep:
             return
         # Tied weights share one storage: freed once.
-        storages = storages_of([self.model.parameters()]).values()
-        self._kept = [_host_copy(s) for s in storages] \
-            if keep_weights and self._weights_ready else None
+        storages = list(storages_of([self.model.parameters()]).values())
+        if not (keep_weights and self._weights_ready):
+            self._kept = None
+        elif self._kept is None:
+            self._kept = [_host_copy(s) for s in storages]
         self._freed = release(storages)
         self._asleep, self._weights_ready = True, False
 
@@ -363,12 +366,7 @@ class MegatronEngine:
             for (storage, _), kept in zip(self._freed, self._kept):
                 as_bytes(storage).copy_(kept)
             self._weights_ready = True
-        self._freed, self._kept, self._asleep = [], None, False
-
-    @property
-    def weights_ready(self) -> bool:
-        """Weights are loaded (update_weights ran, or wake restored kept ones)."""
-        return self._weights_ready
+        self._freed, self._asleep = [], False
 
     def device_bytes(self) -> int:
         """The bytes of the weights held now (0 asleep)."""

@@ -154,15 +154,6 @@ class VLLMEngine:
         limits = [m for m in params.limits(len(prompts)) for _ in range(params.n)]
         per_sample = [_vllm_params(params, seed, limit) for seed, limit in
                       zip(_sample_seeds(params, len(requests)), limits)]
-        samples = len(requests)
-        # first_token_candidates: vLLM reports logprobs of the sampled and the top tokens
-        # only, so each candidate is scored as a forced continuation, the prompt plus that
-        # token, whose last prompt logprob is the candidate's at the first new position
-        # (raw logits, like the sampled ones; same batch).
-        candidates = params.first_token_candidates
-        requests += [TokensPrompt(prompt_token_ids=[*p, c]) for p in prompts
-                     for _ in range(params.n) for c in candidates]
-        per_sample += [_forced_params()] * (samples * len(candidates))
         try:
             outputs = llm.generate(requests, per_sample, use_tqdm=False)
         except Exception as e:  # noqa: BLE001 - any failure must name this engine
@@ -170,15 +161,8 @@ class VLLMEngine:
 
             shims.drop_unfinished(llm)
             raise EngineError(f"{self.name}: generation failed: {type(e).__name__}: {e}") from e
-        completions = [self._completion(i // params.n, out.outputs[0])
-                       for i, out in enumerate(outputs[:samples])]
-        if candidates:
-            forced = outputs[samples:]
-            completions = [dataclasses.replace(c, first_logprobs=tuple(
-                _last_prompt_logprob(out, token) for out, token in zip(
-                    forced[i * len(candidates):(i + 1) * len(candidates)], candidates)))
-                for i, c in enumerate(completions)]
-        return completions
+        return [self._completion(i // params.n, out.outputs[0], params.first_token_candidates)
+                for i, out in enumerate(outputs)]
 
     def _check_prompts(self, prompts: list[list[int]], params: SamplingParams,
                        limit: int) -> None:
@@ -186,29 +170,35 @@ class VLLMEngine:
         prompt plus max_new_tokens exceeds max_model_len."""
         if not prompts:
             raise ValueError(f"{self.name}: no prompts given")
-        vocab = self._llm.llm_engine.model_config.get_vocab_size()
-        outside = [t for t in params.first_token_candidates if t >= vocab]
-        if outside:
-            raise ValueError(f"{self.name}: first_token_candidates {outside} are outside the "
-                             f"vocabulary ({vocab})")
-        # A forced continuation (first_token_candidates) is one token longer than its prompt
-        # and generates one token.
-        forced = 2 if params.first_token_candidates else 0
-        length, i = max((len(p) + max(m, forced), i) for i, (p, m) in
+        if params.first_token_candidates:
+            import vllm
+
+            if not hasattr(vllm.SamplingParams(), "logprob_token_ids"):
+                raise ValueError(f"{self.name}: first_token_candidates need a vLLM whose "
+                                 f"SamplingParams has logprob_token_ids (0.32 has); this is "
+                                 f"{vllm.__version__}")
+            vocab = self._llm.llm_engine.model_config.get_vocab_size()
+            outside = [t for t in params.first_token_candidates if t >= vocab]
+            if outside:
+                raise ValueError(f"{self.name}: first_token_candidates {outside} are outside "
+                                 f"the vocabulary ({vocab})")
+        length, i = max((len(p) + m, i) for i, (p, m) in
                         enumerate(zip(prompts, params.limits(len(prompts)))))
         if length > limit:
             raise ValueError(f"{self.name}: prompt {i} ({len(prompts[i])} tokens) plus its "
                              f"{length - len(prompts[i])} new tokens exceeds "
                              f"max_model_len={limit}")
 
-    def _completion(self, prompt_index: int, sample) -> Completion:
+    def _completion(self, prompt_index: int, sample, candidates: tuple[int, ...]
+                    ) -> Completion:
         if sample.finish_reason not in ("stop", "length"):
             raise EngineError(f"{self.name}: generation failed: vLLM finished a sample with "
                               f"reason {sample.finish_reason!r}")
         tokens = list(sample.token_ids)
         logprobs = [step[token].logprob for step, token in zip(sample.logprobs, tokens)]
+        first = tuple(sample.logprobs[0][c].logprob for c in candidates) if candidates else None
         return Completion(prompt_index=prompt_index, token_ids=tokens, logprobs=logprobs,
-                          finish_reason=sample.finish_reason)
+                          finish_reason=sample.finish_reason, first_logprobs=first)
 
     def _running(self):
         if self._llm is None:
@@ -265,25 +255,29 @@ class VLLMEngine:
         """Bytes of KV cache this rank holds (0 while asleep on CPU)."""
         return self._running().collective_rpc("kv_cache_bytes")[0]
 
-    def sleep(self) -> None:
-        """Free the KV cache (CPU), or weights and KV cache (vLLM sleep mode, GPU)."""
+    def sleep(self, keep_weights: bool = False) -> None:
+        """Free the KV cache (CPU), or weights and KV cache (vLLM sleep mode, GPU).
+        `keep_weights`: loaded weights come back with wake(), no update_weights needed (a
+        judge's, which never change): vLLM's level-1 sleep moves them to host memory; on
+        CPU they stay."""
         llm = self._running()
         if self._asleep == set(ENGINE_PARTS):
             return
         self.wake()  # half awake: vLLM sleeps from fully awake
         try:
             if self._sleep_mode:
-                llm.sleep(level=2)
+                llm.sleep(level=1 if keep_weights else 2)
             else:
                 llm.collective_rpc("release_kv_cache")
         except Exception as e:  # noqa: BLE001 - any failure must name this engine
             raise EngineError(f"{self.name}: sleep failed: {type(e).__name__}: {e}") from e
-        self._asleep, self._weights_ready = set(ENGINE_PARTS), False
+        self._asleep = set(ENGINE_PARTS)
+        self._weights_ready = self._weights_ready and keep_weights
 
     def wake(self, parts: tuple[str, ...] = ENGINE_PARTS) -> None:
         """Allocate `parts` of what sleep() freed (vLLM's wake_up tags); the weights must be
-        updated before the next generate(). Without sleep mode the weights were never
-        freed: only the KV cache comes back."""
+        updated before the next generate() unless sleep kept them. Without sleep mode the
+        weights were never freed: only the KV cache comes back."""
         llm = self._running()
         waking = [p for p in ENGINE_PARTS if p in parts and p in self._asleep]
         if not waking:
@@ -320,28 +314,18 @@ def expected_hf_weights(model_dir: str) -> dict[str, tuple[int, ...]]:
 
 
 def _vllm_params(params: SamplingParams, seed: int | None, max_tokens: int):
-    """One sample's vLLM params. Only our stop ids end it (ignore_eos); no text is produced."""
+    """One sample's vLLM params. Only our stop ids end it (ignore_eos); no text is produced.
+    Each position reports the sampled token's logprob, and first_token_candidates' (vLLM's
+    logprob_token_ids: raw logprobs of the given ids beside the sampled one's)."""
     import vllm
 
+    logprobs = {"logprob_token_ids": list(params.first_token_candidates)} \
+        if params.first_token_candidates else {"logprobs": 0}  # 0: the sampled token's only
     return vllm.SamplingParams(
         n=1, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, seed=seed,
         repetition_penalty=params.repetition_penalty, max_tokens=max_tokens,
         stop_token_ids=list(params.stop_token_ids), ignore_eos=True, detokenize=False,
-        logprobs=0)  # 0: only the sampled token's logprob
-
-
-def _forced_params():
-    """A forced continuation's params: its prompt's own logprobs (prompt_logprobs=0: each
-    prompt token's), one throwaway greedy token."""
-    import vllm
-
-    return vllm.SamplingParams(n=1, temperature=0.0, max_tokens=1, ignore_eos=True,
-                               detokenize=False, prompt_logprobs=0)
-
-
-def _last_prompt_logprob(output, token: int) -> float:
-    """The logprob vLLM gave the last token of a forced continuation's prompt."""
-    return float(output.prompt_logprobs[-1][token].logprob)
+        **logprobs)
 
 
 def _sample_seeds(params: SamplingParams, count: int) -> list[int | None]:
