@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from megarlhf.ppo import checkpoints
-from megarlhf.ppo.config import JudgeLayout, Layout, PPOConfig, RewardTerm
+from megarlhf.ppo.config import JudgeLayout, Layout, PPOConfig, RewardTerm, RolloutLayout
 from megarlhf.ppo.judge import Judge
 from megarlhf.rewards.judge import JudgeConfig, Verdict, fill, template_fields, yes_probability
 from tests.test_multiturn import QUESTIONS, chat_model  # noqa: F401 (a fixture)
@@ -132,10 +132,23 @@ def test_judge_config_errors_name_the_field(tmp_path):
         PPOConfig(**base, reward_judge=judge, pipeline_parallel=2, rollout_backend="vllm",
                   vllm_model_dir=str(tmp_path))
     vllm_judge = dataclasses.replace(judge, backend="vllm")
-    with pytest.raises(ValueError, match="reward_judge.backend=vllm runs on ranks of its own"):
-        PPOConfig(**base, reward_judge=vllm_judge)
-    with pytest.raises(ValueError, match="layout.judge.tensor_parallel=1: a colocated judge "
-                                         "runs in the actor's layout, at tensor_parallel=2"):
+    vllm_rollouts = dict(rollout_backend="vllm", vllm_model_dir=str(tmp_path))
+    with pytest.raises(ValueError, match="layout.judge.tensor_parallel=1: a colocated vLLM "
+                                         "judge shares vLLM's parallel state .* needs their "
+                                         "size, 2"):
+        PPOConfig(**base, reward_judge=vllm_judge, **vllm_rollouts,
+                  layout=Layout(rollout=RolloutLayout(tensor_parallel=2),
+                                judge=JudgeLayout(tensor_parallel=1)))
+    with pytest.raises(ValueError, match="layout.judge.tensor_parallel=4 does not divide "
+                                         "nproc=2"):
+        PPOConfig(**base, reward_judge=vllm_judge, layout=Layout(judge=JudgeLayout(
+            tensor_parallel=4)))
+    assert PPOConfig(**base, reward_judge=vllm_judge, **vllm_rollouts, layout=Layout(
+        rollout=RolloutLayout(tensor_parallel=2))).judge_tp == 2  # the rollout engines'
+    assert PPOConfig(**base, reward_judge=vllm_judge, tensor_parallel=2).judge_tp == 1
+    with pytest.raises(ValueError, match="layout.judge.tensor_parallel=1: a colocated Megatron "
+                                         "judge runs in the actor's layout, at "
+                                         "tensor_parallel=2"):
         PPOConfig(**base, reward_judge=judge, tensor_parallel=2,
                   layout=Layout(judge=JudgeLayout(tensor_parallel=1)))
     with pytest.raises(ValueError, match="judge_nproc=2 needs placement=disaggregated"):
