@@ -214,6 +214,30 @@ def test_the_launching_process_refuses_a_judge_it_cannot_use(judge_dir, tmp_path
     assert judge().candidates == (*yes, *no) and judge().yes_count == 1
 
 
+def test_a_megatron_checkpoint_as_the_judge(chat_model, tmp_path):  # noqa: F811
+    """A language-model checkpoint judges with its hf/ sidecar's tokenizer, its weights
+    streamed under the HF names equal to the HF directory it was converted from; a value
+    model, one without a sidecar and one for a vLLM judge are refused in one line."""
+    from megarlhf.ppo.judge import judge_model
+
+    actor, critic, hf_dir = chat_model
+    config = JudgeConfig(model=actor, template=_template(tmp_path), verdict="rating")
+    judge = _judge(config)
+    assert judge.tokenizer.encode("Is it right?") == \
+        _judge(dataclasses.replace(config, model=hf_dir)).tokenizer.encode("Is it right?")
+    ours = dict(item for (item,) in judge_model(actor).weights())
+    theirs = dict(item for (item,) in judge_model(hf_dir).weights())
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    with pytest.raises(ValueError, match="is a value model"):
+        _judge(dataclasses.replace(config, model=critic))
+    bare = str(tmp_path / "bare")
+    shutil.copytree(actor, bare, ignore=shutil.ignore_patterns("hf"))
+    with pytest.raises(ValueError, match="has no hf/ tokenizer sidecar"):
+        _judge(dataclasses.replace(config, model=bare))
+    with pytest.raises(ValueError, match="backend=vllm reads an HF directory"):
+        _judge(dataclasses.replace(config, backend="vllm"))
+
+
 def test_a_resume_with_another_judge_is_refused(judge_dir, tmp_path):
     """A checkpoint records its judge (template text, config and tokenizer files, each weight
     file's header and sampled data): a moved copy resumes; another template or other weights

@@ -368,10 +368,10 @@ def test_tool_calls_on_the_real_model(hf_dir, actor, work):
     Megatron engine: the model's calls are parsed and run, each result comes back as a tool
     message equal to the expression's value computed here, tool messages are never trained
     on, and the gap on the model's tokens stays below 1e-4. The recipe's math reward is a
-    `rewards` term beside a yes/no judge (SmolLM2 itself, weight 0): each episode's judge
-    score is recomputed from HF transformers' fp32 forward of the judge prompt, within 1e-3
-    (probabilities; the engine's and HF's logits over 30 layers differ by ~1e-4, a wrong
-    prompt or token moves them by > 1e-2)."""
+    `rewards` term beside a yes/no judge (SmolLM2 itself, weight 0, from the actor's Megatron
+    checkpoint): each episode's judge score is recomputed from HF transformers' fp32 forward
+    of the judge prompt, within 1e-3 (probabilities; the engine's and HF's logits over 30
+    layers differ by ~1e-4, a wrong prompt or token moves them by > 1e-2)."""
     from megarlhf.data import synthetic
 
     train, _ = synthetic.tool_arithmetic_records(rows=16, held_out=0)
@@ -383,7 +383,7 @@ def test_tool_calls_on_the_real_model(hf_dir, actor, work):
          os.path.join(REPO, "recipes", "smollm2-135m-grpo-tools.yaml"), f"actor={actor}",
          f"prompts={prompts}", "val_prompts=null", f"out_dir={out_dir}", "steps=1",
          "prompts_per_step=2", "samples_per_prompt=2", "log_samples=4", "val_every=0",
-         "reward_fn=null", f"reward_judge={{model: {hf_dir}, template: {template}, "
+         "reward_fn=null", f"reward_judge={{model: {actor}, template: {template}, "
          "max_new_tokens: 2}", "rewards=[{name: correct, kind: math}, "
          "{name: judge, kind: judge, weight: 0}]")
     (m,) = read_steps(str(out_dir))

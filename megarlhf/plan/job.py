@@ -327,7 +327,8 @@ def plan(config: PPOConfig, cluster: Cluster, prompt_len: int,
     seq = prompt_len + config.max_new_tokens
     check(config, cluster, models, seq)
     judge = config.reward_judge and resolve(config.reward_judge.model,
-                                            field="reward_judge.model", value_head=False)
+                                            field="reward_judge.model", value_head=False,
+                                            lora=True)
     groups, first = [], 0
     host = [0] * cluster.nodes
     for spec in group_specs(config):

@@ -10,13 +10,18 @@ import dataclasses
 import math
 import os
 import time
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
 from megarlhf.convert.hf_to_mcore import inspect_hf
+from megarlhf.convert.mcore_io import CheckpointReader
 from megarlhf.data.prompts import Prompt
 from megarlhf.data.tokenizer import HFTokenizer, eos_token_ids
+from megarlhf.engine.checkpoint import (HF_SIDECAR, checkpoint_architecture, is_complete,
+                                        read_meta)
+from megarlhf.models.arch import hf_shapes
+from megarlhf.models.config import ModelConfig
 from megarlhf.parallel.mesh import ParallelConfig
 from megarlhf.ppo.preflight import vllm_head_dim_problem
 from megarlhf.rewards.calls import Sample
@@ -25,6 +30,61 @@ from megarlhf.rewards.judge import (
     template_fields,
 )
 from megarlhf.rollout.engine import SamplingParams
+
+
+@dataclasses.dataclass(frozen=True)
+class JudgeModel:
+    """reward_judge.model, read: an HF directory, or a Megatron checkpoint of a language
+    model (its weights streamed into the judge's Megatron engine under their HF names, its
+    tokenizer from the checkpoint's hf/ sidecar)."""
+
+    path: str
+    model: ModelConfig
+    arch_name: str
+    tokenizer_dir: str
+    checkpoint: bool
+    """A Megatron checkpoint (else an HF directory)."""
+
+    def weights(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """Its tensors under their HF names, one bucket each (an engine's update_weights)."""
+        if self.checkpoint:
+            from megarlhf.convert.mcore_to_hf import checkpoint_hf_tensors
+
+            return ([item] for item in checkpoint_hf_tensors(self.path))
+        source = inspect_hf(self.path)
+        return ([(name, source.reader.get(name))]
+                for name in hf_shapes(source.rules, source.model))
+
+
+def judge_model(path: str) -> JudgeModel:
+    """ValueError naming reward_judge.model for a path that is neither an HF model directory
+    nor a Megatron checkpoint of a language model with its tokenizer."""
+    if os.path.isfile(os.path.join(path, "config.json")):
+        try:
+            source = inspect_hf(path)
+        except ValueError as e:
+            raise ValueError(f"reward_judge.model: {e}") from None
+        return JudgeModel(path, source.model, source.arch_name, path, checkpoint=False)
+    if not is_complete(path):
+        raise ValueError(f"reward_judge.model {path} has no config.json and is no complete "
+                         f"Megatron checkpoint; give an HF model directory or a checkpoint")
+    meta = read_meta(path)
+    if meta.get("value_head"):
+        raise ValueError(f"reward_judge.model {path} is a value model (a critic or reward "
+                         f"model: a scalar head); a judge writes text, give a language model")
+    tokenizer = os.path.join(path, HF_SIDECAR)
+    if not os.path.isdir(tokenizer):
+        raise ValueError(f"reward_judge.model {path} has no {HF_SIDECAR}/ tokenizer sidecar "
+                         f"(tools/convert_hf/hf_to_mcore writes one): copy its base model's "
+                         f"tokenizer and generation config files into {tokenizer}")
+    model, arch = ModelConfig.from_dict(meta["model"]), checkpoint_architecture(meta)
+    reader = CheckpointReader(path)
+    missing = [rule.mcore for rule in arch.rules(model, lm_head=True, value_head=False)
+               if reader.shape(rule.mcore) is None]
+    if missing:
+        raise ValueError(f"reward_judge.model {path} has no tensor {missing[0]!r}, which a "
+                         f"{arch.name} language model needs (of another architecture?)")
+    return JudgeModel(path, model, arch.name, tokenizer, checkpoint=True)
 
 
 @dataclasses.dataclass
@@ -55,14 +115,16 @@ class Judge:
         naming the field for a judge the run cannot use."""
         self.config, self.seed, self.decode_prompt = config, seed, decode_prompt
         self._calls: dict[int, int] = {}
-        if not os.path.isfile(os.path.join(config.model, "config.json")):
-            raise ValueError(f"reward_judge.model {config.model} has no config.json; give an "
-                             f"HF model directory")
+        source = judge_model(config.model)
+        model = source.model
         try:
-            model = inspect_hf(config.model).model
             model.check_parallel(ParallelConfig(tensor_parallel=tensor_parallel))
         except ValueError as e:
             raise ValueError(f"reward_judge.model: {e}") from None
+        if source.checkpoint and config.backend == "vllm":
+            raise ValueError(f"reward_judge.backend=vllm reads an HF directory; export "
+                             f"{config.model} with tools/convert_hf/mcore_to_hf and give that, "
+                             f"or use backend=megatron")
         if config.backend == "vllm":
             problem = vllm_head_dim_problem(model)
             if problem:
@@ -87,14 +149,14 @@ class Judge:
         if "response" not in fields:
             raise ValueError(f"reward_judge.template {config.template} has no {{response}}: "
                              f"the judge would never see the answer it judges")
-        self.tokenizer = HFTokenizer(config.model)
+        self.tokenizer = HFTokenizer(source.tokenizer_dir)
         if self.tokenizer.vocab_size > model.vocab_size:
             raise ValueError(f"reward_judge.model {config.model}: its tokenizer has "
                              f"{self.tokenizer.vocab_size} ids, its model {model.vocab_size}; "
                              f"give the model's own tokenizer")
         self._trims = False
         self._around = self._chat_around()
-        self.stop_ids = eos_token_ids(config.model) or (self.tokenizer.eos_id,)
+        self.stop_ids = eos_token_ids(source.tokenizer_dir) or (self.tokenizer.eos_id,)
         self.verdict = Verdict(config)
         self.candidates: tuple[int, ...] = ()
         self.yes_count = 0

@@ -17,7 +17,8 @@ import logging
 import os
 import socket
 
-from megarlhf.engine.checkpoint import COMPLETE_MARKER, check_resumed_adapters, is_complete
+from megarlhf.engine.checkpoint import (COMPLETE_MARKER, HF_SIDECAR, check_resumed_adapters,
+                                       is_complete)
 from megarlhf.models.peft_format import CONFIG_FILE, WEIGHTS_FILE
 from megarlhf.ppo import checkpoints
 from megarlhf.ppo.config import LAYOUT_KEYS, RESUME_INPUTS, TRAINED_ROLES
@@ -157,10 +158,17 @@ def _judge_fingerprint(judge) -> dict:
     """The judge by what decides its scores: its template's text, its config and tokenizer
     files, and each safetensors file's header (names, shapes, dtypes) with the first and last
     MiB of its data. Reading every weight of a 70B judge at each launch would take minutes; a
-    fine-tuned judge differs from its base in those sampled bytes too (every tensor moves)."""
+    fine-tuned judge differs from its base in those sampled bytes too (every tensor moves).
+    A Megatron checkpoint: its metadata (_checkpoint_fingerprint) and its hf/ sidecar's
+    tokenizer files."""
     digest = hashlib.sha256()
     with open(judge.template, "rb") as f:
         digest.update(b"template\0" + f.read())
+    if not os.path.isfile(os.path.join(judge.model, "config.json")):
+        for part in (_checkpoint_fingerprint(judge.model),
+                     _files_fingerprint(os.path.join(judge.model, HF_SIDECAR), _JUDGE_FILES)):
+            digest.update(part["sha256"].encode())
+        return {"path": os.path.abspath(judge.model), "sha256": digest.hexdigest()}
     digest.update(_files_fingerprint(judge.model, _JUDGE_FILES)["sha256"].encode())
     for name in sorted(n for n in os.listdir(judge.model) if n.endswith(".safetensors")):
         with open(os.path.join(judge.model, name), "rb") as f:

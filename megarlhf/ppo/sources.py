@@ -42,14 +42,16 @@ class ModelSource:
     """Where the shape came from, for the report ('checkpoint', 'HF config', 'preset')."""
 
 
-def resolve(path: str, *, field: str, value_head: bool) -> ModelSource:
+def resolve(path: str, *, field: str, value_head: bool, lora: bool = False) -> ModelSource:
     """The shape of the model at `path` (the recipe's `field`); `value_head` is what its role
-    needs (critic and reward: True). A checkpoint that disagrees is refused."""
+    needs (critic and reward: True); `lora`: a checkpoint with LoRA adapters may serve (a
+    judge's weights are streamed with them merged). A checkpoint that disagrees is
+    refused."""
     if path.startswith(PRESET_PREFIX):
         return ModelSource(preset(path[len(PRESET_PREFIX):]), value_head, "preset")
     if is_complete(path):
         meta = read_meta(path)
-        if meta.get("lora"):
+        if meta.get("lora") and not lora:
             peft = ("start from its base with layout.actor.lora.from_peft=DIR (DIR from "
                     "python -m tools.convert_hf.mcore_to_hf --lora adapter), or "
                     if field == "actor" else "")

@@ -27,7 +27,6 @@ from megarlhf.engine.checkpoint import (
 from megarlhf.engine.optim import OptimConfig
 from megarlhf.engine.train import TrainEngine
 from megarlhf.models.config import ModelConfig
-from megarlhf.models.arch import hf_shapes
 from megarlhf.models.gpt import model_spec
 from megarlhf.models.lora import adapters_off
 from megarlhf.models.transformer_config import parse_dtype
@@ -205,9 +204,9 @@ class PPOWorker:
                               f"memory_utilization, a judge's from its positions]") from e
 
     def _judge_engine(self):
-        """reward_judge's model on engines of this group's TP, its weights the HF
-        directory's: Megatron (read tensor by tensor; colocated with rollout_sleep, kept in
-        host memory while it sleeps) or vLLM (which reads the directory itself)."""
+        """reward_judge's model on engines of this group's TP: Megatron (its HF directory's
+        or Megatron checkpoint's tensors streamed in one by one; colocated with rollout_sleep,
+        kept in host memory while it sleeps) or vLLM (which reads the HF directory itself)."""
         judge = self.config.reward_judge
         if judge.backend == "vllm":
             engine = self._vllm_engine("judge", judge.model, self.config.judge_tp,
@@ -215,14 +214,14 @@ class PPOWorker:
             if self._judge_sleeps:
                 engine.sleep(keep_weights=True)  # until the first judge call
             return engine
-        from megarlhf.convert.hf_to_mcore import inspect_hf
+        from megarlhf.ppo.judge import judge_model
         from megarlhf.rollout.megatron_engine import MegatronEngine, MegatronEngineConfig
 
-        source = inspect_hf(judge.model)
+        source = judge_model(judge.model)
         engine = MegatronEngine(model_spec(source.model, self.group.parallel, dtype=self.dtype,
                                            layer_spec=self.config.layer_spec),
                                 self.mesh, MegatronEngineConfig(architecture=source.arch_name))
-        engine.update_weights(_hf_tensors(source))
+        engine.update_weights(source.weights())
         if self._judge_sleeps:
             engine.sleep(keep_weights=True)  # until the first judge call
         return engine
@@ -481,8 +480,3 @@ class PPOWorker:
         if self.judge_engine is not None:
             self.judge_engine.shutdown()
 
-
-def _hf_tensors(source):
-    """An HF directory's tensors as a weight stream, one tensor per bucket."""
-    for name in hf_shapes(source.rules, source.model):
-        yield [(name, source.reader.get(name))]

@@ -39,7 +39,9 @@ class JudgeConfig:
     gives a verdict, scored into the reward (a `rewards` term of kind judge weighs it)."""
 
     model: str
-    """HF model directory of the judge (weights, config.json and tokenizer)."""
+    """The judge: an HF model directory (weights, config.json and tokenizer), or a Megatron
+    checkpoint of a language model with its hf/ tokenizer sidecar (backend megatron; its
+    weights streamed into the engine under their HF names, LoRA adapters merged)."""
     template: str
     """A text file: the judge's user message, with {prompt} (the prompt's text: a chat
     prompt's last user message), {response}, {ground_truth} and any dataset column in
