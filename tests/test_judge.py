@@ -143,6 +143,8 @@ def test_judge_config_errors_name_the_field(tmp_path):
                                          "nproc=2"):
         PPOConfig(**base, reward_judge=vllm_judge, layout=Layout(judge=JudgeLayout(
             tensor_parallel=4)))
+    with pytest.raises(ValueError, match="beside vLLM rollouts with rollout_sleep=true"):
+        PPOConfig(**base, reward_judge=vllm_judge, **vllm_rollouts, rollout_sleep=True)
     assert PPOConfig(**base, reward_judge=vllm_judge, **vllm_rollouts, layout=Layout(
         rollout=RolloutLayout(tensor_parallel=2))).judge_tp == 2  # the rollout engines'
     assert PPOConfig(**base, reward_judge=vllm_judge, tensor_parallel=2).judge_tp == 1
@@ -441,8 +443,10 @@ JUDGE_RUNS = {
     "own-vllm-one_step_off": dict(
         placement="disaggregated", rollout_mode="one_step_off", rollout_correction="tis",
         nproc=1, judge_nproc=2),
-    # Beside vLLM rollout engines in each of two training ranks, asleep between its calls.
-    "colocated-vllm-sleep": dict(nproc=2, rollout_backend="vllm", rollout_sleep=True),
+    # Beside vLLM rollout engines in each of two training ranks (two vLLM engines a process).
+    "colocated-vllm-beside-vllm": dict(nproc=2, rollout_backend="vllm"),
+    # Beside Megatron rollouts, asleep between its calls with its weights kept.
+    "colocated-vllm-sleep": dict(nproc=2, rollout_sleep=True),
 }
 
 

@@ -435,4 +435,6 @@ def test_groups_are_scored_while_the_engines_generate_the_others(monkeypatch):
                              score=failing)
     with pytest.raises(RuntimeError, match="the judge group is gone"):
         stream.take(1)
+    with pytest.raises(RuntimeError, match="the judge group is gone"):
+        stream.snapshot()  # what the failed scorer left will never be scored: no waiting
     stream.close()

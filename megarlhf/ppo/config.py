@@ -248,10 +248,10 @@ class PPOConfig:
     """A generative judge (megarlhf/rewards/judge.py): a language model reads each training
     sample through a prompt template and its verdict is scored, e.g. {model: HF_DIR,
     template: judge.txt, verdict: yes_no}. Colocated, it runs on the rollout ranks beside the
-    actor's engine (Megatron backend, the actor's TP, PP/CP/EP 1); disaggregated, on
-    judge_nproc ranks of its own (layout.judge.tensor_parallel per engine; Megatron or vLLM),
-    scoring beside the other groups' work in the asynchronous rollout modes. Validation
-    does not consult it."""
+    actor's engine (a Megatron judge at the actor's TP, PP/CP/EP 1; a vLLM one at
+    layout.judge.tensor_parallel); disaggregated, on judge_nproc ranks of its own, scoring
+    beside the other groups' work in the asynchronous rollout modes. Validation does not
+    consult it."""
     reward_url_check: bool = True
     """Refuse the run before any rank starts when the reward server accepts no connection;
     false for a server that starts after the trainer (its first step then waits on the
@@ -1084,6 +1084,11 @@ class PPOConfig:
                                 f"shares vLLM's parallel state with the vLLM rollout engines "
                                 f"in each rank, so it needs their size, {self.rollout_tp}; "
                                 f"leave it unset")
+            if self.rollout_backend == "vllm" and self.rollout_sleep:
+                problems.append("reward_judge.backend=vllm beside vLLM rollouts with "
+                                "rollout_sleep=true: vLLM's sleep mode (GPU) frees every "
+                                "engine of a process at once; set rollout_sleep=false, "
+                                "backend=megatron or placement=disaggregated")
         elif actor.pipeline_parallel > 1 or actor.context_parallel > 1 or \
                 actor.expert_parallel > 1:
             problems.append("reward_judge runs colocated on a Megatron engine at PP=1, CP=1 "

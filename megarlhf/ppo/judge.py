@@ -121,6 +121,10 @@ class Judge:
             model.check_parallel(ParallelConfig(tensor_parallel=tensor_parallel))
         except ValueError as e:
             raise ValueError(f"reward_judge.model: {e}") from None
+        if config.backend == "vllm" and config.verdict == "yes_no":
+            problem = _vllm_without_token_logprobs()
+            if problem:
+                raise ValueError(f"reward_judge verdict yes_no on backend vllm: {problem}")
         if source.checkpoint and config.backend == "vllm":
             raise ValueError(f"reward_judge.backend=vllm reads an HF directory; export "
                              f"{config.model} with tools/convert_hf/mcore_to_hf and give that, "
@@ -282,6 +286,20 @@ class Judge:
         if self.candidates:
             metrics["reward/judge_verdict_mass"] = mass / len(completions)
         return Judged(scores, metrics, texts)
+
+
+def _vllm_without_token_logprobs() -> str | None:
+    """Why this process's vLLM cannot report given tokens' logprobs (yes_no reads them through
+    SamplingParams.logprob_token_ids), if it cannot; None also where vLLM is not installed
+    here (a CPU-only launching process: the engines check again)."""
+    try:
+        import vllm
+    except ImportError:
+        return None
+    if hasattr(vllm.SamplingParams(), "logprob_token_ids"):
+        return None
+    return (f"vLLM {vllm.__version__} has no SamplingParams.logprob_token_ids (0.32 has); "
+            f"upgrade it, or use backend=megatron")
 
 
 def _text(value) -> str:

