@@ -666,12 +666,25 @@ def test_lora_sft_at_other_layouts_equals_tp1_trains_only_adapters_and_exports_m
     with torch.no_grad():
         theirs = model(tokens).logits
     torch.testing.assert_close(ours[..., :theirs.shape[-1]], theirs, atol=1e-5, rtol=1e-5)
+    # This checkpoint as a judge's model (reward_judge.model) streams the export's tensors,
+    # the adapters merged, bit for bit.
+    import glob
+
+    from safetensors.torch import load_file
+
+    from megarlhf.convert.mcore_to_hf import checkpoint_hf_tensors
+
+    files = {}
+    for path in glob.glob(os.path.join(exported, "*.safetensors")):
+        files.update(load_file(path))
+    streamed = dict(checkpoint_hf_tensors(ref["checkpoint"]))
+    assert streamed.keys() == files.keys()
+    assert all(torch.equal(streamed[k].to(files[k].dtype), files[k]) for k in files)
 
     # The adapters as a PEFT directory: PEFT over the exported base gives our logits, its
     # tensors are the checkpoint's bit for bit, and loaded back (lora.from_peft) at TP2+SP
     # they give our logits again.
     import peft
-    from safetensors.torch import load_file
 
     from megarlhf.convert.mcore_to_hf import mcore_to_hf
     from megarlhf.models.peft_format import WEIGHTS_FILE, peft_module
