@@ -158,7 +158,7 @@ def test_staleness_zero_samples_only_the_weights_it_trains(monkeypatch):
 def _idle(stream):
     """Wait until the producer has nothing left to run (it finished what was in flight)."""
     deadline = time.monotonic() + 30
-    while stream._in_flight or stream._calling or stream._scoring:
+    while stream._in_flight or stream._calling or stream._to_score:
         assert time.monotonic() < deadline, "the producer did not finish its groups"
         time.sleep(0.005)
 

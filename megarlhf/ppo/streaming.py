@@ -141,8 +141,8 @@ class Stream:
         self._cond = threading.Condition()  # guards the state; not held during a call
         self._thread: threading.Thread | None = None
         self._scorer: threading.Thread | None = None
+        # Finished groups not yet in the buffer, a call's together (the first being scored).
         self._to_score: collections.deque[list[Scoring]] = collections.deque()
-        self._scoring = 0  # groups finished and not yet scored (queued, or being scored)
         self._scoring_call = False  # the scorer is inside a scoring call
         self._stopping = False
         self._pausing = False  # the controller waits for the engines to idle (a sync)
@@ -219,7 +219,7 @@ class Stream:
         the running episodes end and every finished group is scored first."""
         with self._cond:
             self._holding = True
-            while (self._calling or self._running or self._scoring) and self._error is None:
+            while (self._calling or self._running or self._to_score) and self._error is None:
                 self._cond.wait()
             if self._error is not None:  # a thread failed: what it left will never finish
                 self._holding, self._raised = False, True
@@ -319,7 +319,6 @@ class Stream:
                 with self._cond:
                     if done:
                         self._to_score.append(done)
-                        self._scoring += len(done)
                     self._running = 0
                     self._calling = False
                     self._cond.notify_all()
@@ -349,14 +348,12 @@ class Stream:
                 with self._cond:
                     self._to_score.popleft()
                     self._buffer += self._filter(scored)
-                    self._scoring -= len(done)
                     self._scoring_call = False
                     self._cond.notify_all()
         except BaseException as error:  # the step waiting in `take` raises it
             with self._cond:
                 self._error, self._scoring_call = self._error or error, False
                 self._to_score.clear()
-                self._scoring = 0
                 self._cond.notify_all()
 
     def _room(self) -> bool:
@@ -366,7 +363,8 @@ class Stream:
         last = min(self.weight_version + 1 + math.floor(self.config.max_staleness),
                    self.config.steps)
         wanted = self.config.prompts_per_step * (last - self._taken)
-        held = len(self._in_flight) + self._running + self._scoring + len(self._buffer)
+        unscored = sum(map(len, self._to_score))
+        held = len(self._in_flight) + self._running + unscored + len(self._buffer)
         return held < wanted
 
     def _start_group(self) -> Started:
