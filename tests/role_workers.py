@@ -23,10 +23,10 @@ from megarlhf.roles.value import ValueLossConfig, ValueRole
 OPTIM = OptimConfig(lr=1e-3, weight_decay=0.01, clip_grad=1.0, adam_eps=1e-6)
 
 
-def experience_batch(vocab_size: int, *, rows: int, seed: int,
-                     columns: int = 18) -> SequenceBatch:
+def experience_batch(vocab_size: int, *, rows: int, seed: int, columns: int = 18,
+                     samples: int = 1) -> SequenceBatch:
     """Left-padded prompts (3-8 tokens) + right-padded responses (1 to columns - 8 tokens),
-    T = columns."""
+    T = columns; each run of `samples` rows has one prompt (a prompt's samples)."""
     g = torch.Generator().manual_seed(seed)
     prompt_cols, response_cols = 8, columns - 8
     tokens = torch.randint(1, vocab_size, (rows, prompt_cols + response_cols), generator=g)
@@ -35,6 +35,9 @@ def experience_batch(vocab_size: int, *, rows: int, seed: int,
     for r in range(rows):
         p = int(torch.randint(3, prompt_cols + 1, (), generator=g))
         n = int(torch.randint(1, response_cols + 1, (), generator=g))
+        if r % samples:
+            p = int(attention[r - 1, :prompt_cols].sum())
+            tokens[r, :prompt_cols] = tokens[r - 1, :prompt_cols]
         attention[r, prompt_cols - p:prompt_cols + n] = 1
         response[r, prompt_cols:prompt_cols + n] = 1
     tokens = torch.where(attention.bool(), tokens, 0)

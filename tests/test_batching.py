@@ -23,11 +23,13 @@ from megarlhf.roles.batching import (
 from tests.role_workers import experience_batch
 
 
-def _engine(dp_size=1, dp_rank=0, tp=1, sequence_parallel=False, layer_spec="local"):
+def _engine(dp_size=1, dp_rank=0, tp=1, sequence_parallel=False, layer_spec="local",
+            hidden=64):
     return types.SimpleNamespace(
         spec=types.SimpleNamespace(
             layer_spec=layer_spec, model=types.SimpleNamespace(
                 max_position_embeddings=64, num_layers=3, moe_router_topk=2,
+                hidden_size=hidden, num_attention_heads=2,
                 num_experts=1024),  # routing codes up to 1023 (test_routing_is_laid_out...)
             transformer=types.SimpleNamespace(tensor_model_parallel_size=tp,
                                               sequence_parallel=sequence_parallel,
@@ -37,10 +39,15 @@ def _engine(dp_size=1, dp_rank=0, tp=1, sequence_parallel=False, layer_spec="loc
 
 def _stand_in_model(mb: dict) -> torch.Tensor:
     """[R, L] int64: per query, a sum over the keys it may see of a hash of their (token,
-    position), plus its own: a wrong mask, position or token changes it."""
+    position) and of the query-key offset RoPE would rotate by (columns, or the shared-prompt
+    layout's `rotary_columns`), plus its own: a wrong mask, position, offset or token
+    changes it."""
     pair = mb["tokens"] * 1009 + mb["position_ids"] * 7 + 1  # [R, L]
-    visible = ~document_mask(mb["document_ids"])[:, 0]  # [R, Lq, Lk]
-    return (visible * (pair * (mb["position_ids"] + 3))[:, None, :]).sum(-1) * 31 + pair * 17
+    visible = ~document_mask(mb["document_ids"], shared=mb.get("shared_prompt"))[:, 0]
+    rotary = mb.get("rotary_columns", torch.arange(mb["tokens"].shape[1]))
+    offset = rotary[:, None] - rotary[None, :]  # [Lq, Lk]
+    keys = pair * (mb["position_ids"] + 3)
+    return (visible * keys[:, None, :] * (offset + 5)).sum(-1) * 31 + pair * 17
 
 
 def _reference(batch: SequenceBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,14 +79,30 @@ def _assemble(batch: SequenceBatch, batching: Batching, dp: int, **engine_kw):
     return per_token, score
 
 
+def _samples_batch() -> SequenceBatch:
+    """8 rows, the samples of 3 prompts (3, 3, 2 rows: the last group straddles the DP
+    ranks' halves), one response with a token of another party inside (a tool's output in a
+    multi-turn episode: real, not a response token)."""
+    batch = experience_batch(300, rows=9, seed=3, columns=17, samples=3)
+    keep = [0, 1, 2, 3, 4, 5, 6, 7]
+    response = batch.response_mask[keep].clone()
+    longest = int(response.sum(1).argmax())
+    response[longest, 8 + int(response[longest].sum()) // 2] = 0
+    return SequenceBatch(tokens=batch.tokens[keep], attention_mask=batch.attention_mask[keep],
+                         response_mask=response)
+
+
 @pytest.mark.parametrize("batching,dp,engine_kw", [
     (Batching(2), 2, {}),
     (Batching(max_tokens=40), 2, {}),
     (Batching(max_tokens=24, pack=True), 2, {}),
     (Batching(max_tokens=24, pack=True), 1, dict(tp=2, sequence_parallel=True)),
-], ids=["count", "budget-padded", "budget-packed-dp2", "packed-sp"])
+    (Batching(1, share_prompts=True), 2, {}),
+    (Batching(2, share_prompts=True), 1, dict(tp=2, sequence_parallel=True)),
+], ids=["count", "budget-padded", "budget-packed-dp2", "packed-sp", "shared-dp2",
+        "shared-sp"])
 def test_layouts_reproduce_the_padded_batch(batching, dp, engine_kw):
-    batch = experience_batch(300, rows=8, seed=3, columns=17)
+    batch = _samples_batch()
     want_tokens, want_score = _reference(batch)
     got_tokens, got_score = _assemble(batch, batching, dp, **engine_kw)
     assert torch.equal(got_tokens, want_tokens)
@@ -189,3 +212,35 @@ def test_budget_mistakes_are_named():
                           response_mask=torch.tensor([[0, 0, 0, 1]]))
     with pytest.raises(ValueError, match="padding between real tokens"):
         microbatches(_engine(), Batching(max_tokens=100), holes)
+
+
+def test_shared_prompt_layout():
+    """Two samples of the prompt [5, 6, 7]: they share [5, 6] and each repeats 7 in a block of
+    its own; RoPE places both blocks right after the prompt. 8 model positions instead of
+    2 x 5. With the samples of another prompt beside them, whose row would be padded to two
+    blocks, a row per sample keeps fewer activations: each then has one."""
+    batch = SequenceBatch(
+        tokens=torch.tensor([[5, 6, 7, 8, 9], [5, 6, 7, 3, 0], [0, 4, 7, 2, 0]]),
+        attention_mask=torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 1, 0], [0, 1, 1, 1, 0]]),
+        response_mask=torch.tensor([[0, 0, 0, 1, 1], [0, 0, 0, 1, 0], [0, 0, 0, 1, 0]]))
+    two = SequenceBatch(tokens=batch.tokens[:2], attention_mask=batch.attention_mask[:2],
+                        response_mask=batch.response_mask[:2])
+    (mb,) = microbatches(_engine(), Batching(share_prompts=True), two, response_logits=True)
+    assert mb["tokens"].tolist() == [[5, 6, 7, 8, 9, 7, 3, 0]]
+    assert mb["position_ids"].tolist() == [[0, 1, 2, 3, 4, 2, 3, 0]]
+    assert mb["labels"].tolist() == [[6, 7, 8, 9, 0, 3, 0, 0]]
+    assert mb["rotary_columns"].tolist() == [0, 1, 2, 3, 4, 2, 3, 4]
+    assert mb["shared_prompt"].tolist() == [[True, True] + [False] * 6]
+    allowed = ~document_mask(mb["document_ids"], shared=mb["shared_prompt"])[0, 0]
+    assert allowed[6].tolist() == [True, True, False, False, False, True, True, False]
+    assert mb["token_index"].tolist() == [[0, 1, 2, 3, 4], [0, 1, 5, 6, -1]]
+    # The positions whose outputs the response tokens read (their logprobs): 2 for 8, 3 for
+    # 9, 5 for 3.
+    assert mb["logit_index"].tolist() == [2, 3, 5]
+    (mb,) = microbatches(_engine(), Batching(share_prompts=True), batch, response_logits=True)
+    assert mb["tokens"].tolist() == [[5, 6, 7, 8, 9], [5, 6, 7, 3, 0], [0, 4, 7, 2, 0]]
+    assert mb["shared_prompt"].int().tolist() == [[1, 1, 0, 0, 0], [1, 1, 0, 0, 0],
+                                                  [0, 1, 0, 0, 0]]
+    assert mb["rotary_columns"].tolist() == [0, 1, 2, 3, 4]
+    with pytest.raises(ValueError, match="not max_tokens"):
+        Batching(max_tokens=10, share_prompts=True)

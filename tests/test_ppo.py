@@ -1640,14 +1640,23 @@ def test_one_pass_old_logprobs_equal_an_experience_pass(base, tmp_path):
     for mode in ("auto", "experience_pass"):
         runs[mode] = run(dataclasses.replace(config, old_logprobs=mode,
                                              out_dir=str(tmp_path / mode)))
+    # And a model row per sample (share_prompts=false): the same steps again, each prompt
+    # run once per sample; the layout is all that differs.
+    runs["rows"] = run(dataclasses.replace(config, share_prompts=False,
+                                           out_dir=str(tmp_path / "rows")))
     assert not dataclasses.replace(config, old_logprobs="experience_pass").one_pass_old_logprobs
-    for one_pass, separate in zip(runs["auto"], runs["experience_pass"]):
-        compared = [k for k in separate if not k.startswith(("time/", "memory/"))
-                    and k != "tokens_per_s"]
-        assert set(compared) <= set(one_pass)
-        for key in compared:
-            assert one_pass[key] == pytest.approx(separate[key], rel=1e-5, abs=1e-6), key
+    for other in ("auto", "rows"):
+        for step, separate in zip(runs[other], runs["experience_pass"]):
+            compared = [k for k in separate if not k.startswith(("time/", "memory/"))
+                        and k not in ("tokens_per_s", "actor/positions_per_token")]
+            assert set(compared) <= set(step)
+            for key in compared:
+                assert step[key] == pytest.approx(separate[key], rel=1e-5, abs=1e-6), key
     assert runs["auto"][1]["actor/kl_loss"] > 0  # the actor moved in step 1
+    # Two samples per prompt: the shared layout ran fewer model positions than the batch
+    # has real tokens, a row per sample at least as many.
+    for step, rows in zip(runs["auto"], runs["rows"]):
+        assert step["actor/positions_per_token"] < 1 <= rows["actor/positions_per_token"]
 
 
 @pytest.mark.slow

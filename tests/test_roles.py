@@ -107,7 +107,9 @@ def refs(lm_ref, value_refs):
 @pytest.fixture(scope="module")
 def ppo_batch(tiny):
     # T = 17, odd: under sequence parallelism at TP2 the roles pad it to 18 and cut it back.
-    return role_workers.experience_batch(tiny.vocab_size, rows=8, seed=3, columns=17)
+    # Two samples per prompt: layouts with shared prompts run each prompt once.
+    return role_workers.experience_batch(tiny.vocab_size, rows=8, seed=3, columns=17,
+                                         samples=2)
 
 
 @pytest.fixture(scope="module")
@@ -120,6 +122,8 @@ def ppo_reference(refs, ppo_batch, tmp_path_factory):
 def _compare(result, ref, out_dir, ref_dir):
     for role in ("actor", "critic"):
         for key, value in ref[role].items():
+            if key == "positions_per_token":  # what the layouts differ in
+                continue
             assert result[role][key] == pytest.approx(value, rel=TOL, abs=1e-9), f"{role} {key}"
     for key in ("logp", "entropy", "values", "logp_after", "values_after"):
         torch.testing.assert_close(result[key], ref[key], atol=TOL, rtol=0, msg=key)
@@ -154,10 +158,14 @@ STEP_LAYOUTS = {
     # (the p2p shapes are the padded sequence over TP); the actor recomputes whole layers in
     # backward, the critic its core attention. Without them, TP2xPP2xDP2 training is
     # tests/test_parallel_equivalence.py's and the roles at TP2xDP2 the policy-terms test's
-    # below: the roles add nothing to a layout but this padding.
-    "TP2xPP2xDP2+SP+recompute": (P(tensor_parallel=2, pipeline_parallel=2,
-                                   sequence_parallel=True), 8, Batching(2),
-                                 ("full", "selective")),
+    # below: the roles add nothing to a layout but this padding. Shared prompts: each
+    # micro-batch's two samples of a prompt run as one model row (the ptx micro-batches'
+    # rows, of different prompts, as one each: the stages exchange the shapes), every
+    # pipeline stage rotating by the layout's columns, recomputed layers too.
+    "TP2xPP2xDP2+SP+recompute+shared-prompts": (P(tensor_parallel=2, pipeline_parallel=2,
+                                                  sequence_parallel=True), 8,
+                                                Batching(2, share_prompts=True),
+                                                ("full", "selective")),
     "TP1x4microbatches": (P(), 1, Batching(4), ("none", "none")),
     # Token budgets: rows of 4-17 tokens (and as many ptx rows), so each DP rank runs 5-8
     # micro-batches of different shapes. Packed under sequence parallelism (packed rows
@@ -351,5 +359,7 @@ def test_policy_loss_terms_at_tp2_dp2_with_micro_batches_equal_tp1(refs, ppo_bat
     for result in launch_local(role_workers.policy_terms, 4, refs[0], P(tensor_parallel=2),
                                ppo_batch, batching, cfg):
         for key, value in ref["metrics"].items():
+            if key == "positions_per_token":  # what the layouts differ in
+                continue
             assert result["metrics"][key] == pytest.approx(value, rel=TOL, abs=1e-9), key
         torch.testing.assert_close(result["logp_after"], ref["logp_after"], atol=TOL, rtol=0)

@@ -72,10 +72,13 @@ def sft_batch(rows: list[list[Example]], pad_id: int) -> dict[str, torch.Tensor]
             "position_ids": positions, "document_ids": doc}
 
 
-def document_mask(doc: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+def document_mask(doc: torch.Tensor, rows: torch.Tensor | None = None,
+                  shared: torch.Tensor | None = None) -> torch.Tensor:
     """[B, 1, Q, T] bool, True = masked, from document ids [B, T]: causal within a document,
     nothing across, for the query positions `rows` [Q] (all T when None). Give padding
-    positions distinct ids of their own (no softmax row is then empty).
+    positions distinct ids of their own (no softmax row is then empty). Positions marked in
+    `shared` [B, T] (a prompt several sequences of the row continue, roles/batching.py) are
+    keys of every later position of their row.
 
     Batches carry the ids [B, T] and the mask is made where the model runs (engine/schedule.py):
     the mask grows with T^2, the ids with T."""
@@ -83,4 +86,7 @@ def document_mask(doc: torch.Tensor, rows: torch.Tensor | None = None) -> torch.
     keys = torch.arange(T, device=doc.device)
     rows = keys if rows is None else rows
     causal = rows[:, None] >= keys[None, :]
-    return ~((doc[:, rows, None] == doc[:, None, :]) & causal)[:, None]
+    seen = doc[:, rows, None] == doc[:, None, :]
+    if shared is not None:
+        seen = seen | shared[:, None, :]
+    return ~(seen & causal)[:, None]

@@ -7,6 +7,10 @@ them attention is causal. A micro-batch whose rows pack several documents runs a
 B*T tokens cut into segments (models/packed.py: no mask, no attention across documents
 computed); otherwise, and always under context parallelism, the rows run with the document
 mask (data/packing.document_mask, made on the device for the positions this rank runs).
+Rows that continue a prompt several times (roles/batching.py's shared prompts) add
+`shared_prompt` [B, T] (keys every later position of the row sees) and `rotary_columns` [T]
+(the position each column's RoPE angle is that of: models/gpt.rotary_at) and run with the
+mask.
 Shapes may differ between micro-batches (token-budget micro-batches, roles/batching.py): the
 pipeline stages then send each activation's shape ahead of it. Every pipeline stage receives
 the whole dict: later stages need the mask and positions, and the loss closure on the last
@@ -42,7 +46,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.utils import get_model_config
 
 from megarlhf.models import context_parallel
-from megarlhf.models.gpt import logits_at
+from megarlhf.models.gpt import logits_at, rotary_at
 from megarlhf.models.packed import flatten, packed_segments, unflatten
 from megarlhf.models.routing_replay import RoutingReplay, local_order
 from megarlhf.parallel.mesh import Mesh
@@ -94,8 +98,10 @@ def forward_backward(
     check_microbatches(microbatches)
     # Micro-batches that pack documents run as one row of B*T tokens (models/packed.py),
     # except under context parallelism, whose attention takes the document mask.
+    # Rows that continue a shared prompt several times (roles/batching.py) take their mask.
     layouts = [packed_segments(mb["document_ids"], mesh.device)
-               if mesh.cp == 1 and "document_ids" in mb else None for mb in microbatches]
+               if mesh.cp == 1 and "document_ids" in mb and "shared_prompt" not in mb
+               else None for mb in microbatches]
     shapes = {(1, mb["tokens"].numel()) if seg else tuple(mb["tokens"].shape)
               for mb, seg in zip(microbatches, layouts)}
     replaying = "routing" in microbatches[0]
@@ -135,7 +141,7 @@ def forward_backward(
         positions = logit_positions(batch, packed=seg is not None, mesh=mesh)
         if positions is not None:
             inputs["logit_positions"] = positions
-        with logits_at(model, positions):
+        with logits_at(model, positions), rotary_at(model, batch.get("rotary_columns")):
             output = model(inputs["tokens"], inputs.get("position_ids"),
                            inputs.get("attention_mask"),
                            packed_seq_params=inputs.get("packed_seq_params"))

@@ -113,7 +113,8 @@ def local_inputs(batch: dict, mesh: Mesh) -> dict:
     inputs = {k: batch[k] if mine is None else batch[k].index_select(1, mine)
               for k in MODEL_LAYOUT if k in batch}
     if "document_ids" in batch:
-        inputs["attention_mask"] = document_mask(batch["document_ids"], mine)
+        inputs["attention_mask"] = document_mask(batch["document_ids"], mine,
+                                                 batch.get("shared_prompt"))
     return inputs
 
 

@@ -29,14 +29,19 @@ class GPTLMModel(LogitPositionsHook, GPTModel):
     """GPT causal LM whose LM head can run at chosen positions only (`logits_at`)."""
 
 
+def _unwrapped(chunk: torch.nn.Module) -> GPTModel:
+    """The GPT model inside a chunk's wrappers (DDP, Float16Module)."""
+    while not isinstance(chunk, GPTModel):
+        chunk = chunk.module
+    return chunk
+
+
 @contextlib.contextmanager
 def logits_at(chunk: torch.nn.Module, positions: torch.Tensor | None):
     """Within the block, an LM chunk (possibly wrapped: DDP, Float16Module) makes logits only
     at sequence `positions` [n] (None: everywhere); a value model's chunk is unchanged."""
-    model = chunk
-    while positions is not None and not isinstance(model, GPTModel):
-        model = model.module
-    if positions is None or not isinstance(model, GPTLMModel):
+    model = _unwrapped(chunk) if positions is not None else None
+    if not isinstance(model, GPTLMModel):
         yield
         return
     model.logit_positions = positions
@@ -44,6 +49,28 @@ def logits_at(chunk: torch.nn.Module, positions: torch.Tensor | None):
         yield
     finally:
         model.logit_positions = None
+
+
+@contextlib.contextmanager
+def rotary_at(chunk: torch.nn.Module, columns: torch.Tensor | None):
+    """Within the block, the chunk's RoPE rotates sequence position s by the angle of position
+    `columns[s]` [S] (None: by s itself, megatron-core's rule). A row that continues one
+    prompt several times (roles/batching.py, shared prompts) places each continuation at the
+    columns the prompt's own row would: every query-key offset, all RoPE depends on, is then
+    the sequence's own. Every pipeline stage computes its rotary embedding, so every chunk
+    takes the columns."""
+    if columns is None:
+        yield
+        return
+    rotary = _unwrapped(chunk).rotary_pos_emb
+    # megatron-core's RotaryEmbedding.forward(seq_len, ...) gives [S, 1, 1, d] for positions
+    # 0..S-1; an instance attribute shadows the (cached) method for this forward only.
+    whole = rotary.forward
+    rotary.forward = lambda *args, **kwargs: whole(*args, **kwargs).index_select(0, columns)
+    try:
+        yield
+    finally:
+        del rotary.forward
 
 
 class GPTValueModel(PostprocessHook, GPTModel):

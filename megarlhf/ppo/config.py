@@ -502,6 +502,13 @@ class PPOConfig:
     pack_sequences: bool = False
     """Pack each token-budget micro-batch's sequences into one row, each attending only to
     itself, instead of padding them to the longest: no compute on padding."""
+    share_prompts: bool = True
+    """Samples of one prompt in a micro-batch run the prompt once: one model row holds it
+    and each sample's response after it, every response attending to the prompt and to
+    itself (roles/batching.py), with the outputs of separate rows up to summation order. n
+    samples of a P-token prompt then cost about P + n x response positions instead of n x
+    (P + response), in every role's forward and backward. With micro_batches only; token
+    budgets, context parallelism and expert routing replay keep one row per sample."""
     clip_eps: float | None = None
     """(algorithm's) Lower clip range of the importance ratio: 1 - clip_eps."""
     clip_eps_high: float | None = None

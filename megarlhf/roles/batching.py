@@ -20,11 +20,16 @@ How a budget's micro-batch lays its rows out:
 Either way the rows carry document ids and run in the packed THD layout (models/packed.py):
 a sequence's logits equal its logits alone, up to summation order.
 
+With shared prompts (count mode), a micro-batch's samples of one prompt share one model row:
+the prompt once, then each sample's continuation in a block of its own (`_shared_microbatch`),
+under a mask that lets every block see the prompt (`shared_prompt`) and RoPE angles that put
+every block right after it (`rotary_columns`).
+
 A micro-batch dict holds the model inputs [R, L] (tokens, labels, position_ids,
-attention_mask) and, in the global batch's terms, `rows` [b] (which rows), `col0` (its first
-column), `token_index` [b, W] (where the token at (row, col0 + w) sits in the model's output
-flattened to R * L; -1 on padding) and the per-token tensors [b, W] (response_mask, old_logp,
-...). Loss closures read the model's per-position outputs through `about_token` and
+document_ids; shared_prompt and rotary_columns [L] with shared prompts) and, in the global
+batch's terms, `rows` [b] (which rows), `col0` (its first column), `token_index` [b, W]
+(where the token at (row, col0 + w) sits in the model's output flattened to R * L; -1 on
+padding) and the per-token tensors [b, W] (response_mask, old_logp, ...). Loss closures read the model's per-position outputs through `about_token` and
 `at_last_token`, which give [b, W] and [b] in that frame for either layout. An expert
 routing to replay is the one per-token tensor laid out as the model's positions instead
 (`routing` [R, L, layers, k]): the routers read it as they run, not the closures.
@@ -54,6 +59,10 @@ class Batching:
     pack: bool = False
     """Pack each micro-batch's sequences into one row instead of padding them (needs a
     budget: it bounds the packed row)."""
+    share_prompts: bool = False
+    """Count mode: a micro-batch's rows with one prompt (GRPO's samples of a prompt) run it
+    once, in one model row (`_shared_microbatch`). Not under context parallelism or with an
+    expert routing to replay, which keep a model row per sequence."""
 
     def __post_init__(self):
         if self.num_microbatches < 1:
@@ -63,6 +72,9 @@ class Batching:
         if self.max_tokens is not None and self.num_microbatches != 1:
             raise ValueError("a token budget sets the number of micro-batches: give "
                              "max_tokens or num_microbatches, not both")
+        if self.share_prompts and self.max_tokens is not None:
+            raise ValueError("shared prompts lay out count-mode micro-batches: give "
+                             "num_microbatches, not max_tokens")
         if self.pack and self.max_tokens is None:
             raise ValueError("packing needs a token budget (max_tokens) to bound the packed "
                              "rows")
@@ -95,14 +107,21 @@ def microbatches(engine: TrainEngine, batching: Batching, batch: SequenceBatch,
     multiple = sequence_multiple(engine)
     mesh = engine.mesh
     if batching.max_tokens is None:
+        parts = rank_rows(batch.shape[0], mesh.dp_size, mesh.dp_rank, batching.num_microbatches)
+        if (batching.share_prompts and routing is None
+                and engine.spec.transformer.context_parallel_size == 1):
+            first, end = spans(batch)
+            return [_shared_microbatch(batch, list(rows), first, end, model=engine.spec.model,
+                                       multiple=multiple, per_token=per_token,
+                                       response_logits=response_logits)
+                    for rows in parts]
         T = batch.shape[1]
         everything = (torch.zeros(batch.shape[0], dtype=torch.long),
                       torch.full((batch.shape[0],), T))
         return [_microbatch(batch, list(rows), *everything, pack=False, multiple=multiple,
                             per_token=per_token, routing=routing,
                             response_logits=response_logits)
-                for rows in rank_rows(batch.shape[0], mesh.dp_size, mesh.dp_rank,
-                                      batching.num_microbatches)]
+                for rows in parts]
     first, end = spans(batch)
     base = _packed_cost if batching.pack else padded_cost
     cost = lambda span: base(span, multiple)  # noqa: E731
@@ -241,6 +260,88 @@ def _microbatch(batch: SequenceBatch, rows: list[int], first: torch.Tensor, end:
         model_layout = torch.full((R * L, *routing.shape[2:]), -1, dtype=routing.dtype)
         model_layout[token_index[real]] = routing[r, c0:c1][real]
         out["routing"] = model_layout.view(R, L, *routing.shape[2:])
+    return out
+
+
+def _shared_microbatch(batch: SequenceBatch, rows: list[int], first: torch.Tensor,
+                       end: torch.Tensor, *, model, multiple: int, per_token: dict,
+                       response_logits: bool) -> dict:
+    """The micro-batch of `rows` with one model row per prompt: its rows with the same prompt
+    (the tokens before their first response token) share the prompt's tokens but the last,
+    and each continues from there in a block of its own, from the last prompt token to its
+    end:
+
+        [left padding | prompt[:-1] | prompt[-1] + rest 1 | prompt[-1] + rest 2 | ...]
+
+    Each block attends to the shared tokens (`shared_prompt`) and causally to itself, its
+    positions count on from the prompt's, and RoPE places every block at the columns right
+    after the prompt (`rotary_columns`, models/gpt.rotary_at): each token sees the keys, at
+    the offsets, it sees in its own row, so its outputs are that row's up to summation order.
+    The last prompt token, repeated in each block, is the position whose output the first
+    response token reads (its logprob, the value before it), one per row as about_token
+    needs. n samples of a P-token prompt cost P - 1 + n * (1 + rest) positions instead of
+    n * (P + rest); blocks are padded to the longest rest, rows to the most blocks. Where
+    that would keep more activations than a row per sample, the micro-batch is laid out a
+    row per sample (in the same form)."""
+    r = torch.tensor(rows)
+    c0, c1 = int(first[r].min()), int(end[r].max())
+    tokens = batch.tokens[r, c0:c1]
+    start = (first[r] - c0).tolist()
+    stop = (end[r] - c0).tolist()
+    # Where each row's block starts: its last prompt token (a response has one before it).
+    split = (batch.response_mask[r, c0:c1].long().argmax(1) - 1).tolist()
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i in range(len(rows)):
+        groups.setdefault(tuple(tokens[i, start[i]:split[i] + 1].tolist()), []).append(i)
+    members = list(groups.values())
+    P = max(split[g[0]] - start[g[0]] for g in members)
+    S = max(b - a for a, b in zip(split, stop))
+    L = _round_up(P + max(map(len, members)) * S, multiple)
+    alone = _round_up(P + S, multiple)  # a model row per sample
+    # Activations per layer of R rows of L positions, attention scores kept (Korthikanti et
+    # al. 2022, sec. 4.1: 34 h + 5 heads L bytes per position): long responses after a short
+    # prompt would cost more attention (it grows with the square of a row) than sharing
+    # saves; each sample then keeps a row of its own.
+    h, heads = model.hidden_size, model.num_attention_heads
+    if len(members) * L * (34 * h + 5 * heads * L) > len(rows) * alone * (34 * h
+                                                                        + 5 * heads * alone):
+        members, L = [[i] for i in range(len(rows))], alone
+    R, W = len(members), c1 - c0
+    model_tokens = torch.zeros(R, L, dtype=torch.long)
+    positions = torch.zeros(R, L, dtype=torch.long)
+    document = -torch.arange(1, L + 1).repeat(R, 1)  # padding: an id of its own each
+    shared = torch.zeros(R, L, dtype=torch.bool)
+    token_index = torch.full((len(rows), W), -1, dtype=torch.long)
+    for g, group in enumerate(members):
+        k = split[group[0]] - start[group[0]]  # shared tokens
+        model_tokens[g, P - k:P] = tokens[group[0], start[group[0]]:split[group[0]]]
+        positions[g, P - k:P] = torch.arange(k)
+        document[g, P - k:P] = 0
+        shared[g, P - k:P] = True
+        for j, i in enumerate(group):
+            n, b0 = stop[i] - split[i], P + j * S
+            model_tokens[g, b0:b0 + n] = tokens[i, split[i]:stop[i]]
+            positions[g, b0:b0 + n] = k + torch.arange(n)
+            document[g, b0:b0 + n] = j + 1
+            token_index[i, start[i]:split[i]] = g * L + torch.arange(P - k, P)
+            token_index[i, split[i]:stop[i]] = g * L + torch.arange(b0, b0 + n)
+    # A label is the next token of the same sequence: within the shared tokens and within a
+    # block the next column; the last shared token's is the last prompt token, which starts
+    # every block; a block's last token has none.
+    same = F.pad(document[:, 1:] == document[:, :-1], (0, 1))  # padding ids never repeat
+    labels = torch.where(same, F.pad(model_tokens[:, 1:], (0, 1)), 0)
+    for g, group in enumerate(members):
+        if split[group[0]] > start[group[0]]:
+            labels[g, P - 1] = tokens[group[0], split[group[0]]]
+    columns = torch.arange(L)
+    rotary_columns = torch.where(columns < P, columns, P + (columns - P) % S)
+    out = {"tokens": model_tokens, "labels": labels, "position_ids": positions,
+           "document_ids": document, "shared_prompt": shared, "rotary_columns": rotary_columns,
+           "rows": r, "col0": torch.tensor(c0), "token_index": token_index,
+           **{name: value[r, c0:c1] for name, value in per_token.items()}}
+    if response_logits:
+        read = _position_before(token_index)[batch.response_mask[r, c0:c1].bool()]
+        out["logit_index"] = read.unique()
     return out
 
 

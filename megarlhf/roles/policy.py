@@ -111,7 +111,7 @@ def ptx_scale(cfg: PolicyLossConfig, batch: SequenceBatch, ptx: SequenceBatch | 
 
 
 _STEP_METRICS = ("loss_sum", "num_tokens", "pg_sum", "kl_sum", "tokens", "clipped",
-                 "approx_kl", "entropy", "ptx_sum", "ptx_tokens")
+                 "approx_kl", "entropy", "ptx_sum", "ptx_tokens", "positions")
 
 
 def _step_metrics(**given: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -210,8 +210,10 @@ class PolicyRole:
 
         Returns the engine's step metrics and global means: policy loss, KL loss (the
         aggregated KL estimate, before kl_coef), clip fraction, approximate KL (k3, to
-        pi_old) and entropy over response tokens (and ptx loss; with a `routing`, the share of
-        its token routings the routers would have chosen otherwise).
+        pi_old) and entropy over response tokens, the model positions the pass ran per real
+        token of `batch` (padding raises it above 1, shared prompts lower it) (and ptx loss;
+        with a `routing`, the share of its token routings the routers would have chosen
+        otherwise).
         """
         cfg = self.loss
         if kl_coef < 0 or (kl_coef > 0 and ref_logp is None):
@@ -254,7 +256,8 @@ class PolicyRole:
                 loss_sum=num.detach().clone(), num_tokens=den.detach().clone(),
                 pg_sum=pg_num, kl_sum=kl_num, tokens=m.sum(),
                 clipped=stats["clipped"][m].sum(), approx_kl=stats["approx_kl"][m].sum(),
-                entropy=entropy.detach()[m].sum()), **own}
+                entropy=entropy.detach()[m].sum(),
+                positions=torch.tensor(mb["tokens"].numel(), device=logp.device)), **own}
 
         def loss_fn(mb, per_position):
             return (ptx_loss if bool(mb["is_ptx"][0, 0]) else ppo_loss)(mb, per_position)
@@ -284,7 +287,8 @@ class PolicyRole:
                    "kl_loss": s["kl_sum"] / s["num_tokens"],
                    "clip_fraction": s["clipped"] / s["tokens"],
                    "approx_kl": s["approx_kl"] / s["tokens"],
-                   "entropy": s["entropy"] / s["tokens"]}
+                   "entropy": s["entropy"] / s["tokens"],
+                   "positions_per_token": s["positions"] / int(batch.attention_mask.sum())}
         if ptx is not None:
             metrics["ptx_loss"] = s["ptx_sum"] / s["ptx_tokens"]
         if routing is not None:
