@@ -7,17 +7,21 @@ template), 8 prompts x 4 samples x <= 12 new tokens at temperature 1, one update
 (one mini-batch of 32), lr 1e-5 constant, Adam (0.9, 0.95), gradient clip 1, GRPO's group
 advantages divided by the group's std, a k3 KL loss of 0.001 against a frozen reference, the
 token-mean loss (TRL's `loss_type="dapo"`, its token mean over the batch), clip 0.2, the
-built-in `math` checker, seed 0 (`--seed`). TRL runs in one process with this machine's
-threads (HF generate, `use_cpu=True`; bf16 is its `bf16=True`, autocast over fp32
-weights); megarlhf as the recipe says (2 colocated ranks, Megatron rollouts; bf16 is
-`dtype=bf16`, bf16 weights with fp32 master copies). Accuracy: each
+built-in `math` checker, seed 0 (`--seeds`: several, each run by both). TRL runs in one
+process with this machine's threads (HF generate, `use_cpu=True`; bf16 is its `bf16=True`,
+autocast over fp32 weights); megarlhf as the recipe says (2 colocated ranks, Megatron
+rollouts; bf16 is `dtype=bf16`, bf16 weights with fp32 master copies). Accuracy: each
 trained model's greedy answers to the recipe's 64 held-out questions through HF transformers
-(bench_rlvr.hf_accuracy, the same function for both), and the source model's.
+(bench_rlvr.hf_accuracy, the same function for both), and the source model's. One 5-step run
+on 64 questions is a noisy measure (seeds of one trainer spread by 0.2 and more): with several
+seeds the summary says whether the trainers' mean accuracies differ by more than twice the
+standard error of their difference.
 
 TRL is not a dependency of megarlhf: the bench installs it once, without dependencies (it
 needs nothing the venv lacks), into .venv/trl-<version> and runs it from there.
 
-    python -m bench.bench_vs_trl [--steps 8] [--variants fp32,bf16] [--append BENCHMARKS.md]
+    python -m bench.bench_vs_trl [--steps 8] [--variants fp32,bf16] [--seeds 0,1,2]
+        [--append BENCHMARKS.md]
 """
 
 from __future__ import annotations
@@ -160,6 +164,25 @@ def bf16_changed_share(source_dir: str, trained_dir: str) -> float:
     return changed / total
 
 
+def spread(values: list[float]) -> str:
+    """mean +- sample standard deviation (the mean alone for one value)."""
+    if len(values) == 1:
+        return f"{values[0]:.3f}"
+    return f"{statistics.mean(values):.3f} +- {statistics.stdev(values):.3f}"
+
+
+def noise_verdict(ours: list[float], theirs: list[float]) -> str:
+    """Whether two trainers' mean accuracies over seeds differ by more than twice the
+    standard error of their difference (each run's own spread over the seeds)."""
+    if len(ours) < 2:
+        return "one seed each: no spread to compare against"
+    diff = statistics.mean(ours) - statistics.mean(theirs)
+    se = (statistics.variance(ours) / len(ours) + statistics.variance(theirs) / len(theirs)) ** .5
+    inside = abs(diff) <= 2 * se
+    return (f"difference {diff:+.3f}, 2 x its standard error {2 * se:.3f}: "
+            f"{'within' if inside else 'outside'} seed noise")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=8)
@@ -167,42 +190,65 @@ def main() -> None:
     parser.add_argument("--experience-pass", action="store_true",
                         help="also run megarlhf with old_logprobs=experience_pass (the actor's "
                              "separate old-logprob forward: the step before it was cut)")
-    parser.add_argument("--seed", type=int, default=0, help="both trainers' seed")
+    parser.add_argument("--seeds", default="0", help="both trainers' seeds, comma-separated: "
+                        "each dtype runs every seed; the summary compares the accuracies' "
+                        "means against their spread")
     parser.add_argument("--append", default=None, help="append the result to this file")
     parser.add_argument("--trl-worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.trl_worker:
         trl_worker(args.trl_worker)
         return
+    seeds = [int(s) for s in args.seeds.split(",")]
     ours = ["auto"] + (["experience_pass"] if args.experience_pass else [])
-    lines = ["| dtype | trainer | step (s) | TRL step / this | accuracy (fp32 weights) | "
-             "accuracy (bf16 weights) | bf16 elements changed |", "|---" * 7 + "|"]
+    lines = ["| dtype | seed | trainer | step (s) | TRL step / this | accuracy (fp32 weights) | "
+             "accuracy (bf16 weights) | bf16 elements changed |", "|---" * 8 + "|"]
+    summary = ["| dtype | trainer | step (s), median over seeds | TRL step / this | "
+               "accuracy (fp32 weights) | accuracy (bf16 weights) |", "|---" * 6 + "|"]
+    verdicts = []
     with tempfile.TemporaryDirectory() as tmp:
         hf_dir, val, inputs = recipe_inputs(tmp)
         source = None
         for dtype in args.variants.split(","):
-            runs = {}
-            for mode in ours:
-                config, runs[f"megarlhf, old_logprobs={mode}"] = run_megarlhf(
-                    tmp, inputs, dtype, args.steps, mode, args.seed)
-            theirs = runs["TRL"] = run_trl(tmp, hf_dir, config, dtype)
-            if source is None:
-                source = {d: hf_accuracy(hf_dir, val, config.max_new_tokens, d)
-                          for d in ("float32", "bfloat16")}
-            for name in ["TRL"] + [n for n in runs if n != "TRL"]:
-                r = runs[name]
-                accuracy = [hf_accuracy(r["model"], val, config.max_new_tokens, d)
-                            for d in ("float32", "bfloat16")]
-                lines.append(f"| {dtype} | {name} | {r['step']:.2f} | "
-                             f"{theirs['step'] / r['step']:.2f}x | {accuracy[0]:.3f} | "
-                             f"{accuracy[1]:.3f} | "
-                             f"{bf16_changed_share(hf_dir, r['model']):.3f} |")
-                print(lines[-1], flush=True)
-    body = "\n".join(lines) + (
+            by_trainer: dict[str, list[dict]] = {}
+            for seed in seeds:
+                runs = {}
+                for mode in ours:
+                    config, runs[f"megarlhf, old_logprobs={mode}"] = run_megarlhf(
+                        os.path.join(tmp, f"seed{seed}"), inputs, dtype, args.steps, mode,
+                        seed)
+                theirs = runs["TRL"] = run_trl(os.path.join(tmp, f"seed{seed}"), hf_dir,
+                                               config, dtype)
+                if source is None:
+                    source = {d: hf_accuracy(hf_dir, val, config.max_new_tokens, d)
+                              for d in ("float32", "bfloat16")}
+                for name in ["TRL"] + [n for n in runs if n != "TRL"]:
+                    r = runs[name]
+                    r["accuracy"] = [hf_accuracy(r["model"], val, config.max_new_tokens, d)
+                                     for d in ("float32", "bfloat16")]
+                    by_trainer.setdefault(name, []).append(r)
+                    lines.append(f"| {dtype} | {seed} | {name} | {r['step']:.2f} | "
+                                 f"{theirs['step'] / r['step']:.2f}x | {r['accuracy'][0]:.3f} | "
+                                 f"{r['accuracy'][1]:.3f} | "
+                                 f"{bf16_changed_share(hf_dir, r['model']):.3f} |")
+                    print(lines[-1], flush=True)
+            trl_step = statistics.median(r["step"] for r in by_trainer["TRL"])
+            for name, rs in by_trainer.items():
+                step = statistics.median(r["step"] for r in rs)
+                summary.append(f"| {dtype} | {name} | {step:.2f} | {trl_step / step:.2f}x | "
+                               f"{spread([r['accuracy'][0] for r in rs])} | "
+                               f"{spread([r['accuracy'][1] for r in rs])} |")
+                if name != "TRL":
+                    verdicts.append(f"{dtype}, {name} against TRL (fp32 weights): " + noise_verdict(
+                        [r["accuracy"][0] for r in rs],
+                        [r["accuracy"][0] for r in by_trainer["TRL"]]))
+    body = "\n".join(lines + [""] + summary) + "\n\n" + "\n".join(
+        f"- {v}" for v in verdicts) + (
         f"\n\nSteps: medians of steps 2-{args.steps} of each run. Accuracy: greedy answers to "
         f"the recipe's 64 held-out questions after {args.steps} steps (HF transformers, the "
         f"same function for all), the trained weights loaded in fp32 and cast to bf16; the "
         f"source model: {source['float32']:.3f} (fp32), {source['bfloat16']:.3f} (bf16). "
+        f"Summary: mean +- standard deviation over seeds {args.seeds}. "
         f"bf16 elements changed: the share of weight elements whose bf16 value differs from "
         f"the source's. TRL {TRL_VERSION} in one process ({theirs['threads']} threads); "
         f"megarlhf at {os.path.relpath(RECIPE, REPO)} (2 colocated ranks). Settings in "
@@ -211,7 +257,7 @@ def main() -> None:
     if args.append:
         append_entry(args.append, "GRPO step: megarlhf vs TRL's GRPOTrainer (arithmetic "
                      "recipe)", f"python -m bench.bench_vs_trl --steps {args.steps} "
-                     f"--variants {args.variants} --seed {args.seed}"
+                     f"--variants {args.variants} --seeds {args.seeds}"
                      + (" --experience-pass" if args.experience_pass else ""), body)
 
 

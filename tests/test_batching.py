@@ -24,13 +24,12 @@ from tests.role_workers import experience_batch
 
 
 def _engine(dp_size=1, dp_rank=0, tp=1, sequence_parallel=False, layer_spec="local",
-            hidden=64):
+            experts=None):
     return types.SimpleNamespace(
         spec=types.SimpleNamespace(
             layer_spec=layer_spec, model=types.SimpleNamespace(
                 max_position_embeddings=64, num_layers=3, moe_router_topk=2,
-                hidden_size=hidden, num_attention_heads=2,
-                num_experts=1024),  # routing codes up to 1023 (test_routing_is_laid_out...)
+                hidden_size=64, num_attention_heads=4, num_experts=experts),
             transformer=types.SimpleNamespace(tensor_model_parallel_size=tp,
                                               sequence_parallel=sequence_parallel,
                                               context_parallel_size=1)),
@@ -80,14 +79,15 @@ def _assemble(batch: SequenceBatch, batching: Batching, dp: int, **engine_kw):
 
 
 def _samples_batch() -> SequenceBatch:
-    """8 rows, the samples of 3 prompts (3, 3, 2 rows: the last group straddles the DP
+    """8 rows, the samples of 3 prompts (3, 3, 2 rows: the second group straddles the DP
     ranks' halves), one response with a token of another party inside (a tool's output in a
-    multi-turn episode: real, not a response token)."""
-    batch = experience_batch(300, rows=9, seed=3, columns=17, samples=3)
+    multi-turn episode: real, not a response token). Under sequence parallelism, rows 4-7
+    share prompts two by two; the other micro-batches keep a row per sample."""
+    batch = experience_batch(300, rows=9, seed=3, columns=13, samples=3)
     keep = [0, 1, 2, 3, 4, 5, 6, 7]
     response = batch.response_mask[keep].clone()
-    longest = int(response.sum(1).argmax())
-    response[longest, 8 + int(response[longest].sum()) // 2] = 0
+    assert response[7, 8:11].tolist() == [1, 1, 1]
+    response[7, 9] = 0  # in the micro-batches that share prompts below
     return SequenceBatch(tokens=batch.tokens[keep], attention_mask=batch.attention_mask[keep],
                          response_mask=response)
 
@@ -126,7 +126,9 @@ def test_routing_is_laid_out_as_the_model_positions(batching, engine_kw):
     positions = batch.position_ids()
     seen = 0
     for rank in range(2):
-        for mb in microbatches(_engine(2, rank, **engine_kw), batching, batch, routing):
+        # routing codes up to 1023
+        engine = _engine(2, rank, experts=1024, **engine_kw)
+        for mb in microbatches(engine, batching, batch, routing):
             got = mb["routing"]
             assert got.shape == (*mb["tokens"].shape, 3, 2)
             assert torch.equal(got, got[..., :1, :1].expand_as(got))  # per token, all layers
@@ -145,10 +147,10 @@ def test_a_routing_that_does_not_fit_the_model_is_refused():
     batch = experience_batch(300, rows=2, seed=3, columns=17)
     wrong_layers = torch.zeros(2, 17, 2, 2, dtype=torch.int16)
     with pytest.raises(ValueError, match=r"needs \[B, T, layers, k\] = \[2, 17, 3, 2\]"):
-        microbatches(_engine(), Batching(), batch, wrong_layers)
+        microbatches(_engine(experts=1024), Batching(), batch, wrong_layers)
     no_such_expert = torch.full((2, 17, 3, 2), 1024, dtype=torch.int16)
     with pytest.raises(ValueError, match=r"names experts \[1024, 1024\]; this model has 1024"):
-        microbatches(_engine(), Batching(), batch, no_such_expert)
+        microbatches(_engine(experts=1024), Batching(), batch, no_such_expert)
 
 
 def test_micro_batches_by_count_keep_the_batch_width():
@@ -215,32 +217,36 @@ def test_budget_mistakes_are_named():
 
 
 def test_shared_prompt_layout():
-    """Two samples of the prompt [5, 6, 7]: they share [5, 6] and each repeats 7 in a block of
-    its own; RoPE places both blocks right after the prompt. 8 model positions instead of
-    2 x 5. With the samples of another prompt beside them, whose row would be padded to two
-    blocks, a row per sample keeps fewer activations: each then has one."""
+    """Two samples of the prompt [2, 3, 4, 5, 6, 7]: they share [2 .. 6] and each repeats 7
+    in a block of its own; RoPE places both blocks right after the prompt. 11 model
+    positions instead of 2 x 8. With a sample of another prompt beside them, a row with
+    two blocks would leave that prompt's row a block empty: each sample then has a row."""
     batch = SequenceBatch(
-        tokens=torch.tensor([[5, 6, 7, 8, 9], [5, 6, 7, 3, 0], [0, 4, 7, 2, 0]]),
-        attention_mask=torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 1, 0], [0, 1, 1, 1, 0]]),
-        response_mask=torch.tensor([[0, 0, 0, 1, 1], [0, 0, 0, 1, 0], [0, 0, 0, 1, 0]]))
+        tokens=torch.tensor([[2, 3, 4, 5, 6, 7, 8, 9], [2, 3, 4, 5, 6, 7, 3, 0],
+                             [0, 0, 0, 0, 1, 7, 2, 0]]),
+        attention_mask=torch.tensor([[1] * 8, [1] * 7 + [0], [0] * 4 + [1] * 3 + [0]]),
+        response_mask=torch.tensor([[0] * 6 + [1, 1], [0] * 6 + [1, 0], [0] * 6 + [1, 0]]))
     two = SequenceBatch(tokens=batch.tokens[:2], attention_mask=batch.attention_mask[:2],
                         response_mask=batch.response_mask[:2])
     (mb,) = microbatches(_engine(), Batching(share_prompts=True), two, response_logits=True)
-    assert mb["tokens"].tolist() == [[5, 6, 7, 8, 9, 7, 3, 0]]
-    assert mb["position_ids"].tolist() == [[0, 1, 2, 3, 4, 2, 3, 0]]
-    assert mb["labels"].tolist() == [[6, 7, 8, 9, 0, 3, 0, 0]]
-    assert mb["rotary_columns"].tolist() == [0, 1, 2, 3, 4, 2, 3, 4]
-    assert mb["shared_prompt"].tolist() == [[True, True] + [False] * 6]
+    assert mb["tokens"].tolist() == [[2, 3, 4, 5, 6, 7, 8, 9, 7, 3, 0]]
+    assert mb["position_ids"].tolist() == [[0, 1, 2, 3, 4, 5, 6, 7, 5, 6, 0]]
+    assert mb["labels"].tolist() == [[3, 4, 5, 6, 7, 8, 9, 0, 3, 0, 0]]
+    assert mb["rotary_columns"].tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 5, 6, 7]
+    assert mb["shared_prompt"].tolist() == [[True] * 5 + [False] * 6]
     allowed = ~document_mask(mb["document_ids"], shared=mb["shared_prompt"])[0, 0]
-    assert allowed[6].tolist() == [True, True, False, False, False, True, True, False]
-    assert mb["token_index"].tolist() == [[0, 1, 2, 3, 4], [0, 1, 5, 6, -1]]
-    # The positions whose outputs the response tokens read (their logprobs): 2 for 8, 3 for
-    # 9, 5 for 3.
-    assert mb["logit_index"].tolist() == [2, 3, 5]
+    assert allowed[9].tolist() == [True] * 5 + [False] * 3 + [True, True, False]
+    assert mb["token_index"].tolist() == [[0, 1, 2, 3, 4, 5, 6, 7], [0, 1, 2, 3, 4, 8, 9, -1]]
+    # The positions whose outputs the response tokens read (their logprobs): 5 for 8, 6 for
+    # 9, 8 for 3.
+    assert mb["logit_index"].tolist() == [5, 6, 8]
     (mb,) = microbatches(_engine(), Batching(share_prompts=True), batch, response_logits=True)
-    assert mb["tokens"].tolist() == [[5, 6, 7, 8, 9], [5, 6, 7, 3, 0], [0, 4, 7, 2, 0]]
-    assert mb["shared_prompt"].int().tolist() == [[1, 1, 0, 0, 0], [1, 1, 0, 0, 0],
-                                                  [0, 1, 0, 0, 0]]
-    assert mb["rotary_columns"].tolist() == [0, 1, 2, 3, 4]
+    assert mb["tokens"].tolist() == batch.tokens.tolist()
+    assert mb["shared_prompt"].int().tolist() == [[1] * 5 + [0] * 3, [1] * 5 + [0] * 3,
+                                                  [0] * 4 + [1] + [0] * 3]
+    assert mb["rotary_columns"].tolist() == list(range(8))
+    # A mixture-of-experts model keeps a row per sample.
+    (mb,) = microbatches(_engine(experts=8), Batching(share_prompts=True), two)
+    assert "shared_prompt" not in mb and mb["tokens"].shape == (2, 8)
     with pytest.raises(ValueError, match="not max_tokens"):
         Batching(max_tokens=10, share_prompts=True)

@@ -507,8 +507,10 @@ class PPOConfig:
     and each sample's response after it, every response attending to the prompt and to
     itself (roles/batching.py), with the outputs of separate rows up to summation order. n
     samples of a P-token prompt then cost about P + n x response positions instead of n x
-    (P + response), in every role's forward and backward. With micro_batches only; token
-    budgets, context parallelism and expert routing replay keep one row per sample."""
+    (P + response), in every role's forward and backward, where that keeps no more
+    activations than a row per sample. With micro_batches only; token budgets, context
+    parallelism, expert routing replay and a MoE load-balancing loss keep one row per
+    sample."""
     clip_eps: float | None = None
     """(algorithm's) Lower clip range of the importance ratio: 1 - clip_eps."""
     clip_eps_high: float | None = None

@@ -26,18 +26,20 @@ under a mask that lets every block see the prompt (`shared_prompt`) and RoPE ang
 every block right after it (`rotary_columns`).
 
 A micro-batch dict holds the model inputs [R, L] (tokens, labels, position_ids,
-document_ids; shared_prompt and rotary_columns [L] with shared prompts) and, in the global
-batch's terms, `rows` [b] (which rows), `col0` (its first column), `token_index` [b, W]
-(where the token at (row, col0 + w) sits in the model's output flattened to R * L; -1 on
-padding) and the per-token tensors [b, W] (response_mask, old_logp, ...). Loss closures read the model's per-position outputs through `about_token` and
-`at_last_token`, which give [b, W] and [b] in that frame for either layout. An expert
-routing to replay is the one per-token tensor laid out as the model's positions instead
-(`routing` [R, L, layers, k]): the routers read it as they run, not the closures.
+document_ids; shared_prompt [R, L] and rotary_columns [L] with shared prompts) and, in the
+global batch's terms, `rows` [b] (which rows), `col0` (its first column), `token_index`
+[b, W] (where the token at (row, col0 + w) sits in the model's output flattened to R * L; -1
+on padding) and the per-token tensors [b, W] (response_mask, old_logp, ...). Loss closures
+read the model's per-position outputs through `about_token` and `at_last_token`, which give
+[b, W] and [b] in that frame for any layout. An expert routing to replay is the one
+per-token tensor laid out as the model's positions instead (`routing` [R, L, layers, k]):
+the routers read it as they run, not the closures.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import NamedTuple
 
 import torch
@@ -61,8 +63,8 @@ class Batching:
     budget: it bounds the packed row)."""
     share_prompts: bool = False
     """Count mode: a micro-batch's rows with one prompt (GRPO's samples of a prompt) run it
-    once, in one model row (`_shared_microbatch`). Not under context parallelism or with an
-    expert routing to replay, which keep a model row per sequence."""
+    once, in one model row (`_shared_microbatch`). Not under context parallelism or in a
+    mixture-of-experts model, which keep a model row per sequence."""
 
     def __post_init__(self):
         if self.num_microbatches < 1:
@@ -108,7 +110,11 @@ def microbatches(engine: TrainEngine, batching: Batching, batch: SequenceBatch,
     mesh = engine.mesh
     if batching.max_tokens is None:
         parts = rank_rows(batch.shape[0], mesh.dp_size, mesh.dp_rank, batching.num_microbatches)
-        if (batching.share_prompts and routing is None
+        # Mixture-of-experts layers keep a row per sample: their load-balancing loss counts
+        # every routed token (a shared prompt would count once), and expert groups that span
+        # DP ranks exchange tokens in every layer, so the ranks' micro-batch shapes must agree
+        # (each rank's sharing gives its own).
+        if (batching.share_prompts and routing is None and not engine.spec.model.num_experts
                 and engine.spec.transformer.context_parallel_size == 1):
             first, end = spans(batch)
             return [_shared_microbatch(batch, list(rows), first, end, model=engine.spec.model,
@@ -280,9 +286,9 @@ def _shared_microbatch(batch: SequenceBatch, rows: list[int], first: torch.Tenso
     The last prompt token, repeated in each block, is the position whose output the first
     response token reads (its logprob, the value before it), one per row as about_token
     needs. n samples of a P-token prompt cost P - 1 + n * (1 + rest) positions instead of
-    n * (P + rest); blocks are padded to the longest rest, rows to the most blocks. Where
-    that would keep more activations than a row per sample, the micro-batch is laid out a
-    row per sample (in the same form)."""
+    n * (P + rest); blocks are padded to the longest rest. A row holds m samples, m dividing
+    every prompt's count in the micro-batch (`_samples_per_row`); m = 1 is a row per
+    sample, in the same form."""
     r = torch.tensor(rows)
     c0, c1 = int(first[r].min()), int(end[r].max())
     tokens = batch.tokens[r, c0:c1]
@@ -293,19 +299,10 @@ def _shared_microbatch(batch: SequenceBatch, rows: list[int], first: torch.Tenso
     groups: dict[tuple[int, ...], list[int]] = {}
     for i in range(len(rows)):
         groups.setdefault(tuple(tokens[i, start[i]:split[i] + 1].tolist()), []).append(i)
-    members = list(groups.values())
-    P = max(split[g[0]] - start[g[0]] for g in members)
+    P = max(split[g[0]] - start[g[0]] for g in groups.values())
     S = max(b - a for a, b in zip(split, stop))
-    L = _round_up(P + max(map(len, members)) * S, multiple)
-    alone = _round_up(P + S, multiple)  # a model row per sample
-    # Activations per layer of R rows of L positions, attention scores kept (Korthikanti et
-    # al. 2022, sec. 4.1: 34 h + 5 heads L bytes per position): long responses after a short
-    # prompt would cost more attention (it grows with the square of a row) than sharing
-    # saves; each sample then keeps a row of its own.
-    h, heads = model.hidden_size, model.num_attention_heads
-    if len(members) * L * (34 * h + 5 * heads * L) > len(rows) * alone * (34 * h
-                                                                        + 5 * heads * alone):
-        members, L = [[i] for i in range(len(rows))], alone
+    m, L = _samples_per_row([len(g) for g in groups.values()], P, S, multiple, model)
+    members = [g[k:k + m] for g in groups.values() for k in range(0, len(g), m)]
     R, W = len(members), c1 - c0
     model_tokens = torch.zeros(R, L, dtype=torch.long)
     positions = torch.zeros(R, L, dtype=torch.long)
@@ -343,6 +340,29 @@ def _shared_microbatch(batch: SequenceBatch, rows: list[int], first: torch.Tenso
         read = _position_before(token_index)[batch.response_mask[r, c0:c1].bool()]
         out["logit_index"] = read.unique()
     return out
+
+
+def _samples_per_row(sizes: list[int], P: int, S: int, multiple: int, model
+                     ) -> tuple[int, int]:
+    """(m, row length) for groups of `sizes` samples, P shared tokens and blocks of S: each
+    model row holds m samples of one prompt, m dividing every group's size, so that every
+    row has its m blocks filled and the LM head, which runs at the columns any row reads, runs
+    at as many positions as with a row per sample. The largest m whose rows keep no more
+    activations than a row per sample: per layer and position 34 h + 5 heads L bytes
+    (Korthikanti et al. 2022, sec. 4.1, attention scores kept, as local attention does).
+    Attention grows with the square of a row, so long responses after a short prompt may
+    leave m = 1, a row per sample. Fewer positions and a bound that weighs attention area
+    more than any GPU layout does (flash attention keeps a mask per micro-batch, not scores
+    per layer) keep the memory planner's count of a row per sample an upper bound."""
+    rows, alone = sum(sizes), _round_up(P + S, multiple)
+    h, heads = model.hidden_size, model.num_attention_heads
+    kept = lambda R, L: R * L * (34 * h + 5 * heads * L)  # noqa: E731
+    divides = math.gcd(*sizes)
+    for m in range(divides, 1, -1):
+        length = _round_up(P + m * S, multiple)
+        if divides % m == 0 and kept(rows // m, length) <= kept(rows, alone):
+            return m, length
+    return 1, alone
 
 
 def _packed_inputs(tokens: torch.Tensor, lengths: torch.Tensor, multiple: int
