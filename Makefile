@@ -22,8 +22,9 @@ MCORE_NEWEST_DIR := $(VENV)/megatron-core-$(MCORE_NEWEST)
 # which also leans on megatron-core's RoPE slicing per CP rank, an MoE training curve at
 # TP2+SP x EP2, whose load-balancing loss megatron-core weights differently across versions,
 # and LoRA adapters (subclasses of its parallel linear layers) at TP2+SP x PP2 against TP1,
-# and the LM head cut to the response positions inside its private postprocess at TP2+SP):
-# about 5 minutes.
+# the LM head cut to the response positions inside its private postprocess at TP2+SP, and
+# shared prompts at TP2+SP x PP2 x DP2, whose RoPE angles come from its rotary module's output
+# re-indexed per column): about 5 minutes.
 MCORE_NEWEST_TESTS := \
 	"tests/test_roles.py::test_ppo_step_equals_tp1[PP2xCP2+token-budget-padded+recompute]" \
 	"tests/test_parallel_equivalence.py::test_checkpoint_tp2pp2_resumes_at_tp1pp1" \
@@ -32,7 +33,8 @@ MCORE_NEWEST_TESTS := \
 	"tests/test_convert_parallel.py::test_saved_by_training_at_tp2pp2_exports_exactly_and_loads_at_other_layouts[qwen2]" \
 	"tests/test_moe.py::test_train_curve_equals_ep1[tp2sp_ep2]" \
 	"tests/test_sft_rm.py::test_lora_dropout_masks_do_not_depend_on_the_layout" \
-	"tests/test_roles.py::test_the_lm_head_runs_only_where_response_tokens_read_it"
+	"tests/test_roles.py::test_the_lm_head_runs_only_where_response_tokens_read_it" \
+	"tests/test_roles.py::test_ppo_step_equals_tp1[TP2xPP2xDP2+SP+recompute+shared-prompts]"
 
 $(STAMP): setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)

@@ -509,8 +509,7 @@ class PPOConfig:
     samples of a P-token prompt then cost about P + n x response positions instead of n x
     (P + response), in every role's forward and backward, where that keeps no more
     activations than a row per sample. With micro_batches only; token budgets, context
-    parallelism, expert routing replay and a MoE load-balancing loss keep one row per
-    sample."""
+    parallelism and mixture-of-experts models keep one row per sample."""
     clip_eps: float | None = None
     """(algorithm's) Lower clip range of the importance ratio: 1 - clip_eps."""
     clip_eps_high: float | None = None

@@ -114,7 +114,8 @@ def microbatches(engine: TrainEngine, batching: Batching, batch: SequenceBatch,
         # every routed token (a shared prompt would count once), and expert groups that span
         # DP ranks exchange tokens in every layer, so the ranks' micro-batch shapes must agree
         # (each rank's sharing gives its own).
-        if (batching.share_prompts and routing is None and not engine.spec.model.num_experts
+        # (A routing to replay comes with experts only: _check_routing.)
+        if (batching.share_prompts and not engine.spec.model.num_experts
                 and engine.spec.transformer.context_parallel_size == 1):
             first, end = spans(batch)
             return [_shared_microbatch(batch, list(rows), first, end, model=engine.spec.model,
