@@ -97,6 +97,40 @@ def test_losses_match_the_formulas(settings):
     assert metrics["chosen_logp"] < 0 and metrics["pairs"] == 2
 
 
+def test_ipo_logs_rewards_and_accuracy_of_the_per_token_ratios_its_loss_compares():
+    """Two pairs with hand-picked per-token logprobs. Pair 1's chosen response is one token,
+    its rejected four: by summed log-ratios chosen wins (-0.5 > -1.0), by per-token means
+    (IPO's) it loses (-0.5 < -0.25). DPO, on the same batch, keeps the summed ones."""
+    pairs = [Example(prompt=[1, 2], responses=([3], [4, 5, 6, 7])),
+             Example(prompt=[3], responses=([4, 5], [6, 7, 8]))]
+    token_logps = [[-1.0], [-0.2, -0.4, -0.6, -0.8], [-0.3, -0.5], [-0.9, -1.1, -1.0]]
+    batch = dpo_batch(pairs, pad_id=0)
+    batch["ref_logp"] = torch.tensor([-0.5, -1.0, -1.2, -2.4])
+    logp_BT = torch.full(batch["tokens"].shape, -7.0)  # prompt and padding: must not count
+    for row, values in enumerate(token_logps):
+        logp_BT[row, batch["label_mask"][row].bool()] = torch.tensor(values)
+
+    def logged(settings):
+        _, _, sums = preference_loss(settings, batch, logp_BT)
+        return dpo_metrics({k: float(v) for k, v in sums.items()})
+
+    # Per-token log-ratios (p - r)/n: pair 1 chosen (-1.0 + 0.5)/1 = -0.5, rejected
+    # (-2.0 + 1.0)/4 = -0.25; pair 2 chosen (-0.8 + 1.2)/2 = 0.2, rejected (-3.0 + 2.4)/3 = -0.2.
+    ipo = logged(DPOSettings(loss="ipo", beta=0.5))
+    assert ipo["chosen_reward"] == pytest.approx(0.5 * (-0.5 + 0.2) / 2, rel=1e-6)
+    assert ipo["rejected_reward"] == pytest.approx(0.5 * (-0.25 - 0.2) / 2, rel=1e-6)
+    assert ipo["reward_margin"] == pytest.approx(0.5 * ((-0.5 + 0.25) + (0.2 + 0.2)) / 2,
+                                                 rel=1e-5)
+    assert ipo["reward_accuracy"] == 0.5
+    # (h - 1/(2 beta))^2 with h = -0.5 + 0.25 and 0.2 + 0.2.
+    assert ipo["loss"] == pytest.approx(((-0.25 - 1) ** 2 + (0.4 - 1) ** 2) / 2, rel=1e-6)
+    # Summed log-ratios p - r: chosen -0.5 and 0.4, rejected -1.0 and -0.6.
+    dpo = logged(DPOSettings(loss="dpo", beta=0.5))
+    assert dpo["chosen_reward"] == pytest.approx(0.5 * (-0.5 + 0.4) / 2, rel=1e-6)
+    assert dpo["rejected_reward"] == pytest.approx(0.5 * (-1.0 - 0.6) / 2, rel=1e-6)
+    assert dpo["reward_accuracy"] == 1.0
+
+
 def test_kto_matches_its_formula_and_pairs_each_prompt_with_the_previous_completion():
     torch.manual_seed(0)
     rows = [Example(prompt=(1, 2, 3), responses=((4, 5),), label=True),

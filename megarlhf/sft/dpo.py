@@ -18,8 +18,9 @@ b = beta, e = label_smoothing:
     simpo  h = p_c/n_c - p_r/n_r                     loss = -(1-e) ls(b h - g) - e ls(g - b h)
 
 (ls = log sigmoid, g = gamma), plus sft_weight x (-p_c/n_c). The implicit rewards logged are
-b (p - r) per response (b p/n for SimPO); accuracy is the share of pairs whose chosen reward
-is the larger. Losses are summed over pairs and the engine divides by the global pair count.
+b (p - r) per response (b (p - r)/n for IPO, b p/n for SimPO: the per-token means their
+losses compare); accuracy is the share of pairs whose chosen reward is the larger. Losses
+are summed over pairs and the engine divides by the global pair count.
 
 KTO: each row i also has a mismatched row, its prompt with row i-1's completion (the first
 row takes the last row's; the global batch's order, so the estimate does not depend on the
@@ -119,14 +120,18 @@ def preference_loss(settings: DPOSettings, batch: Batch, logp_BT: torch.Tensor):
     length = length.clamp(min=1)  # empty slots of packed rows (weight 0)
     weight = batch["pair_weight"].flatten()[0::2]
     b, e = settings.temperature, settings.label_smoothing
-    ratio = logp - batch["ref_logp"].flatten() if settings.needs_reference else logp / length
+    ratio = logp - batch["ref_logp"].flatten() if settings.needs_reference else logp
+    if settings.loss != "dpo":
+        # IPO and SimPO compare per-token means; the logged rewards and accuracy come from
+        # the same ratios, so they describe the gap the loss pushes on.
+        ratio = ratio / length
     reward = b * ratio
     chosen, rejected = ratio[0::2], ratio[1::2]
     if settings.loss == "dpo":
         h = b * (chosen - rejected)
         per_pair = -(1 - e) * F.logsigmoid(h) - e * F.logsigmoid(-h)
     elif settings.loss == "ipo":
-        h = chosen / length[0::2] - rejected / length[1::2]
+        h = chosen - rejected
         per_pair = (h - 1 / (2 * b)) ** 2
     else:  # simpo
         h = b * (chosen - rejected) - settings.gamma
