@@ -4,7 +4,8 @@ of every command (SFT, RM, PPO, plan).
 A recipe is a YAML file or a 'module:function' that returns the config (or a mapping of its
 fields). Overrides are applied on top with dotted keys for nested fields (`train.steps=100`)
 and values parsed as YAML. Every key must name a field (an unknown or misspelt key is an error
-that lists the valid ones), every value must have the field's type, and each dataclass
+that lists the valid ones; a retired one, in the class's RETIRED, an error that names what
+replaced it), every value must have the field's type, and each dataclass
 validates itself on construction, so a config is checked once, before any process group or
 model exists.
 """
@@ -29,6 +30,10 @@ def from_dict(cls: type[C], data: Any, where: str = "config") -> C:
         raise ValueError(f"{where} must be a mapping of {cls.__name__} fields, got "
                          f"{type(data).__name__}")
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    retired = sorted(set(data) & set(getattr(cls, "RETIRED", {})))
+    if retired:
+        raise ValueError(f"{where}: " + "; ".join(f"{name} is retired: {cls.RETIRED[name]}"
+                                                  for name in retired))
     unknown = sorted(set(data) - set(fields))
     if unknown:
         raise ValueError(f"unknown key(s) {unknown} in {where}; valid keys: {sorted(fields)}")

@@ -69,13 +69,20 @@ class NotATurn(Environment):
 class LowIds(Environment):
     """For toy models: each turn's reward is the share of its text's characters among the
     first letters of the alphabet (learnable by a random model: it shifts its tokens), and
-    the observation a fixed user message; `turns` model turns."""
+    the observation a fixed user message; `turns` model turns. On the rows whose ground truth
+    is in `crash_on`, step raises at the second turn (an environment's infrastructure
+    failing)."""
 
-    def __init__(self, turns: int = 3):
-        self.turns, self.count = turns, 0
+    def __init__(self, turns: int = 3, crash_on: tuple = ()):
+        self.turns, self.count, self.crash_on, self.crashes = turns, 0, crash_on, False
+
+    def reset(self, row):
+        self.crashes = row["ground_truth"] in self.crash_on
 
     def step(self, response):
         self.count += 1
+        if self.crashes and self.count == 2:
+            raise ConnectionError("the simulator went away")
         share = sum(c in "abcdefgh" for c in response) / max(1, len(response))
         return Turn(messages=[{"role": "user", "content": "Next."}], reward=share,
                     done=self.count >= self.turns, metrics={"share": share})

@@ -3,8 +3,9 @@
 It scores each sample with tests.ppo_tasks.low_token_fraction on its token ids (native
 format) or with the length of the query text (openrlhf format), records every request (body
 and headers), and can be told to fail: `fail_next` answers the next requests with HTTP
-status codes (a 301/302/307 redirects elsewhere), `delay` sleeps before answering, `reply`
-replaces the answer.
+status codes (a 301/302/307 redirects elsewhere), `fail_when(body)` answers 503 to every
+request it holds true for (a batch that fails each time), `delay` sleeps before answering,
+`reply` replaces the answer.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ class RewardServer:
     def __init__(self):
         self.requests: list[tuple[dict, dict]] = []  # (body, headers)
         self.fail_next: list[int] = []
+        self.fail_when = None
         self.delay = 0.0
         self.reply = None
         self.lock = threading.Lock()
@@ -32,6 +34,8 @@ class RewardServer:
                 with owner.lock:
                     owner.requests.append((body, dict(self.headers)))
                     status = owner.fail_next.pop(0) if owner.fail_next else 200
+                    if owner.fail_when is not None and owner.fail_when(body):
+                        status = 503
                 time.sleep(owner.delay)
                 if status in (301, 302, 307):
                     self.send_response(status)

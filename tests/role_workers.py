@@ -210,3 +210,36 @@ def logprobs_with_and_without_the_cut(actor_ckpt: str, parallel: ParallelConfig,
         out[name] = {"cut": cut, "whole": whole, "head_rows_cut": rows_cut,
                      "head_rows_whole": sum(head_rows), "pp_last": mesh.pp_rank == mesh.pp - 1}
     return out
+
+
+def masked_rows_update(actor_ckpt: str, critic_ckpt: str, batch: SequenceBatch,
+                       dropped: list[int], seed: int = 5) -> dict:
+    """The actor and the critic updated twice from the same weights: on `batch` with the rows
+    `dropped` out of the loss mask (samples whose score failed; their advantages and returns
+    huge, so any leak shows), and on the batch that never had those rows. Returns each run's
+    grad norms and the logprobs and values after the step on the kept rows."""
+    mesh = init_mesh(ParallelConfig())
+    g = torch.Generator().manual_seed(seed)
+    kept = [r for r in range(batch.shape[0]) if r not in dropped]
+    advantages = torch.randn(batch.shape, generator=g)
+    advantages[dropped] = 1e3
+    returns = torch.randn(batch.shape, generator=g)
+    returns[dropped] = -1e3
+    loss_mask = batch.response_mask.clone()
+    loss_mask[dropped] = 0
+    sub = SequenceBatch(tokens=batch.tokens[kept], attention_mask=batch.attention_mask[kept],
+                        response_mask=batch.response_mask[kept])
+    out = {}
+    # (inputs' rows of the batch, the rows compared after the step)
+    for name, part, rows, pick, mask in (("masked", batch, slice(None), kept, loss_mask),
+                                         ("without", sub, kept, slice(None), None)):
+        actor = PolicyRole(_engine(actor_ckpt, ParallelConfig(), mesh, OPTIM),
+                           loss=PolicyLossConfig(aggregation="seq_mean_token_mean"))
+        critic = ValueRole(_engine(critic_ckpt, ParallelConfig(), mesh, OPTIM))
+        old_logp, old_values = actor.logprobs(part), critic.values(part)
+        step, _ = actor.train_step(part, old_logp - 0.1, advantages[rows], loss_mask=mask)
+        vstep, _ = critic.train_step(part, old_values, returns[rows], loss_mask=mask)
+        out[name] = {"actor_grad_norm": step.grad_norm, "critic_grad_norm": vstep.grad_norm,
+                     "logp_after": actor.logprobs(part)[pick],
+                     "values_after": critic.values(part)[pick]}
+    return out

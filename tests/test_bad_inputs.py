@@ -151,6 +151,11 @@ CONFIG_CASES = [  # (overrides, what the message must name)
     (["placement=disaggregated", "sync_mode=delta", "nproc=2", "pipeline_parallel=2"],
      "sync_mode=delta is not tested with the actor's pipeline_parallel > 1 yet"),
     (["placement=disaggregated", "delta_full_every=0"], "delta_full_every=0 is out of range"),
+    (["max_staleness=1.5"], "max_staleness must be int, got 1.5"),
+    (["stale_groups=later"], "stale_groups='later' is not one of ['wait', 'drop']"),
+    # retired: refused whatever its value, naming the field that replaced it
+    (["async_rollout=true"], "async_rollout is retired: set rollout_mode: one_step_off"),
+    (["async_rollout=false"], "async_rollout is retired: set rollout_mode: one_step_off"),
     (["rollout_gpu_memory_utilization=1.5"], "rollout_gpu_memory_utilization must be in"),
     # multi-turn episodes (megarlhf/envs)
     (["environment=tests.env_fns:Missing"], "environment 'tests.env_fns:Missing' cannot be "
@@ -168,7 +173,15 @@ CONFIG_CASES = [  # (overrides, what the message must name)
     (["environment=tools", "tools=[tests.env_fns:untyped]"],
      "no JSON schema for tests.env_fns:untyped: Argument x is missing a type hint"),
     (["environment=arithmetic_retry", "on_env_error=ignore"],
-     "on_env_error='ignore' is not one of ['stop', 'zero_reward']"),
+     "on_env_error='ignore' is not one of ['stop', 'drop']"),
+    (["environment=arithmetic_retry", "on_env_error=zero_reward"],
+     "on_env_error=zero_reward is retired: it trained a failed episode as reward 0; use drop"),
+    (["reward_max_timeout_fraction=0.5"],
+     "reward_max_timeout_fraction is retired: a sample without a score is masked now; "
+     "max_failed_reward_fraction bounds their share"),
+    (["reward_judge={model: m, template: t, failure_score: 0}"],
+     "reward_judge: failure_score is retired: a verdict that cannot be read gives no score"),
+    (["max_failed_reward_fraction=1.5"], "max_failed_reward_fraction=1.5 is out of range"),
     (["tool_parser=nope"], "tool_parser='nope' is not one of"),
     (["reward_url=ftp://rm/score"], "reward_url='ftp://rm/score' is not an http:// or https://"),
     (["reward_url_headers_env=RM"], "reward_url_headers_env is set, but no reward_url"),
@@ -306,6 +319,15 @@ def test_a_bad_recipe_is_refused(world, capsys, recipe, names):
     refused(["ppo", "--config", path], capsys, world, names=names)
 
 
+def test_a_recipe_holding_a_retired_key_is_refused_in_one_line(world, capsys):
+    recipe = yaml.safe_load((world / "recipe.yaml").read_text())
+    path = world / "retired.yaml"
+    path.write_text(yaml.safe_dump({**recipe, "async_rollout": False}))
+    err = refused(["ppo", "--config", str(path)], capsys, world, names="async_rollout")
+    assert err.splitlines() == [f"error: {path}: async_rollout is retired: set rollout_mode: "
+                                f"one_step_off (or sync)"]
+
+
 def test_an_out_dir_held_by_a_live_run_is_refused(world, capsys):
     claim = run_dir.Claim(str(world / "busy"))
     try:
@@ -441,7 +463,7 @@ def test_a_reward_fn_that_returns_no_reward_is_named_with_the_step_and_sample(fn
 def test_reward_fn_values_of_any_real_type_are_taken():
     reward = RewardFunction("tests.ppo_tasks:typed_reward", allow_non_finite=True)
     try:
-        scores, metrics = reward.score(1, _samples(*[[1] * n for n in range(4)]))
+        scores, metrics, _ = reward.score(1, _samples(*[[1] * n for n in range(4)]))
     finally:
         reward.close()
     assert scores.tolist() == [0.0, 1.0, 2.0, math.inf]  # int, float, 0-d tensor, inf (skip)

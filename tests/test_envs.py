@@ -257,13 +257,13 @@ def test_reset_messages_extend_the_prompt_and_the_row_reaches_reset(tok):
             [pretokenized], PARAMS, ScriptedEngine(tok, lambda k, t: "1"))
 
 
-def test_environment_failures_stop_the_run_or_score_the_episode_zero(tok):
+def test_environment_failures_stop_the_run_or_end_the_episode_unscored(tok):
     from tests.env_fns import Failing, NotATurn
 
     engine = lambda: ScriptedEngine(tok, lambda key, turn: "12")  # noqa: E731
     with pytest.raises(EpisodeError, match=r"environment test_env failed in step\(\) at "
                                            r"p.jsonl:1, turn 2: RuntimeError: the simulator "
-                                           r"crashed \(on_env_error=zero_reward"):
+                                           r"crashed \(on_env_error=drop masks"):
         _runner(tok, lambda: Failing(at=2)).run([_prompt(tok)], PARAMS, engine())
     with pytest.raises(EpisodeError, match=r"in reset\(\) at p.jsonl:1, turn 0: KeyError: "
                                            r"the task id 'x' is unknown"):
@@ -272,14 +272,14 @@ def test_environment_failures_stop_the_run_or_score_the_episode_zero(tok):
                                            r"megarlhf.envs.Turn"):
         _runner(tok, NotATurn).run([_prompt(tok)], PARAMS, engine())
     params = dataclasses.replace(PARAMS, n=2)
-    episodes, metrics = _runner(tok, lambda: Failing(at=2), on_env_error="zero_reward").run(
+    episodes, metrics = _runner(tok, lambda: Failing(at=2), on_env_error="drop").run(
         [_prompt(tok)], params, engine())
-    assert [e.reward for e in episodes] == [0.0, 0.0] and metrics["env/errors"] == 2.0
+    assert metrics["env/errors"] == 2.0  # no turn reward kept: the episode has no score
     assert all(len(e.rewards_at) == 0 and "the simulator crashed" in e.error for e in episodes)
     assert [sum(not p.trained for p in e.parts) for e in episodes] == [1, 1]  # then ended
-    (failed,), metrics = _runner(tok, lambda: Failing(at=0), on_env_error="zero_reward").run(
+    (failed,), metrics = _runner(tok, lambda: Failing(at=0), on_env_error="drop").run(
         [_prompt(tok)], PARAMS, engine())
-    assert failed.final_response == "12" and failed.reward == 0.0  # one turn, from the row
+    assert failed.final_response == "12" and "KeyError" in failed.error  # one turn, from the row
 
 
 def test_async_steps_of_a_turn_run_together(tok):

@@ -53,11 +53,22 @@ def judge_dir(tmp_path_factory):
     head_dim 32 (vLLM's CPU attention serves it)."""
     from tests import hf_models
 
+    from transformers import AutoTokenizer
+
     directory = str(tmp_path_factory.mktemp("judge") / "hf")
-    hf_models.make_model("llama", vocab_size=64, hidden_size=128, intermediate_size=128,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=512, seed=5).save_pretrained(directory)
     _judge_tokenizer(directory)
+    model = hf_models.make_model("llama", vocab_size=64, hidden_size=128, intermediate_size=128,
+                                 num_hidden_layers=2, num_attention_heads=4,
+                                 num_key_value_heads=2, max_position_embeddings=512, seed=5)
+    # A judge that answers with a verdict about half the time, as a trained one would more
+    # often: "No" reads the opposite of "Yes", both louder than the other words, so one of
+    # them leads unless the sample is close to the fence (then no verdict: masked).
+    yes, no = AutoTokenizer.from_pretrained(directory).convert_tokens_to_ids(["Yes", "No"])
+    with torch.no_grad():
+        head = model.get_output_embeddings().weight
+        head[yes] *= 3
+        head[no] = -head[yes]
+    model.save_pretrained(directory)
     return directory
 
 
@@ -342,6 +353,9 @@ def _judge_run(chat_model, judge_dir, tmp_path, **fields) -> PPOConfig:  # noqa:
         **dict(actor=chat_model[0], prompts=str(prompts), out_dir=str(tmp_path / "run"),
                algorithm="grpo", prompts_per_step=4, samples_per_prompt=2, steps=2,
                max_new_tokens=6, actor_lr=1e-3, log_samples=8,
+               # The toy judge's first token is often no verdict: such samples are masked
+               # (checked in _check_judged), as many as there are.
+               max_failed_reward_fraction=1.0,
                reward_judge=JudgeConfig(model=judge_dir, template=_template(tmp_path),
                                         max_new_tokens=3),
                rewards=(RewardTerm("judged", "judge", weight=0.5),
@@ -353,8 +367,9 @@ def _check_judged(config: PPOConfig, judge_dir: str) -> list[dict]:
     """Every training sample's judge_score and reward recomputed from transformers' forward
     of the judge over the judge prompt (its chat template rendered by transformers) and the
     rule; the step metrics from the samples. Judge and trainer are both fp32: 1e-4 is a few
-    float32 roundings of a softmax ratio (the engines and HF sum in different orders).
-    Returns the step metrics."""
+    float32 roundings of a softmax ratio (the engines and HF sum in different orders). A
+    sample whose judge answered with another first token has no score: logged without one,
+    and left out of the step's reward and judge means. Returns the step metrics."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from megarlhf.metrics import read_steps
@@ -379,19 +394,27 @@ def _check_judged(config: PPOConfig, judge_dir: str) -> list[dict]:
         p_yes = float(torch.sigmoid(logp[yes] - logp[no]))
         judged.append(p_yes)
         rule = reward_fns.low_letters([row["response"]])[0]
-        assert row["judge_score"] == pytest.approx(p_yes, abs=1e-4), row
-        assert row["reward"] == pytest.approx(0.5 * p_yes + rule, abs=1e-4), row
         first = tok.decode([int(logp.argmax())])
         assert row["judge"].startswith(first) or first in tok.all_special_tokens, row
         failures.append(int(logp.argmax()) not in (yes, no))
+        if failures[-1]:
+            assert row["judge_score"] is None and row["reward"] is None, row
+            assert row["failed"].startswith("reward_judge: no yes_no verdict"), row
+            continue
+        assert row["judge_score"] == pytest.approx(p_yes, abs=1e-4), row
+        assert row["reward"] == pytest.approx(0.5 * p_yes + rule, abs=1e-4), row
     assert max(judged) - min(judged) > 0.05, judged  # the judge tells the samples apart
     steps = read_steps(config.out_dir)
-    assert [m["reward/judge_parse_failures"] for m in steps] == \
-        [sum(failures[i:i + per_step]) for i in range(0, len(rows), per_step)]
+    per_step_failures = [sum(failures[i:i + per_step]) for i in range(0, len(rows), per_step)]
+    assert [m["reward/failed_samples"] for m in steps] == per_step_failures
+    if config.resolved_rollout_mode != "fully_async":  # there: shares of the scoring calls'
+        assert [m["reward/judge_parse_failures"] for m in steps] == per_step_failures
     for i, m in enumerate(steps):
-        part = rows[i * per_step:(i + 1) * per_step]
-        assert m["reward/mean"] == pytest.approx(sum(r["reward"] for r in part) / per_step,
-                                                 abs=1e-6)
+        part = [r["reward"] for r in rows[i * per_step:(i + 1) * per_step]
+                if r["reward"] is not None]
+        if not part:
+            continue
+        assert m["reward/mean"] == pytest.approx(sum(part) / len(part), abs=1e-6)
         assert m["reward/judged"] == pytest.approx(m["reward/judge_score"])
         assert m["reward/judge_seconds"] > 0
     return steps

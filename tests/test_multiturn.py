@@ -170,12 +170,12 @@ def test_vllm_engines_at_tp2_packed_with_tool_calls_and_dynamic_sampling(chat_mo
                                               abs=1e-5), (row, length)
 
 
-@pytest.mark.parametrize("layout", ["pp2_fully_async", "cp2_async", "vllm_fully_async"])
+@pytest.mark.parametrize("layout", ["pp2_fully_async", "cp2_one_step_off", "vllm_fully_async"])
 def test_megatron_engine_disaggregated_at_pp2_and_cp2(chat_model, prompts, tmp_path, layout):
     """A rollout rank feeding the actor: a Megatron engine at PP2 with fully asynchronous
     rollouts (rollout_mode=fully_async: batches of episodes run while steps train, a weight
     sync waiting only for the turn in progress); at CP2 on packed rows (each split over the 2
-    CP ranks) with the next step's episodes drawn during this one (async_rollout); a vLLM
+    CP ranks) with the next step's episodes drawn during this one (one_step_off); a vLLM
     engine, fully asynchronous. The gap is checked on the first step's episodes, drawn with
     the actor's own weights, and, fully asynchronous, on every later step's tokens of the
     actor's weights (rollout/fresh_logprob_gap_max) when a sync came between turns (the
@@ -186,9 +186,9 @@ def test_megatron_engine_disaggregated_at_pp2_and_cp2(chat_model, prompts, tmp_p
     stream = dict(rollout_mode="fully_async", rollout_correction="tis", max_staleness=1,
                   steps=3, prompts_per_step=2)
     fields = {"pp2_fully_async": dict(pipeline_parallel=2, **stream),
-              "cp2_async": dict(context_parallel=2, async_rollout=True,
-                                rollout_correction="tis", max_tokens_per_micro_batch=128,
-                                pack_sequences=True),
+              "cp2_one_step_off": dict(context_parallel=2, rollout_mode="one_step_off",
+                                       rollout_correction="tis",
+                                       max_tokens_per_micro_batch=128, pack_sequences=True),
               "vllm_fully_async": dict(nproc=1, rollout_backend="vllm", **stream)}[layout]
     if layout.startswith("vllm"):
         _vllm()
@@ -197,7 +197,7 @@ def test_megatron_engine_disaggregated_at_pp2_and_cp2(chat_model, prompts, tmp_p
     history = read_steps(config.out_dir)
     _check_episodes(history, config.out_dir, turns=3,
                     gap_steps=None if config.resolved_rollout_mode == "sync" else 1)
-    if config.async_rollout:
+    if config.resolved_rollout_mode == "one_step_off":
         assert [m["rollout/policy_lag"] for m in history] == [0.0, 1.0]
     if config.resolved_rollout_mode == "fully_async":
         rows = _samples(config.out_dir)
@@ -216,12 +216,27 @@ def test_megatron_engine_disaggregated_at_pp2_and_cp2(chat_model, prompts, tmp_p
 
 def test_resumed_episodes_equal_a_straight_run(chat_model, prompts, tmp_path, monkeypatch):
     """4 steps of 3-turn episodes straight, and the same job resumed from its step-2
-    checkpoint: steps 3-4 and the final actor bitwise equal (on_env_error=zero_reward)."""
+    checkpoint: steps 3-4 and the final actor bitwise equal. The environment crashes in the
+    episodes of rows 1 and 4 (on_env_error=drop): those are logged without a reward, counted,
+    and left out of the reward's mean (every sample of a step is logged, so it is recomputed
+    here from the others); a GRPO group of two crashed episodes is masked whole."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     config = _config(chat_model, prompts, tmp_path / "straight", nproc=1, steps=4,
-                     save_every=2, on_env_error="zero_reward")
+                     save_every=2, on_env_error="drop",
+                     env_args={"turns": 3, "crash_on": ["1", "4"]},
+                     max_failed_reward_fraction=0.5)
     straight = run(config)
-    assert all(m["env/turns_mean"] == 3.0 and m["env/errors"] == 0.0 for m in straight)
+    logged = [r for r in _samples(config.out_dir) if r["phase"] == "train"]
+    for m in straight:
+        rows = [r for r in logged if r["step"] == m["step"]]
+        crashed = [r for r in rows if r["ground_truth"] in ("1", "4")]
+        assert all(r["reward"] is None and "the simulator went away" in r["failed"]
+                   for r in crashed)
+        answered = [r["reward"] for r in rows if r not in crashed]
+        assert m["env/errors"] == m["reward/failed_samples"] == len(crashed)
+        assert m["reward/failed_groups"] == len(crashed) / 2
+        assert m["reward/mean"] == pytest.approx(sum(answered) / len(answered), abs=1e-6)
+    assert sum(m["reward/failed_samples"] for m in straight) > 0
     resumed = dataclasses.replace(config, out_dir=str(tmp_path / "resumed"))
     shutil.copytree(f"{checkpoints.of_run(config.out_dir).root}/step_2",
                     f"{checkpoints.of_run(resumed.out_dir).root}/step_2")

@@ -1157,7 +1157,7 @@ def measure_phases(tmp: str, model_name: str, dtype: str, tp: int, fields: dict)
         phase[0] = "train"
         advantages = torch.randn(batch.shape) * batch.response_mask
         worker.train(batch, exp["logp"], advantages, exp["values"], exp["values"] + advantages,
-                     PolicyInputs())
+                     batch.response_mask, PolicyInputs())
         phase[0] = "sync"
         worker.sync_weights(True)
         phase[0] = "checkpoint"

@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from megarlhf.convert.hf_to_mcore import hf_to_mcore
+from megarlhf.integrity import file_sha256
 from megarlhf.metrics import read_metrics, read_steps
 from megarlhf.models.lora import LoraConfig
 from megarlhf.parallel.mesh import ParallelConfig
@@ -111,14 +112,12 @@ def test_config_errors_name_the_problem(prompts_file, tmp_path):
         dataclasses.replace(base, rollout_nproc=2)
     with pytest.raises(ValueError, match="rollout_nproc must be >= 1"):
         dataclasses.replace(base, placement="disaggregated", rollout_nproc=0)
-    with pytest.raises(ValueError, match="async_rollout=true needs placement=disaggregated"):
-        dataclasses.replace(base, async_rollout=True, rollout_correction="tis")
-    with pytest.raises(ValueError, match="async_rollout=true trains on samples of older "
+    with pytest.raises(ValueError, match="rollout_mode=one_step_off needs placement="
+                                         "disaggregated"):
+        dataclasses.replace(base, rollout_mode="one_step_off", rollout_correction="tis")
+    with pytest.raises(ValueError, match="rollout_mode=one_step_off trains on samples of older "
                                          "weights: set rollout_correction=tis or mis"):
-        dataclasses.replace(base, async_rollout=True, placement="disaggregated")
-    with pytest.raises(ValueError, match="async_rollout=true means rollout_mode=one_step_off, "
-                                         "but rollout_mode=fully_async; set only rollout_mode"):
-        dataclasses.replace(base, async_rollout=True, rollout_mode="fully_async")
+        dataclasses.replace(base, rollout_mode="one_step_off", placement="disaggregated")
     with pytest.raises(ValueError, match="rollout_mode=fully_async needs placement="
                                          "disaggregated"):
         dataclasses.replace(base, rollout_mode="fully_async", rollout_correction="tis")
@@ -128,11 +127,15 @@ def test_config_errors_name_the_problem(prompts_file, tmp_path):
                             placement="disaggregated", routing_replay=True)
     with pytest.raises(ValueError, match="rollout_mode='later' is not one of"):
         dataclasses.replace(base, rollout_mode="later")
-    with pytest.raises(ValueError, match=r"max_staleness=-1.0 is out of range"):
-        dataclasses.replace(base, max_staleness=-1.0)
-    assert dataclasses.replace(base, async_rollout=True, rollout_mode="one_step_off",
-                               placement="disaggregated", rollout_correction="tis"
-                               ).resolved_rollout_mode == "one_step_off"
+    with pytest.raises(ValueError, match=r"max_staleness=-1 is out of range"):
+        dataclasses.replace(base, max_staleness=-1)
+    for fraction in (1.5, True):  # a Python recipe's; YAML's are refused by configio first
+        with pytest.raises(ValueError, match=rf"max_staleness={fraction} must be a whole "
+                                             r"number of weight updates"):
+            dataclasses.replace(base, max_staleness=fraction)
+    assert base.resolved_rollout_mode == "sync"
+    assert dataclasses.replace(base, rollout_mode="one_step_off", placement="disaggregated",
+                               rollout_correction="tis").resolved_rollout_mode == "one_step_off"
     with pytest.raises(ValueError, match="layout.reference is set, but with layout.actor.lora "
                                          "the reference is the actor's own engine"):
         dataclasses.replace(base, placement="disaggregated", layout=Layout(
@@ -414,6 +417,29 @@ def test_prompt_sampler_is_seeded_and_resumable(prompts_file):
     assert PromptSampler(read_prompts(prompts_file), seed=2).next(8) != first[:8]
 
 
+def test_a_rollout_kept_before_rollout_mode_existed_resumes_under_one_step_off(prompts_file,
+                                                                              tmp_path):
+    """A checkpoint written while async_rollout was a field kept its rollout drawn ahead with
+    the settings of that time: the sampling fields and async_rollout=true. A run resumed with
+    rollout_mode=one_step_off trains on that rollout; a synchronous one draws it again."""
+    config = _checked_config(prompts_file, tmp_path, placement="disaggregated",
+                             rollout_mode="one_step_off", rollout_correction="tis")
+    then = {name: getattr(config, name) for name in (
+        "prompts_per_step", "samples_per_prompt", "max_new_tokens", "temperature", "top_p",
+        "top_k", "stop_token_ids", "reward_fn", "reward_model")}
+    kept = tmp_path / "step_2"
+    kept.mkdir()
+    torch.save({"prompt_ids": [[5, 6, 7]]}, kept / checkpoints.PENDING)
+    with open(kept / checkpoints.STATE, "w") as f:
+        json.dump({"pending_rollout_sha256": file_sha256(str(kept / checkpoints.PENDING)),
+                   "pending_rollout_settings": {**then, "async_rollout": True}}, f)
+    state = checkpoints.read_state(str(kept))
+    assert checkpoints.read_pending(str(kept), state, rollouts.settings(config)) == {
+        "prompt_ids": [[5, 6, 7]]}
+    synchronous = dataclasses.replace(config, rollout_mode=None)
+    assert checkpoints.read_pending(str(kept), state, rollouts.settings(synchronous)) is None
+
+
 def _reward_curve(history: list[dict]) -> tuple[float, float]:
     rewards = [m["reward/mean"] for m in history]
     return sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
@@ -573,6 +599,39 @@ def test_a_reward_service_scores_the_rollouts(base, hf_chat_dir, tmp_path, fmt):
     assert metrics["reward/low"] == pytest.approx(served, rel=1e-6), metrics
     assert metrics["reward/mean"] == pytest.approx(1.5 * served, rel=1e-6), metrics
     assert metrics["reward/length"] == config.max_new_tokens  # no EOS: every token
+
+
+@pytest.mark.slow
+def test_a_reward_service_batch_that_always_fails_is_masked(base, tmp_path):
+    """16 GRPO samples in batches of 5: the last batch (sample 15 alone) fails every retry.
+    The step trains on the other 15: reward/mean is the mean of the scores the server
+    answered, the failed sample is counted and logged without a reward, and its group's
+    advantages (recomputed from the log) use its three scored members (tests/test_roles.py
+    checks that a masked sample's loss is exactly absent)."""
+    from tests.reward_server import RewardServer
+
+    server = RewardServer()
+    server.fail_when = lambda body: len(body["prompts"]) == 1
+    try:
+        config = dataclasses.replace(
+            base, out_dir=str(tmp_path), algorithm="grpo", critic=None, nproc=1,
+            tensor_parallel=1, steps=1, ppo_epochs=1, mini_batches=1, prompts_per_step=4,
+            samples_per_prompt=4, kl_coef=None, reward_fn=None, reward_url=server.url,
+            reward_url_batch_size=5, reward_url_retries=1, max_failed_reward_fraction=0.1,
+            log_samples=16)
+        (metrics,) = run(config)
+    finally:
+        server.close()
+    answered = [s for body, _ in server.requests if len(body["prompts"]) > 1
+                for s in RewardServer.score(body)["scores"]]
+    assert len(answered) == 15 and len(set(answered)) > 1
+    assert metrics["reward/mean"] == pytest.approx(sum(answered) / 15, rel=1e-6), metrics
+    assert metrics["reward/failed_samples"] == metrics["reward/url_failed_samples"] == 1
+    assert metrics["reward/failed_groups"] == 0 and metrics["actor/skipped"] == 0
+    with open(os.path.join(config.out_dir, "samples.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    assert rows[15]["reward"] is None and server.url in rows[15]["failed"]
+    _check_group_advantages(config, metrics)
 
 
 @pytest.mark.slow
@@ -926,8 +985,8 @@ def test_delta_sync_at_tp2_equals_a_full_sync(base, tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_async_rollout_overlaps_training_and_resumes_exactly(base, value_refs, tmp_path,
-                                                             monkeypatch):
+def test_one_step_off_rollouts_overlap_training_and_resume_exactly(base, value_refs, tmp_path,
+                                                                   monkeypatch):
     """Disaggregated with a reward model (its scores come from the ref+reward group, which
     the training phases use at the same time: the placement serialises the calls). Step n+1's
     rollout runs while step n learns: their wall-clock spans overlap, and its samples carry
@@ -941,7 +1000,8 @@ def test_async_rollout_overlaps_training_and_resumes_exactly(base, value_refs, t
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # same threads everywhere: same summation order
     config = dataclasses.replace(
         base, out_dir=str(tmp_path / "async"), nproc=1, tensor_parallel=1, steps=4,
-        save_every=2, placement="disaggregated", async_rollout=True, rollout_correction="tis",
+        save_every=2, placement="disaggregated", rollout_mode="one_step_off",
+        rollout_correction="tis",
         reward_model=value_refs[True][1], reward_fn=None, rewards=(
             RewardTerm(name="rm", kind="reward_model", weight=0.5),
             RewardTerm(name="low", kind="fn", function=base.reward_fn)))
@@ -1288,13 +1348,15 @@ VALUE_RUNS = {
                          samples_per_prompt=1, prompts_per_step=16),
     "reinforce_pp_baseline": dict(algorithm="reinforce++_baseline", kl_estimator="k1",
                                   dual_clip=3.0),
-    "dapo_tis": dict(algorithm="dapo", rollout_correction="tis",
+    # The toy judge's text often holds no verdict: those samples are masked (a bound of 1
+    # lets them be), and the advantages are recomputed from the scored ones.
+    "dapo_tis": dict(algorithm="dapo", rollout_correction="tis", max_failed_reward_fraction=1.0,
                      reward_judge=JudgeConfig(verdict="fn", function="tests.test_judge:"
                                               "_length_or_none", **_JUDGED)),
     "dr_grpo_mis": dict(algorithm="dr_grpo", rollout_correction="mis",
                         rollout_correction_level="sequence"),
-    "gspo": dict(algorithm="gspo", layer_spec="sdpa",
-                 reward_judge=JudgeConfig(verdict="rating", failure_score=-1.0, **_JUDGED)),
+    "gspo": dict(algorithm="gspo", layer_spec="sdpa", max_failed_reward_fraction=1.0,
+                 reward_judge=JudgeConfig(verdict="rating", **_JUDGED)),
     "cispo_seq_sum": dict(algorithm="cispo", aggregation="seq_mean_token_sum", kl_in="reward",
                           layer_spec="local",
                           reward_judge=JudgeConfig(verdict="regex", pattern=r"(\d)\]\]",
@@ -1311,8 +1373,13 @@ RUN_ELSEWHERE = {
     "layer_spec": {"auto": "test_grpo_reward_rises"},
     "logprob_gap_policy": {"stop": "test_gap_over_the_limit_stops_before_training"},
     "rollout_mode": {
-        "one_step_off": "test_async_rollout_overlaps_training_and_resumes_exactly",
+        "one_step_off": "test_one_step_off_rollouts_overlap_training_and_resume_exactly",
         "fully_async": "test_fully_async_rollouts_train_within_the_staleness_bound_and_resume"},
+    # fully_async's (the default, wait, runs end to end; drop against a scripted engine)
+    "stale_groups": {
+        "wait": "test_fully_async_rollouts_train_within_the_staleness_bound_and_resume",
+        "drop": "test_streaming.py::test_stale_groups_drop_drops_late_groups_and_logs_their_"
+                "lengths"},
     "sync_mode": {"full": "test_disaggregated_ppo_under_ray_with_vllm_syncs_every_step",
                   "delta": "test_disaggregated_equals_colocated_and_resumes_exactly"},
     "verdict": {"yes_no": "test_judge.py::test_judge_scores_equal_transformers_and_add_to_"
@@ -1340,7 +1407,7 @@ RUN_ELSEWHERE = {
     # Multi-turn episodes (tests/test_multiturn.py, and the real-model tier).
     "on_env_error": {
         "stop": "test_multiturn.py::test_megatron_engine_at_tp2_packed_with_a_critic_and_validation",
-        "zero_reward": "test_multiturn.py::test_resumed_episodes_equal_a_straight_run"},
+        "drop": "test_multiturn.py::test_resumed_episodes_equal_a_straight_run"},
     "tool_parser": {"hermes": "test_real_model.py::test_tool_calls_on_the_real_model",
                     # through the episode loop and a tool worker, the model scripted
                     "llama3_json": "test_envs.py::test_episodes_of_the_tools_environment_with_"
@@ -1460,6 +1527,7 @@ def test_every_enum_value_and_placement_backend_pair_has_a_run():
                 ("placement", "judge_backend"): tuple(
                     (p, b) for p in ppo_config.PLACEMENTS for b in JUDGE_BACKENDS),
                 "sync_mode": ppo_config.SYNC_MODES, "rollout_mode": ppo_config.ROLLOUT_MODES,
+                "stale_groups": ppo_config.STALE_GROUPS,
                 "template": TEMPLATES, "on_bad_record": BAD_RECORD_POLICIES,
                 "recompute": ppo_config.RECOMPUTE, "layer_spec": ppo_config.LAYER_SPECS,
                 "on_env_error": ENV_ERROR_POLICIES, "tool_parser": PARSERS,
@@ -1514,9 +1582,13 @@ def _check_group_advantages(config: PPOConfig, metrics: dict) -> None:
     for g in range(0, len(rows), n):
         group = rows[g:g + n]
         assert all(r["prompt"] == group[0]["prompt"] for r in group)
-        r = torch.tensor([row["reward"] for row in group], dtype=torch.float64)
+        # A sample without a score is no member; a group of fewer than two is not trained.
+        scored = [row["reward"] for row in group if row["reward"] is not None]
+        if len(scored) < 2:
+            continue
+        r = torch.tensor(scored, dtype=torch.float64)
         if o.estimator == "rloo":  # each sample against the mean of the others
-            adv = r - (r.sum() - r) / (n - 1)
+            adv = r - (r.sum() - r) / (len(scored) - 1)
         elif o.advantage_std_norm:  # GRPO: the group's unbiased std, eps 1e-6
             adv = (r - r.mean()) / (r.std() + 1e-6)
         else:  # Dr.GRPO
@@ -1528,9 +1600,9 @@ def _check_group_advantages(config: PPOConfig, metrics: dict) -> None:
 
 def _check_verdicts(config: PPOConfig, metrics: dict) -> None:
     """Each logged sample's judge score is its verdict on the judge's logged text, worked out
-    here (a failure scores failure_score and is counted), and the step's judge metrics are
-    those rows' mean and count. Scores travel as float32: 1e-6 is one rounding of a value
-    below 10."""
+    here (a text without one has no score, and neither has its sample: counted), and the
+    step's judge metrics are the read verdicts' mean and the failures' count. Scores travel
+    as float32: 1e-6 is one rounding of a value below 10."""
     judge = config.reward_judge
 
     def expected(text: str) -> float | None:
@@ -1549,13 +1621,17 @@ def _check_verdicts(config: PPOConfig, metrics: dict) -> None:
     assert len(rows) == config.rows_per_step
     scores = [expected(row["judge"]) for row in rows]
     for row, score in zip(rows, scores):
-        assert row["judge_score"] == pytest.approx(
-            judge.failure_score if score is None else score, abs=1e-6), row
+        if score is None:
+            assert row["judge_score"] is None and row["reward"] is None, row
+            assert row["failed"].startswith(f"reward_judge: no {judge.verdict} verdict"), row
+        else:
+            assert row["judge_score"] == pytest.approx(score, abs=1e-6), row
     parsed = [s for s in scores if s is not None]
     assert len(set(parsed)) > 1, rows  # the verdict read different scores from the texts
     assert metrics["reward/judge_parse_failures"] == len(scores) - len(parsed), metrics
-    assert metrics["reward/judge_score"] == pytest.approx(
-        sum(row["judge_score"] for row in rows) / len(rows), abs=1e-6), metrics
+    assert metrics["reward/failed_samples"] >= len(scores) - len(parsed), metrics
+    assert metrics["reward/judge_score"] == pytest.approx(sum(parsed) / len(parsed),
+                                                          abs=1e-6), metrics
 
 
 @pytest.mark.slow
@@ -1598,8 +1674,8 @@ def test_a_broken_sync_in_an_async_run_is_stopped_by_its_probe(base, tmp_path, m
 
     _break_syncs(monkeypatch, "norm")
     config = dataclasses.replace(base, out_dir=str(tmp_path), nproc=1, tensor_parallel=1,
-                                 steps=3, placement="disaggregated", async_rollout=True,
-                                 rollout_correction="tis")
+                                 steps=3, placement="disaggregated",
+                                 rollout_mode="one_step_off", rollout_correction="tis")
     with pytest.raises(LogprobGapError, match=r"step 1's weight-sync probe: the rollout "
                                               r"engine's logprobs .* on average"):
         run(config)

@@ -32,7 +32,7 @@ def _samples(n: int) -> list[Sample]:
 
 def _client(server, **fields) -> RemoteReward:
     settings = dict(fmt="native", batch_size=3, concurrency=2, timeout=5.0, retries=2,
-                    headers={}, max_failed_fraction=0.5, allow_non_finite=False)
+                    headers={}, allow_non_finite=False)
     return RemoteReward(server.url, **{**settings, **fields})
 
 
@@ -42,7 +42,7 @@ def test_native_batches_carry_every_field_and_headers_and_return_scores(server):
     metric it returns is averaged over the samples."""
     samples = _samples(7)
     client = _client(server, headers={"Authorization": "Bearer t0ken"})
-    scores, metrics = client.score(1, samples)
+    scores, metrics, _ = client.score(1, samples)
     client.close()
     assert scores.tolist() == pytest.approx(
         [low_token_fraction(s.prompt_ids, s.response_ids) for s in samples])
@@ -59,7 +59,7 @@ def test_reply_keys_that_are_not_numbers_per_sample_are_ignored(server):
     server.reply = {"scores": [1, 0, 1], "reasons": ["right", "wrong", "right"], "n": 3,
                     "valid": [True, None, False]}
     client = _client(server)
-    scores, metrics = client.score(1, _samples(3))
+    scores, metrics, _ = client.score(1, _samples(3))
     client.close()
     assert scores.tolist() == [1.0, 0.0, 1.0] and metrics["reward/valid"] == 0.5
     assert "reward/reasons" not in metrics and "reward/n" not in metrics
@@ -68,7 +68,7 @@ def test_reply_keys_that_are_not_numbers_per_sample_are_ignored(server):
 def test_openrlhf_format_sends_query_prompts_labels_and_reads_rewards(server):
     samples = _samples(4)
     client = _client(server, fmt="openrlhf", batch_size=8)
-    scores, _ = client.score(1, samples)
+    scores, _, _ = client.score(1, samples)
     client.close()
     assert scores.tolist() == [float(len(s.prompt + s.response)) for s in samples]
     (body, _), = server.requests
@@ -76,29 +76,47 @@ def test_openrlhf_format_sends_query_prompts_labels_and_reads_rewards(server):
                     "prompts": [s.prompt for s in samples], "labels": ["0", "1", "2", "3"]}
 
 
-def test_transient_failures_are_retried_then_counted_then_stop_the_run(server):
-    """503s and timeouts are retried; a batch failing every retry scores 0 and is counted;
-    more failed samples than reward_max_timeout_fraction stop the run naming the URL and
-    the last error."""
+def test_transient_failures_are_retried_then_fail_their_samples(server):
+    """503s and timeouts are retried; a batch failing every retry gives its samples no score,
+    each with the URL and the last error as its reason, and is counted."""
     samples = _samples(6)
     server.fail_next = [503, 502]
     client = _client(server, batch_size=6, retries=2)
-    scores, metrics = client.score(1, samples)
-    assert metrics["reward/url_retries"] == 2 and scores.sum() > 0
+    scores, metrics, failed = client.score(1, samples)
+    assert metrics["reward/url_retries"] == 2 and scores.sum() > 0 and failed == [None] * 6
     server.fail_next = [503] * 3  # the first batch's three tries; the second succeeds
-    client = _client(server, batch_size=3, concurrency=1, retries=2, max_failed_fraction=0.5)
-    scores, metrics = client.score(2, samples)
-    assert metrics["reward/url_failed_samples"] == 3 and scores[:3].tolist() == [0.0] * 3
-    server.fail_next = [500] * 6
-    with pytest.raises(RewardFnError, match=rf"reward_url {server.url} failed on 6 of 6 "
-                                            r"samples at step 3 .*last error: HTTP 500"):
-        client.score(3, samples)
+    client = _client(server, batch_size=3, concurrency=1, retries=2)
+    scores, metrics, failed = client.score(2, samples)
+    assert metrics["reward/url_failed_samples"] == 3 and failed[3:] == [None] * 3
+    assert failed[:3] == [f"reward_url {server.url} failed after 2 retries: HTTP 503 "
+                          f"told to fail"] * 3
     server.delay = 1.0
     slow = _client(server, batch_size=6, timeout=0.2, retries=0)
-    with pytest.raises(RewardFnError, match="last error: .*timed out"):
-        slow.score(4, samples)
+    _, _, failed = slow.score(4, samples)
+    assert all("timed out" in f for f in failed), failed
     for c in (client, slow):
         c.close()
+
+
+def test_more_failed_samples_than_the_bound_stop_the_run_naming_the_url(server):
+    """4 of 6 samples in batches that fail every retry: above max_failed_reward_fraction
+    (0.5) the step stops in one line naming the URL and the last error; at the bound it goes
+    on."""
+    import types
+
+    from megarlhf.ppo.rollouts import check_failures
+
+    server.fail_when = lambda body: body["prompts"][0] != "p4"  # batches 0-1 and 2-3
+    client = _client(server, batch_size=2, retries=0)
+    _, _, failed = client.score(3, _samples(6))
+    client.close()
+    assert [f is None for f in failed] == [False] * 4 + [True] * 2
+    check_failures(types.SimpleNamespace(max_failed_reward_fraction=0.7), failed, "step 3")
+    with pytest.raises(RewardFnError) as stopped:
+        check_failures(types.SimpleNamespace(max_failed_reward_fraction=0.5), failed, "step 3")
+    assert str(stopped.value) == (
+        f"step 3: 4 of 6 samples have no score (more than max_failed_reward_fraction=0.5); "
+        f"last failure: reward_url {server.url} failed after 0 retries: HTTP 503 told to fail")
 
 
 @pytest.mark.parametrize("status,reply,names", [

@@ -483,7 +483,8 @@ def test_controller_reinforce_pp_is_the_formula_whitened_once(algorithm):
     exp = {"logp": d["logp"], "ref_logp": d["ref"]}
     got, returns = compute_advantages(config, d["score"], exp, d["mask"], kl_coef=0.2)
     s = lists(d["score"])
-    if algorithm == "reinforce++_baseline":
+    if algorithm == "reinforce++_baseline":  # the total clipped, centred, clipped again below
+        s = [min(max(v, -1.5), 1.5) for v in s]
         s = [s[i] - statistics.fmean(s[i - i % 3:i - i % 3 + 3]) for i in range(B)]
     rewards = ref_shaped_rewards(s, lists(d["logp"]), lists(d["ref"]), SPANS, 0.2, "k3", 1.5)
     want = ref_whiten(ref_returns_to_go(rewards, SPANS, 0.9), SPANS)
@@ -505,3 +506,62 @@ def test_controller_group_estimators_whiten_only_when_asked(algorithm):
     whitened, _ = compute_advantages(_controller_config(algorithm, whiten_advantages=True),
                                      score, exp, mask, kl_coef=0.2)
     torch.testing.assert_close(whitened, tensor(ref_whiten(lists(plain), SPANS)), **TOL)
+
+
+# --- samples without a score, and clip_reward, through the controller ------------------------
+
+
+def _config(algorithm: str, **fields):
+    from megarlhf.ppo.config import PPOConfig
+
+    return PPOConfig(actor="a", critic="c", prompts="p", out_dir="o", reward_fn="m:f",
+                     algorithm=algorithm, **fields)
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "rloo"])
+def test_group_baselines_count_the_scored_members_only(algorithm):
+    """Groups of 3: [1, 0, failed] trains its two scored samples against each other; [failed,
+    2, failed] has one scored member left, so the whole group is masked (advantage 0, out
+    of the mask). By hand: GRPO (r - 0.5) / (std([1, 0]) = sqrt(0.5)) + 1e-6); RLOO r minus
+    the other member."""
+    from megarlhf.ppo.controller import compute_advantages
+    from megarlhf.rl import trained_samples
+
+    config = _config(algorithm, prompts_per_step=2, samples_per_prompt=3)
+    score = torch.tensor([1.0, 0.0, math.nan, math.nan, 2.0, math.nan])
+    scored = ~score.isnan()
+    trained = trained_samples(scored, 3)
+    assert trained.tolist() == [True, True, False, False, False, False]
+    mask = make_mask(width=T)[:6] * trained[:, None]
+    exp = {"logp": torch.zeros(6, T), "ref_logp": torch.zeros(6, T)}
+    got, _ = compute_advantages(config, torch.where(trained, score, 0.0), exp, mask, 0.0,
+                                None, trained)
+    step = 0.5 / (math.sqrt(0.5) + 1e-6) if algorithm == "grpo" else 1.0
+    want = torch.tensor([step, -step, 0, 0, 0, 0])[:, None] * mask
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+
+
+def test_clip_reward_clips_each_turn_reward_and_the_total_on_both_paths():
+    """clip_reward 1: turn rewards at tokens 1 and 3 (3.0, -0.5) and 2.0 more from the reward
+    function. GAE (gamma = lam = 1, values 0, no KL): the returns are the clipped rewards to
+    go, [0, 1, 0, -0.5 + (clip(1 - 0.5 + 2) - 0.5)] -> returns [1, 1, 0, 0]. GRPO: each
+    sample's total of clipped turns and the rest, clipped: [3 | rest 0] -> 1, [-0.2, -0.3 |
+    rest -2] -> -1, [0.4 | rest 0.1] -> 0.5; advantages by hand from those."""
+    from megarlhf.ppo.controller import compute_advantages
+
+    mask = torch.ones(3, 4)
+    placed = torch.tensor([[0.0, 3.0, 0.0, -0.5], [0.0, -0.2, 0.0, -0.3],
+                           [0.0, 0.0, 0.0, 0.4]])
+    score = placed.sum(1) + torch.tensor([2.0, -2.0, 0.1])
+    exp = {"logp": torch.zeros(3, 4), "ref_logp": torch.zeros(3, 4),
+           "values": torch.zeros(3, 4)}
+    ppo = _config("ppo", clip_reward=1.0, gamma=1.0, lam=1.0, prompts_per_step=3,
+                  samples_per_prompt=1)
+    _, returns = compute_advantages(ppo, score, exp, mask, 0.0, placed)
+    torch.testing.assert_close(returns[0], torch.tensor([1.0, 1.0, 0.0, 0.0]))
+    grpo = _config("grpo", clip_reward=1.0, prompts_per_step=1, samples_per_prompt=3)
+    got, _ = compute_advantages(grpo, score, exp, mask, 0.0, placed)
+    totals = [1.0, -1.0, 0.5]
+    mean, std = statistics.fmean(totals), statistics.stdev(totals)
+    want = torch.tensor([(t - mean) / (std + 1e-6) for t in totals])[:, None].expand(3, 4)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=0)

@@ -88,13 +88,13 @@ def test_ptx_scale_and_its_checks():
     for mode, ppo_den in (("token_mean", int(batch.response_mask.sum())),
                           ("seq_mean_token_mean", 4)):
         cfg = PolicyLossConfig(ptx_coef=0.5, aggregation=mode)
-        assert ptx_scale(cfg, batch, ptx) == pytest.approx(
+        assert ptx_scale(cfg, batch.response_mask, ptx) == pytest.approx(
             0.5 * ppo_den / int(ptx.response_mask.sum()))
-    assert ptx_scale(PolicyLossConfig(), batch, None) == 0.0
+    assert ptx_scale(PolicyLossConfig(), batch.response_mask, None) == 0.0
     with pytest.raises(ValueError, match="go together"):
-        ptx_scale(PolicyLossConfig(), batch, ptx)
+        ptx_scale(PolicyLossConfig(), batch.response_mask, ptx)
     with pytest.raises(ValueError, match="go together"):
-        ptx_scale(PolicyLossConfig(ptx_coef=1.0), batch, None)
+        ptx_scale(PolicyLossConfig(ptx_coef=1.0), batch.response_mask, None)
     with pytest.raises(ValueError, match="ptx_coef must be >= 0"):
         PolicyLossConfig(ptx_coef=-1.0)
 
@@ -327,6 +327,19 @@ def _reference_terms(r: dict, cfg: PolicyLossConfig) -> dict[str, float]:
     agg = lambda rows: sum(map(sum, rows)) / norm / len(rows)  # noqa: E731 (per-row sums)
     return {"policy_loss": agg(rows_pg), "kl_loss": agg(rows_kl),
             "clip_fraction": clipped / tokens}
+
+
+def test_a_failed_sample_carries_no_loss(refs, ppo_batch):
+    """Rows 1, 2 and 5 out of the loss mask (their advantages +1e3, returns -1e3): the actor's
+    and the critic's steps equal those on the batch that never had them (grad norms, and the
+    logprobs and values after the step). Tolerance 1e-6: the same sums over other batch
+    shapes, fp32."""
+    result = launch_local(role_workers.masked_rows_update, 1, *refs, ppo_batch, [1, 2, 5])[0]
+    masked, without = result["masked"], result["without"]
+    for key in ("actor_grad_norm", "critic_grad_norm"):
+        assert masked[key] == pytest.approx(without[key], rel=1e-6), key
+    for key in ("logp_after", "values_after"):
+        torch.testing.assert_close(masked[key], without[key], atol=1e-6, rtol=0, msg=key)
 
 
 @pytest.fixture(scope="module", params=sorted(POLICY_OPTIONS))

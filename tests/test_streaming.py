@@ -33,8 +33,10 @@ def _length(key: int) -> int:
 
 
 class ScriptedEngine:
-    def __init__(self, delay: float):
+    def __init__(self, delay: float, length=None):
         self.delay, self.version, self.syncing, self.calls = delay, 0, False, 0
+        self.length = length or (lambda key, prompt: _length(key))
+        """A sample's length from its key and its prompt's id."""
 
     def rollout(self, prompts, params, keys):
         assert not self.syncing, "an engine call during a weight sync"
@@ -42,14 +44,14 @@ class ScriptedEngine:
         out = []
         for row, (ids, key, limit) in enumerate(zip(prompts, keys,
                                                      params.max_new_tokens_each)):
-            so_far = ids[1:]  # prompts are one token long
+            so_far, length = ids[1:], self.length(key, ids[0])  # prompts are one token long
             assert so_far == list(range(len(so_far))), (key, ids)
-            assert len(so_far) < _length(key) and limit >= 1
-            new = list(range(len(so_far), min(len(so_far) + limit, _length(key))))
+            assert len(so_far) < length and limit >= 1
+            new = list(range(len(so_far), min(len(so_far) + limit, length)))
             out.append(Completion(prompt_index=row, token_ids=new,
                                   logprobs=[-float(self.version)] * len(new),
                                   finish_reason="stop" if len(so_far) + len(new)
-                                  == _length(key) else "length"))
+                                  == length else "length"))
         time.sleep(self.delay)
         return out
 
@@ -66,14 +68,16 @@ def _score(config, data, workers, answers, samples, step):
     """_reward; one timeout per scoring call (a count metric)."""
     score = torch.tensor([_reward(answers.prompts[c.prompt_index], c)
                           for c in answers.completions])
-    return Scored(score, {"reward/timeouts": 1.0, "reward/length": float(score.mean())}, None)
+    return Scored(score, {"reward/timeouts": 1.0, "reward/length": float(score.mean())}, None,
+                  [None] * len(score))
 
 
 def _stream(monkeypatch, *, steps, staleness, per_call, delay, version=0, pending=None,
-            sampler=None, score=_score, dynamic_rounds=None):
+            sampler=None, score=_score, dynamic_rounds=None, stale_groups="wait", length=None):
     monkeypatch.setattr(streaming, "score_answers", score)
     config = types.SimpleNamespace(
         prompts_per_step=2, samples_per_prompt=3, max_staleness=staleness, steps=steps,
+        stale_groups=stale_groups,
         partial_rollout_tokens=per_call, max_new_tokens=MAX, temperature=1.0, seed=1,
         top_p=1.0, top_k=0, dynamic_sampling_rounds=dynamic_rounds or 0,
         options=types.SimpleNamespace(dynamic_sampling=dynamic_rounds is not None))
@@ -85,7 +89,7 @@ def _stream(monkeypatch, *, steps, staleness, per_call, delay, version=0, pendin
             for c in completions])
     sampler = sampler or PromptSampler([Prompt(ids=(1000 + i,), where=f"p{i}")
                                         for i in range(64)], seed=0)
-    engine = ScriptedEngine(delay)
+    engine = ScriptedEngine(delay, length)
     engine.version = version
     return streaming.Stream(config, data, engine, sampler, weight_version=version,
                             pending=pending), engine
@@ -224,9 +228,7 @@ def test_a_stale_drop_wakes_an_idle_producer(monkeypatch):
     stream, engine = _stream(monkeypatch, steps=1, staleness=1, per_call=MAX, delay=0.0)
     (d,) = _train(stream, engine, 1, 1, train_s=0.0)
     stream.stop()
-    template = streaming.Finished(group=_first_group(d), versions=d.versions[:3], oldest=0,
-                                  metrics={})
-    old, fine = _aged(template, 0), _aged(template, 2)
+    old, fine = _aged(_group(d), 0), _aged(_group(d), 2)
     late, engine = _stream(monkeypatch, steps=3, staleness=1, per_call=MAX, delay=0.0,
                            version=2, pending=streaming.StreamState([], [old, fine], 0, 10))
     late._start()
@@ -242,23 +244,89 @@ def test_a_stale_drop_wakes_an_idle_producer(monkeypatch):
     assert result[0].metrics["rollout/stale_dropped"] == 1 and engine.calls == 1
 
 
-def test_groups_beyond_max_staleness_are_dropped_and_counted(monkeypatch):
-    """Groups of versions 0, 1, 2 and 2 buffered, the engines at version 3, max_staleness=1:
-    step 4 would train them at lags 3, 2, 1 and 1, so the first two are dropped."""
+def test_stale_groups_drop_drops_late_groups_and_logs_their_lengths(monkeypatch):
+    """stale_groups=drop, max_staleness=1, the engines at version 3: buffered, two copies of
+    a long group (keys 3-5: 8, 5 and 2 tokens) of versions 0 and 1 and two of a short one
+    (keys 0-2: 1, 6 and 3 tokens) of version 2; in flight, a group of version 1 with 3, 1
+    and 2 tokens so far. Step 4 would train them at lags 3, 2, 1, 1 and 2: it drops the
+    first two and the one in flight, and logs their 9 samples' mean length, (2 x 15 + 6) / 9
+    = 4, beside the trained ones', 20 / 6."""
     stream, engine = _stream(monkeypatch, steps=2, staleness=1, per_call=MAX, delay=0.0)
-    (d,) = _train(stream, engine, 1, 1, train_s=0.0)
+    (d,) = _train(stream, engine, 1, 1, train_s=0.0)  # the first call's groups, in order
     stream.stop()
-    template = streaming.Finished(group=_first_group(d), versions=d.versions[:3], oldest=0,
-                                  metrics={})
-    groups = [_aged(template, version) for version in (0, 1, 2, 2)]
+    assert [len(c.token_ids) for c in d.completions] == [_length(key) for key in range(6)] \
+        == [1, 6, 3, 8, 5, 2]
+    groups = [_aged(_group(d, 1), 0), _aged(_group(d, 1), 1), _aged(_group(d), 2),
+              _aged(_group(d), 2)]
+    cut = streaming.Started(Prompt(ids=(2000,), where="cut"), [
+        streaming.Partial(key=key, tokens=list(range(count)), logprobs=[-1.0] * count,
+                          versions=[1] * count) for key, count in ((3, 3), (4, 1), (5, 2))],
+        version=1)
     late, engine = _stream(monkeypatch, steps=6, staleness=1, per_call=1, delay=0.0,
-                           version=3, pending=streaming.StreamState([], groups, 0, 10_000))
+                           version=3, stale_groups="drop",
+                           pending=streaming.StreamState([cut], groups, 0, 10_000))
     d = late.take(4)
     late.stop()
     assert late._error is None
     _check(4, d, staleness=1)
-    assert d.metrics["rollout/stale_dropped"] == 2
+    assert d.metrics["rollout/stale_dropped"] == 3
+    assert d.metrics["rollout/stale_dropped_length_mean"] == pytest.approx(4.0)
+    assert d.metrics["rollout/trained_length_mean"] == pytest.approx(20 / 6)
     assert d.weight_version == 2 and d.metrics["rollout/policy_lag_max"] == 1
+
+
+LONG = (1017, 1003, 1047, 1021, 1033, 1063)
+"""Prompts answered with MAX tokens in the next test; the others with 1."""
+
+
+def test_late_long_groups_are_waited_for_and_train_as_synchronously(monkeypatch):
+    """The default stale_groups=wait, max_staleness=2, a token per call: the sampler draws
+    1044, 1046, 1017, 1003, 1047, 1021 (version 0), 1035, 1006 (version 1), 1033, 1002,
+    1063, 1019, ...; long answers take 8 calls, so the four long groups of version 0 finish
+    behind the short ones of version 1 (dropping, step 2 would train those, and step 4 drop
+    two of the long groups). No group is dropped, no trained token lags more than 2, and the
+    steps train the answers the synchronous mode trains: the first 6 x 2 prompts'."""
+    def length(key, prompt):
+        return MAX if prompt in LONG else 1
+
+    stream, engine = _stream(monkeypatch, steps=6, staleness=2, per_call=1, delay=0.01,
+                             length=length)
+    drawn = _train(stream, engine, 1, 6, train_s=0.0)
+    stream.stop()
+    assert stream._error is None
+    for step, d in enumerate(drawn, start=1):
+        _check(step, d, staleness=2)
+        assert d.metrics["rollout/stale_dropped"] == 0 and d.metrics["time/staleness_wait"] >= 0
+    synchronous = PromptSampler([Prompt(ids=(1000 + i,), where=f"p{i}") for i in range(64)],
+                                seed=0).next(6 * 2)
+    assert sorted(len(c.token_ids) for d in drawn for c in d.completions) == sorted(
+        length(None, p.ids[0]) for p in synchronous for _ in range(3))
+
+
+def test_a_step_waits_for_old_groups_a_later_step_could_not_all_train(monkeypatch):
+    """max_staleness=2, after step 1: two short groups of version 1 buffered, four of
+    version 0 still generating (6 to 7 more calls). Step 3 is the last that may train
+    those four, and it takes two groups: step 2 waits (time/staleness_wait) until two of
+    them finish and trains them rather than the buffered younger ones, and step 3 the other
+    two; none dropped."""
+    stream, engine = _stream(monkeypatch, steps=2, staleness=1, per_call=MAX, delay=0.0)
+    (d,) = _train(stream, engine, 1, 1, train_s=0.0)
+    stream.stop()
+    young = [_aged(_group(d), 1), _aged(_group(d, 1), 1)]
+    # keys 3-5, 9-11, 12-14 and 21-23: their samples end at 8, 5, 2; 6, 3, 8; 5, 2, 7; 2, 7, 4
+    old = [streaming.Started(Prompt(ids=(2000 + key,), where="old"), [
+        streaming.Partial(key=key + i, tokens=[0], logprobs=[0.0], versions=[0])
+        for i in range(3)], version=0) for key in (3, 9, 12, 21)]
+    resumed, engine = _stream(monkeypatch, steps=3, staleness=2, per_call=1, delay=0.01,
+                              version=1, pending=streaming.StreamState(old, young, 0, 100))
+    drawn = _train(resumed, engine, 2, 3, train_s=0.0)
+    resumed.stop()
+    assert resumed._error is None
+    for step, d in enumerate(drawn, start=2):
+        _check(step, d, staleness=2)
+        assert d.weight_version == 0 and d.metrics["rollout/stale_dropped"] == 0
+    assert drawn[0].metrics["time/staleness_wait"] > 0
+    assert sorted(p.ids[0] for d in drawn for p in d.prompts[::3]) == [2003, 2009, 2012, 2021]
 
 
 def _aged(template, version):
@@ -270,10 +338,14 @@ def _aged(template, version):
     return f
 
 
-def _first_group(d):
+def _group(d, i=0):
+    """Group `i` of a step's rollout `d`, as buffered with version 0."""
     from megarlhf.ppo.rollouts import Answers, Group
-    return Group(Answers(d.prompts[:3], d.completions[:3], None, {}), d.samples[:3],
-                 d.score[:3], None)
+    rows = slice(3 * i, 3 * i + 3)
+    return streaming.Finished(group=Group(Answers(d.prompts[rows], d.completions[rows], None,
+                                                  {}), d.samples[rows], d.score[rows], None,
+                                          [None] * 3),
+                              versions=d.versions[rows], oldest=0, metrics={})
 
 
 def test_dynamic_sampling_drops_equal_score_groups_within_its_budget(monkeypatch):

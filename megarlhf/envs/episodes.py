@@ -40,7 +40,7 @@ from megarlhf.rollout.engine import Completion, SamplingParams
 
 _log = logging.getLogger(__name__)
 
-ENV_ERROR_POLICIES = ("stop", "zero_reward")
+ENV_ERROR_POLICIES = ("stop", "drop")
 TURN_SEED = 2**40
 """Seed offset between the turns of a step (rounds of a step differ by 2**32)."""
 SUMMED = {"tool_calls": "env/tool_calls_mean", "tool_errors": "env/tool_errors"}
@@ -81,7 +81,8 @@ class Episode:
     final_ids: tuple[int, ...]
     """The last model turn, as text and token ids (what a reward function scores)."""
     error: str | None = None
-    """The environment's failure, when on_env_error=zero_reward scored the episode 0."""
+    """The environment's failure, when on_env_error=drop ended the episode: it has no score
+    (the controller masks it)."""
 
     @property
     def reward(self) -> float:
@@ -174,7 +175,7 @@ class EpisodeRunner:
 
     def _answered(self, s: "_State", answer: Turn | None, turn: int) -> bool:
         """Take the environment's answer; whether the episode goes on."""
-        if answer is None:  # failed, scored 0 (on_env_error=zero_reward)
+        if answer is None:  # failed (on_env_error=drop): ends unscored
             return False
         if isinstance(answer.reward, bool) or not isinstance(answer.reward, numbers.Real):
             raise EpisodeError(f"environment {self.name} at {s.prompt.where}, turn {turn + 1}: "
@@ -258,7 +259,7 @@ class EpisodeRunner:
                     f"rollout_max_model_len (vLLM) or shorten the messages")
 
     async def _step(self, s: "_State", turn: int) -> Turn | None:
-        if s.error is not None:  # its reset failed: one turn from the row's prompt, scored 0
+        if s.error is not None:  # its reset failed: one turn from the row's prompt, unscored
             return None
         try:
             answer = await _maybe_await(s.env.step(s.texts[-1]))
@@ -287,8 +288,8 @@ class EpisodeRunner:
             raise EpisodeError(message + " (checked on the first prompt row before "
                                          "launch)") from e
         if self.limits.on_env_error == "stop":
-            raise EpisodeError(message + " (on_env_error=zero_reward scores such episodes 0 "
-                                         "and goes on)") from e
+            raise EpisodeError(message + " (on_env_error=drop masks such episodes and goes "
+                                         "on)") from e
         s.error = message
         s.rewards_at.clear()
 

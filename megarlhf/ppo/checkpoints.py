@@ -57,7 +57,7 @@ def read_state(path: str) -> dict:
 
 
 def save(config, workers, step: int, state: dict, pending=None, settings=None) -> str:
-    """`pending`: the next step's rollout, drawn ahead (async_rollout), kept with its
+    """`pending`: the next step's rollout, drawn ahead (one_step_off), kept with its
     checksum and the `settings` it was drawn with in the controller state."""
     steps = of_run(config.out_dir)
     final = steps.path(step)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+from typing import ClassVar
 
 from megarlhf.data.config import BAD_RECORD_POLICIES, TEMPLATES
 from megarlhf.data.records import KIND_FIELDS, OPTIONAL_FIELDS
@@ -40,6 +41,7 @@ WORKER_GROUPS = ("local", "ray")
 PLACEMENTS = ("colocated", "disaggregated")
 SYNC_MODES = ("full", "delta")
 ROLLOUT_MODES = ("sync", "one_step_off", "fully_async")
+STALE_GROUPS = ("wait", "drop")
 LAYER_SPECS = ("auto", "local", "sdpa")
 """Megatron layer specs of every role and of the Megatron rollout engine (models/specs.py;
 'te' is refused there: TE_REFUSED)."""
@@ -89,9 +91,9 @@ _RANGES = (  # (field, low, high, low included?); high is included, values must 
     ("phase_timeout_min_s", 0.0, math.inf, False),
     ("reward_timeout", 0.0, math.inf, False),
     ("tool_timeout", 0.0, math.inf, False),
-    ("reward_max_timeout_fraction", 0.0, 1.0, True),
+    ("max_failed_reward_fraction", 0.0, 1.0, True),
     ("delta_full_every", 1, math.inf, True),
-    ("max_staleness", 0.0, math.inf, True),
+    ("max_staleness", 0, math.inf, True),
     ("partial_rollout_tokens", 0, math.inf, True),
 )
 
@@ -193,6 +195,12 @@ TRAINED_ROLES = ("actor", "critic")
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PPOConfig:
+    # Keys recipes may still hold from earlier releases -> the fix, refused with it by
+    # configio.from_dict (before any rank starts) rather than as unknown keys.
+    RETIRED: ClassVar[dict[str, str]] = {
+        "async_rollout": "set rollout_mode: one_step_off (or sync)",
+        "reward_max_timeout_fraction": "a sample without a score is masked now; "
+                                       "max_failed_reward_fraction bounds their share"}
     # -- models (Megatron checkpoints; tools/convert_hf makes them from HF) --
     actor: str
     """Policy checkpoint; also the frozen reference model."""
@@ -213,11 +221,16 @@ class PPOConfig:
     reward_workers: int = 2
     """Worker processes that run reward-function calls (a batch is split among them)."""
     reward_timeout: float = 60.0
-    """Seconds one reward-function call may take; a call past it scores its samples 0 and
-    is counted in reward/timeouts."""
-    reward_max_timeout_fraction: float = 0.5
-    """Stop the run when more than this share of a step's samples timed out (or, with
-    reward_url, failed after every retry)."""
+    """Seconds one reward-function call may take; a call past it gives its samples no score
+    (masked, as every failed score) and is counted in reward/timeouts."""
+    max_failed_reward_fraction: float = 0.05
+    """A sample whose score could not be computed (a reward_fn call that timed out, a
+    reward_url batch that failed every retry, a judge verdict that could not be read, an
+    episode dropped by on_env_error=drop) is masked: no loss, no value target, no part in any
+    statistic or group baseline; a group estimator's group left with fewer than two scored
+    samples is masked whole. Counted in reward/failed_samples and reward/failed_groups. A step
+    (or validation) where more than this share of the samples failed stops the run, naming
+    the source and its last error."""
     reward_url: str | None = None
     """An HTTP(S) endpoint that scores samples (megarlhf/ppo/remote_reward.py): each step's
     samples are POSTed as JSON in batches; its scores are added to the other rewards' (and
@@ -363,23 +376,27 @@ class PPOConfig:
     delta_full_every: int = 20
     """sync_mode=delta: the weights of every step that is a multiple of this sync whole (and
     the first sync of each start); the other steps' as deltas."""
-    async_rollout: bool = False
-    """Disaggregated only: generate step n+1's samples while step n trains (one-step-off
-    policy). The engine's weights are then one update behind the actor's when it samples;
-    needs a rollout_correction to weigh that gap. Each step logs its samples' weight version
-    (rollout/weight_version, rollout/policy_lag). The same as rollout_mode=one_step_off."""
     rollout_mode: str | None = None
     """When the rollout engines sample, relative to training. 'sync': each step's samples
-    after the step before synced its weights. 'one_step_off': step n+1's while step n
-    trains (as async_rollout=true). 'fully_async' (disaggregated): the engines generate
+    after the step before synced its weights. 'one_step_off' (disaggregated): step n+1's
+    while step n trains, so the engine's weights are one update behind the actor's when it
+    samples (each step logs rollout/weight_version and rollout/policy_lag); needs a
+    rollout_correction to weigh that gap. 'fully_async' (disaggregated): the engines generate
     without waiting into a buffer of finished groups; each step takes its groups from it,
-    oldest weights first (ppo/streaming.py). Samples more than max_staleness weight
-    versions old are dropped (rollout/stale_dropped), and the engines pause rather than
-    start groups that would be. None: 'one_step_off' with async_rollout=true, else
-    'sync'."""
-    max_staleness: float = 1.0
+    oldest weights first (ppo/streaming.py). No sample trains more than max_staleness
+    weight versions old: the engines pause rather than start groups that would, and a group
+    that finishes late is waited for or dropped (stale_groups). None: 'sync'."""
+    max_staleness: int = 1
     """rollout_mode=fully_async: the most weight updates a trained sample's oldest token may
-    lag the actor by (0 waits for each sync, as sync does)."""
+    lag the actor by, a whole number (0 waits for each sync, as sync does)."""
+    stale_groups: str = "wait"
+    """rollout_mode=fully_async: what becomes of a group that finishes late (its long samples
+    took more engine calls than the others') while younger groups fill the buffer. 'wait':
+    each step trains the groups it is the last max_staleness allows, waiting for them if it
+    must (time/staleness_wait), so long answers train as often as short ones. 'drop': steps
+    take what finished first and drop a group once it would lag more (rollout/stale_dropped;
+    rollout/stale_dropped_length_mean beside rollout/trained_length_mean shows the bias to
+    short answers this costs)."""
     partial_rollout_tokens: int = 256
     """rollout_mode=fully_async: the new tokens a sample gets per engine call. A weight sync
     waits for the call in progress, then the unfinished samples continue under the new
@@ -456,7 +473,8 @@ class PPOConfig:
     max_new_tokens."""
     on_env_error: str = "stop"
     """An environment that raises in reset or step: 'stop' the run naming it, the row and
-    the turn; 'zero_reward' ends that episode with reward 0 and counts it (env/errors)."""
+    the turn; 'drop' ends that episode and masks it as a failed score (env/errors,
+    reward/failed_samples; max_failed_reward_fraction bounds their share)."""
     tools: tuple[str, ...] = ()
     """environment=tools: the functions the model may call, 'module:function' each (type
     hints and a docstring Args: section give its JSON schema), or `python` (the built-in
@@ -756,6 +774,10 @@ class PPOConfig:
                                 "model's; the critic's adapters start at zero over its value "
                                 "model")
         problems += self._rollout_mode_problems()
+        choice("stale_groups", STALE_GROUPS)  # read by fully_async only; a typo is one anyway
+        if type(self.max_staleness) is not int:  # isinstance would let a bool through
+            problems.append(f"max_staleness={self.max_staleness!r} must be a whole number of "
+                            f"weight updates (0, 1, 2, ...)")
         if self.placement == "colocated" and self.sync_mode == "delta":
             problems.append(f"sync_mode={self.sync_mode} needs placement=disaggregated; a "
                             f"colocated sync copies the weights inside each rank")
@@ -900,7 +922,10 @@ class PPOConfig:
 
     def _episode_problems(self) -> list[str]:
         problems = []
-        if self.on_env_error not in ENV_ERROR_POLICIES:
+        if self.on_env_error == "zero_reward":
+            problems.append("on_env_error=zero_reward is retired: it trained a failed episode "
+                            "as reward 0; use drop (mask it) or stop")
+        elif self.on_env_error not in ENV_ERROR_POLICIES:
             problems.append(f"on_env_error={self.on_env_error!r} is not one of "
                             f"{list(ENV_ERROR_POLICIES)}")
         if self.tool_parser not in PARSERS and ":" not in self.tool_parser:
@@ -995,21 +1020,16 @@ class PPOConfig:
 
     @property
     def resolved_rollout_mode(self) -> str:
-        """rollout_mode, or what async_rollout asks for when it is None."""
-        if self.rollout_mode is not None:
-            return self.rollout_mode
-        return "one_step_off" if self.async_rollout else "sync"
+        """rollout_mode, 'sync' when it is None."""
+        return "sync" if self.rollout_mode is None else self.rollout_mode
 
     def _rollout_mode_problems(self) -> list[str]:
         if self.rollout_mode is not None and self.rollout_mode not in ROLLOUT_MODES:
             return [f"rollout_mode={self.rollout_mode!r} is not one of {list(ROLLOUT_MODES)}"]
-        if self.async_rollout and self.rollout_mode not in (None, "one_step_off"):
-            return [f"async_rollout=true means rollout_mode=one_step_off, but rollout_mode="
-                    f"{self.rollout_mode}; set only rollout_mode"]
         mode = self.resolved_rollout_mode
         if mode == "sync":
             return []
-        what = "async_rollout=true" if self.async_rollout else f"rollout_mode={mode}"
+        what = f"rollout_mode={mode}"
         problems = []
         if self.placement != "disaggregated":
             problems.append(f"{what} needs placement=disaggregated (colocated, rollout and "

@@ -42,8 +42,10 @@ from megarlhf.ppo.placement import EXPERIENCE, Placement
 from megarlhf.rewards.calls import Sample
 from megarlhf.rl import (
     AdaptiveKLController, FixedKLController, critic_free_advantages, gae, kl_penalty,
-    kl_shaped_rewards, masked_whiten,
+    kl_shaped_rewards, masked_whiten, trained_samples,
 )
+from megarlhf.rl.advantages import GROUP_ESTIMATORS
+from megarlhf.rl.shaping import clip_rewards
 from megarlhf.rl.correction import rollout_correction
 from megarlhf.roles.policy import PolicyInputs
 from megarlhf.rollout.experience import response_tokens_where, rollout_batch
@@ -218,12 +220,22 @@ def ppo_step(config: PPOConfig, data: RunInputs, workers: Placement,
                             rewards_at=[list(e.rewards_at) for e in episodes]
                             if episodes is not None else None)
     batch, score = rollout.sequences, drawn.score
-    mask = batch.response_mask.float()
+    # A sample without a score (and, for a group estimator, every sample of a group left
+    # with fewer than two scored) is computed on but not trained: `mask` is the response
+    # tokens trained, and every statistic below is over them (or the scored samples).
+    scored = drawn.scored()
+    rollouts.check_failures(config, drawn.failed or [None] * len(scored), f"step {step}")
+    trained = trained_samples(scored, config.samples_per_prompt
+                              if o.estimator in GROUP_ESTIMATORS else None)
+    mask = batch.response_mask.float() * trained[:, None]
+    failures = {"reward/failed_samples": float((~scored).sum()),
+                "reward/failed_groups": float((~trained.view(-1, config.samples_per_prompt))
+                                              .all(dim=1).sum())}
     # A rollout drawn ahead ran during the step before: its seconds are not this step's.
     timer = {} if drawn.busy else dict(drawn.seconds)
     log.samples(step, sample_rows(drawn.samples, score, config.log_samples, "train",
                                   episodes, drawn.judged, versions=drawn.versions,
-                                  weight_version=drawn.weight_version))
+                                  weight_version=drawn.weight_version, failed=drawn.failed))
 
     log.phase("experience")
     t = time.perf_counter()
@@ -242,8 +254,8 @@ def ppo_step(config: PPOConfig, data: RunInputs, workers: Placement,
     timer["experience"], t = time.perf_counter() - t, time.perf_counter()
 
     values = exp.get("values")
-    advantages, returns = compute_advantages(config, score, exp, mask, kl_ctl.value,
-                                             rollout.rewards_at)
+    advantages, returns = compute_advantages(config, torch.where(trained, score, 0.0), exp,
+                                             mask, kl_ctl.value, rollout.rewards_at, trained)
     policy, correction = PolicyInputs(routing=routing), {}
     if one_pass and lag == 0:
         policy = dataclasses.replace(policy, gap_guard=GapGuard(
@@ -258,13 +270,14 @@ def ppo_step(config: PPOConfig, data: RunInputs, workers: Placement,
         policy = dataclasses.replace(policy, is_weight=weights)
 
     train_metrics = []
-    if not _finite(score, advantages) and config.nan_policy == "stop":
+    finite = _finite(score[scored], advantages)
+    if not finite and config.nan_policy == "stop":
         raise NonFiniteError(f"step {step}: non-finite reward or advantage; set "
                              f"nan_policy=skip to skip such batches")
-    if _finite(score, advantages):
+    if finite and bool(mask.any()):
         log.phase("train")
         train_metrics, own = workers.train(batch, None if one_pass else exp["logp"],
-                                           advantages, values, returns, policy)
+                                           advantages, values, returns, mask, policy)
         exp.update(own)
     if one_pass and "logp" not in exp:  # the step trained nothing: a pass for the metrics
         exp.update(workers.experience(batch, frozenset({"actor"}), routing))
@@ -295,12 +308,15 @@ def ppo_step(config: PPOConfig, data: RunInputs, workers: Placement,
     if steps.overlap() is not None:  # when the next step's rollout ran (one_step_off)
         span["time/rollout_ahead_start"], span["time/rollout_ahead_end"] = steps.overlap()
 
-    kl = ((exp["logp"] - exp["ref_logp"]) * mask).sum() / mask.sum()
-    kl_ctl.update(float(kl), config.rows_per_step)
-    metrics = step_metrics(step=step, score=score, exp=exp, mask=mask, values=values,
+    kl = float(((exp["logp"] - exp["ref_logp"]) * mask).sum() / mask.sum()) \
+        if bool(mask.any()) else math.nan
+    if math.isfinite(kl):  # a step that trained nothing does not steer the coefficient
+        kl_ctl.update(kl, config.rows_per_step)
+    metrics = step_metrics(step=step, score=score[scored], exp=exp, mask=mask, values=values,
                            advantages=advantages, returns=returns, train=train_metrics,
-                           gap=gap, kl=float(kl),
-                           kl_coef=kl_ctl.value, timer=timer, skipped=not train_metrics)
+                           gap=gap, kl=kl, kl_coef=kl_ctl.value, timer=timer,
+                           skipped=not train_metrics,
+                           response_tokens=float(batch.response_mask.sum()))
     # Samples that ended on a stop id rather than at max_new_tokens (a chat model that never
     # stops has a wrong stop id or template).
     stopped = sum(c.finish_reason == "stop" for c in drawn.completions) / len(drawn.completions)
@@ -308,7 +324,7 @@ def ppo_step(config: PPOConfig, data: RunInputs, workers: Placement,
               for phase, nbytes in workers.take_memory().items()}
     if config.profiles(step):
         log_profile(log, step, workers.take_profile())
-    return {**metrics, **drawn.metrics, **correction, **probed, **synced, **fresh,
+    return {**metrics, **drawn.metrics, **failures, **correction, **probed, **synced, **fresh,
             "rollout/stopped_fraction": stopped,
             "rollout/weight_version": float(drawn.weight_version),
             "rollout/policy_lag": float(lag), **memory, **span,
@@ -365,56 +381,70 @@ def log_profile(log: MetricsLog, step: int, groups: dict[str, dict[str, dict]]) 
 
 
 def compute_advantages(config: PPOConfig, score: torch.Tensor, exp: dict, mask: torch.Tensor,
-                       kl_coef: float, rewards_at: torch.Tensor | None = None
+                       kl_coef: float, rewards_at: torch.Tensor | None = None,
+                       trained: torch.Tensor | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(advantages_BT, returns_BT or None) of the global batch for the run's algorithm
     (`config.options`); with kl_in='reward', the KL penalty (kl_coef x the estimator's
     per-token KL) is part of the reward. `rewards_at` [B, T]: the part of each score given
     at its own tokens (multi-turn episodes: each turn's reward at its last model token).
+    `mask`: the tokens trained; `trained` [B] bool: the samples trained (None: all), the
+    only members of a group estimator's groups (`score` must be finite everywhere).
 
+    clip_reward clips what is trained, on every path: each reward given at a token and each
+    sample's total (rl.shaping.clip_rewards).
     - gae (ppo): KL-shaped token rewards, GAE against the critic's values; the score's part
-      in rewards_at is placed at its tokens, the rest (clipped to clip_reward) at the last.
+      in rewards_at is placed at its tokens, the rest at the last.
     - reinforce++ / reinforce++_baseline: KL-shaped token rewards, discounted returns and a
-      whitening over the batch are the estimator itself (so whitened exactly once).
-    - group estimators (grpo, rloo): the score clipped to clip_reward, a sample's summed KL
-      penalty off it (verl's in-reward KL), then the estimator (grpo with or without the
-      group's std). These and reinforce++ score a sample as a whole (an episode's summed
-      rewards at its end).
-    Then whitening over the batch when whiten_advantages. The controller holds the whole
-    batch, so batch statistics need no process group."""
+      whitening over the batch are the estimator itself (so whitened exactly once); the
+      baseline variant clips its centred score again.
+    - group estimators (grpo, rloo): a sample's summed KL penalty off its score (verl's
+      in-reward KL), then the estimator (grpo with or without the group's std). These and
+      reinforce++ score a sample as a whole (an episode's summed rewards at its end).
+    Then whitening over the batch when whiten_advantages. Advantages and returns are 0 off
+    `mask`. The controller holds the whole batch, so batch statistics need no process
+    group."""
     o = config.options
+    zero = torch.zeros_like(mask)
+    if not bool(mask.any()):  # nothing to train (every sample failed)
+        return zero, (zero if o.estimator == "gae" else None)
+    placed = rewards_at if rewards_at is not None else zero
+    if config.clip_reward is not None:
+        score, placed = clip_rewards(score, placed, config.clip_reward)
     in_reward = kl_coef if o.kl_in == "reward" else 0.0
-    kl = dict(kind=o.kl_estimator, clip_reward=config.clip_reward, kl_clamp=config.kl_clamp)
+    kl = dict(kind=o.kl_estimator, kl_clamp=config.kl_clamp)
     # The logprobs matter only to a KL in the reward (one_pass_old_logprobs: the actor's are
     # not computed yet without one).
     logp, ref_logp = (exp["logp"], exp["ref_logp"]) if in_reward else (None, None)
+    group = {"group_size": config.samples_per_prompt, "scored_B": trained}
     if o.estimator == "gae":
-        placed = rewards_at if rewards_at is not None else torch.zeros_like(mask)
         rewards = kl_shaped_rewards(score - placed.sum(dim=1), logp, ref_logp,
                                     mask, kl_coef=in_reward, **kl) + placed
         advantages, returns = gae(rewards, exp["values"], mask, gamma=config.gamma,
                                   lam=config.lam)
     elif o.estimator.startswith("reinforce++"):
+        # The estimator clips the score it trains on again: for the baseline variant, the
+        # centred score (OpenRLHF's reinforce_baseline); a no-op for the other.
         options = dict(logp_BT=logp, ref_logp_BT=ref_logp, kl_coef=in_reward,
-                       kl_kind=kl.pop("kind"), gamma=config.gamma, **kl)
-        if o.estimator == "reinforce++_baseline":
-            options["group_size"] = config.samples_per_prompt
-        return critic_free_advantages(o.estimator, score, mask, **options), None
+                       kl_kind=kl.pop("kind"), gamma=config.gamma,
+                       clip_reward=config.clip_reward, **kl)
+        if o.estimator in GROUP_ESTIMATORS:
+            options.update(group)
+        advantages, returns = critic_free_advantages(o.estimator, score, mask, **options), None
     else:
-        if config.clip_reward is not None:
-            score = score.clamp(-config.clip_reward, config.clip_reward)
         if in_reward:
             per_token = kl_penalty(exp["logp"], exp["ref_logp"], o.kl_estimator,
                                    clamp=config.kl_clamp)
             score = score - in_reward * torch.where(mask.bool(), per_token, 0.0).sum(dim=-1)
-        options = {"group_size": config.samples_per_prompt}
+        options = dict(group)
         if o.estimator == "grpo":
             options["scale_by_std"] = o.advantage_std_norm
-        advantages = critic_free_advantages(o.estimator, score, mask, **options)
-        returns = None
-    if o.whiten_advantages:
+        advantages, returns = critic_free_advantages(o.estimator, score, mask, **options), None
+    if o.whiten_advantages and not o.estimator.startswith("reinforce++"):
         advantages = masked_whiten(advantages, mask)
-    return advantages, returns
+    # Rows left out of `mask` carry nothing that could reach a gradient (0, never NaN).
+    advantages = torch.where(mask.bool(), advantages, 0.0)
+    return advantages, (None if returns is None else torch.where(mask.bool(), returns, 0.0))
 
 
 def overhead_metrics(wall: float, busy: dict[str, float]) -> dict[str, float]:
@@ -450,20 +480,24 @@ def validate(config: PPOConfig, data: RunInputs, workers: Placement, step: int,
         scored = rollouts.score_answers(config, data, workers, answers, samples, step,
                                         validation=True)
         score, metrics = scored.score, scored.metrics
+        rollouts.check_failures(config, scored.failed, f"validation at step {step}")
         log.samples(step, sample_rows(samples, score, config.log_samples, phase,
-                                      answers.episodes))
+                                      answers.episodes, failed=scored.failed))
         if not prefix:
             out["val/response_length"] = sum(len(c.token_ids) for c in answers.completions) / \
                 len(answers.completions)
             out.update({f"val/{k}": v for k, v in metrics.items() if k.startswith("env/")})
+        out[f"val/{prefix}failed_samples"] = float((~scored.scored()).sum())
+        # Over the scored samples only: a failed one's NaN is left out of every figure.
         per_prompt = score.view(len(data.val), n)
         sources = [p.data_source for p in data.val]
         for source in [None] + sorted({s for s in sources if s is not None}):
-            rows = [i for i, s in enumerate(sources) if source is None or s == source]
+            rows = per_prompt[[i for i, s in enumerate(sources) if source is None or s == source]]
             head = "val/" if source is None else f"val/{source}/"
-            out[f"{head}{prefix}reward_mean"] = float(per_prompt[rows].mean())
-            if prefix:
-                out[f"{head}pass@{n}"] = float(per_prompt[rows].max(dim=1).values.mean())
+            out[f"{head}{prefix}reward_mean"] = float(rows.nanmean())
+            if prefix:  # the best of each prompt's scored samples, over prompts with any
+                best = torch.where(rows.isnan(), -math.inf, rows).max(dim=1).values
+                out[f"{head}pass@{n}"] = float(best[best > -math.inf].mean())
     out["time/validation"] = time.perf_counter() - t
     workers.take_busy()  # validation's rollouts are not the step's
     return out
@@ -472,11 +506,13 @@ def validate(config: PPOConfig, data: RunInputs, workers: Placement, step: int,
 def sample_rows(samples: list[Sample], score: torch.Tensor, count: int, phase: str,
                 episodes: list[Episode] | None = None,
                 judged: list[dict] | None = None, *, weight_version: int | None = None,
-                versions: list[list[int]] | None = None) -> list[dict]:
+                versions: list[list[int]] | None = None,
+                failed: list[str | None] | None = None) -> list[dict]:
     """`count` of the samples, spread over the batch, as samples.jsonl rows; an episode's
     with its turns in order (role, text, tokens, trained on or not); with the judge's text
     and score; with the weight version it was sampled under (fully_async: its oldest token's,
-    and `token_versions`, [version, tokens] runs over its response)."""
+    and `token_versions`, [version, tokens] runs over its response). A sample without a
+    score has reward null and `failed`, why."""
     picked = sorted({i * len(samples) // count for i in range(count)}) if count else []
     rows = []
     for i in picked:
@@ -485,10 +521,10 @@ def sample_rows(samples: list[Sample], score: torch.Tensor, count: int, phase: s
                "response": s.response if s.response is not None else s.response_ids,
                "reward": float(score[i]), "ground_truth": s.ground_truth,
                "data_source": s.data_source}
+        if failed is not None and failed[i] is not None:
+            row.update(reward=None, failed=failed[i])
         if episodes is not None:
             row["turns"] = [dataclasses.asdict(part) for part in episodes[i].parts]
-            if episodes[i].error is not None:
-                row["env_error"] = episodes[i].error
         if judged is not None:
             row.update(judged[i])
         if versions is not None:

@@ -155,8 +155,7 @@ def _scorers(config: PPOConfig) -> list[Scorer]:
     reward_url, unnamed, weight 1."""
     def function(spec: str | None, by_source: dict | None = None) -> RewardFunction:
         return RewardFunction(spec, by_source, allow_non_finite=config.nan_policy == "skip",
-                              workers=config.reward_workers, timeout=config.reward_timeout,
-                              max_timeout_fraction=config.reward_max_timeout_fraction)
+                              workers=config.reward_workers, timeout=config.reward_timeout)
 
     if not config.rewards:
         out = []
@@ -180,8 +179,7 @@ def _remote_reward(config: PPOConfig) -> RemoteReward:
                         batch_size=config.reward_url_batch_size,
                         concurrency=config.reward_url_concurrency,
                         timeout=config.reward_timeout, retries=config.reward_url_retries,
-                        headers=headers, max_failed_fraction=config.reward_max_timeout_fraction,
-                        allow_non_finite=config.nan_policy == "skip")
+                        headers=headers, allow_non_finite=config.nan_policy == "skip")
 
 
 def _environment(config: PPOConfig, tokenizer: Tokenizer, first: Prompt,

@@ -89,11 +89,13 @@ def judge_model(path: str) -> JudgeModel:
 
 @dataclasses.dataclass
 class Judged:
-    """A round's judge scores [B], its metrics and the judge's texts."""
+    """A round's judge scores [B], its metrics, the judge's texts, and per sample why it has
+    no score (a verdict that could not be read), or None."""
 
     scores: torch.Tensor
     metrics: dict[str, float]
     texts: list[str]
+    failed: list[str | None]
 
 
 MARKER = "\ue000judge-user-text\ue001"
@@ -268,24 +270,30 @@ class Judge:
                              f"{what}; shorten the template or the responses "
                              f"(max_new_tokens)")
         completions = generate(ids, self.params(step))
-        scores, texts, failures, mass = [], [], 0, 0.0
+        scores, texts, failed, mass = [], [], [], 0.0
         for c in completions:
             text = self.tokenizer.decode(c.token_ids, skip_special=True)
             value = self.verdict.score(text, c.first_logprobs, self.yes_count)
             if self.candidates:  # yes_no: the share of the first token's mass on a verdict
                 mass += sum(math.exp(v) for v in c.first_logprobs)
-                failures += c.token_ids[0] not in self.candidates
-            else:
-                failures += value is None
-            scores.append(self.config.failure_score if value is None else value)
+                # A first token that is neither verdict leaves only the ratio of two tiny
+                # probabilities: noise, so no score.
+                if c.token_ids[0] not in self.candidates:
+                    value = None
+            failed.append(None if value is not None else
+                          f"reward_judge: no {self.config.verdict} verdict in the judge's "
+                          f"text {text[:80]!r}")
+            scores.append(0.0 if value is None else value)
             texts.append(text)
         scores = torch.tensor(scores, dtype=torch.float32)
-        metrics = {"reward/judge_parse_failures": float(failures),
-                   "reward/judge_score": float(scores.mean()),
+        read = [float(v) for v, f in zip(scores, failed) if f is None]
+        metrics = {"reward/judge_parse_failures": float(len(scores) - len(read)),
                    "reward/judge_seconds": time.perf_counter() - start}
+        if read:  # over the verdicts read only
+            metrics["reward/judge_score"] = sum(read) / len(read)
         if self.candidates:
             metrics["reward/judge_verdict_mass"] = mass / len(completions)
-        return Judged(scores, metrics, texts)
+        return Judged(scores, metrics, texts, failed)
 
 
 def _vllm_without_token_logprobs() -> str | None:

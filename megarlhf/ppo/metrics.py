@@ -12,18 +12,26 @@ def _mean(values: list[float]) -> float:
 
 
 def step_metrics(*, step, score, exp, mask, values, advantages, returns, train, gap, kl,
-                 kl_coef, timer, skipped) -> dict:
+                 kl_coef, timer, skipped, response_tokens) -> dict:
+    """`score`: the scored samples' scores; `mask`: the tokens trained (statistics are over
+    them: a sample without a score has no part); `response_tokens`: every response token
+    the step generated (its throughput)."""
+    nan = float("nan")
     tokens = mask.sum()
     trained = advantages[mask.bool()]
-    m = {"step": step, "reward/mean": float(score.mean()), "reward/std": float(score.std()),
+    any_trained = bool(tokens > 0)
+    m = {"step": step, "reward/mean": float(score.mean()) if len(score) else nan,
+         "reward/std": float(score.std()) if len(score) > 1 else nan,
          "kl": kl, "kl_coef": kl_coef,
-         "entropy": float((exp["entropy"] * mask).sum() / tokens),
-         "response_length": float(mask.sum(1).mean()), "skipped": float(skipped),
+         "entropy": float((exp["entropy"] * mask).sum() / tokens) if any_trained else nan,
+         "response_length": float(tokens / mask.bool().any(1).sum()) if any_trained else nan,
+         "skipped": float(skipped),
          # Over the trained tokens: what the algorithm's estimator made of the rewards.
-         "advantages/mean": float(trained.mean()), "advantages/max": float(trained.max()),
-         "advantages/min": float(trained.min()),
+         "advantages/mean": float(trained.mean()) if any_trained else nan,
+         "advantages/max": float(trained.max()) if any_trained else nan,
+         "advantages/min": float(trained.min()) if any_trained else nan,
          **gap.to_dict()}
-    if values is not None:
+    if values is not None and any_trained:
         v, r = values[mask.bool()], returns[mask.bool()]
         m["critic/explained_variance"] = float(1 - (r - v).var() / r.var().clamp(min=1e-8))
     for key in sorted({k for t in train for k in t}):
@@ -32,5 +40,5 @@ def step_metrics(*, step, score, exp, mask, values, advantages, returns, train, 
     for phase, seconds in timer.items():
         m[f"time/{phase}"] = seconds
     m["time/step"] = total
-    m["tokens_per_s"] = float(tokens) / total if total else float("nan")
+    m["tokens_per_s"] = response_tokens / total if total else nan
     return m

@@ -125,12 +125,12 @@ class Placement:
         return {key: value for part in parts for key, value in part.items()}
 
     def train(self, batch: SequenceBatch, old_logp, advantages, old_values, returns,
-              policy: PolicyInputs) -> tuple[list[dict], dict[str, torch.Tensor]]:
+              loss_mask, policy: PolicyInputs) -> tuple[list[dict], dict[str, torch.Tensor]]:
         """Metrics of every optimizer step (actor and critic steps of one mini-batch merged),
         and with `old_logp` None what the actor's update pass gives in its place
         (PPOWorker.train)."""
         parts, self.busy["train"] = self._run(WorkerAPI.train, TRAIN, batch, old_logp,
-                                              advantages, old_values, returns,
+                                              advantages, old_values, returns, loss_mask,
                                               for_actor=policy)
         steps = [{k: v for step in steps for k, v in step.items()}
                  for steps in zip(*(metrics for metrics, _ in parts))]

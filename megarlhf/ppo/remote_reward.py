@@ -12,10 +12,10 @@ Formats (`reward_url_format`):
   texts joined), `prompts` and `labels` (the ground truths) in; `rewards` out.
 
 Failures: a request that times out (`reward_timeout` seconds), cannot connect or loses its
-connection, or gets a 429 or 5xx answer is retried `reward_url_retries` times with doubling waits; a batch that still
-fails scores 0 and is counted (reward/url_failed_samples), and a step where more than
-`reward_max_timeout_fraction` of the samples failed stops the run with one line naming the URL
-and the last error. Any other answer (a 4xx, a reply that is not JSON or lacks its scores) is a
+connection, or gets a 429 or 5xx answer is retried `reward_url_retries` times with doubling
+waits; a batch that still fails gives its samples no score (a failure, never a number: the
+loop masks them, max_failed_reward_fraction bounds their share and names the URL and the last
+error) and is counted (reward/url_failed_samples). Any other answer (a 4xx, a reply that is not JSON or lacks its scores) is a
 mistake no retry mends: it stops the run at once, as does a redirect (urllib would resend the
 POST as a GET, headers included, to wherever it points). Headers (`reward_url_headers_env`)
 come from an environment variable holding a JSON object, and are never logged.
@@ -36,7 +36,7 @@ import urllib.request
 
 import torch
 
-from megarlhf.ppo.rewards import RewardFnError, check_metric, check_score
+from megarlhf.ppo.rewards import RewardFnError, Scores, check_metric, check_score
 from megarlhf.rewards.calls import Sample, batch_fields
 
 RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
@@ -109,10 +109,10 @@ def check_reachable(url: str, timeout: float = 5.0) -> None:
 class RemoteReward:
     def __init__(self, url: str, *, fmt: str, batch_size: int, concurrency: int,
                  timeout: float, retries: int, headers: dict[str, str],
-                 max_failed_fraction: float, allow_non_finite: bool):
+                 allow_non_finite: bool):
         self.url, self.fmt, self.batch_size = url, fmt, batch_size
         self.timeout, self.retries, self.headers = timeout, retries, headers
-        self.max_failed_fraction, self.allow_non_finite = max_failed_fraction, allow_non_finite
+        self.allow_non_finite = allow_non_finite
         self._pool = concurrent.futures.ThreadPoolExecutor(concurrency,
                                                            thread_name_prefix="reward_url")
         self._closed = threading.Event()  # in-flight requests make no further attempts
@@ -126,20 +126,23 @@ class RemoteReward:
         self._closed.set()
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    def score(self, step: int, samples: list[Sample]) -> tuple[torch.Tensor, dict[str, float]]:
-        """[B] scores of `samples` (0 for those of failed batches) and the step's metrics."""
+    def score(self, step: int, samples: list[Sample]) -> Scores:
+        """[B] scores of `samples`, why those of failed batches have none, and the step's
+        metrics."""
         start = time.monotonic()
         batches = [list(range(i, min(i + self.batch_size, len(samples))))
                    for i in range(0, len(samples), self.batch_size)]
         futures = [self._pool.submit(self._post, self._body([samples[i] for i in b]))
                    for b in batches]
-        scores, extras = [0.0] * len(samples), {}
-        failed, retried, last_error = 0, 0, None
+        scores, failed, extras = [0.0] * len(samples), [None] * len(samples), {}
+        retried = 0
         for batch, future in zip(batches, futures):
             reply, tries, error = future.result()
             retried += tries
             if error is not None:
-                failed, last_error = failed + len(batch), error
+                for i in batch:
+                    failed[i] = f"reward_url {self.url} failed after {self.retries} " \
+                                f"retries: {error}"
                 continue
             where = f"reward_url {self.url} at step {step}, samples {batch[0]}-{batch[-1]}"
             values, metrics = self._read(reply, len(batch), where)
@@ -148,16 +151,11 @@ class RemoteReward:
                                                f"sample {i}", self.allow_non_finite)
             for name, per_sample in metrics.items():
                 extras.setdefault(name, []).extend(v for v in per_sample if v is not None)
-        if failed > self.max_failed_fraction * len(samples):
-            raise RewardFnError(
-                f"reward_url {self.url} failed on {failed} of {len(samples)} samples at step "
-                f"{step} (more than reward_max_timeout_fraction={self.max_failed_fraction}, "
-                f"after {self.retries} retries each); last error: {last_error}")
-        metrics = {"reward/url_failed_samples": float(failed),
+        metrics = {"reward/url_failed_samples": float(sum(f is not None for f in failed)),
                    "reward/url_retries": float(retried),
                    "reward/url_seconds": time.monotonic() - start}
         metrics.update({f"reward/{k}": sum(v) / len(v) for k, v in extras.items() if v})
-        return torch.tensor(scores, dtype=torch.float32), metrics
+        return Scores(torch.tensor(scores, dtype=torch.float32), metrics, failed)
 
     def _body(self, samples: list[Sample]) -> dict:
         if self.fmt == "openrlhf":

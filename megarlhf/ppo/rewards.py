@@ -3,11 +3,11 @@ run's reward functions (`reward_fn`, and `reward_fn_by_source` for rows of named
 each call in a worker process with a timeout (megarlhf/rewards/pool.py).
 
 What it guarantees the loop: one finite score per sample (a non-finite one only under
-nan_policy=skip), in sample order; an exception or a value that is not a score stops the run
-with one line naming the function, the step and the sample; a call past `reward_timeout` scores
-its samples 0 and is counted (reward/timeouts), and a step where more than
-`reward_max_timeout_fraction` of the samples timed out stops the run, since its rewards would
-say more about the checker than about the policy. A call whose worker is killed from outside
+nan_policy=skip), in sample order, or the reason it has none; an exception or a value that is
+not a score stops the run with one line naming the function, the step and the sample; a call
+past `reward_timeout` gives its samples no score (a failure, never a number: the loop masks
+them, and max_failed_reward_fraction bounds their share) and is counted (reward/timeouts). A
+call whose worker is killed from outside
 (the out-of-memory killer) runs again in a fresh worker, counted (reward/worker_restarts);
 killed again and again on the same call, it stops the run.
 """
@@ -17,7 +17,7 @@ from __future__ import annotations
 import collections
 import math
 import numbers
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -27,21 +27,29 @@ from megarlhf.rewards.pool import CallPool
 
 
 class RewardFnError(ValueError):
-    """The user's reward function raised, hung too often, or returned something that is not a
-    reward."""
+    """The user's reward function raised or returned something that is not a reward, or too
+    many of a step's samples could not be scored."""
+
+
+class Scores(NamedTuple):
+    """What a source of scores (reward function, reward service, judge) gives a batch."""
+
+    values: torch.Tensor
+    """[B] float32; a failed sample's entry is meaningless (0) and must not be read."""
+    metrics: dict[str, float]
+    failed: list[str | None]
+    """Per sample: why it has no score (the source and its error), or None when it has one."""
 
 
 class RewardFunction:
     def __init__(self, spec: str | None, by_source: dict[str, str] | None = None, *,
-                 allow_non_finite: bool, workers: int = 1, timeout: float = 60.0,
-                 max_timeout_fraction: float = 0.5):
+                 allow_non_finite: bool, workers: int = 1, timeout: float = 60.0):
         """`spec` scores every sample whose data source `by_source` does not name (None:
         those samples get no reward function, only the reward model's score)."""
         self.specs = {None: spec, **(by_source or {})}
         self.functions = {s: calls.load(s) for s in set(self.specs.values()) if s}
         self.styles = {s: calls.style_of(s, fn) for s, fn in self.functions.items()}
         self.allow_non_finite = allow_non_finite
-        self.max_timeout_fraction = max_timeout_fraction
         self.pool = CallPool(workers, timeout)
         self._chunks = workers
 
@@ -55,9 +63,10 @@ class RewardFunction:
     def spec_of(self, sample: Sample) -> str | None:
         return self.specs.get(sample.data_source, self.specs[None])
 
-    def score(self, step: int, samples: list[Sample]) -> tuple[torch.Tensor, dict[str, float]]:
-        """[B] scores of `samples` (0 for samples no function scores) and the step's reward
-        metrics: timed-out samples, and the mean of every extra metric a function reports."""
+    def score(self, step: int, samples: list[Sample]) -> Scores:
+        """[B] scores of `samples` (0 for samples no function scores), why a sample has none
+        (its call timed out), and the step's reward metrics: timed-out samples, and the mean
+        of every extra metric a function reports."""
         jobs = []  # (spec, sample indices, args, kwargs): one call each
         by_spec = collections.defaultdict(list)
         for i, sample in enumerate(samples):
@@ -76,7 +85,7 @@ class RewardFunction:
                 jobs += [(spec, [i], *calls.sample_args(style, samples[i])) for i in indices]
         restarts = self.pool.restarts
         outcomes = self.pool.run([(spec, args, kwargs) for spec, _, args, kwargs in jobs])
-        scores = [0.0] * len(samples)
+        scores, failed = [0.0] * len(samples), [None] * len(samples)
         extras = collections.defaultdict(list)
         timed_out = 0
         for (spec, indices, _, _), outcome in zip(jobs, outcomes):
@@ -84,6 +93,9 @@ class RewardFunction:
                 (f" (of samples {indices[0]}-{indices[-1]})" if len(indices) > 1 else "")
             if outcome.kind == "timeout":
                 timed_out += len(indices)
+                for i in indices:
+                    failed[i] = f"reward_fn {spec} timed out (reward_timeout=" \
+                                f"{self.pool.timeout}s)"
                 continue
             if outcome.kind == "error":
                 raise RewardFnError(f"{where} {outcome.value}")
@@ -93,15 +105,10 @@ class RewardFunction:
                                         self.allow_non_finite)
             for name, per_sample in metrics.items():
                 extras[name] += [v for v in per_sample if v is not None]
-        if timed_out > self.max_timeout_fraction * len(samples):
-            raise RewardFnError(
-                f"reward_fn timed out on {timed_out} of {len(samples)} samples at step {step} "
-                f"(more than reward_max_timeout_fraction={self.max_timeout_fraction}); fix the "
-                f"checker or raise reward_timeout={self.pool.timeout}")
         metrics = {"reward/timeouts": float(timed_out),
                    "reward/worker_restarts": float(self.pool.restarts - restarts)}
         metrics.update({f"reward/{name}": sum(v) / len(v) for name, v in extras.items() if v})
-        return torch.tensor(scores, dtype=torch.float32), metrics
+        return Scores(torch.tensor(scores, dtype=torch.float32), metrics, failed)
 
     def _read(self, spec: str, value: Any, count: int, where: str
               ) -> tuple[list, dict[str, list]]:

@@ -7,6 +7,9 @@ the rounds run out, dropped groups complete it (counted in rollout/dynamic_sampl
 
 With an environment each sample is a multi-turn episode (megarlhf/envs/episodes.py), scored
 with the sum of its turns' rewards (plus the reward function and reward model, when set).
+
+A sample whose score could not be computed (by any source) is failed, never a number: its
+score is NaN and its reason is kept (`failed`), and the controller masks it.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import math
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -25,6 +29,7 @@ from megarlhf.envs.episodes import Episode
 from megarlhf.ppo.config import PPOConfig
 from megarlhf.ppo.inputs import RunInputs
 from megarlhf.ppo.placement import Placement
+from megarlhf.ppo.rewards import RewardFnError
 from megarlhf.rewards.calls import Sample
 from megarlhf.rl.shaping import overlong_penalty, varied_groups
 from megarlhf.rollout.engine import Completion, SamplingParams
@@ -79,6 +84,9 @@ class Group:
     samples: list[Sample]
     score: torch.Tensor
     judged: list[dict] | None
+    failed: list[str | None] | None = None
+    """Per sample: why it has no score, or None (None: all scored, as in groups a
+    fully_async checkpoint kept from before the field)."""
 
 
 @dataclasses.dataclass
@@ -96,7 +104,7 @@ class StepRollout:
     """The actor updates the engine's weights held when it sampled (the step of its last
     weight sync)."""
     busy: dict[str, float] = dataclasses.field(default_factory=dict)
-    """Drawn ahead (async_rollout): the workers' seconds of each phase it called."""
+    """Drawn ahead (one_step_off): the workers' seconds of each phase it called."""
     episodes: list[Episode] | None = None
     """With an environment: the episodes the completions are (their transcripts, and the
     turns' rewards at their tokens)."""
@@ -106,6 +114,15 @@ class StepRollout:
     versions: list[list[int]] | None = None
     """rollout_mode=fully_async: per sample, the weight version each token was sampled under
     (weight_version is the oldest of them)."""
+    failed: list[str | None] | None = None
+    """Per sample: why it has no score (its score is NaN), or None (None: all scored, as in
+    rollouts a checkpoint kept from before the field)."""
+
+    def scored(self) -> torch.Tensor:
+        """[B] bool: the samples with a score."""
+        if self.failed is None:
+            return torch.ones(len(self.samples), dtype=torch.bool)
+        return torch.tensor([f is None for f in self.failed], dtype=torch.bool)
 
 
 def draw(config: PPOConfig, data: RunInputs, workers: Placement, sampler, step: int,
@@ -128,11 +145,13 @@ def draw(config: PPOConfig, data: RunInputs, workers: Placement, sampler, step: 
         score, judged = scored_round.score, scored_round.judged
         seconds["reward"] += time.perf_counter() - t
         scored.append((len(samples), scored_round.metrics))
-        varied = varied_groups(score, n) if o.dynamic_sampling else [True] * len(prompts)
+        varied = varied_groups(score, n, scored_round.scored()) if o.dynamic_sampling \
+            else [True] * len(prompts)
         for g in range(len(prompts)):
             rows = slice(g * n, (g + 1) * n)
             group = Group(answers.rows(rows), samples[rows], score[rows],
-                          judged[rows] if judged is not None else None)
+                          judged[rows] if judged is not None else None,
+                          scored_round.failed[rows])
             (kept if varied[g] else dropped).append(group)
         if len(kept) >= config.prompts_per_step:
             break
@@ -160,11 +179,12 @@ def assemble(data: RunInputs, groups: list[Group], metrics: dict[str, float],
         weight_version=weight_version,
         episodes=[e for a in chosen for e in a.episodes] if data.episodes else None,
         judged=[t for g in groups for t in g.judged] if data.judge else None,
-        versions=versions)
+        versions=versions,
+        failed=[f for g in groups for f in (g.failed or [None] * len(g.samples))])
 
 
 class Rollouts:
-    """Each step's rollout, drawn when the step starts, or (async_rollout) during the step
+    """Each step's rollout, drawn when the step starts, or (one_step_off) during the step
     before: the next step's rollout then runs in a thread beside this step's experience and
     training (the placement keeps the groups' calls apart) and is waited for before the
     weight sync, so the engine samples with weights one update behind the actor's. A
@@ -184,7 +204,7 @@ class Rollouts:
         """Wall-clock (start, end) of the latest rollout drawn ahead."""
 
     def take(self, step: int) -> StepRollout:
-        """Step `step`'s rollout (drawn ahead, or now); with async_rollout, start drawing the
+        """Step `step`'s rollout (drawn ahead, or now); with one_step_off, start drawing the
         next step's."""
         drawn, self.pending = self.pending, None
         if drawn is None:
@@ -250,7 +270,9 @@ def settings(config: PPOConfig) -> dict:
         "prompts_per_step", "samples_per_prompt", "max_new_tokens", "temperature", "top_p",
         "top_k", "stop_token_ids", "reward_fn", "reward_model")}
     mode = config.resolved_rollout_mode
-    drawn["async_rollout"] = mode == "one_step_off"  # as checkpoints before rollout_mode say
+    # The key checkpoints held before rollout_mode (named after the retired field), kept so
+    # that theirs still compare equal for the same mode.
+    drawn["async_rollout"] = mode == "one_step_off"
     if mode == "fully_async":  # named only when set, as below
         drawn.update(rollout_mode=mode, max_staleness=config.max_staleness,
                      partial_rollout_tokens=config.partial_rollout_tokens)
@@ -280,10 +302,15 @@ def sampling(config: PPOConfig, data: RunInputs, *, n: int, temperature: float, 
 @dataclasses.dataclass
 class Scored:
     score: torch.Tensor
-    """[B]"""
+    """[B]; NaN where `failed` names a reason."""
     metrics: dict[str, float]
     judged: list[dict] | None
     """With reward_judge (training rounds): per sample, the judge's text and score."""
+    failed: list[str | None]
+    """Per sample: why it has no score (the first source that failed it), or None."""
+
+    def scored(self) -> torch.Tensor:
+        return torch.tensor([f is None for f in self.failed], dtype=torch.bool)
 
 
 def score_answers(config: PPOConfig, data: RunInputs, workers: Placement, answers: Answers,
@@ -292,11 +319,25 @@ def score_answers(config: PPOConfig, data: RunInputs, workers: Placement, answer
     judge's, plus the reward function's, plus the reward service's (reward_url), plus the
     overlong penalty; and the reward function's, the judge's, the service's and the
     environment's metrics. Validation scores with the episodes' rewards, the reward function
-    and the service only."""
+    and the service only. A sample that any source failed to score (an episode dropped by
+    on_env_error=drop, a judge verdict not read, a reward call timed out or a service batch
+    failed) has no score (NaN) and its first failure as its reason; each source's metric is
+    over the samples it scored."""
     score = torch.zeros(len(samples))
     metrics = dict(answers.metrics)
+    failed: list[str | None] = [None] * len(samples)
+
+    def fail(reasons: list[str | None]) -> None:
+        for i, reason in enumerate(reasons):
+            failed[i] = failed[i] or reason
+
+    def mean(values: torch.Tensor, reasons: list[str | None]) -> float:
+        own = [float(v) for v, r in zip(values, reasons) if r is None]
+        return sum(own) / len(own) if own else float("nan")
+
     if answers.episodes is not None:
         score += torch.tensor([e.reward for e in answers.episodes])
+        fail([e.error for e in answers.episodes])
     if config.reward_model and not validation:
         batch = rollout_batch([list(p.ids) for p in answers.prompts],
                               answers.completions).sequences
@@ -310,18 +351,20 @@ def score_answers(config: PPOConfig, data: RunInputs, workers: Placement, answer
         judged = data.judge.score(workers.judge, answers.prompts, samples, step)
         term = next((t for t in config.rewards if t.kind == "judge"), None)
         score += judged.scores * (term.weight if term else 1.0)
+        fail(judged.failed)
         metrics.update(judged.metrics)
         if term:
-            metrics[f"reward/{term.name}"] = float(judged.scores.mean())
-        judged_rows = [{"judge": text, "judge_score": float(value)}
-                       for text, value in zip(judged.texts, judged.scores)]
+            metrics[f"reward/{term.name}"] = mean(judged.scores, judged.failed)
+        judged_rows = [{"judge": text, "judge_score": float(value) if why is None else None}
+                       for text, value, why in zip(judged.texts, judged.scores, judged.failed)]
     for s in data.scorers:
-        values, fn_metrics = s.scorer.score(step, samples)
+        values, fn_metrics, fn_failed = s.scorer.score(step, samples)
         score += s.weight * values
+        fail(fn_failed)
         for key, value in fn_metrics.items():  # several functions' counts add up
             metrics[key] = metrics.get(key, 0.0) + value if key in COUNT_METRICS else value
         if s.name is not None:
-            metrics[f"reward/{s.name}"] = float(values.mean())
+            metrics[f"reward/{s.name}"] = mean(values, fn_failed)
     buffer = config.options.overlong_buffer
     if buffer and not validation:
         lengths = torch.tensor([len(c.token_ids) for c in answers.completions])
@@ -329,7 +372,19 @@ def score_answers(config: PPOConfig, data: RunInputs, workers: Placement, answer
                                    factor=config.overlong_penalty)
         score += penalty
         metrics["reward/overlong_penalty"] = float(penalty.mean())
-    return Scored(score, metrics, judged_rows)
+    score[torch.tensor([f is not None for f in failed], dtype=torch.bool)] = math.nan
+    return Scored(score, metrics, judged_rows, failed)
+
+
+def check_failures(config: PPOConfig, failed: list[str | None], where: str) -> None:
+    """Stop the run when more than max_failed_reward_fraction of `failed`'s samples have no
+    score: their rewards would say more about the scorers than about the policy."""
+    reasons = [f for f in failed if f is not None]
+    if len(reasons) > config.max_failed_reward_fraction * len(failed):
+        bound = config.max_failed_reward_fraction
+        raise RewardFnError(f"{where}: {len(reasons)} of {len(failed)} samples have no score "
+                            f"(more than max_failed_reward_fraction={bound}); last failure: "
+                            f"{reasons[-1]}")
 
 
 COUNT_METRICS = ("reward/timeouts", "reward/worker_restarts", "reward/url_failed_samples",

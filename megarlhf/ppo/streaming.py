@@ -15,9 +15,11 @@ The weight sync waits for the call in progress (`paused`), so a call runs under 
 version and every token records it: a sample's tokens may span versions (a partial rollout),
 each with the engine's own logprob, so rollout correction weighs them token by token. A
 group's age is its oldest token's: one started at version v trains at step s with lag
-s - 1 - v. The producer starts a group only if some step up to v + 1 + floor(max_staleness)
-can still take it, so groups wait in the buffer for at most that long; a group that lags more
-anyway (it finished late, behind younger groups) is dropped and counted.
+s - 1 - v, so step v + 1 + max_staleness is the last that may train it. The producer starts
+a group only if the steps up to then can still take it beside the groups held. A group that
+finishes late (long samples take more calls) is waited for by the last step allowed to train
+it (stale_groups=wait: steps train long answers as often as short ones), or (stale_groups=
+drop) left to the younger groups that finished first and dropped once it would lag more.
 
 Timing decides which tokens fall under which version, so a run is not repeatable bitwise.
 A checkpoint keeps the groups in flight and in the buffer (`snapshot`, taken between two
@@ -137,6 +139,7 @@ class Stream:
         self._calls, self._next_key = state.calls, state.next_key
         self._taken = weight_version  # the last step that took its groups
         self._dropped = 0  # stale groups dropped since the last step took its groups
+        self._dropped_lengths: list[int] = []  # ... their samples' lengths (so far)
         self._filtered = 0  # dynamic sampling: equal-score groups dropped since then
         self._cond = threading.Condition()  # guards the state; not held during a call
         self._thread: threading.Thread | None = None
@@ -148,16 +151,20 @@ class Stream:
         self._pausing = False  # the controller waits for the engines to idle (a sync)
         self._holding = False  # ... for everything to idle (a snapshot, a validation)
         self._calling = False  # an engine call runs
-        self._running = 0  # groups of the batch of episodes that runs
+        self._running: list[Started] = []  # the groups of the batch of episodes that runs
         self._error: BaseException | None = None
         self._raised = False  # a step raised _error
 
     # -- the controller's side ---------------------------------------------------------------
 
     def take(self, step: int) -> StepRollout:
-        """Step `step`'s groups, oldest weights first, once the buffer holds enough."""
+        """Step `step`'s groups, oldest weights first, once the buffer holds enough and
+        (stale_groups=wait) no older group still generating or being scored is owed to this
+        step (`_owed`)."""
         n = self.config.prompts_per_step
+        wait = self.config.stale_groups == "wait"
         start = time.perf_counter()
+        full = None  # when the buffer held enough groups but older ones were owed
         with self._cond:
             while True:
                 if self._error is not None:
@@ -165,17 +172,21 @@ class Stream:
                     raise self._error
                 self._drop_stale(step)
                 if len(self._buffer) >= n:
-                    break
+                    if not (wait and self._owed(step)):
+                        break
+                    full = full or time.perf_counter()
                 self._start()
                 self._cond.wait()
             self._start()  # after a resume: once the step took the kept buffer's groups
             self._buffer.sort(key=lambda f: f.oldest)  # stable: in finishing order otherwise
             chosen, self._buffer = self._buffer[:n], self._buffer[n:]
             self._taken, dropped, self._dropped = step, self._dropped, 0
+            dropped_lengths, self._dropped_lengths = self._dropped_lengths, []
             filtered, self._filtered = self._filtered, 0
             buffered = len(self._buffer)
             self._cond.notify_all()  # room for more groups
-        waited = time.perf_counter() - start
+        end = time.perf_counter()
+        waited = end - start
         versions = [v for f in chosen for v in f.versions]
         completions = [c for f in chosen for c in f.group.answers.completions]
         lags = [step - 1 - v for sample, c in zip(versions, completions)  # sampled tokens'
@@ -186,6 +197,14 @@ class Stream:
                    "rollout/policy_lag_max": float(max(lags)),
                    "rollout/stale_dropped": float(dropped),
                    "rollout/buffer_groups": float(buffered)}
+        if wait:  # a metric, not a phase: time/rollout holds it already
+            metrics["time/staleness_wait"] = end - full if full is not None else 0.0
+        else:  # the length bias dropping costs: late groups are the long ones
+            trained = [len(c.token_ids) for c in completions]
+            metrics.update({
+                "rollout/trained_length_mean": sum(trained) / len(trained),
+                "rollout/stale_dropped_length_mean": sum(dropped_lengths) / len(
+                    dropped_lengths) if dropped_lengths else math.nan})
         if self.config.options.dynamic_sampling:
             metrics.update({"rollout/dynamic_sampling_dropped": float(filtered),
                             "rollout/dynamic_sampling_short": float(
@@ -308,7 +327,7 @@ class Stream:
                         if self.data.episodes is None:
                             self._in_flight.append(started[-1])
                         else:
-                            self._running += 1
+                            self._running.append(started[-1])
                     seed = self._calls
                     self._calls += 1
                     self._calling = True
@@ -319,17 +338,17 @@ class Stream:
                 with self._cond:
                     if done:
                         self._to_score.append(done)
-                    self._running = 0
+                    self._running = []
                     self._calling = False
                     self._cond.notify_all()
         except _Stopped:
             with self._cond:
-                self._calling, self._running = False, 0
+                self._calling, self._running = False, []
                 self._cond.notify_all()
         except BaseException as error:  # the step waiting in `take` raises it
             with self._cond:
                 self._error = self._error or error  # the first failure is the cause
-                self._calling, self._running = False, 0
+                self._calling, self._running = False, []
                 self._cond.notify_all()
 
     def _score_finished(self) -> None:
@@ -358,14 +377,40 @@ class Stream:
 
     def _room(self) -> bool:
         """Whether a new group, started now, could still train within the staleness bound:
-        the steps up to weight_version + 1 + floor(max_staleness) not yet given their
-        groups would take more than those in flight, being scored and buffered."""
-        last = min(self.weight_version + 1 + math.floor(self.config.max_staleness),
-                   self.config.steps)
+        the steps up to weight_version + 1 + max_staleness not yet given their groups would
+        take more than those in flight, being scored and buffered."""
+        last = min(self.weight_version + 1 + self.config.max_staleness, self.config.steps)
         wanted = self.config.prompts_per_step * (last - self._taken)
         unscored = sum(map(len, self._to_score))
-        held = len(self._in_flight) + self._running + unscored + len(self._buffer)
+        held = len(self._in_flight) + len(self._running) + unscored + len(self._buffer)
         return held < wanted
+
+    def _owed(self, step: int) -> bool:
+        """stale_groups=wait: whether step `step` must wait for groups not yet in the
+        buffer (generating, or being scored) so that none outlives max_staleness.
+
+        A group of version v may train up to step v + 1 + max_staleness, its last. Were the
+        unbuffered groups, oldest first, all that the next steps took, the k-th (from 0)
+        would train at step + 1 + k // prompts_per_step at the earliest: the step waits
+        while one would come after its last. That holds it for every group due now (this
+        step is its last), and with max_staleness >= 2 for some due later too: the engines
+        may hold several steps' groups of one version (max_staleness + 1 at the start), and
+        a step that took younger, shorter ones in their place would leave more of them than
+        the next steps can train in time.
+
+        Why, at each step, the groups due by any step k are then at most prompts_per_step x
+        (k - the last step taken), so that those due now fit in this step's batch and are in
+        it (oldest first): `_room` starts a group due by k only while the groups held, none
+        younger, are fewer than that; and a step takes either prompts_per_step groups due by
+        k, or every buffered one due by k, leaving only unbuffered ones, which this wait
+        keeps to what the steps after it up to k take. A group of episodes counts by the
+        version it started under until it is scored (its oldest token's may be newer: the
+        wait errs early). Groups a checkpoint kept under stale_groups=drop may be more;
+        `_drop_stale` drops what would outlive the bound."""
+        n, s = self.config.prompts_per_step, self.config.max_staleness
+        versions = sorted([g.version for g in self._in_flight + self._running]
+                          + [_oldest(d) for call in self._to_score for d in call])
+        return any(v + s < step + k // n for k, v in enumerate(versions))
 
     def _start_group(self) -> Started:
         (prompt,) = self.sampler.next(1)
@@ -478,10 +523,11 @@ class Stream:
         # apart); its means hold for every group.
         share = {key: value / len(done) if key in COUNT_METRICS else value
                  for key, value in scored.metrics.items()}
-        varied = varied_groups(scored.score, n).tolist()
+        varied = varied_groups(scored.score, n, scored.scored()).tolist()
         judged = scored.judged
         return [Finished(Group(answers.rows(rows), samples[rows], scored.score[rows],
-                               judged[rows] if judged is not None else None),
+                               judged[rows] if judged is not None else None,
+                               scored.failed[rows]),
                          d.versions, _oldest(d), share, varied[i])
                 for i, d, rows in ((i, d, slice(i * n, (i + 1) * n))
                                    for i, d in enumerate(done))]
@@ -505,16 +551,22 @@ class Stream:
     def _drop_stale(self, step: int) -> None:
         """Drop the groups that step `step` or any later one would train beyond
         max_staleness (in the buffer, and in flight: they would only finish to be
-        dropped)."""
+        dropped). With stale_groups=wait the steps take each group in time (`_owed`), so
+        only groups a checkpoint kept under stale_groups=drop (or before it) could be."""
         def fresh(oldest: int) -> bool:
             return step - 1 - oldest <= self.config.max_staleness
 
-        before = len(self._buffer) + len(self._in_flight)
-        self._buffer = [f for f in self._buffer if fresh(f.oldest)]
-        self._in_flight = [g for g in self._in_flight if fresh(g.version)]
-        dropped = before - len(self._buffer) - len(self._in_flight)
-        if dropped:
-            self._dropped += dropped
+        late = [f for f in self._buffer if not fresh(f.oldest)]
+        cut = [g for g in self._in_flight if not fresh(g.version)]
+        if late or cut:
+            self._buffer = [f for f in self._buffer if fresh(f.oldest)]
+            self._in_flight = [g for g in self._in_flight if fresh(g.version)]
+            self._dropped += len(late) + len(cut)
+            # What they held (in flight: so far), to set beside what trains: the groups
+            # that finish late are those with long samples.
+            self._dropped_lengths += [len(c.token_ids) for f in late
+                                      for c in f.group.answers.completions]
+            self._dropped_lengths += [len(s.tokens) for g in cut for s in g.samples]
             self._cond.notify_all()  # room for new groups (the producer may be idle)
 
 

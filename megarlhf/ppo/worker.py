@@ -345,13 +345,15 @@ class PPOWorker:
     @_phase("train")
     def train(self, batch: SequenceBatch, old_logp: torch.Tensor | None,
               advantages: torch.Tensor, old_values: torch.Tensor | None,
-              returns: torch.Tensor | None, policy: PolicyInputs | None
-              ) -> tuple[list[dict], dict[str, torch.Tensor]]:
+              returns: torch.Tensor | None, loss_mask: torch.Tensor,
+              policy: PolicyInputs | None) -> tuple[list[dict], dict[str, torch.Tensor]]:
         """PPO epochs over mini-batches for this group's actor and/or critic: the metrics of
         every optimizer step, and with `old_logp` None (one_pass_old_logprobs: one update
         pass, whose own logprobs are the old ones) the actor's logp and entropy [B, T] from
         that pass (and routing_moved with a routing), as `experience` would have given them.
-        `policy`: the actor's inputs (None in a group without the actor)."""
+        `loss_mask` [B, T]: the response tokens trained (a sample whose score failed has
+        none); a mini-batch without any takes no optimizer step (it has no gradient to take
+        one with). `policy`: the actor's inputs (None in a group without the actor)."""
         c = self.config
         self._engine_sleeps()
         self.residency.keep("train", residency.TRAIN)
@@ -369,13 +371,16 @@ class PPOWorker:
         for _ in range(c.ppo_epochs):
             for k in range(c.mini_batches):
                 rows = slice(k * size, (k + 1) * size)
+                if not bool(loss_mask[rows].any()):
+                    continue
                 part = _rows(batch, rows)
                 m = {}
                 if self.actor is not None:
                     one_pass = old_logp is None
                     step, actor = self.actor.train_step(
                         part, None if one_pass else old_logp[rows], advantages[rows],
-                        **policy.rows(rows), check_logprobs=check if one_pass else None)
+                        **policy.rows(rows), loss_mask=loss_mask[rows],
+                        check_logprobs=check if one_pass else None)
                     if one_pass and policy.routing is not None:
                         own["routing_moved"] = torch.tensor(actor["routing_replay_moved"])
                     m.update({f"actor/{k}": v for k, v in actor.items()})
@@ -385,7 +390,8 @@ class PPOWorker:
                         m["actor/moe_load"] = step.moe_load
                 if self.critic is not None:
                     vstep, critic = self.critic.train_step(part, old_values[rows],
-                                                           returns[rows])
+                                                           returns[rows],
+                                                           loss_mask=loss_mask[rows])
                     m.update({f"critic/{k}": v for k, v in critic.items()})
                     m["critic/grad_norm"] = vstep.grad_norm
                     if vstep.moe_load is not None:
@@ -461,10 +467,14 @@ class PPOWorker:
     def load(self, directory: str) -> None:
         """Undo save(); the rollout engines need a weight sync afterwards."""
         self.residency.keep("checkpoint", residency.CHECKPOINT)
-        if self.actor is not None:
-            load_checkpoint(os.path.join(directory, "actor"), self.actor.engine)
-        if self.critic is not None:
-            load_checkpoint(os.path.join(directory, "critic"), self.critic.engine)
+        for role in (self.actor, self.critic):
+            if role is None:
+                continue
+            path = os.path.join(directory, "actor" if role is self.actor else "critic")
+            # A run's checkpoint holds no optimizer state only if its optimizer had not
+            # stepped yet (every step so far trained nothing: all samples failed, or
+            # skipped): the fresh optimizer is that state.
+            load_checkpoint(path, role.engine, with_optimizer=read_meta(path)["with_optimizer"])
         self.residency.note("checkpoint")
         if not self._has_rng:
             return

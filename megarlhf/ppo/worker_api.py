@@ -29,8 +29,8 @@ class WorkerAPI(Protocol):
 
     def train(self, batch: SequenceBatch, old_logp: torch.Tensor | None,
               advantages: torch.Tensor, old_values: torch.Tensor | None,
-              returns: torch.Tensor | None, policy: PolicyInputs | None
-              ) -> tuple[list[dict], dict[str, torch.Tensor]]: ...
+              returns: torch.Tensor | None, loss_mask: torch.Tensor,
+              policy: PolicyInputs | None) -> tuple[list[dict], dict[str, torch.Tensor]]: ...
 
     def sync_weights(self, whole: bool) -> dict[str, float]: ...
 

@@ -5,13 +5,14 @@ the judge's prompt text, and from the judge's answer to a score. No model here: 
 Verdicts:
 - yes_no: P(Yes) / (P(Yes) + P(No)) at the judge's first new token, each side summed over its
   spellings with and without a leading space ("Yes", " Yes"; "No", " No") that are one token,
-  computed from the engine's log-probabilities of those tokens. It always gives a score: a
-  first token that is none of them is counted as a parse failure, and the share of the first
+  computed from the engine's log-probabilities of those tokens. A first token that is none of
+  them is a parse failure (the controller gives it no score), and the share of the first
   token's probability on them is logged (reward/judge_verdict_mass).
 - rating: the last "[[N]]" in the judge's text, N / rating_max clipped to [0, 1].
 - regex: the last match of `pattern`; its first group (or the whole match) as a number.
 - fn: 'module:function' called with the judge's text, returning a float or None.
-A text that does not parse scores `failure_score` and is counted.
+A text that does not parse has no score: it is counted (reward/judge_parse_failures) and its
+sample masked like any failed score.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import dataclasses
 import math
 import re
 import string
-from typing import Callable
+from typing import Callable, ClassVar
 
 from megarlhf import named
 
@@ -37,6 +38,10 @@ SAMPLE_FIELDS = ("prompt", "response", "ground_truth")
 class JudgeConfig:
     """reward_judge: a language model that reads each sample through a prompt template and
     gives a verdict, scored into the reward (a `rewards` term of kind judge weighs it)."""
+
+    RETIRED: ClassVar[dict[str, str]] = {
+        "failure_score": "a verdict that cannot be read gives no score now (the sample is "
+                         "masked); PPOConfig.max_failed_reward_fraction bounds their share"}
 
     model: str
     """The judge: an HF model directory (weights, config.json and tokenizer), or a Megatron
@@ -60,9 +65,6 @@ class JudgeConfig:
     """verdict fn: 'module:function' from the judge's text to a score (None: no verdict)."""
     rating_max: float = 10.0
     """verdict rating: the rating that scores 1."""
-    failure_score: float = 0.0
-    """The score of a judge's text without a verdict (rating, regex, fn; counted in
-    reward/judge_parse_failures). yes_no always scores."""
     max_new_tokens: int = 32
     """Tokens the judge may write (yes_no reads the first only: 1 is enough there)."""
     temperature: float = 0.0
@@ -88,8 +90,6 @@ class JudgeConfig:
             out.append("reward_judge.function goes with verdict fn, and verdict fn needs one")
         if not (self.rating_max > 0 and math.isfinite(self.rating_max)):
             out.append(f"reward_judge.rating_max must be > 0, got {self.rating_max}")
-        if not math.isfinite(self.failure_score):
-            out.append(f"reward_judge.failure_score must be finite, got {self.failure_score}")
         if self.max_new_tokens < 1:
             out.append(f"reward_judge.max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if not (0 <= self.temperature < math.inf):

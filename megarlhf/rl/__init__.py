@@ -3,6 +3,7 @@
 from megarlhf.rl.advantages import (
     CRITIC_FREE_ESTIMATORS, critic_free_advantages, gae, grpo_advantages, masked_whiten,
     reinforce_pp_advantages, reinforce_pp_baseline_advantages, rloo_advantages,
+    trained_samples,
 )
 from megarlhf.rl.ema import ema_update
 from megarlhf.rl.kl import (
@@ -15,7 +16,7 @@ from megarlhf.rl.losses import (
 __all__ = [
     "CRITIC_FREE_ESTIMATORS", "critic_free_advantages", "gae", "grpo_advantages",
     "masked_whiten", "reinforce_pp_advantages", "reinforce_pp_baseline_advantages",
-    "rloo_advantages", "ema_update", "KL_ESTIMATORS", "AdaptiveKLController",
+    "rloo_advantages", "trained_samples", "ema_update", "KL_ESTIMATORS", "AdaptiveKLController",
     "FixedKLController", "kl_penalty", "kl_shaped_rewards", "AGGREGATION_MODES", "aggregate",
     "entropy_bonus", "policy_loss", "value_loss",
 ]

@@ -115,33 +115,68 @@ def _broadcast(adv_B: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
     return torch.where(mask_BT.bool(), adv_B.unsqueeze(-1), 0.0)
 
 
+def _members(score_B: torch.Tensor, scored_B: torch.Tensor | None, group_size: int
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(scores [B/G, G] with 0 off the members, members [B/G, G] bool, members per group
+    [B/G, 1]): a group's members are its scored samples (`scored_B`; None: all), and a group
+    with fewer than two has none (no baseline to compare with: `trained_samples`)."""
+    score_GG = score_B.reshape(-1, group_size)
+    if scored_B is None:
+        member_GG = torch.ones_like(score_GG, dtype=torch.bool)
+    else:
+        check_rows(scored_B, score_B[:, None])
+        member_GG = scored_B.reshape(-1, group_size).bool()
+        member_GG = member_GG & (member_GG.sum(dim=-1, keepdim=True) >= 2)
+    count_G1 = member_GG.sum(dim=-1, keepdim=True)
+    return torch.where(member_GG, score_GG, 0.0), member_GG, count_G1
+
+
+def trained_samples(scored_B: torch.Tensor, group_size: int | None) -> torch.Tensor:
+    """[B] bool: the samples a step trains on. A sample whose score failed is never one;
+    with a group estimator (`group_size`), neither is any sample of a group left with fewer
+    than two scored members."""
+    if group_size is None:
+        return scored_B.bool()
+    scored_GG = scored_B.bool().reshape(-1, group_size)
+    return (scored_GG & (scored_GG.sum(dim=-1, keepdim=True) >= 2)).reshape(-1)
+
+
 @torch.no_grad()
 def grpo_advantages(score_B: torch.Tensor, mask_BT: torch.Tensor, *, group_size: int,
-                    scale_by_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
+                    scale_by_std: bool = True, eps: float = 1e-6,
+                    scored_B: torch.Tensor | None = None) -> torch.Tensor:
     """GRPO (Shao et al. 2024), outcome supervision, broadcast over the response tokens.
 
         A_i = (r_i - mean_group(r)) / (std_group(r) + eps)      std unbiased (torch.std)
         A_i =  r_i - mean_group(r)           with scale_by_std=False (Dr. GRPO)
 
-    group_size >= 2 (one sample per prompt has no group to compare with).
+    group_size >= 2 (one sample per prompt has no group to compare with). With `scored_B`
+    [B] bool the group statistics are over its scored members only; the others get 0
+    (`_members`).
     """
-    score_GG = _groups(score_B, mask_BT, group_size, min_size=2)
-    adv_GG = score_GG - score_GG.mean(dim=-1, keepdim=True)
+    _groups(score_B, mask_BT, group_size, min_size=2)
+    score_GG, member_GG, count_G1 = _members(score_B, scored_B, group_size)
+    n_G1 = count_G1.clamp(min=1)
+    adv_GG = score_GG - score_GG.sum(dim=-1, keepdim=True) / n_G1
     if scale_by_std:
-        adv_GG = adv_GG / (score_GG.std(dim=-1, keepdim=True) + eps)
-    return _broadcast(adv_GG.reshape(-1), mask_BT)
+        var_G1 = torch.where(member_GG, adv_GG, 0.0).square().sum(dim=-1, keepdim=True) / \
+            (count_G1 - 1).clamp(min=1)
+        adv_GG = adv_GG / (var_G1.sqrt() + eps)
+    return _broadcast(torch.where(member_GG, adv_GG, 0.0).reshape(-1), mask_BT)
 
 
 @torch.no_grad()
 def rloo_advantages(score_B: torch.Tensor, mask_BT: torch.Tensor, *,
-                    group_size: int) -> torch.Tensor:
+                    group_size: int, scored_B: torch.Tensor | None = None) -> torch.Tensor:
     """RLOO (Ahmadian et al. 2024): A_i = r_i - mean_{j != i} r_j over the prompt's group.
 
-    = r_i - (sum_j r_j - r_i) / (G - 1), broadcast over the response tokens; G >= 2.
+    = r_i - (sum_j r_j - r_i) / (G - 1), broadcast over the response tokens; G >= 2. With
+    `scored_B`, j and G run over the group's scored members only (`_members`).
     """
-    score_GG = _groups(score_B, mask_BT, group_size, min_size=2)
-    baseline_GG = (score_GG.sum(dim=-1, keepdim=True) - score_GG) / (group_size - 1)
-    return _broadcast((score_GG - baseline_GG).reshape(-1), mask_BT)
+    _groups(score_B, mask_BT, group_size, min_size=2)
+    score_GG, member_GG, count_G1 = _members(score_B, scored_B, group_size)
+    baseline_GG = (score_GG.sum(dim=-1, keepdim=True) - score_GG) / (count_G1 - 1).clamp(min=1)
+    return _broadcast(torch.where(member_GG, score_GG - baseline_GG, 0.0).reshape(-1), mask_BT)
 
 
 @torch.no_grad()
@@ -177,15 +212,20 @@ def reinforce_pp_advantages(
 
 @torch.no_grad()
 def reinforce_pp_baseline_advantages(score_B: torch.Tensor, mask_BT: torch.Tensor, *,
-                                     group_size: int, **options) -> torch.Tensor:
+                                     group_size: int, scored_B: torch.Tensor | None = None,
+                                     **options) -> torch.Tensor:
     """REINFORCE++-baseline: subtract the prompt group's mean score, then `reinforce_pp_advantages`.
 
         score_i <- score_i - mean_group(score)
     (OpenRLHF's "reinforce_baseline"; clip_reward, when given, clips this centred score.)
-    `options` are those of `reinforce_pp_advantages`. group_size >= 2.
+    `options` are those of `reinforce_pp_advantages`. group_size >= 2. With `scored_B`, the
+    mean is over the group's scored members (`_members`); leave the others out of `mask_BT`
+    (`trained_samples`), so the whitening does not count them.
     """
-    score_GG = _groups(score_B, mask_BT, group_size, min_size=2)
-    centred_B = (score_GG - score_GG.mean(dim=-1, keepdim=True)).reshape(-1)
+    _groups(score_B, mask_BT, group_size, min_size=2)
+    score_GG, member_GG, count_G1 = _members(score_B, scored_B, group_size)
+    centred_GG = score_GG - score_GG.sum(dim=-1, keepdim=True) / count_G1.clamp(min=1)
+    centred_B = torch.where(member_GG, centred_GG, 0.0).reshape(-1)
     return reinforce_pp_advantages(centred_B, mask_BT, **options)
 
 
@@ -195,6 +235,10 @@ CRITIC_FREE_ESTIMATORS = {
     "reinforce++": reinforce_pp_advantages,
     "reinforce++_baseline": reinforce_pp_baseline_advantages,
 }
+
+
+GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce++_baseline")
+"""The estimators whose baseline is the prompt's group (they take group_size and scored_B)."""
 
 
 def critic_free_advantages(name: str, score_B: torch.Tensor, mask_BT: torch.Tensor,

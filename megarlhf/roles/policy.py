@@ -98,15 +98,17 @@ def _part(t: torch.Tensor | None, rows: slice) -> torch.Tensor | None:
     return None if t is None else t[rows]
 
 
-def ptx_scale(cfg: PolicyLossConfig, batch: SequenceBatch, ptx: SequenceBatch | None) -> float:
+def ptx_scale(cfg: PolicyLossConfig, loss_mask: torch.Tensor, ptx: SequenceBatch | None
+              ) -> float:
     """ptx_coef * D_ppo / D_ptx: the factor on a ptx micro-batch's NLL sum that makes the
-    engine's sum(numerators) / D_ppo equal PPO loss + ptx_coef * token-mean NLL."""
+    engine's sum(numerators) / D_ppo equal PPO loss + ptx_coef * token-mean NLL (D_ppo over
+    the PPO batch's counted tokens, `loss_mask`)."""
     if (ptx is not None) != (cfg.ptx_coef > 0):
         raise ValueError("a ptx batch and ptx_coef > 0 go together: got ptx_coef="
                          f"{cfg.ptx_coef} and {'a' if ptx is not None else 'no'} ptx batch")
     if ptx is None:
         return 0.0
-    ppo_den = int(cfg.aggregate(torch.zeros(batch.shape), batch.response_mask)[1])
+    ppo_den = int(cfg.aggregate(torch.zeros(loss_mask.shape), loss_mask)[1])
     return cfg.ptx_coef * ppo_den / int(ptx.response_mask.sum())
 
 
@@ -184,6 +186,7 @@ class PolicyRole:
                    advantages: torch.Tensor, ptx: SequenceBatch | None = None, *,
                    ref_logp: torch.Tensor | None = None, kl_coef: float = 0.0,
                    is_weight: torch.Tensor | None = None, routing: torch.Tensor | None = None,
+                   loss_mask: torch.Tensor | None = None,
                    check_logprobs: Callable[[torch.Tensor, torch.Tensor], bool] | None = None
                    ) -> tuple[StepMetrics, dict[str, float]]:
         """One optimizer step over the global batch of
@@ -195,6 +198,9 @@ class PolicyRole:
         `kl_estimator`, needs `ref_logp` when kl_coef > 0), plus `ptx_coef` times the
         token-mean NLL of `ptx` (tokens under its response_mask). With `routing` [B, T,
         layers, k] the batch's tokens go through those experts (ptx tokens are routed freely).
+        `loss_mask` [B, T]: the response tokens the loss counts (None: all of them); a row
+        without any (a sample whose score failed) is computed but neither trained nor counted,
+        so the step equals one over a batch that never had it.
 
         The PPO and ptx terms are means over different token sets, and the engine divides the
         sum of all micro-batches' numerators by one global denominator. Both denominators are
@@ -219,7 +225,8 @@ class PolicyRole:
         if kl_coef < 0 or (kl_coef > 0 and ref_logp is None):
             raise ValueError(f"kl_coef must be >= 0 and needs ref_logp when > 0, got "
                              f"{kl_coef} and {'no ' if ref_logp is None else ''}ref_logp")
-        scale = ptx_scale(cfg, batch, ptx)
+        counted = batch.response_mask if loss_mask is None else loss_mask
+        scale = ptx_scale(cfg, counted, ptx)
 
         def ptx_loss(mb, per_position):
             mask = mb["response_mask"]
@@ -231,7 +238,7 @@ class PolicyRole:
 
         def ppo_loss(mb, per_position):
             logp, entropy = self._logp_entropy(mb, per_position)
-            mask = mb["response_mask"]
+            mask = mb["loss_mask"]
             m = mask.bool()
             old = logp.detach() if old_logp is None else mb["old_logp"]
             pg_BT, stats = policy_loss(logp, old, mb["advantages"], mask,
@@ -248,10 +255,11 @@ class PolicyRole:
             num, den = cfg.aggregate(loss_BT, mask)
             pg_num, _ = cfg.aggregate(pg_BT.detach(), mask)
             # With no old_logp given, the pass's own, for check_logprobs (0 off the response
-            # tokens, as `logprobs` gives them).
+            # tokens, as `logprobs` gives them: every response token, trained or not).
+            r = mb["response_mask"].bool()
             own = {} if old_logp is not None else {
-                "token_logp": torch.where(m, logp.detach(), 0),
-                "token_entropy": torch.where(m, entropy.detach(), 0)}
+                "token_logp": torch.where(r, logp.detach(), 0),
+                "token_entropy": torch.where(r, entropy.detach(), 0)}
             return num, den.to(torch.int), {**_step_metrics(
                 loss_sum=num.detach().clone(), num_tokens=den.detach().clone(),
                 pg_sum=pg_num, kl_sum=kl_num, tokens=m.sum(),
@@ -267,11 +275,12 @@ class PolicyRole:
                      "is_weight": torch.ones(batch.shape) if is_weight is None else is_weight}
         if old_logp is not None:
             per_token["old_logp"] = old_logp
-        ppo_mbs = mbs = self._microbatches(batch, is_ptx=False, routing=routing, **per_token)
+        ppo_mbs = mbs = self._microbatches(batch, counted, is_ptx=False, routing=routing,
+                                           **per_token)
         if ptx is not None:
             free = None if routing is None else torch.full(
                 (*ptx.shape, *routing.shape[2:]), -1, dtype=routing.dtype)
-            mbs = mbs + self._microbatches(ptx, is_ptx=True, routing=free,
+            mbs = mbs + self._microbatches(ptx, ptx.response_mask, is_ptx=True, routing=free,
                                            **{k: torch.zeros(ptx.shape) for k in per_token})
 
         def before_step(outputs):  # the PPO micro-batches' outputs come first, in order
@@ -295,9 +304,10 @@ class PolicyRole:
             metrics["routing_replay_moved"] = self.routing_moved()
         return step, metrics
 
-    def _microbatches(self, batch: SequenceBatch, *, is_ptx: bool, routing,
-                      **per_token: torch.Tensor):
+    def _microbatches(self, batch: SequenceBatch, loss_mask: torch.Tensor, *, is_ptx: bool,
+                      routing, **per_token: torch.Tensor):
         return microbatches(self.engine, self.batching, batch, routing, response_logits=True,
                             response_mask=batch.response_mask.float(),
+                            loss_mask=loss_mask.float(),
                             is_ptx=torch.full(batch.shape, float(is_ptx)),
                             **{k: v.float() for k, v in per_token.items()})

@@ -59,9 +59,11 @@ class ValueRole:
         return self._forward(batch, "score", batch.shape[:1])
 
     def train_step(self, batch: SequenceBatch, old_values: torch.Tensor,
-                   returns: torch.Tensor) -> tuple[StepMetrics, dict[str, float]]:
+                   returns: torch.Tensor, *, loss_mask: torch.Tensor | None = None
+                   ) -> tuple[StepMetrics, dict[str, float]]:
         """One optimizer step of the (clipped) value loss; returns step metrics and the global
-        mean value loss and value-clip fraction over response tokens."""
+        mean value loss and value-clip fraction over response tokens. `loss_mask` [B, T]: the
+        response tokens with a value target (None: all; a failed sample has none)."""
         cfg = self.loss
 
         def loss_fn(mb, values_RL):
@@ -79,7 +81,8 @@ class ValueRole:
                                             "tokens": m.sum(), "clipped": clipped}
 
         mbs = microbatches(self.engine, self.batching, batch,
-                           response_mask=batch.response_mask.float(),
+                           response_mask=(batch.response_mask if loss_mask is None
+                                          else loss_mask).float(),
                            old_values=old_values.float(), returns=returns.float())
         step = self.engine.train_step(mbs, loss_fn)
         s = step.sums
