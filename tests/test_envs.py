@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import shutil
 import time
 
 import pytest
@@ -282,17 +283,21 @@ def test_environment_failures_stop_the_run_or_end_the_episode_unscored(tok):
     assert failed.final_response == "12" and "KeyError" in failed.error  # one turn, from the row
 
 
-def test_async_steps_of_a_turn_run_together(tok):
-    from tests.env_fns import AsyncSleeper
+@pytest.mark.parametrize("kind", ["AsyncSleeper", "SyncSleeper"])
+def test_the_steps_of_a_turn_run_together(tok, kind):
+    """An async step on the event loop, a plain one in the env_workers threads (4 here):
+    8 episodes x 2 turns x 0.3 s each are 4.8 s one after another, 0.6 s all together, 1.2 s
+    four at a time."""
+    from tests import env_fns
 
     engine = ScriptedEngine(tok, lambda key, turn: "12")
     params = dataclasses.replace(PARAMS, n=8)
     start = time.perf_counter()
-    episodes, metrics = _runner(tok, lambda: AsyncSleeper(0.3, turns=2)).run(
-        [_prompt(tok)], params, engine)
+    episodes, metrics = _runner(tok, lambda: getattr(env_fns, kind)(0.3, turns=2),
+                                workers=4).run([_prompt(tok)], params, engine)
     elapsed = time.perf_counter() - start
-    # 8 episodes x 2 turns x 0.3 s each: 4.8 s one after another, 0.6 s together.
-    assert elapsed < 2.0 and metrics["env/seconds"] >= 0.6, elapsed
+    least = 0.6 if kind == "AsyncSleeper" else 1.2
+    assert least <= metrics["env/seconds"] and elapsed < least + 1.4, elapsed
     assert [e.reward for e in episodes] == [1.0] * 8
 
 
@@ -452,20 +457,30 @@ def test_a_template_that_rewrites_earlier_turns_is_refused_naming_the_way_out(tm
 
 # -- the python tool -------------------------------------------------------------------------
 
+needs_bwrap = pytest.mark.skipif(shutil.which("bwrap") is None,
+                                 reason="bubblewrap is not installed (make sandbox-packages)")
+
+
+@needs_bwrap
 def test_the_python_sandbox_holds_its_limits(tmp_path):
     # A generous limit for what must finish (a loaded machine starts interpreters slowly),
     # a short one for what must not.
     sandbox = PythonSandbox(timeout=30.0, memory_mb=256, output_bytes=2000)
     run = lambda code: asyncio.run(sandbox.run({"code": code}))  # noqa: E731
     assert run("print(6 * 7)") == ("42\n", False)
-    # Its own directory is writable; nothing else is, not even a directory the caller owns.
-    assert run("open('here.txt', 'w').write('x'); print(open('here.txt').read())") == \
-        ("x\n", False)
+    # Its own directory and an empty /tmp are writable; the standard library imports.
+    assert run("import json, sqlite3; open('here.txt', 'w').write('x'); "
+               "open('/tmp/t', 'w').write('y'); print(open('here.txt').read(), "
+               "__import__('os').listdir('/tmp'))") == ("x ['t']\n", False)
+    # No other host file: not the project, not a directory the caller owns, no packages.
     outside = tmp_path / "outside.txt"
-    text, failed = run(f"open({str(outside)!r}, 'w').write('x')")
-    assert failed and "Read-only file system" in text and not outside.exists()
+    outside.write_text("answer key")
+    for code in (f"print(open({str(outside)!r}).read())", f"open({__file__!r})",
+                 "import torch", "import megarlhf"):
+        text, failed = run(code)
+        assert failed and ("No such file" in text or "No module named" in text), (code, text)
     text, failed = run("import socket; socket.create_connection(('127.0.0.1', 80), timeout=1)")
-    assert failed and "Network is unreachable" in text
+    assert failed and ("unreachable" in text or "refused" in text), text
     text, failed = run("x = bytearray(512 * 1024 * 1024)")
     assert failed and "MemoryError" in text
     start = time.perf_counter()
@@ -477,6 +492,74 @@ def test_the_python_sandbox_holds_its_limits(tmp_path):
     assert failed and text == "a" * 2000 + "\n[output cut at 2000 bytes]"
     assert run("") == ("", False)
     assert asyncio.run(sandbox.run({"code": 1}))[1] is True
+
+
+def _host_processes() -> int:
+    import os
+
+    return sum(name.isdigit() for name in os.listdir("/proc"))
+
+
+@needs_bwrap
+def test_the_python_sandbox_lets_nothing_out():
+    """The escape catalogue (escape_probe): reading a file written outside, seeing and
+    killing a process started outside, connecting to a socket on the host's 127.0.0.1,
+    writing outside, leaving a process behind: none succeeds, and the host's processes are
+    untouched. A fork loop stops at the process limit, and when the call returns every
+    process it made is gone (the host's count back where it was)."""
+    from megarlhf.envs.python_tool import MAX_PROCESSES, check_sandbox, escape_probe
+
+    sandbox = PythonSandbox(timeout=20.0, memory_mb=256)
+    leaks, output = escape_probe(sandbox)
+    assert leaks == [] and "PROBED" in output, (leaks, output)
+    check_sandbox()
+    before = _host_processes()
+    start = time.perf_counter()
+    text, failed = asyncio.run(sandbox.run({"code": (
+        "import os, time\nmade = 0\ntry:\n    while True:\n        if os.fork() == 0:\n"
+        "            time.sleep(60)\n            os._exit(0)\n        made += 1\n"
+        "except OSError as e:\n    print(made, e.errno)\n")}))
+    assert not failed and time.perf_counter() - start < 20, text
+    made, errno = map(int, text.split())
+    # EAGAIN at the limit: the program and the namespace's init (bwrap's) count too
+    assert made == MAX_PROCESSES - 2 and errno == 11
+    assert _host_processes() <= before + 2, (before, _host_processes())  # not 63 sleepers
+
+
+@needs_bwrap
+def test_an_escape_probe_refuses_a_sandbox_that_leaks():
+    """A 'sandbox' that runs the code as a plain child process: every attempt leaks, and the
+    launch check names each in one line."""
+    import sys
+
+    from megarlhf.envs.python_tool import check_sandbox
+
+    class Leaky(PythonSandbox):
+        def command(self, work):
+            return ["sh", "-c", f"cd {work} && exec {sys.executable} main.py"]
+
+    with pytest.raises(ValueError) as refused:
+        check_sandbox(Leaky(timeout=20.0, memory_mb=256))
+    message = str(refused.value)
+    assert "\n" not in message and message.startswith("tools: the python sandbox leaks here")
+    for leak in ("read a file outside it", "saw a process outside it",
+                 "killed a process outside it", "connected to a socket on the host's",
+                 "wrote outside its working directory", "outlived the call"):
+        assert leak in message, (leak, message)
+
+
+@needs_bwrap
+def test_python_calls_run_at_most_python_workers_at_once():
+    """12 calls of 0.5 s each through the toolbox with python_workers 3: never more than 3
+    interpreters at once (measured from the calls' own start and end times), so 4 waves."""
+    box = Toolbox(("python",), timeout=20.0, memory_mb=256, python_workers=3)
+    code = "import time; print(time.time()); time.sleep(0.5); print(time.time())"
+    calls = [ToolCall("python", {"code": code}) for _ in range(12)]
+    results = asyncio.run(box.run(calls))
+    spans = [tuple(map(float, text.split())) for text, failed in results if not failed]
+    assert len(spans) == 12, results
+    most = max(sum(s <= t < e for s, e in spans) for t, _ in spans)
+    assert most == 3, spans
 
 
 # -- advantages of episodes, against plain loops ---------------------------------------------

@@ -31,6 +31,7 @@ import inspect
 import logging
 import numbers
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 from megarlhf.data.prompts import Prompt
@@ -99,6 +100,8 @@ class EpisodeLimits:
     max_prompt_tokens: int | None = None
     """The longest prompt an episode may start from (the engines' length less
     max_new_tokens): reset messages must keep within it."""
+    workers: int = 32
+    """Threads for the reset() and step() of environments written as plain functions."""
 
 
 Generate = Callable[[list[list[int]], SamplingParams, list[int]], list[Completion]]
@@ -116,6 +119,7 @@ class EpisodeRunner:
         self.make_env, self.fmt, self.limits, self.name = make_env, fmt, limits, name
         self.tokenizer = fmt.tokenizer
         self._checking = False
+        self._threads: ThreadPoolExecutor | None = None  # a run's, for plain functions
 
     def check(self, prompt: Prompt) -> None:
         """EpisodeError (a ValueError) when the environment cannot start an episode on
@@ -143,6 +147,7 @@ class EpisodeRunner:
         states = [_State(prompt, key=i * params.n + j)
                   for i, prompt in enumerate(prompts) for j in range(params.n)]
         clock = {"env": 0.0}
+        self._threads = ThreadPoolExecutor(self.limits.workers, thread_name_prefix="env")
         try:
             await self._timed(clock, [self._reset(s) for s in states])
             live = states
@@ -154,8 +159,21 @@ class EpisodeRunner:
                 if not live:
                     break
         finally:
-            await self._timed(clock, [self._close(s) for s in states])
+            try:
+                await self._timed(clock, [self._close(s) for s in states])
+            finally:
+                self._threads.shutdown(wait=True)
+                self._threads = None
         return [s.episode(self.tokenizer) for s in states], self._metrics(states, clock["env"])
+
+    async def _call(self, method, *args):
+        """An environment's method: a coroutine function awaited on the event loop, a plain
+        one in the run's threads (one episode's calls come one after another, so an
+        environment object is used by one thread at a time)."""
+        if inspect.iscoroutinefunction(method) or self._threads is None:
+            return await _maybe_await(method(*args))
+        loop = asyncio.get_running_loop()
+        return await _maybe_await(await loop.run_in_executor(self._threads, method, *args))
 
     # -- a turn ------------------------------------------------------------------------------
 
@@ -236,7 +254,7 @@ class EpisodeRunner:
     async def _reset(self, s: "_State") -> None:
         try:
             s.env = self.make_env()
-            added = await _maybe_await(s.env.reset(_row(s.prompt)))
+            added = await self._call(s.env.reset, _row(s.prompt))
         except Exception as e:  # the user's code
             self._failed(s, e, "reset", 0)
             return
@@ -262,7 +280,7 @@ class EpisodeRunner:
         if s.error is not None:  # its reset failed: one turn from the row's prompt, unscored
             return None
         try:
-            answer = await _maybe_await(s.env.step(s.texts[-1]))
+            answer = await self._call(s.env.step, s.texts[-1])
         except Exception as e:  # the user's code
             return self._failed(s, e, "step", turn + 1)
         if not isinstance(answer, Turn):
@@ -276,7 +294,7 @@ class EpisodeRunner:
         if s.env is None:
             return
         try:
-            await _maybe_await(s.env.close())
+            await self._call(s.env.close)
         except Exception as e:  # the user's code
             _log.warning("environment %s failed in close() at %s: %s: %s", self.name,
                          s.prompt.where, type(e).__name__, _last_line(e))

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import os
 import re
 from typing import Any, Callable
 
@@ -163,6 +164,10 @@ class Toolbox:
     workers: int = 2
     memory_mb: int = 1024
     """The python tool's address-space limit."""
+    python_workers: int | None = None
+    """The most python calls that run at once (None: the machine's cores)."""
+    python_packages: tuple[str, ...] = ()
+    """Package directories the python tool's code may import."""
 
     def __post_init__(self):
         self.schemas = [tool_schema(spec) for spec in self.specs]
@@ -172,8 +177,10 @@ class Toolbox:
             raise ValueError(f"tools: more than one tool is named {repeated}")
         self.by_name = dict(zip(names, self.specs))
         self.parse = load_parser(self.parser)
-        self.sandbox = PythonSandbox(timeout=self.timeout, memory_mb=self.memory_mb) \
+        self.sandbox = PythonSandbox(timeout=self.timeout, memory_mb=self.memory_mb,
+                                     packages=self.python_packages) \
             if PYTHON in self.specs else None
+        self._python_slots: tuple[Any, asyncio.Semaphore] | None = None  # (its loop, it)
         self.pool = CallPool(self.workers, self.timeout)
         self._batches: dict[Any, _Batcher] = {}
 
@@ -188,7 +195,8 @@ class Toolbox:
             return (f"Error: there is no tool named {call.name!r}; the tools are "
                     f"{sorted(self.by_name)}", True)
         if spec == PYTHON:
-            return await self.sandbox.run(call.arguments)
+            async with self._python_slot():
+                return await self.sandbox.run(call.arguments)
         outcome = await self._batcher().call((spec, (), call.arguments))
         if outcome.kind == "timeout":
             return f"Error: {call.name} did not finish within {self.timeout:g} s", True
@@ -196,6 +204,15 @@ class Toolbox:
             return f"Error: {call.name} {outcome.value}", True
         value = outcome.value
         return (value if isinstance(value, str) else json.dumps(value, default=str)), False
+
+    def _python_slot(self) -> asyncio.Semaphore:
+        """The bound on python calls at once, of the running event loop (each rollout runs
+        one; a semaphore belongs to one loop)."""
+        loop = asyncio.get_running_loop()
+        if self._python_slots is None or self._python_slots[0] is not loop:
+            self._python_slots = (loop, asyncio.Semaphore(self.python_workers or
+                                                          os.cpu_count() or 1))
+        return self._python_slots[1]
 
     def _batcher(self) -> "_Batcher":
         loop = asyncio.get_running_loop()

@@ -51,7 +51,8 @@ RESUME_INPUTS = ("actor", "actor_adapter", "critic", "reward_model", "reward_jud
 EPISODE_FIELDS = {"env_args": {}, "max_turns": 8, "max_turn_tokens": None,
                   "max_observation_tokens": None, "on_env_error": "stop", "tools": (),
                   "tool_parser": "hermes", "tool_timeout": 30.0, "tool_workers": 2,
-                  "tool_memory_mb": 1024}
+                  "tool_memory_mb": 1024, "tool_python_workers": None,
+                  "tool_python_packages": (), "env_workers": 32}
 """The fields that only an environment reads, with their defaults."""
 """What a resumed run must share with its checkpoint, unless named in resume_allow_changes."""
 
@@ -490,6 +491,16 @@ class PPOConfig:
     """Worker processes that run tool functions (calls of a turn run in parallel)."""
     tool_memory_mb: int = 1024
     """The python tool's address-space limit."""
+    tool_python_workers: int | None = None
+    """The most python tool calls that run at once (each a sandboxed interpreter; the others
+    wait their turn). None: this machine's CPU cores."""
+    tool_python_packages: tuple[str, ...] = ()
+    """Directories of Python packages the python tool's code may import (read-only, on its
+    PYTHONPATH); it sees no other site-packages."""
+    env_workers: int = 32
+    """Threads that run the reset() and step() of environments written as plain functions,
+    so that episodes waiting on I/O overlap (an async environment runs on the event loop
+    and needs none)."""
     chat_template: str | None = None
     """A Jinja chat template file used instead of the tokenizer's for prompts and
     observations (e.g. one that renders earlier turns unchanged where the model's own does
@@ -931,9 +942,12 @@ class PPOConfig:
         if self.tool_parser not in PARSERS and ":" not in self.tool_parser:
             problems.append(f"tool_parser={self.tool_parser!r} is not one of {list(PARSERS)} "
                             f"or 'module:function'")
-        for name in ("max_turns", "tool_workers"):
+        for name in ("max_turns", "tool_workers", "env_workers"):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.tool_python_workers is not None and self.tool_python_workers < 1:
+            problems.append(f"tool_python_workers must be >= 1 or None (the machine's cores), "
+                            f"got {self.tool_python_workers}")
         if self.tool_memory_mb < 64:
             problems.append(f"tool_memory_mb must be >= 64 (a Python interpreter needs it), "
                             f"got {self.tool_memory_mb}")
@@ -1305,6 +1319,8 @@ class PPOConfig:
                    for name in ("actor", "critic", "reward_model", "prompts", "val_prompts",
                                 "tokenizer", "chat_template")
                    if getattr(self, name) is not None and not os.path.exists(getattr(self, name))]
+        missing += [f"tool_python_packages: {d} is not a directory"
+                    for d in self.tool_python_packages if not os.path.isdir(d)]
         if missing:
             raise ValueError("invalid PPO config:\n  " + "\n  ".join(missing))
 

@@ -190,11 +190,13 @@ def _environment(config: PPOConfig, tokenizer: Tokenizer, first: Prompt,
 
     toolbox = None
     if config.environment == "tools":
-        if PYTHON in config.tools:
-            check_sandbox()
         toolbox = Toolbox(tuple(config.tools), parser=config.tool_parser,
                           timeout=config.tool_timeout, workers=config.tool_workers,
-                          memory_mb=config.tool_memory_mb)
+                          memory_mb=config.tool_memory_mb,
+                          python_workers=config.tool_python_workers,
+                          python_packages=tuple(config.tool_python_packages))
+        if toolbox.sandbox is not None:  # the escape probe, before any rank starts
+            check_sandbox(toolbox.sandbox)
     make_env = environment_factory(config.environment, dict(config.env_args),
                                    toolbox=toolbox)
     fmt = run_format(config, tokenizer)
@@ -202,7 +204,7 @@ def _environment(config: PPOConfig, tokenizer: Tokenizer, first: Prompt,
                            max_new_tokens=config.max_new_tokens,
                            max_observation_tokens=config.observation_tokens,
                            on_env_error=config.on_env_error,
-                           max_prompt_tokens=max_prompt_tokens)
+                           max_prompt_tokens=max_prompt_tokens, workers=config.env_workers)
     runner = EpisodeRunner(make_env, fmt, limits, name=config.environment)
     runner.check(first)
     roles = ("user", "tool") if toolbox is not None else ("user",)
