@@ -437,11 +437,15 @@ def _check_judge_scores(hf_dir: str, rows: list[dict], step: dict) -> None:
         with torch.no_grad():
             p = torch.softmax(model(torch.tensor([ids])).logits[0, -1].double(), dim=-1)
         p_yes = float(p[yes].sum() / (p[yes].sum() + p[no].sum()))
+        if int(p.argmax()) not in yes + no:  # no verdict, so no judge score
+            assert row["judge_score"] is None, (row, p_yes)
+            continue
         assert row["judge_score"] == pytest.approx(p_yes, abs=1e-3), (row, p_yes)
         scores.append(row["judge_score"])
     print(f"judge scores {[round(s, 3) for s in scores]}, verdict mass "
           f"{step['reward/judge_verdict_mass']:.3f}")
-    assert step["reward/judge"] == pytest.approx(sum(scores) / len(scores), abs=1e-6), step
+    if scores:
+        assert step["reward/judge"] == pytest.approx(sum(scores) / len(scores), abs=1e-6)
 
 
 QUICKSTART = os.path.join(REPO, "docs", "quickstart.md")

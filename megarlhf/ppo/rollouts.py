@@ -321,8 +321,9 @@ def score_answers(config: PPOConfig, data: RunInputs, workers: Placement, answer
     environment's metrics. Validation scores with the episodes' rewards, the reward function
     and the service only. A sample that any source failed to score (an episode dropped by
     on_env_error=drop, a judge verdict not read, a reward call timed out or a service batch
-    failed) has no score (NaN) and its first failure as its reason; each source's metric is
-    over the samples it scored."""
+    failed) has no score (NaN) and its first failure as its reason (unless the source's
+    `rewards` term weighs 0: it adds nothing to the score); each source's metric is over the
+    samples it scored."""
     score = torch.zeros(len(samples))
     metrics = dict(answers.metrics)
     failed: list[str | None] = [None] * len(samples)
@@ -351,7 +352,8 @@ def score_answers(config: PPOConfig, data: RunInputs, workers: Placement, answer
         judged = data.judge.score(workers.judge, answers.prompts, samples, step)
         term = next((t for t in config.rewards if t.kind == "judge"), None)
         score += judged.scores * (term.weight if term else 1.0)
-        fail(judged.failed)
+        if term is None or term.weight:  # a term of weight 0 scores nothing to fabricate
+            fail(judged.failed)
         metrics.update(judged.metrics)
         if term:
             metrics[f"reward/{term.name}"] = mean(judged.scores, judged.failed)
@@ -360,7 +362,8 @@ def score_answers(config: PPOConfig, data: RunInputs, workers: Placement, answer
     for s in data.scorers:
         values, fn_metrics, fn_failed = s.scorer.score(step, samples)
         score += s.weight * values
-        fail(fn_failed)
+        if s.weight:
+            fail(fn_failed)
         for key, value in fn_metrics.items():  # several functions' counts add up
             metrics[key] = metrics.get(key, 0.0) + value if key in COUNT_METRICS else value
         if s.name is not None:
