@@ -479,6 +479,17 @@ def test_the_python_sandbox_holds_its_limits(tmp_path):
                  "import torch", "import megarlhf"):
         text, failed = run(code)
         assert failed and ("No such file" in text or "No module named" in text), (code, text)
+    # A listed package directory (here under the host's /tmp, which the sandbox empties)
+    # imports, read-only.
+    listed = tmp_path / "listed"
+    listed.mkdir()
+    (listed / "helper_pkg.py").write_text("ANSWER = 41 + 1\n")
+    with_packages = PythonSandbox(timeout=30.0, memory_mb=256, packages=(str(listed),))
+    text, failed = asyncio.run(with_packages.run({"code": (
+        "import helper_pkg; print(helper_pkg.ANSWER)\n"
+        "try:\n    open(helper_pkg.__file__, 'a')\nexcept OSError as e:\n    print(e.errno)")}))
+    assert not failed and text.split() in (["42", "30"], ["42", "13"])  # EROFS, or EACCES
+    # where the sandbox runs as nobody (under root)
     text, failed = run("import socket; socket.create_connection(('127.0.0.1', 80), timeout=1)")
     assert failed and ("unreachable" in text or "refused" in text), text
     text, failed = run("x = bytearray(512 * 1024 * 1024)")
@@ -494,10 +505,18 @@ def test_the_python_sandbox_holds_its_limits(tmp_path):
     assert asyncio.run(sandbox.run({"code": 1}))[1] is True
 
 
-def _host_processes() -> int:
+def _sandboxed_programs() -> int:
+    """Processes on the host running a sandboxed program (the interpreter on main.py)."""
     import os
 
-    return sum(name.isdigit() for name in os.listdir("/proc"))
+    count = 0
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                count += f.read().split(b"\0")[1:3] == [b"-s", b"main.py"]
+        except OSError:
+            pass
+    return count
 
 
 @needs_bwrap
@@ -506,14 +525,14 @@ def test_the_python_sandbox_lets_nothing_out():
     killing a process started outside, connecting to a socket on the host's 127.0.0.1,
     writing outside, leaving a process behind: none succeeds, and the host's processes are
     untouched. A fork loop stops at the process limit, and when the call returns every
-    process it made is gone (the host's count back where it was)."""
+    process it made is gone (none runs on the host any more)."""
     from megarlhf.envs.python_tool import MAX_PROCESSES, check_sandbox, escape_probe
 
     sandbox = PythonSandbox(timeout=20.0, memory_mb=256)
     leaks, output = escape_probe(sandbox)
     assert leaks == [] and "PROBED" in output, (leaks, output)
     check_sandbox()
-    before = _host_processes()
+    assert _sandboxed_programs() == 0
     start = time.perf_counter()
     text, failed = asyncio.run(sandbox.run({"code": (
         "import os, time\nmade = 0\ntry:\n    while True:\n        if os.fork() == 0:\n"
@@ -523,7 +542,7 @@ def test_the_python_sandbox_lets_nothing_out():
     made, errno = map(int, text.split())
     # EAGAIN at the limit: the program and the namespace's init (bwrap's) count too
     assert made == MAX_PROCESSES - 2 and errno == 11
-    assert _host_processes() <= before + 2, (before, _host_processes())  # not 63 sleepers
+    assert _sandboxed_programs() == 0  # not its 62 sleeping children
 
 
 @needs_bwrap

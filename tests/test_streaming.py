@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import threading
 import time
 import types
@@ -77,7 +78,7 @@ def _stream(monkeypatch, *, steps, staleness, per_call, delay, version=0, pendin
     monkeypatch.setattr(streaming, "score_answers", score)
     config = types.SimpleNamespace(
         prompts_per_step=2, samples_per_prompt=3, max_staleness=staleness, steps=steps,
-        stale_groups=stale_groups,
+        stale_groups=stale_groups, max_failed_reward_fraction=0.05,
         partial_rollout_tokens=per_call, max_new_tokens=MAX, temperature=1.0, seed=1,
         top_p=1.0, top_k=0, dynamic_sampling_rounds=dynamic_rounds or 0,
         options=types.SimpleNamespace(dynamic_sampling=dynamic_rounds is not None))
@@ -373,6 +374,27 @@ def test_dynamic_sampling_drops_equal_score_groups_within_its_budget(monkeypatch
     constant = [sum(p.ids[0] % 3 == 0 for p in d.prompts[::3]) for d in drawn]
     assert shorts == constant and sum(constant) >= 1
     assert all(d.metrics["rollout/dynamic_sampling_dropped"] == 0 for d in drawn)
+
+
+def test_groups_dynamic_sampling_drops_for_failed_scores_count_against_the_bound(
+        monkeypatch):
+    """Every third prompt's samples have no score (a failing scorer): dynamic sampling drops
+    those groups as having nothing to compare, and the step trains only scored ones, but the
+    bound counts the dropped groups' failures too: the first step stops naming the reason."""
+    from megarlhf.ppo.rewards import RewardFnError
+
+    def failing(config, data, workers, answers, samples, step):
+        scored = _score(config, data, workers, answers, samples, step)
+        bad = [answers.prompts[c.prompt_index].ids[0] % 3 == 0 for c in answers.completions]
+        return Scored(torch.where(torch.tensor(bad), math.nan, scored.score), scored.metrics,
+                      None, ["reward_url x failed" if b else None for b in bad])
+
+    stream, engine = _stream(monkeypatch, steps=2, staleness=1, per_call=MAX, delay=0.0,
+                             dynamic_rounds=2, score=failing)
+    with pytest.raises(RewardFnError, match=r"step 1: \d+ of \d+ samples have no score .*"
+                                            r"last failure: reward_url x failed"):
+        _train(stream, engine, 1, 2, train_s=0.0)
+    stream.close()
 
 
 class TwoTurnEpisodes:

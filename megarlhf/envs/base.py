@@ -17,8 +17,10 @@ turns, a `Turn` is one answer.
             return Turn(messages=[] if right else [{"role": "user", "content": "Try again."}],
                         reward=float(right), done=right or self.tries == self.max_tries)
 
-One instance per episode (per sample). `step` (and `reset`) may be `async def`: the episodes of
-a step then wait on I/O together (a plain `def` runs in turn). The model's tokens are never
+One instance per episode (per sample). `step` (and `reset`, `close`) may be `async def`: the
+episodes of a step then wait on I/O together on the event loop. A plain `def` runs in one of
+`env_workers` threads, so episodes blocked on I/O overlap too: an instance is used by one
+thread at a time, but state shared between instances needs a lock. The model's tokens are never
 re-tokenized: see megarlhf/envs/episodes.py for how an episode becomes a training row.
 """
 

@@ -312,11 +312,17 @@ class EpisodeRunner:
         s.rewards_at.clear()
 
     async def _timed(self, clock: dict, calls: list) -> list:
+        """The calls' results, once every one has ended (a failure of one is raised only
+        then, so no environment is closed while a thread still runs its step)."""
         start = time.perf_counter()
         try:
-            return await asyncio.gather(*calls)
+            results = await asyncio.gather(*calls, return_exceptions=True)
         finally:
             clock["env"] += time.perf_counter() - start
+        failure = next((r for r in results if isinstance(r, BaseException)), None)
+        if failure is not None:
+            raise failure
+        return results
 
     # -- metrics -----------------------------------------------------------------------------
 

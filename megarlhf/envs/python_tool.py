@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import os
 import secrets
+import shlex
 import shutil
 import signal
 import socket
@@ -47,13 +48,13 @@ MAX_FILE_MB = 64
 """The largest file the program may write."""
 
 # Run inside the sandbox by the interpreter: the limits, then the program in a fresh
-# interpreter (its own traceback, no launcher frames). -s -P: no user site-packages, no
-# script directory ahead of the standard library; PYTHONPATH holds only the listed packages.
+# interpreter (its own traceback, no launcher frames). -s: no user site-packages;
+# PYTHONPATH holds only the listed packages.
 _LAUNCH = """\
 import os, resource as r, sys
 for name, value in {limits!r}:
     r.setrlimit(getattr(r, name), (value, value))
-os.execv(sys.executable, [sys.executable, "-s", "-P", "main.py"])
+os.execv(sys.executable, [sys.executable, "-s", "main.py"])
 """
 
 
@@ -78,14 +79,16 @@ def _interpreter() -> tuple[str, str]:
     return exe, os.path.realpath(sys.base_prefix)
 
 
-def _package_dirs(prefix: str) -> list[str]:
-    """The interpreter's and the system's site-packages: hidden in the sandbox."""
+def _package_dirs(prefix: str, listed: tuple[str, ...]) -> list[str]:
+    """The interpreter's and the system's site-packages, hidden in the sandbox (but one that
+    is, or holds, a directory the run lists)."""
     found = {sysconfig.get_path(kind, vars={"base": prefix, "platbase": prefix})
              for kind in ("purelib", "platlib")}
     version = f"{sys.version_info.major}.{sys.version_info.minor}"
     found |= {"/usr/lib/python3/dist-packages", f"/usr/local/lib/python{version}/dist-packages",
               f"/usr/local/lib/python{version}/site-packages"}
-    return sorted(d for d in found if os.path.isdir(d))
+    return sorted(d for d in found if os.path.isdir(d)
+                  and not any(_under(p, d) for p in listed))
 
 
 class PythonSandbox:
@@ -102,8 +105,14 @@ class PythonSandbox:
         if not isinstance(code, str) or set(arguments) != {"code"}:
             return (f"Error: python takes one argument, \"code\" (text); got "
                     f"{sorted(arguments)}", True)
-        work = tempfile.mkdtemp(prefix="megarlhf-python-")
+        # Under root, nobody must reach the working directory and the staging mounts: both
+        # in a directory of their own that anyone may enter, whatever the umask and TMPDIR.
+        root = tempfile.mkdtemp(prefix="megarlhf-python-",
+                                dir="/tmp" if self.as_root and os.path.isdir("/tmp") else None)
+        work = os.path.join(root, "work")
         try:
+            os.chmod(root, 0o711)
+            os.mkdir(work)
             with open(os.path.join(work, "main.py"), "w", encoding="utf-8") as f:
                 f.write(code)
             if self.as_root:
@@ -111,7 +120,7 @@ class PythonSandbox:
                 os.chown(os.path.join(work, "main.py"), NOBODY, NOBODY)
             return await self._execute(work)
         finally:
-            shutil.rmtree(work, ignore_errors=True)
+            shutil.rmtree(root, ignore_errors=True)
 
     def command(self, work: str) -> list[str]:
         """The command that runs `work`/main.py in the sandbox."""
@@ -123,8 +132,9 @@ class PythonSandbox:
         shown = [d for d in (prefix, *self.packages) if not _under(d, "/usr")]
         # Under root, each read-only directory outside /usr comes from a staging mount
         # (source, staged): nobody may not be able to reach the original.
-        staged = {d: f"{work}.stage/{i}" for i, d in enumerate(shown)} if self.as_root else \
-            {d: d for d in shown}
+        stage = os.path.join(os.path.dirname(work), "stage")
+        staged = {d: os.path.join(stage, str(i)) for i, d in enumerate(shown)} \
+            if self.as_root else {d: d for d in shown}
         bwrap = ["bwrap", "--unshare-all", "--die-with-parent", "--new-session",
                  "--ro-bind", "/usr", "/usr"]
         for link in ("bin", "sbin", "lib", "lib64"):  # merged /usr; elsewhere a directory
@@ -133,24 +143,32 @@ class PythonSandbox:
                 bwrap += ["--symlink", os.readlink(target), target]
             elif os.path.isdir(target):
                 bwrap += ["--ro-bind", target, target]
-        for d in shown:
-            bwrap += ["--ro-bind", staged[d], d]
-        for d in _package_dirs(prefix):
+        # Mounts in order, each on top of those before: the prefix, then the emptied
+        # site-packages and /tmp, then the listed packages (which may lie in either).
+        bwrap += ["--ro-bind", staged[prefix], prefix] if prefix in staged else []
+        for d in _package_dirs(prefix, self.packages):
             bwrap += ["--tmpfs", d]
-        bwrap += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp",
-                  "--bind", work, "/work", "--chdir", "/work", "--clearenv",
+        bwrap += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"]
+        for d in self.packages:
+            bwrap += ["--ro-bind", staged.get(d, d), d]
+        bwrap += ["--bind", work, "/work", "--chdir", "/work", "--clearenv",
                   "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", "/work",
                   "--setenv", "TMPDIR", "/tmp", "--setenv", "LANG", "C.UTF-8"]
         if self.packages:
             bwrap += ["--setenv", "PYTHONPATH", os.pathsep.join(self.packages)]
-        bwrap += [exe, "-s", "-P", "-c", _LAUNCH.format(limits=limits)]
+        bwrap += [exe, "-s", "-c", _LAUNCH.format(limits=limits)]
         if not self.as_root:
             return bwrap
-        # A private mount namespace holds the staging mounts; then nobody runs bwrap.
-        stage = " && ".join(f'mkdir -p "{target}" && mount --bind "{source}" "{target}"'
-                            for source, target in staged.items()) or "true"
+        # A private mount namespace holds the staging mounts (made here, anyone may enter
+        # them); then nobody runs bwrap.
+        for target in staged.values():
+            os.makedirs(target, mode=0o755, exist_ok=True)
+            os.chmod(target, 0o755)
+            os.chmod(stage, 0o755)
+        mounts = " && ".join(f"mount --bind {shlex.quote(source)} {shlex.quote(target)}"
+                             for source, target in staged.items()) or "true"
         return ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c",
-                f'{stage} && exec "$@"', "stage", "setpriv", f"--reuid={NOBODY}",
+                f'{mounts} && exec "$@"', "stage", "setpriv", f"--reuid={NOBODY}",
                 f"--regid={NOBODY}", "--clear-groups", *bwrap]
 
     async def _execute(self, work: str) -> tuple[str, bool]:
@@ -167,7 +185,6 @@ class PythonSandbox:
         finally:  # bwrap's end ends the sandbox's PID namespace, and every process in it
             _kill(proc)
             await proc.wait()
-            shutil.rmtree(f"{work}.stage", ignore_errors=True)
         text = output.decode("utf-8", errors="replace")
         if cut:
             return text + f"\n[output cut at {self.output_bytes} bytes]", True
@@ -313,8 +330,9 @@ def check_sandbox(sandbox: PythonSandbox | None = None) -> None:
     if leaks == ["the probe did not run"]:
         last = output.strip().splitlines()[-1:] or ["no output"]
         raise ValueError(f"tools: python cannot sandbox code here ({last[0]}); bubblewrap "
-                         f"needs unprivileged user namespaces (or to run as root): run where "
-                         f"they are allowed, or leave python out of tools")
+                         f"needs unprivileged user namespaces (root runs it as nobody, so "
+                         f"there too) and Linux 5.14+: run where they are allowed, or leave "
+                         f"python out of tools")
     if leaks:
         raise ValueError(f"tools: the python sandbox leaks here: {'; '.join(leaks)}; leave "
                          f"python out of tools on this machine")

@@ -224,7 +224,6 @@ def ppo_step(config: PPOConfig, data: RunInputs, workers: Placement,
     # with fewer than two scored) is computed on but not trained: `mask` is the response
     # tokens trained, and every statistic below is over them (or the scored samples).
     scored = drawn.scored()
-    rollouts.check_failures(config, drawn.failed or [None] * len(scored), f"step {step}")
     trained = trained_samples(scored, config.samples_per_prompt
                               if o.estimator in GROUP_ESTIMATORS else None)
     mask = batch.response_mask.float() * trained[:, None]
@@ -236,6 +235,8 @@ def ppo_step(config: PPOConfig, data: RunInputs, workers: Placement,
     log.samples(step, sample_rows(drawn.samples, score, config.log_samples, "train",
                                   episodes, drawn.judged, versions=drawn.versions,
                                   weight_version=drawn.weight_version, failed=drawn.failed))
+    # (after the log: the failures' reasons are in samples.jsonl)
+    rollouts.check_failures(config, drawn.failed or [None] * len(scored), f"step {step}")
 
     log.phase("experience")
     t = time.perf_counter()
@@ -274,7 +275,7 @@ def ppo_step(config: PPOConfig, data: RunInputs, workers: Placement,
     if not finite and config.nan_policy == "stop":
         raise NonFiniteError(f"step {step}: non-finite reward or advantage; set "
                              f"nan_policy=skip to skip such batches")
-    if finite and bool(mask.any()):
+    if finite and int(mask.sum()) >= 2:  # (fewer: nothing to whiten or learn from)
         log.phase("train")
         train_metrics, own = workers.train(batch, None if one_pass else exp["logp"],
                                            advantages, values, returns, mask, policy)
@@ -406,7 +407,7 @@ def compute_advantages(config: PPOConfig, score: torch.Tensor, exp: dict, mask: 
     group."""
     o = config.options
     zero = torch.zeros_like(mask)
-    if not bool(mask.any()):  # nothing to train (every sample failed)
+    if int(mask.sum()) < 2:  # nothing to train (every sample failed, or all but a token)
         return zero, (zero if o.estimator == "gae" else None)
     placed = rewards_at if rewards_at is not None else zero
     if config.clip_reward is not None:
@@ -480,9 +481,9 @@ def validate(config: PPOConfig, data: RunInputs, workers: Placement, step: int,
         scored = rollouts.score_answers(config, data, workers, answers, samples, step,
                                         validation=True)
         score, metrics = scored.score, scored.metrics
-        rollouts.check_failures(config, scored.failed, f"validation at step {step}")
         log.samples(step, sample_rows(samples, score, config.log_samples, phase,
                                       answers.episodes, failed=scored.failed))
+        rollouts.check_failures(config, scored.failed, f"validation at step {step}")
         if not prefix:
             out["val/response_length"] = sum(len(c.token_ids) for c in answers.completions) / \
                 len(answers.completions)

@@ -131,6 +131,7 @@ def draw(config: PPOConfig, data: RunInputs, workers: Placement, sampler, step: 
     `weight_version` updates."""
     o, n = config.options, config.samples_per_prompt
     kept, dropped, scored, seconds = [], [], [], {"rollout": 0.0, "reward": 0.0}
+    failed = []  # every round's, the groups dynamic sampling dropped too
     for round_ in range(1 + (config.dynamic_sampling_rounds if o.dynamic_sampling else 0)):
         prompts = sampler.next(config.prompts_per_step)
         # resume-stable: the same step and round draw the same samples
@@ -143,6 +144,7 @@ def draw(config: PPOConfig, data: RunInputs, workers: Placement, sampler, step: 
         samples = data.samples(answers.prompts, answers.completions, answers.episodes)
         scored_round = score_answers(config, data, workers, answers, samples, step)
         score, judged = scored_round.score, scored_round.judged
+        failed += scored_round.failed
         seconds["reward"] += time.perf_counter() - t
         scored.append((len(samples), scored_round.metrics))
         varied = varied_groups(score, n, scored_round.scored()) if o.dynamic_sampling \
@@ -156,6 +158,9 @@ def draw(config: PPOConfig, data: RunInputs, workers: Placement, sampler, step: 
         if len(kept) >= config.prompts_per_step:
             break
     short = config.prompts_per_step - min(len(kept), config.prompts_per_step)
+    # Dynamic sampling drops a group with fewer than two scores as one without variance: the
+    # bound counts what every round scored, so dropping cannot hide a failing scorer.
+    check_failures(config, failed, f"step {step}")
     metrics = merge_metrics(scored)
     if o.dynamic_sampling:
         metrics.update({"rollout/dynamic_sampling_rounds": float(round_),
@@ -332,9 +337,10 @@ def score_answers(config: PPOConfig, data: RunInputs, workers: Placement, answer
         for i, reason in enumerate(reasons):
             failed[i] = failed[i] or reason
 
-    def mean(values: torch.Tensor, reasons: list[str | None]) -> float:
+    def log_mean(key: str, values: torch.Tensor, reasons: list[str | None]) -> None:
         own = [float(v) for v, r in zip(values, reasons) if r is None]
-        return sum(own) / len(own) if own else float("nan")
+        if own:  # a round where the source scored nothing reports nothing
+            metrics[key] = sum(own) / len(own)
 
     if answers.episodes is not None:
         score += torch.tensor([e.reward for e in answers.episodes])
@@ -356,7 +362,7 @@ def score_answers(config: PPOConfig, data: RunInputs, workers: Placement, answer
             fail(judged.failed)
         metrics.update(judged.metrics)
         if term:
-            metrics[f"reward/{term.name}"] = mean(judged.scores, judged.failed)
+            log_mean(f"reward/{term.name}", judged.scores, judged.failed)
         judged_rows = [{"judge": text, "judge_score": float(value) if why is None else None}
                        for text, value, why in zip(judged.texts, judged.scores, judged.failed)]
     for s in data.scorers:
@@ -367,7 +373,7 @@ def score_answers(config: PPOConfig, data: RunInputs, workers: Placement, answer
         for key, value in fn_metrics.items():  # several functions' counts add up
             metrics[key] = metrics.get(key, 0.0) + value if key in COUNT_METRICS else value
         if s.name is not None:
-            metrics[f"reward/{s.name}"] = mean(values, fn_failed)
+            log_mean(f"reward/{s.name}", values, fn_failed)
     buffer = config.options.overlong_buffer
     if buffer and not validation:
         lengths = torch.tensor([len(c.token_ids) for c in answers.completions])

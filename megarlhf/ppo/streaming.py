@@ -45,8 +45,8 @@ from megarlhf.ppo.config import PPOConfig
 from megarlhf.ppo.inputs import RunInputs
 from megarlhf.ppo.placement import Placement
 from megarlhf.ppo.rollouts import (
-    COUNT_METRICS, Answers, Group, StepRollout, assemble, merge_metrics, sampling,
-    score_answers,
+    COUNT_METRICS, Answers, Group, StepRollout, assemble, check_failures, merge_metrics,
+    sampling, score_answers,
 )
 from megarlhf.rl.shaping import varied_groups
 from megarlhf.rollout.engine import Completion
@@ -141,6 +141,7 @@ class Stream:
         self._dropped = 0  # stale groups dropped since the last step took its groups
         self._dropped_lengths: list[int] = []  # ... their samples' lengths (so far)
         self._filtered = 0  # dynamic sampling: equal-score groups dropped since then
+        self._filtered_failed: list[str | None] = []  # ... their samples' failures
         self._cond = threading.Condition()  # guards the state; not held during a call
         self._thread: threading.Thread | None = None
         self._scorer: threading.Thread | None = None
@@ -183,6 +184,7 @@ class Stream:
             self._taken, dropped, self._dropped = step, self._dropped, 0
             dropped_lengths, self._dropped_lengths = self._dropped_lengths, []
             filtered, self._filtered = self._filtered, 0
+            filtered_failed, self._filtered_failed = self._filtered_failed, []
             buffered = len(self._buffer)
             self._cond.notify_all()  # room for more groups
         end = time.perf_counter()
@@ -209,6 +211,11 @@ class Stream:
             metrics.update({"rollout/dynamic_sampling_dropped": float(filtered),
                             "rollout/dynamic_sampling_short": float(
                                 sum(not f.varied for f in chosen))})
+        # Dynamic sampling drops a group with fewer than two scores as one without variance:
+        # the bound counts those too, so dropping cannot hide a failing scorer.
+        check_failures(self.config, [r for f in chosen for r in f.group.failed or
+                                     [None] * len(f.group.samples)] + filtered_failed,
+                       f"step {step}")
         return assemble(self.data, [f.group for f in chosen], metrics, {"rollout": waited},
                         min(f.oldest for f in chosen), versions)
 
@@ -546,6 +553,7 @@ class Stream:
                 kept.append(f)
             else:
                 self._filtered += 1
+                self._filtered_failed += f.group.failed
         return kept
 
     def _drop_stale(self, step: int) -> None:
