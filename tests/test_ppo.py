@@ -1358,7 +1358,7 @@ VALUE_RUNS = {
     "gspo": dict(algorithm="gspo", layer_spec="sdpa", max_failed_reward_fraction=1.0,
                  reward_judge=JudgeConfig(verdict="rating", **_JUDGED)),
     "cispo_seq_sum": dict(algorithm="cispo", aggregation="seq_mean_token_sum", kl_in="reward",
-                          layer_spec="local",
+                          layer_spec="local", max_failed_reward_fraction=1.0,
                           reward_judge=JudgeConfig(verdict="regex", pattern=r"(\d)\]\]",
                                                    **_JUDGED)),
 }
