@@ -120,9 +120,7 @@ class StepRollout:
 
     def scored(self) -> torch.Tensor:
         """[B] bool: the samples with a score."""
-        if self.failed is None:
-            return torch.ones(len(self.samples), dtype=torch.bool)
-        return torch.tensor([f is None for f in self.failed], dtype=torch.bool)
+        return scored_mask(self.failed or [None] * len(self.samples))
 
 
 def draw(config: PPOConfig, data: RunInputs, workers: Placement, sampler, step: int,
@@ -315,7 +313,7 @@ class Scored:
     """Per sample: why it has no score (the first source that failed it), or None."""
 
     def scored(self) -> torch.Tensor:
-        return torch.tensor([f is None for f in self.failed], dtype=torch.bool)
+        return scored_mask(self.failed)
 
 
 def score_answers(config: PPOConfig, data: RunInputs, workers: Placement, answers: Answers,
@@ -381,8 +379,13 @@ def score_answers(config: PPOConfig, data: RunInputs, workers: Placement, answer
                                    factor=config.overlong_penalty)
         score += penalty
         metrics["reward/overlong_penalty"] = float(penalty.mean())
-    score[torch.tensor([f is not None for f in failed], dtype=torch.bool)] = math.nan
+    score[~scored_mask(failed)] = math.nan
     return Scored(score, metrics, judged_rows, failed)
+
+
+def scored_mask(failed: list[str | None]) -> torch.Tensor:
+    """[B] bool: the samples `failed` gives no reason for."""
+    return torch.tensor([f is None for f in failed], dtype=torch.bool)
 
 
 def check_failures(config: PPOConfig, failed: list[str | None], where: str) -> None:

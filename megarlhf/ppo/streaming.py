@@ -211,13 +211,12 @@ class Stream:
             metrics.update({"rollout/dynamic_sampling_dropped": float(filtered),
                             "rollout/dynamic_sampling_short": float(
                                 sum(not f.varied for f in chosen))})
+        drawn = assemble(self.data, [f.group for f in chosen], metrics, {"rollout": waited},
+                         min(f.oldest for f in chosen), versions)
         # Dynamic sampling drops a group with fewer than two scores as one without variance:
         # the bound counts those too, so dropping cannot hide a failing scorer.
-        check_failures(self.config, [r for f in chosen for r in f.group.failed or
-                                     [None] * len(f.group.samples)] + filtered_failed,
-                       f"step {step}")
-        return assemble(self.data, [f.group for f in chosen], metrics, {"rollout": waited},
-                        min(f.oldest for f in chosen), versions)
+        check_failures(self.config, drawn.failed + filtered_failed, f"step {step}")
+        return drawn
 
     def finish(self) -> None:
         """Nothing to wait for: the sync pauses the producer instead (`paused`)."""
