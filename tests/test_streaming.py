@@ -161,9 +161,11 @@ def test_staleness_zero_samples_only_the_weights_it_trains(monkeypatch):
 
 
 def _idle(stream):
-    """Wait until the producer has nothing left to run (it finished what was in flight)."""
+    """Wait until the producer has nothing left to run (it finished what was in flight, and
+    the bound leaves it no room to start more: between two calls it may otherwise look idle
+    for a moment before it starts the next groups)."""
     deadline = time.monotonic() + 30
-    while stream._in_flight or stream._calling or stream._to_score:
+    while stream._in_flight or stream._calling or stream._to_score or stream._room():
         assert time.monotonic() < deadline, "the producer did not finish its groups"
         time.sleep(0.005)
 
