@@ -25,7 +25,9 @@ MCORE_NEWEST_DIR := $(VENV)/megatron-core-$(MCORE_NEWEST)
 # and LoRA adapters (subclasses of its parallel linear layers) at TP2+SP x PP2 against TP1,
 # the LM head cut to the response positions inside its private postprocess at TP2+SP, and
 # shared prompts at TP2+SP x PP2 x DP2, whose RoPE angles come from its rotary module's output
-# re-indexed per column): about 5 minutes.
+# re-indexed per column, a PPO run whose vLLM engine of TP2 takes the bridge's resharded
+# weights every step, and a fully asynchronous run resumed from its checkpoint's kept groups):
+# about 6 minutes.
 MCORE_NEWEST_TESTS := \
 	"tests/test_roles.py::test_ppo_step_equals_tp1[PP2xCP2+token-budget-padded+recompute]" \
 	"tests/test_parallel_equivalence.py::test_checkpoint_tp2pp2_resumes_at_tp1pp1" \
@@ -35,7 +37,9 @@ MCORE_NEWEST_TESTS := \
 	"tests/test_moe.py::test_train_curve_equals_ep1[tp2sp_ep2]" \
 	"tests/test_sft_rm.py::test_lora_dropout_masks_do_not_depend_on_the_layout" \
 	"tests/test_roles.py::test_the_lm_head_runs_only_where_response_tokens_read_it" \
-	"tests/test_roles.py::test_ppo_step_equals_tp1[TP2xPP2xDP2+SP+recompute+shared-prompts]"
+	"tests/test_roles.py::test_ppo_step_equals_tp1[TP2xPP2xDP2+SP+recompute+shared-prompts]" \
+	"tests/test_ppo.py::test_bf16_ppo_with_a_tp2_vllm_engine_over_two_ranks" \
+	"tests/test_ppo.py::test_fully_async_rollouts_train_within_the_staleness_bound_and_resume"
 
 $(STAMP): setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -71,14 +75,18 @@ sandbox-packages:
 	  echo "bubblewrap not installed: the python tool's tests will skip"
 
 # --durations: the slowest tests, for keeping the suite inside its CI budget.
-test: $(STAMP) slurm-packages sandbox-packages
+test: $(STAMP) slurm-packages sandbox-packages $(MCORE_PROBED:%=$(VENV)/megatron-core-%/.installed)
 	$(PY) -m pytest -q --durations=60 tests
 	$(MAKE) test-mcore-newest
 
-$(MCORE_NEWEST_DIR)/.installed: $(STAMP)
-	rm -rf $(MCORE_NEWEST_DIR)
+# The releases between the venv's and the newest: only megarlhf's behaviour probes of
+# megatron-core run on them (tests/test_compat.py, in a subprocess each: seconds).
+MCORE_PROBED := 0.17.0 0.18.0
+
+$(VENV)/megatron-core-%/.installed: $(STAMP)
+	rm -rf $(@D)
 	$(PY) -m pip install --quiet --no-deps --ignore-requires-python \
-	  --target $(MCORE_NEWEST_DIR) "megatron-core==$(MCORE_NEWEST)"
+	  --target $(@D) "megatron-core==$*"
 	touch $@
 
 # Test modules that exercise no megatron-core code (rewards, environments, datasets, logs,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
+import os
 import subprocess
 import sys
 import types
@@ -157,16 +158,41 @@ def test_moe_router_gating_still_reads_te_general_gemm():
     assert moe_utils.te_general_gemm is None or moe_utils.HAVE_TE
 
 
-def test_moe_aux_loss_is_still_weighted_by_the_tokens_a_rank_holds():
-    """`aux_loss_split_factor`: with per-token losses the router weights its load-balancing
-    loss by its own tokens (times the TP x CP group's size in later versions, which the
-    factor then leaves alone; tests/test_moe.py's TP2+SP and CP2 curves check both)."""
-    from megatron.core.transformer.moe.router import TopKRouter
+# Read from each release's router: 0.19.0 is the first to multiply the load-balancing loss
+# by the TP x CP group's size itself.
+_SCALES_BY_SPLIT_GROUP_FROM = "0.19.0"
 
-    source = inspect.getsource(TopKRouter.attach_and_log_load_balancing_loss)
-    assert "calculate_per_token_loss" in source and "MoEAuxLossAutoScaler.apply" in source
-    scaled = "tp_cp_group.size()" in source
-    assert mcore_shims.aux_loss_split_factor(4) == (1 if scaled else 4)
+
+def _split_factor_expected(version: str) -> int:
+    from packaging.version import Version
+
+    return 1 if Version(version) >= Version(_SCALES_BY_SPLIT_GROUP_FROM) else 4
+
+
+def test_moe_aux_loss_split_factor_of_the_loaded_release():
+    """`aux_loss_split_factor` finds by a probe what the release's router does with the
+    loss of a split sequence (tests/test_moe.py's TP2+SP and CP2 curves check the effect)."""
+    assert mcore_shims.aux_loss_split_factor(4) == _split_factor_expected(
+        mcore_shims.VERSION.public)
+    assert mcore_shims.aux_loss_split_factor(1) == 1
+
+
+_PROBED = os.path.join(os.path.dirname(os.path.dirname(__file__)), ".venv")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("version", ["0.17.0", "0.18.0"])
+def test_moe_aux_loss_split_factor_of_the_releases_between(version):
+    """The same probe on the releases between the venv's and the newest (installed beside the
+    venv by `make test`, MCORE_PROBED), each in a process of its own."""
+    target = os.path.join(_PROBED, f"megatron-core-{version}")
+    assert os.path.isdir(target), f"{target} missing: `make test` installs it"
+    out = subprocess.run(
+        [sys.executable, "-W", "ignore", "-c",
+         "from megarlhf.compat import megatron as m; "
+         "print(m.VERSION.public, m.aux_loss_split_factor(4))"],
+        env={**os.environ, "PYTHONPATH": target}, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == [version, str(_split_factor_expected(version))]
 
 
 def _replay_canary() -> dict:

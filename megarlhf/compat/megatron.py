@@ -264,15 +264,53 @@ def aux_loss_split_factor(ranks_splitting_a_sequence: int) -> int:
     """What the MoE load-balancing loss coefficient must be multiplied by for the loss to
     weigh the same at every layout. With per-token losses megatron-core weights each rank's
     share of that loss by the tokens the rank holds; when sequence parallelism or CP splits a
-    sequence over N ranks, 0.16 forgets the factor N (the summed gradient is 1/N of the
-    unsplit one: measured at TP2+SP and CP2), later versions multiply by the TP x CP group's
-    size themselves. Told apart by that multiplication in the router's source."""
-    import inspect
+    sequence over N ranks, 0.16-0.18 forget the factor N (the summed gradient is 1/N of the
+    unsplit one: measured at TP2+SP and CP2), 0.19 multiplies by the TP x CP group's size
+    itself. Told apart by what the router does (`_router_scales_by_split_group`), not by its
+    version or source text, so a release that changes it is caught either way."""
+    return 1 if _router_scales_by_split_group() else ranks_splitting_a_sequence
 
+
+@functools.cache
+def _router_scales_by_split_group() -> bool:
+    """Whether the router's load-balancing loss gradient grows with the size of the group
+    that splits a sequence: its attach_and_log_load_balancing_loss is run on a stand-in
+    router (per-token losses, one token, no logging: layer number None) with groups of size
+    1 and 2, and the gradient reaching the loss compared. Ratio 2: it scales by the group;
+    1: it does not; anything else, or a stand-in it cannot run on, is a version megarlhf
+    does not know (one line)."""
+    import types
+
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
     from megatron.core.transformer.moe.router import TopKRouter
 
-    source = inspect.getsource(TopKRouter.attach_and_log_load_balancing_loss)
-    return 1 if "tp_cp_group.size()" in source else ranks_splitting_a_sequence
+    def loss_gradient(group_size: int) -> float:
+        router = types.SimpleNamespace(
+            config=types.SimpleNamespace(num_layers=1, mtp_num_layers=None,
+                                         mtp_use_repeated_layer=False),
+            layer_number=None, is_mtp_layer=False, calculate_per_token_loss=True,
+            tp_cp_group=types.SimpleNamespace(size=lambda: group_size))
+        aux_loss = torch.ones((), requires_grad=True)
+        out = TopKRouter.attach_and_log_load_balancing_loss(
+            router, torch.zeros(1, 1, requires_grad=True), 1.0, aux_loss, "probe", None,
+            valid_token_count=1)
+        out.sum().backward()
+        return aux_loss.grad.item()
+
+    # The backward reads (and, when unset, sets) the class-wide loss scale training uses.
+    saved = MoEAuxLossAutoScaler.main_loss_backward_scale
+    MoEAuxLossAutoScaler.main_loss_backward_scale = torch.ones(())
+    try:
+        ratio = loss_gradient(2) / loss_gradient(1)
+    except (AttributeError, TypeError) as e:
+        ratio = e
+    finally:
+        MoEAuxLossAutoScaler.main_loss_backward_scale = saved
+    if ratio not in (1.0, 2.0):
+        raise RuntimeError(f"megatron-core {VERSION}: cannot tell how its MoE router weights "
+                           f"the load-balancing loss ({ratio!r}); megarlhf supports "
+                           f"{SUPPORTED}")
+    return ratio == 2.0
 
 
 def moe_routers(chunk: torch.nn.Module) -> list[tuple[int, object | None]]:
