@@ -11,9 +11,14 @@ recipes/smollm2-135m-grpo-arithmetic.yaml, 2 colocated ranks, Megatron rollouts,
 
 3. with --bf16-gaps N only: the trainer-vs-engine logprob gap in bf16 (the engine gets the
    merged weights rounded to bf16), full vs LoRA rank 16, over N steps each.
+4. with --checkpoint-sizes only: the bytes of a LoRA run's checkpoint (rank 16 and 64, one
+   step of the recipe): adapter-only, as saved, against every weight, as LoRA checkpoints held
+   before (the base's bytes plus the adapter-only checkpoint's: tests/test_lora.py checks that
+   a full save is exactly that).
 
     python -m bench.bench_lora [--steps 40] [--timing-steps 4] [--append BENCHMARKS.md]
     python -m bench.bench_lora --bf16-gaps 6 [--append BENCHMARKS.md]
+    python -m bench.bench_lora --checkpoint-sizes [--append BENCHMARKS.md]
 """
 
 from __future__ import annotations
@@ -21,12 +26,14 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import subprocess
 import tempfile
 
 from bench.bench_rlvr import RECIPE, hf_accuracy, recipe_inputs, train_and_export
 from bench.report import append_entry
 from megarlhf.configio import load_config
 from megarlhf.metrics import read_metrics
+from megarlhf.ppo import checkpoints
 from megarlhf.ppo.config import PPOConfig
 from megarlhf.ppo.controller import run
 
@@ -58,11 +65,31 @@ def bf16_gaps(tmp: str, inputs: list[str], steps: int) -> list[str]:
         config = load_config(PPOConfig, RECIPE, [*inputs, *overrides, f"out_dir={out}",
                                                  f"steps={steps}", "val_every=0",
                                                  "val_prompts=null", "save_every=0",
-                                                 "dtype=bf16"])
+                                                 "dtype=bf16", "rollout_correction=tis"])
         history = run(config)[1:]
         lines.append(f"| {name} | {max(m['rollout/logprob_gap_max'] for m in history):.3g} | "
                      f"{max(m['rollout/logprob_gap_mean'] for m in history):.3g} | "
                      f"{history[-1]['reward/mean']:.3f} |")
+    return lines
+
+
+def checkpoint_sizes(tmp: str, inputs: list[str]) -> list[str]:
+    base = int(subprocess.run(["du", "-sb", inputs[0].split("=", 1)[1]], capture_output=True,
+                              text=True, check=True).stdout.split()[0])
+    lines = ["| actor | checkpoint with every weight (before), MiB | adapter-only (now), MiB | "
+             "ratio |", "|---|---|---|---|"]
+    for name, overrides in VARIANTS.items():
+        if not overrides:
+            continue
+        out = os.path.join(tmp, "ckpt_" + name.replace(" ", "_"))
+        run(load_config(PPOConfig, RECIPE, [*inputs, *overrides, f"out_dir={out}", "steps=1",
+                                            "val_every=0", "val_prompts=null"]))
+        saved = os.path.join(checkpoints.of_run(out).latest(), "actor")
+        now = int(subprocess.run(["du", "-sb", saved], capture_output=True, text=True,
+                                 check=True).stdout.split()[0])
+        mib = 1 << 20
+        lines.append(f"| {name} | {(base + now) / mib:.0f} | {now / mib:.1f} | "
+                     f"{(base + now) / now:.1f}x |")
     return lines
 
 
@@ -73,7 +100,22 @@ def main() -> None:
     parser.add_argument("--append", default=None, help="append the result to this file")
     parser.add_argument("--bf16-gaps", type=int, default=0, metavar="N",
                         help="only measure the bf16 logprob gaps, over N steps per variant")
+    parser.add_argument("--checkpoint-sizes", action="store_true",
+                        help="only measure a LoRA run's checkpoint bytes")
     args = parser.parse_args()
+    if args.checkpoint_sizes:
+        with tempfile.TemporaryDirectory() as tmp:
+            _, _, inputs = recipe_inputs(tmp)
+            body = "\n".join(checkpoint_sizes(tmp, inputs)) + (
+                "\n\nThe actor's checkpoint after one step of the arithmetic recipe (fp32, "
+                "Adam), `du -sb`: adapters and their optimizer state with the base's path "
+                "and fingerprint, against the same plus the base's weights.")
+        print(body)
+        if args.append:
+            append_entry(args.append, "LoRA checkpoint size, adapter-only vs every weight "
+                         "(SmolLM2-135M-Instruct)", "python -m bench.bench_lora "
+                         "--checkpoint-sizes", body)
+        return
     if args.bf16_gaps:
         with tempfile.TemporaryDirectory() as tmp:
             _, _, inputs = recipe_inputs(tmp)

@@ -52,6 +52,35 @@ def file_sha256(path: str) -> str:
     return digest.hexdigest()
 
 
+WEIGHT_SAMPLE = 1 << 20
+"""The bytes `sample_weights` reads from each end of a weights file."""
+
+
+def sample_weights(digest, file: str, start: int = 0) -> None:
+    """Add to `digest` the first and last MiB of the weights file `file`'s data (from
+    `start`, past a header the caller added itself). Hashing every weight of a 70B model at
+    each launch would take minutes; another training of the same model differs in those
+    sampled bytes too (every tensor moves)."""
+    with open(file, "rb") as f:
+        f.seek(start)
+        digest.update(f.read(WEIGHT_SAMPLE))
+        f.seek(max(f.tell(), os.fstat(f.fileno()).st_size - WEIGHT_SAMPLE))
+        digest.update(f.read())
+
+
+def checkpoint_weights_fingerprint(path: str) -> str:
+    """A dist checkpoint at `path` by its weights (sample_weights of every data file, and DCP's
+    `.metadata`: keys, shapes, dtypes, where each chunk lies): the same for a moved or copied
+    checkpoint, another for one trained further or written again."""
+    digest = hashlib.sha256()
+    with open(os.path.join(path, ".metadata"), "rb") as f:
+        digest.update(f.read())
+    for name in sorted(n for n in os.listdir(path) if n.endswith(".distcp")):
+        digest.update(name.encode() + b"\0")
+        sample_weights(digest, os.path.join(path, name))
+    return digest.hexdigest()
+
+
 def read_metadata(path: str) -> Metadata:
     """DCP's `.metadata` of the checkpoint at `path`; CorruptFileError if it cannot be read."""
     file = os.path.join(path, ".metadata")

@@ -146,6 +146,7 @@ CONFIG_CASES = [  # (overrides, what the message must name)
     (["actor_lr=.inf"], "actor_lr=inf is out of range"),
     (["critic_lr=0"], "critic_lr=0.0 is out of range"),
     (["save_every=-1"], "save_every=-1 is out of range"),
+    (["restart_window_steps=0"], "restart_window_steps=0 is out of range"),
     (["kl_coef=-0.1"], "kl_coef=-0.1 is out of range"),
     (["seed=-1"], "seed=-1 is out of range"),
     (["top_k=-1"], "top_k=-1 is out of range"),
@@ -167,12 +168,16 @@ CONFIG_CASES = [  # (overrides, what the message must name)
     (["placement=disaggregated", "sync_mode=delta", "nproc=2", "pipeline_parallel=2"],
      "sync_mode=delta is not tested with the actor's pipeline_parallel > 1 yet"),
     (["placement=disaggregated", "delta_full_every=0"], "delta_full_every=0 is out of range"),
+    (["max_engine_restarts=-1"], "max_engine_restarts=-1 is out of range"),
     (["max_staleness=1.5"], "max_staleness must be int, got 1.5"),
     (["stale_groups=later"], "stale_groups='later' is not one of ['wait', 'drop']"),
     # retired: refused whatever its value, naming the field that replaced it
     (["async_rollout=true"], "async_rollout is retired: set rollout_mode: one_step_off"),
     (["async_rollout=false"], "async_rollout is retired: set rollout_mode: one_step_off"),
     (["rollout_gpu_memory_utilization=1.5"], "rollout_gpu_memory_utilization must be in"),
+    (["dtype=bf16", "layout={actor: {lora: {rank: 4}}}"],
+     "layout.actor.lora with dtype=bf16: the engines get the merged weights rounded to bf16, "
+     "behind the trainer's adapters; set rollout_correction=tis (or mis), or dtype=fp32"),
     # multi-turn episodes (megarlhf/envs)
     (["environment=tests.env_fns:Missing"], "environment 'tests.env_fns:Missing' cannot be "
                                             "loaded: AttributeError"),

@@ -1268,7 +1268,8 @@ def test_a_peft_started_actor_plans_a_reference_copy_with_its_adapter(tmp_path):
         (lora.rank, shapes[p][0]) if f == "A" else (shapes[p][1], lora.rank)))
 
     def reference(lora):
-        config = config_of(layout=Layout(actor=RoleLayout(lora=lora)))
+        # bf16 LoRA needs a rollout correction (the engines get the merged weights rounded).
+        config = config_of(layout=Layout(actor=RoleLayout(lora=lora)), rollout_correction="tis")
         stage = plan(config, Cluster(nodes=1), 16, tiny_models()).groups[0].stages[0]
         return {t.what: t.bytes for t in stage.terms if t.role == "ref"}, config
 

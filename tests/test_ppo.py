@@ -329,7 +329,7 @@ def test_a_phase_deadline_follows_its_recent_durations_and_timeouts_are_named():
     import pickle
 
     from megarlhf.data.sequences import SequenceBatch
-    from megarlhf.ppo.groups import WorkerLost, collective_timeout
+    from megarlhf.ppo.groups import PEER_GONE, TIMED_OUT, WorkerLost, peer_failure
     from megarlhf.ppo.placement import FIRST_CALL_S, call_size, phase_deadline
     from megarlhf.rollout.engine import SamplingParams
 
@@ -343,8 +343,8 @@ def test_a_phase_deadline_follows_its_recent_durations_and_timeouts_are_named():
     assert phase_deadline([], 5.0, 300.0) == FIRST_CALL_S  # the first run: one-off work
     assert phase_deadline([2.0, 90.0, 40.0], 5.0, 300.0) == 450.0  # 5 x the longest
     assert phase_deadline([2.0, 3.0], 5.0, 300.0) == 300.0  # never below the floor
-    # What torch.distributed raises when a peer never comes, seen through the exceptions
-    # that wrap it; any other error is the rank's own.
+    # What torch.distributed raises when a peer never comes or is gone, seen through the
+    # exceptions that wrap it; any other error is the rank's own.
     gloo = RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 2000ms "
                         "for recv operation to complete")
     nccl = RuntimeError("Watchdog caught collective operation timeout: WorkNCCL(SeqNum=9, "
@@ -355,11 +355,19 @@ def test_a_phase_deadline_follows_its_recent_durations_and_timeouts_are_named():
         except RuntimeError as e:
             raise ValueError("loss was not finite") from e
     except ValueError as wrapped:
-        assert collective_timeout(wrapped)
-    assert collective_timeout(nccl)
-    assert not collective_timeout(RuntimeError("CUDA out of memory"))
-    assert not collective_timeout(ValueError("timed out"))  # bad input, not a collective
-    assert collective_timeout(RuntimeError("wait timeout after 600000ms, keys: /default_pg"))
+        assert peer_failure(wrapped) == TIMED_OUT
+    assert peer_failure(nccl) == TIMED_OUT
+    assert peer_failure(RuntimeError("CUDA out of memory")) is None
+    assert peer_failure(ValueError("timed out")) is None  # bad input, not a collective
+    assert peer_failure(RuntimeError("wait timeout after 600000ms, keys: /default_pg")) \
+        == TIMED_OUT
+    for gone in ("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:949",
+                 "[gloo/transport/tcp/pair.cc:598] Read error [10.0.0.2]:4142: Connection "
+                 "reset by peer",
+                 "NCCL error in: ProcessGroupNCCL.cpp:1970, remote process exited or there was "
+                 "a network error, NCCL version 2.21.5",
+                 "NCCL communicator was aborted on rank 1."):
+        assert peer_failure(RuntimeError(gone)) == PEER_GONE, gone
     lost = pickle.loads(pickle.dumps(WorkerLost("message", "cause", "train: hang")))
     assert (str(lost), lost.cause, lost.kind) == ("message", "cause", "train: hang")
 
@@ -390,14 +398,51 @@ def test_a_fault_is_restarted_only_from_a_checkpoint_within_max_restarts(prompts
     event = _restart_point(config, fault, [], history)
     assert (event["restart"], event["resumed_step"], event["failed_step"]) == (1, 4, 5)
     assert history == [{"step": n} for n in range(1, 5)]
-    with pytest.raises(RunFault, match=r"not restarted: max_restarts=1 reached; last "
-                                       r"checkpoint: .*step_4$"):
+    with pytest.raises(RunFault, match=r"not restarted: max_restarts=1 reached within "
+                                       r"restart_window_steps=50 \(after faults in steps 5\); "
+                                       r"last checkpoint: .*step_4$"):
         _restart_point(config, fault, [event], history)
     with pytest.raises(RunFault, match="max_restarts=0 reached"):
         _restart_point(dataclasses.replace(config, max_restarts=0), fault, [], history)
     # The same fault in the same step as the last restart's: the run's own doing.
     with pytest.raises(RunFault, match="the same fault in the same step again"):
         _restart_point(dataclasses.replace(config, max_restarts=3), fault, [event], history)
+
+
+def test_max_restarts_counts_the_restarts_within_restart_window_steps(prompts_file, tmp_path):
+    """max_restarts is a rate: a restart for a fault restart_window_steps or more steps before
+    the new one no longer counts, so a long job's faults far apart each restart; faults close
+    together still stop the run, and so does the same fault in the last restart's step."""
+    from megarlhf.errors import RunFault
+    from megarlhf.ppo.controller import _restart_point
+    from megarlhf.ppo.groups import WorkerLost, hang
+
+    config = dataclasses.replace(_checked_config(prompts_file, tmp_path), max_restarts=2,
+                                 restart_window_steps=10)
+    saved = checkpoints.of_run(config.out_dir)
+    os.makedirs(saved.path(4))
+    open(os.path.join(saved.path(4), checkpoints.STATE), "w").close()
+    restarts = []
+
+    def fault_in(step: int, kind: str = hang("train")) -> dict:
+        fault = WorkerLost("train: colocated ranks [1] did not answer", "cause", kind)
+        fault.step = step
+        return _restart_point(config, fault, restarts, [])
+
+    for step in (5, 12):
+        restarts.append(fault_in(step))
+    # Step 5 is 9 steps before step 14: two restarts in the window.
+    with pytest.raises(RunFault, match=r"max_restarts=2 reached within restart_window_steps="
+                                       r"10 \(after faults in steps 5, 12\); last checkpoint"):
+        fault_in(14)
+    restarts.append(fault_in(15))  # step 5 is 10 steps back: out of the window
+    with pytest.raises(RunFault, match=r"\(after faults in steps 12, 15\)"):
+        fault_in(21)
+    restarts.append(fault_in(25))
+    assert [r["restart"] for r in restarts] == [1, 2, 3, 4]  # counted over the whole run
+    with pytest.raises(RunFault, match="the same fault in the same step again"):
+        fault_in(25)
+    assert fault_in(25, kind="train: colocated rank 0 died (exit code -9)")["restart"] == 5
 
 
 def _prompt_ids(path) -> list[list[int]]:
@@ -787,6 +832,33 @@ def test_lost_and_hung_ranks_restart_the_run_from_its_checkpoint_exactly(base, u
 
 
 @pytest.mark.slow
+def test_faults_as_nccl_reports_them_restart_the_run_exactly(base, uninterrupted, tmp_path,
+                                                             monkeypatch):
+    """Two faults as a GPU run's local ranks meet them (tests/rank_faults). Rank 1 hangs in
+    step 3's train call, and rank 0, having waited collective_timeout_s for it in a
+    collective, aborts (SIGABRT) as NCCL's watchdog does: an abort once the call has run that
+    long with a peer silent is a lost rank, and the run starts again from the step-2
+    checkpoint. Then rank 0 raises NCCL's error for a peer whose process is gone in step 5's
+    train call: lost too, the run starts again from the step-4 checkpoint. It ends with the
+    metrics and weights of a run never interrupted."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # as the uninterrupted run's ranks
+    rank_faults(monkeypatch, tmp_path, "1:hang", "0:peer_gone")
+    # The phase deadline (at least phase_timeout_min_s) after the collective timeout: the
+    # watchdog's abort is what catches the hang.
+    config = dataclasses.replace(base, out_dir=str(tmp_path / "faulted"), restart_backoff=0.0,
+                                 collective_timeout_s=10.0, phase_timeout_min_s=60.0,
+                                 **FAULT_RUN)
+    run(config)
+    events = [r for r in read_metrics(config.out_dir) if r.get("event") == "restart"]
+    assert [(e["failed_step"], e["resumed_step"], e["cause"]) for e in events] == [
+        (3, 2, "train: colocated rank 0 aborted (exit code -6) after collective_timeout_s "
+               "while ranks [1] had not answered: NCCL's watchdog (a peer hung)"),
+        (5, 4, "train: a collective of colocated lost a peer (a rank's process is gone)")
+    ], events
+    _assert_equals_uninterrupted(config.out_dir, uninterrupted)
+
+
+@pytest.mark.slow
 def test_lost_and_hung_ray_actors_restart_the_run_exactly(base, uninterrupted, tmp_path,
                                                          monkeypatch):
     """Under Ray, the same two faults: a rank's actor process killed after the step-2
@@ -897,8 +969,10 @@ def test_disaggregated_equals_colocated_and_resumes_exactly(base, tmp_path, monk
     assert [s.name for s in group_specs(from_peft)] == ["actor", "critic", "ref", "rollout"]
 
     # The rollout engine's rank killed while it generates step 3's samples: the run restarts
-    # from the step-2 checkpoint, draws them again and ends as the straight run.
-    faulted = dataclasses.replace(apart, out_dir=str(tmp_path / "faulted"), restart_backoff=0.0)
+    # from the step-2 checkpoint, draws them again and ends as the straight run (the whole
+    # restart: max_engine_restarts=0; the engines restarted alone: tests/test_ppo_failures.py).
+    faulted = dataclasses.replace(apart, out_dir=str(tmp_path / "faulted"), restart_backoff=0.0,
+                                  max_engine_restarts=0)
     killer = threading.Thread(target=_kill_rollout_rank_when_busy, args=(faulted.out_dir, 2))
     killer.start()
     try:
@@ -1682,12 +1756,27 @@ def test_a_broken_sync_in_an_async_run_is_stopped_by_its_probe(base, tmp_path, m
     assert checkpoints.of_run(config.out_dir).latest() is None
 
 
+def _site_hooks(monkeypatch, name: str) -> None:
+    """The ranks started from here on import tests/<name>/sitecustomize.py when they start."""
+    hooks = os.path.join(os.path.dirname(__file__), name)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([hooks, os.environ.get("PYTHONPATH", "")]))
+
+
 def _break_syncs(monkeypatch, mode: str) -> None:
     """The ranks started from here on break every weight sync after their first
     (tests/broken_sync)."""
-    broken = os.path.join(os.path.dirname(__file__), "broken_sync")
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([broken, os.environ.get("PYTHONPATH", "")]))
+    _site_hooks(monkeypatch, "broken_sync")
     monkeypatch.setenv("MEGARLHF_TEST_BROKEN_SYNC", mode)
+
+
+def rank_faults(monkeypatch, tmp_path, *faults: str) -> None:
+    """The ranks started from here on make `faults` ("<rank>:<action>"), one per start of
+    the ranks, in their third train call (tests/rank_faults)."""
+    _site_hooks(monkeypatch, "rank_faults")
+    markers = tmp_path / "fault_markers"
+    markers.mkdir()
+    monkeypatch.setenv("MEGARLHF_TEST_RANK_FAULTS", ",".join(faults))
+    monkeypatch.setenv("MEGARLHF_TEST_RANK_FAULTS_DIR", str(markers))
 
 
 @pytest.mark.slow

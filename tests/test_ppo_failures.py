@@ -6,19 +6,24 @@ import dataclasses
 import os
 import re
 import signal
+import threading
 import time
 
 import psutil
 import pytest
 import torch
 
-from megarlhf.metrics import read_steps
+from megarlhf.metrics import read_metrics, read_steps
 from megarlhf.ppo import checkpoints
 from megarlhf.ppo.controller import run
+from megarlhf.ppo.groups import WorkerError, WorkerLost
 from megarlhf.ppo.rewards import RewardFnError
 from tests import role_workers
 from tests.ranks import rank_processes
-from tests.test_ppo import _ppo_process, base, prompts_file  # noqa: F401 (fixtures)
+from tests.test_ppo import (  # noqa: F401 (fixtures)
+    FAULT_RUN, _final_weights, _kill_rollout_rank_when_busy, _ppo_process, _without_timings,
+    base, prompts_file, rank_faults,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -123,3 +128,54 @@ def test_ctrl_c_stops_every_rank_and_leaves_the_last_checkpoint(base, tmp_path):
     assert role_workers.checkpoint_tensors(f"{latest}/actor")  # complete and loadable
     resumed = run(dataclasses.replace(config, steps=checkpoints.read_state(latest)["step"] + 1))
     assert len(resumed) == 1
+
+
+def test_a_killed_rollout_engine_is_restarted_alone_and_the_run_equals_a_straight_one(
+        base, tmp_path, monkeypatch):  # noqa: F811
+    """Disaggregated with sync_mode=delta, the rollout engine's rank killed (SIGKILL) while
+    it generates step 2's samples: the rollout group alone is started again, the channel
+    reopened and the weights sent whole (the delta bases died with the engine), and the call
+    made again; the trainer's groups keep their state (max_restarts=0: a whole restart would
+    have stopped the run). The Megatron engine seeds each call, so the redrawn samples are
+    the same: every metric but the count, and the final actor and critic, equal a straight
+    run's bitwise, and the next steps' delta syncs move what the straight run's did."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # same threads everywhere: same summation order
+    short = dict(nproc=1, tensor_parallel=1, steps=3, save_every=1, max_restarts=0,
+                 placement="disaggregated", sync_mode="delta")
+    straight = run(dataclasses.replace(base, out_dir=str(tmp_path / "straight"), **short))
+    faulted = dataclasses.replace(base, out_dir=str(tmp_path / "faulted"), **short)
+    killer = threading.Thread(target=_kill_rollout_rank_when_busy, args=(faulted.out_dir, 1))
+    killer.start()
+    try:
+        history = run(faulted)
+    finally:
+        killer.join()
+    events = [r for r in read_metrics(faulted.out_dir) if r.get("event") in
+              ("restart", "engine_restart")]
+    assert [(e["event"], e["failed_step"], e["cause"]) for e in events] == [
+        ("engine_restart", 2, "generate: rollout rank 0 died (exit code -9)")], events
+    assert events[0]["seconds"] > 0
+    assert [m.pop("fault/engine_restarts", None) for m in history] == [None, 1, 1]
+    assert [_without_timings(m) for m in history] == [_without_timings(m) for m in straight]
+    for role in ("actor", "critic"):
+        ours = _final_weights(faulted.out_dir, role)
+        theirs = _final_weights(str(tmp_path / "straight"), role)
+        assert ours.keys() == theirs.keys()
+        for key in ours:
+            assert torch.equal(ours[key], theirs[key]), (role, key)
+
+
+def test_a_rank_aborting_on_its_own_stops_the_run(base, tmp_path, monkeypatch):  # noqa: F811
+    """Rank 1 aborts (SIGABRT) at the start of step 3's train call, rank 0 healthy
+    (tests/rank_faults): the call has not run collective_timeout_s, so no watchdog made the
+    abort; it is the rank's own doing and would happen again. The run stops naming the rank,
+    though the step-2 checkpoint was there to restart from."""
+    rank_faults(monkeypatch, tmp_path, "1:abort")
+    config = dataclasses.replace(base, out_dir=str(tmp_path / "run"), collective_timeout_s=10.0,
+                                 **FAULT_RUN)
+    with pytest.raises(WorkerError, match=r"^train: colocated rank 1 died \(exit code -6\)"
+                                          r"(;|$)") as stopped:
+        run(config)
+    assert not isinstance(stopped.value, WorkerLost)
+    assert checkpoints.of_run(config.out_dir).latest().endswith("step_2")
+    assert not [r for r in read_metrics(config.out_dir) if r.get("event") == "restart"]

@@ -244,3 +244,29 @@ def offload_round_trip(ckpt: str, model: ModelConfig, parallel: ParallelConfig,
     out["bitwise_again"] = all(torch.equal(t, b) for kind in ("params", "optimizer")
                                for t, b in zip(tensors[kind], trained[kind]))
     return out
+
+
+def lora_steps(base: str, model: ModelConfig, parallel: ParallelConfig, batches: list[dict], *,
+               lora, resume_from: str | None = None, moved_base: str | None = None,
+               save_to: str | None = None, save_full_to: str | None = None):
+    """(loss, grad_norm) per step training LoRA adapters `lora` over the checkpoint `base`
+    (or resumed from the adapter-only `resume_from`, its base moved to `moved_base`); after
+    the last step, saved to `save_to`, and with every weight (the checkpoint LoRA runs wrote
+    before adapter-only ones) to `save_full_to`."""
+    mesh = init_mesh(parallel)
+    engine = TrainEngine(model_spec(model, parallel, layer_spec="local", on_gpu=False,
+                                    lora=lora), mesh, OPTIM)
+    if resume_from:
+        load_checkpoint(resume_from, engine, with_optimizer=True, base=moved_base)
+    else:
+        load_checkpoint(base, engine, with_optimizer=False)
+    curve = []
+    for batch in batches:
+        m = engine.train_step(rank_microbatches(batch, mesh, 1), lm_loss(mesh, model.vocab_size))
+        curve.append((m.loss, m.grad_norm))
+    if save_to:
+        save_checkpoint(save_to, engine, mesh)
+    if save_full_to:
+        engine.provenance = {**engine.provenance, "base": None}
+        save_checkpoint(save_full_to, engine, mesh)
+    return curve

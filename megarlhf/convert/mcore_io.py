@@ -198,6 +198,8 @@ class CheckpointReader:
 
     def __init__(self, path: str):
         self.path = path
+        self.sources = [path]
+        """The checkpoint directories it reads."""
         self.metadata = read_metadata(path)
         self._verified: set[MetadataIndex] = set()  # chunks whose CRC32 was checked
         self._checker: ThreadPoolExecutor | None = None
@@ -298,3 +300,29 @@ class CheckpointReader:
             else:
                 pending.append(check)
         self._pending = pending + [self._checker.submit(check_crc, file, what, data, crc)]
+
+
+class LayeredReader:
+    """An adapter-only checkpoint's tensors over those of its base: a key the top checkpoint
+    holds (an adapter, a value head) is read from it, every other from the base."""
+
+    def __init__(self, top: CheckpointReader, base: CheckpointReader):
+        self.top, self.base, self.path = top, base, top.path
+        self.sources = top.sources + base.sources
+        self.metadata = top.metadata
+
+    @contextlib.contextmanager
+    def background_checks(self):
+        with self.top.background_checks(), self.base.background_checks():
+            yield self
+
+    def _holder(self, key: str) -> CheckpointReader:
+        return self.top if self.top.shape(key) is not None else self.base
+
+    def shape(self, key: str) -> tuple[int, ...] | None:
+        return self._holder(key).shape(key)
+
+    def read(self, requests: list[tuple[str, tuple[int, ...], tuple[int, ...]]]
+             ) -> list[torch.Tensor]:
+        """As CheckpointReader.read, each request from the checkpoint that holds its key."""
+        return [self._holder(request[0]).read([request])[0] for request in requests]

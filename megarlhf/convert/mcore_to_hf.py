@@ -10,9 +10,10 @@ import torch
 
 from megarlhf.convert.outputs import (copy_sidecar, finish_output, prepare_output,
                                       removed_on_error)
-from megarlhf.convert.mcore_io import CheckpointReader
+from megarlhf.convert.mcore_io import CheckpointReader, LayeredReader
 from megarlhf.convert.safetensors_io import ShardWriter
-from megarlhf.engine.checkpoint import HF_SIDECAR, checkpoint_architecture, read_meta, replace_dir
+from megarlhf.engine.checkpoint import (HF_SIDECAR, base_checkpoint, checkpoint_architecture,
+                                       read_meta, replace_dir)
 from megarlhf.models.arch import Architecture, architecture, layer_major
 from megarlhf.models.config import ModelConfig
 from megarlhf.convert.peft_adapter import write_adapter
@@ -27,10 +28,11 @@ LORA_EXPORTS = ("merged", "adapter")
 
 def mcore_to_hf(ckpt: str, out: str, *, dtype: str | None = None, force: bool = False,
                 arch_name: str | None = None, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
-                lora: str = "merged") -> str:
+                lora: str = "merged", base: str | None = None) -> str:
     """Export; returns the output directory. `dtype` defaults to the checkpoint's own. A
     checkpoint with LoRA adapters exports as a model with them merged (`lora='merged'`) or
-    as a PEFT adapter directory over its base (`lora='adapter'`)."""
+    as a PEFT adapter directory over its base (`lora='adapter'`). `base`: where the base of
+    an adapter-only checkpoint is now, if it moved from the path the checkpoint records."""
     meta = read_meta(ckpt)
     model = ModelConfig.from_dict(meta["model"])
     value_head = meta["value_head"]
@@ -40,14 +42,14 @@ def mcore_to_hf(ckpt: str, out: str, *, dtype: str | None = None, force: bool = 
         return _export_adapter(ckpt, out, meta, force=force, dtype=dtype)
     arch = architecture(arch_name) if arch_name else checkpoint_architecture(meta)
     out_dtype = parse_dtype(dtype or meta["dtype"])
-    reader = CheckpointReader(ckpt)
+    reader = checkpoint_reader(ckpt, meta, base, field="--base")
     rules = arch.rules(model, lm_head=not value_head, value_head=value_head)
     for rule in rules:
         if reader.shape(rule.mcore) is None:
             raise ValueError(f"{ckpt} has no tensor {rule.mcore!r}, which a {arch.name} "
                              f"{'value model' if value_head else 'LM'} needs; if the checkpoint "
                              f"is of another architecture, name it with --arch")
-    tmp = prepare_output(out, force, inputs=[ckpt])
+    tmp = prepare_output(out, force, inputs=reader.sources)
     with removed_on_error(tmp):
         with reader.background_checks():  # every CRC32 checked before the output is renamed in
             _export_weights(ckpt, reader, rules, model, tmp, max_shard_bytes, out_dtype,
@@ -94,6 +96,18 @@ def _export_adapter(ckpt: str, out: str, meta: dict, *, force: bool,
     return final
 
 
+def checkpoint_reader(ckpt: str, meta: dict, base: str | None = None, *,
+                      field: str | None = None) -> CheckpointReader | LayeredReader:
+    """A reader of every tensor of the checkpoint `ckpt` (completion marker `meta`): an
+    adapter-only checkpoint's over its base's (engine.checkpoint.base_checkpoint: `base`
+    where it moved, named by `field`)."""
+    reader = CheckpointReader(ckpt)
+    if not meta.get("base"):
+        return reader
+    return LayeredReader(reader, CheckpointReader(base_checkpoint(ckpt, meta, base,
+                                                                  field=field)))
+
+
 def _adapter_merge(reader: CheckpointReader, lora: dict | None):
     """For a checkpoint with LoRA adapters: (rule, layer index, HF name, weight) -> the weight
     with its projection's adapter merged in, W + scale * B @ A (in fp32), one projection at
@@ -133,13 +147,14 @@ def _export_weights(ckpt, reader: CheckpointReader, rules, model: ModelConfig, d
 
 
 def checkpoint_hf_tensors(ckpt: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """A language-model checkpoint's tensors under their HF names (LoRA adapters merged), one
-    at a time in the export's order, each CRC32 checked before the last is given: what a
-    generative judge's Megatron engine loads from a checkpoint without an export."""
+    """A language-model checkpoint's tensors under their HF names (LoRA adapters merged, an
+    adapter-only checkpoint's over its base), one at a time in the export's order, each CRC32
+    checked before the last is given: what a generative judge's Megatron engine loads from a
+    checkpoint without an export."""
     meta = read_meta(ckpt)
     model = ModelConfig.from_dict(meta["model"])
     rules = checkpoint_architecture(meta).rules(model, lm_head=True, value_head=False)
-    reader = CheckpointReader(ckpt)
+    reader = checkpoint_reader(ckpt, meta)
     with reader.background_checks():
         yield from _hf_tensors(ckpt, reader, _order(rules, model), model,
                                _adapter_merge(reader, meta.get("lora")))

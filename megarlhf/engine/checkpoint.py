@@ -4,6 +4,11 @@ Checkpoints are layout-free: tensors are stored by global name and offset, so a 
 written at one TP/PP/DP loads at another. The optimizer state uses the 'fully_reshardable'
 format for the same reason. A save goes to `<dir>.tmp-<n>` and is renamed into place only after
 every rank finished, so an interrupted save never leaves a directory that looks complete.
+
+A LoRA run's checkpoint holds what trains (the adapters, a value head, their optimizer state)
+and a reference to the frozen base it trained over (its completion marker's 'base': the base
+checkpoint's path and a fingerprint of its weights): loading it loads that base first. A run
+whose base is no checkpoint (an SFT preset's seeded initialisation) saves every weight.
 """
 
 from __future__ import annotations
@@ -27,7 +32,8 @@ from megarlhf.models.arch import Architecture, architecture_for_model
 from megarlhf.models.config import ModelConfig
 from megarlhf.engine.optim import OptimConfig
 from megarlhf.engine.train import TrainEngine
-from megarlhf.integrity import read_json, verify_checkpoint_collectively
+from megarlhf.integrity import (checkpoint_weights_fingerprint, read_json,
+                                verify_checkpoint_collectively)
 from megarlhf.models.gpt import ModelSpec, model_spec
 from megarlhf.models.lora import LoraConfig, is_adapter_key
 from megarlhf.models.transformer_config import dtype_name
@@ -37,10 +43,21 @@ COMPLETE_MARKER = "megarlhf_complete.json"
 HF_SIDECAR = "hf"
 """Subdirectory with the HF config and tokenizer files of the model's source, if any."""
 _OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+HEAD_PREFIX = "value_head."
 
 
-def _sharded_state(engine, *, is_loading: bool, with_optimizer: bool) -> dict:
-    model_sd = {f"chunk{i}": chunk.sharded_state_dict()
+def is_trained_key(name: str) -> bool:
+    """A tensor that trains under LoRA (an adapter factor or a value head): what an
+    adapter-only checkpoint holds."""
+    return is_adapter_key(name) or name.startswith(HEAD_PREFIX)
+
+
+def _sharded_state(engine, *, is_loading: bool, with_optimizer: bool,
+                   adapters_only: bool = False) -> dict:
+    """The engine's state as megatron-core's sharded dicts; `adapters_only`: of the model,
+    only what trains under LoRA (the optimizer holds nothing else)."""
+    model_sd = {f"chunk{i}": {k: v for k, v in chunk.sharded_state_dict().items()
+                              if not adapters_only or is_trained_key(k)}
                 for i, chunk in enumerate(engine.unwrapped())}
     state = {"model": model_sd}
     if with_optimizer and engine.optimizer is not None:
@@ -125,8 +142,10 @@ def is_complete(path: str) -> bool:
 
 def checkpoint_meta(model: ModelConfig, *, value_head: bool, dtype: torch.dtype, layout: dict,
                     with_optimizer: bool, architecture: str | None = None,
-                    extra: dict | None = None, lora: dict | None = None) -> dict:
-    """What the completion marker records: enough to rebuild and export the model anywhere."""
+                    extra: dict | None = None, lora: dict | None = None,
+                    base: dict | None = None) -> dict:
+    """What the completion marker records: enough to rebuild and export the model anywhere.
+    `base`: an adapter-only checkpoint's base, {"path", "sha256"} (base_reference)."""
     return {
         "layout": layout,
         "with_optimizer": with_optimizer,
@@ -136,6 +155,7 @@ def checkpoint_meta(model: ModelConfig, *, value_head: bool, dtype: torch.dtype,
         "architecture": architecture,
         "extra": extra or {},
         "lora": lora,
+        "base": base,
     }
 
 
@@ -178,8 +198,11 @@ def read_meta(path: str) -> dict:
 
 def save_checkpoint(path: str, engine, mesh: Mesh, *, extra: dict | None = None,
                     with_optimizer: bool = True) -> None:
-    """Write `engine`'s state to `path` (all ranks call this). `extra` is JSON metadata."""
+    """Write `engine`'s state to `path` (all ranks call this). `extra` is JSON metadata. An
+    engine training LoRA adapters over a base checkpoint writes only what trains, and the
+    base's reference."""
     path = os.path.abspath(path)
+    base = engine.provenance.get("base")
     tmp = f"{path}.tmp"
     # An optimizer that has not stepped has no state to save (and megatron-core cannot describe
     # it); such a checkpoint is marked as model-only.
@@ -191,8 +214,8 @@ def save_checkpoint(path: str, engine, mesh: Mesh, *, extra: dict | None = None,
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     dist.barrier()
-    save_dist_checkpoint(_sharded_state(engine, is_loading=False,
-                                        with_optimizer=with_optimizer), tmp)
+    save_dist_checkpoint(_sharded_state(engine, is_loading=False, with_optimizer=with_optimizer,
+                                        adapters_only=base is not None), tmp)
     dist.barrier()
     if mesh.rank == 0:
         layout = {"tp": mesh.tp, "pp": mesh.pp, "cp": mesh.cp, "ep": mesh.ep, "dp": mesh.dp_size,
@@ -203,7 +226,7 @@ def save_checkpoint(path: str, engine, mesh: Mesh, *, extra: dict | None = None,
             spec.model, value_head=spec.value_head, dtype=spec.transformer.params_dtype,
             layout=layout, with_optimizer=with_optimizer,
             architecture=engine.provenance["architecture"], extra=extra,
-            lora=spec.lora.to_dict() if spec.lora else None))
+            lora=spec.lora.to_dict() if spec.lora else None, base=base))
     dist.barrier()
 
 
@@ -239,11 +262,43 @@ def adapter_shape(lora: dict | None) -> dict | None:
     return {k: lora[k] for k in ("rank", "alpha", "use_rslora", "target_modules")}
 
 
-def check_resumed_adapters(path: str, lora: LoraConfig | None, field: str) -> None:
+def base_reference(path: str) -> dict:
+    """What an adapter-only checkpoint records of the base checkpoint at `path`."""
+    return {"path": os.path.abspath(path), "sha256": checkpoint_weights_fingerprint(path)}
+
+
+def base_checkpoint(path: str, meta: dict, moved: str | None = None, *,
+                    field: str | None = None) -> str:
+    """Where the base of the adapter-only checkpoint `path` (completion marker `meta`) is:
+    its recorded path, else `moved` (where the caller now says it is), whichever holds the
+    weights it trained over; ValueError (one line, naming both, and `field`: how the caller
+    names a moved base) when neither does."""
+    recorded = meta["base"]
+    found = []
+    for candidate in dict.fromkeys(p for p in (recorded["path"], moved) if p):
+        if not is_complete(candidate):
+            found.append(f"{candidate} is no complete checkpoint")
+        elif checkpoint_weights_fingerprint(candidate) != recorded["sha256"]:
+            found.append(f"{candidate} holds other weights")
+        else:
+            return candidate
+    moved_fix = f", or give where it moved with {field}" if field else ""
+    raise ValueError(f"{path} holds LoRA adapters trained over the base {recorded['path']} "
+                     f"(weights {recorded['sha256'][:12]}), but {'; '.join(found)}: restore "
+                     f"that base{moved_fix}")
+
+
+def check_resumed_adapters(path: str, lora: LoraConfig | None, field: str, *,
+                           base: str | None = None, base_field: str | None = None) -> None:
     """A resume from checkpoint `path` keeps its adapters: ValueError (one line, naming the
     recipe's `field`) when `lora` would train other ones, or adapters over its full weights,
-    or full weights where it trained adapters. Read in the launching process."""
-    saved = adapter_shape(read_meta(path).get("lora"))
+    or full weights where it trained adapters; and an adapter-only checkpoint finds its base
+    (base_checkpoint, `base` the recipe's, named by `base_field`). Read in the launching
+    process."""
+    meta = read_meta(path)
+    if meta.get("base"):
+        base_checkpoint(path, meta, base, field=base_field)
+    saved = adapter_shape(meta.get("lora"))
     ours = adapter_shape(lora and lora.to_dict())
     if saved != ours:
         trained = f"LoRA adapters {saved}" if saved else "every weight (no LoRA)"
@@ -274,16 +329,24 @@ def engine_from_checkpoint(path: str, parallel: ParallelConfig, mesh: Mesh,
     return engine
 
 
-def load_checkpoint(path: str, engine, *, with_optimizer: bool = True) -> dict:
-    """Load a checkpoint written at any layout into `engine`; returns the `extra` metadata."""
+def load_checkpoint(path: str, engine, *, with_optimizer: bool = True,
+                    base: str | None = None) -> dict:
+    """Load a checkpoint written at any layout into `engine`; returns the `extra` metadata.
+    An adapter-only checkpoint loads its base first (base_checkpoint; `base`: where the
+    recipe says it is), unless the engine holds that base already (it is frozen)."""
     meta = read_meta(path)
     _check_same_model(path, meta, engine.spec)
+    recorded = meta.get("base")
+    held = engine.provenance.get("base")
+    if recorded is not None and (held is None or held["sha256"] != recorded["sha256"]):
+        load_base(base_checkpoint(path, meta, base), engine)
     with_optimizer = with_optimizer and engine.optimizer is not None
     if with_optimizer and not meta["with_optimizer"]:
         raise ValueError(f"{path} holds no optimizer state; load with with_optimizer=False")
     if with_optimizer:
         _materialise_optimizer_state(engine.optimizer)
-    template = _sharded_state(engine, is_loading=True, with_optimizer=with_optimizer)
+    template = _sharded_state(engine, is_loading=True, with_optimizer=with_optimizer,
+                              adapters_only=recorded is not None)
     # A fresh 16-bit optimizer's fp32 master weights start at the checkpoint's values where it
     # holds them wider: read into fp32 host tensors, then cast into the model.
     # (Not under LoRA: its 16-bit base weights are frozen, with no masters.)
@@ -292,21 +355,24 @@ def load_checkpoint(path: str, engine, *, with_optimizer: bool = True) -> dict:
     if wide_masters:
         _widen(template["model"])
     # A base checkpoint (no adapters) loaded under LoRA: the adapters keep their initial
-    # values (B = 0, the base model), every other tensor is read.
+    # values (B = 0, the base model), every other tensor is read. It becomes the base this
+    # engine's checkpoints refer to.
     base_only = engine.spec.lora is not None and meta.get("lora") is None
     if base_only:
         template["model"] = {c: {k: v for k, v in sd.items() if not is_adapter_key(k)}
                              for c, sd in template["model"].items()}
+    # What the template left out (and only that) stays as it is.
+    kept = is_adapter_key if base_only else _is_frozen if recorded else None
     verify_checkpoint_collectively(path, _keys(template))  # megatron-core's load checks none
     loaded = load_dist_checkpoint(template, path)
     for chunk, sd in zip(engine.unwrapped(), loaded["model"].values()):
-        result = chunk.load_state_dict(sd, strict=not base_only)
-        if base_only:
-            missing = [k for k in result.missing_keys if not is_adapter_key(k)]
-            assert not missing and not result.unexpected_keys, (missing,
-                                                                result.unexpected_keys)
+        result = chunk.load_state_dict(sd, strict=kept is None)
+        missing = [k for k in result.missing_keys if kept is None or not kept(k)]
+        assert not missing and not result.unexpected_keys, (missing, result.unexpected_keys)
     engine.provenance = {"architecture": meta.get("architecture"),
-                         "hf_files": _read_hf_files(os.path.join(path, HF_SIDECAR))}
+                         "hf_files": _read_hf_files(os.path.join(path, HF_SIDECAR)),
+                         "base": (base_reference(path) if base_only
+                                  else engine.provenance.get("base") if recorded else None)}
     if with_optimizer:
         with torch_adam_load_fixes(engine.optimizer):
             engine.optimizer.load_state_dict(loaded["optimizer"])
@@ -323,6 +389,35 @@ def load_checkpoint(path: str, engine, *, with_optimizer: bool = True) -> dict:
             state_dict={f"model{i}": sd for i, sd in enumerate(loaded["model"].values())}
             if wide_masters else None)
     return meta["extra"]
+
+
+def _is_frozen(name: str) -> bool:
+    return not is_trained_key(name)
+
+
+def load_base(path: str, engine) -> None:
+    """Load the full checkpoint `path` as the weights `engine` starts from (and under LoRA
+    trains adapters over; its checkpoints then refer to it): the whole model, or a value
+    model's trunk from a language model (every tensor but the head, which keeps its seeded
+    initialisation; the LM's output layer is not read)."""
+    meta = read_meta(path)
+    if meta["value_head"] == engine.spec.value_head:
+        load_checkpoint(path, engine, with_optimizer=False)
+        return
+    assert engine.spec.value_head, f"{path}: a value model's checkpoint cannot start an LM"
+    for chunk in engine.unwrapped():
+        template = {k: v for k, v in chunk.sharded_state_dict().items()
+                    if not is_trained_key(k)}
+        # The load also returns the checkpoint's non-tensor state (optimizer, schedule),
+        # which is not ours to take.
+        loaded = load_dist_checkpoint(template, path)
+        result = chunk.load_state_dict({k: loaded[k] for k in template}, strict=False)
+        missing = [k for k in result.missing_keys if not is_trained_key(k)]
+        assert not missing and not result.unexpected_keys, (missing, result.unexpected_keys)
+    engine.provenance = {"architecture": meta.get("architecture"),
+                         "hf_files": _read_hf_files(os.path.join(path, HF_SIDECAR)),
+                         "base": base_reference(path) if engine.spec.lora else None}
+    engine.refresh_masters()
 
 
 def _exact_masters(optimizer) -> bool:

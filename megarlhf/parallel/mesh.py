@@ -382,6 +382,13 @@ def init_distributed(env: DistEnv | None = None, *, timeout_s: float = 600.0) ->
     bind_missing_te_names()
     if device_lib.accelerator_available():
         torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
+    # Read by each NCCL process group made from here on. 3 (SkipCleanUp, torch 2.13's
+    # default, which has changed before): a collective past `timeout_s`, or one that lost its
+    # peer, makes the watchdog abort the rank (SIGABRT), which the PPO controller takes for
+    # a hung peer (ppo/groups.py, LocalCall._death; under Ray, an actor's death). 0 would
+    # leave the rank waiting forever, 2 leaves the error to the rank's next wait, and 1
+    # first aborts the communicators, which can itself hang with a peer gone.
+    os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "3"
     if not dist.is_initialized():
         dist.init_process_group(
             backend=device_lib.default_backend(),

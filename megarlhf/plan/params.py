@@ -101,3 +101,22 @@ def rank_adapter_params(model: ModelConfig, parallel: ParallelConfig, lora: Lora
 def total_params(model: ModelConfig, *, value_head: bool = False) -> int:
     """Parameters of the whole model at TP1/PP1 (vocabulary padded for TP1)."""
     return rank_params(model, ParallelConfig(), 0, value_head=value_head)
+
+
+CHECKPOINT_OPTIMIZER_BYTES = 12
+"""Bytes per trained parameter of a checkpoint's Adam state (engine/checkpoint.py, megatron-
+core's fully reshardable format): an fp32 copy of the parameter and both moments, in fp32
+runs too."""
+
+
+def saved_bytes(model: ModelConfig, *, value_head: bool, lora: LoraConfig | None,
+                param_bytes: int) -> int:
+    """Tensor bytes of one trained role's checkpoint: every weight with its Adam state, or
+    under LoRA the adapters and the value head with theirs (the frozen base is referenced,
+    not saved)."""
+    if lora is None:
+        trained = total_params(model, value_head=value_head)
+    else:
+        head = total_params(model, value_head=True) - total_params(model) if value_head else 0
+        trained = rank_adapter_params(model, ParallelConfig(), lora) + head
+    return trained * (param_bytes + CHECKPOINT_OPTIMIZER_BYTES)

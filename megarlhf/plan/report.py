@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from megarlhf.plan.fixes import MAX_FACTOR
 from megarlhf.plan.job import GIB, PHASES, SWITCHES, GroupPlan, Plan
-from megarlhf.plan.params import total_params
+from megarlhf.plan.params import saved_bytes, total_params
+from megarlhf.ppo.config import TRAINED_ROLES
 
 ROW_ORDER = ("weights", "grads", "optimizer", "forward pass", "activations", "backward",
              "KV cache", "generation", "sync buffers")
@@ -53,7 +54,22 @@ def header(plan: Plan, recipe: str) -> list[str]:
     for role, source in plan.models.items():
         lines.append(f"  {role:7s} {total_params(source.model, value_head=source.value_head):>15,}"
                      f" params ({source.origin})")
-    return lines
+    return lines + [checkpoint_line(plan)]
+
+
+def checkpoint_line(plan: Plan) -> str:
+    """What each save writes: the trained roles' weights and Adam states, or under LoRA their
+    adapters (and value head) with theirs."""
+    c, parts, total = plan.config, [], 0
+    for role in (r for r in TRAINED_ROLES if r in plan.models):
+        source, lora = plan.models[role], c.lora_of(role)
+        nbytes = saved_bytes(source.model, value_head=source.value_head, lora=lora,
+                             param_bytes=plan.param_bytes)
+        total += nbytes
+        parts.append(f"{role} {_gib(nbytes)} GiB" + (" (LoRA adapters: the base is "
+                                                      "referenced, not saved)" if lora else ""))
+    return (f"checkpoint per save: {'; '.join(parts)}; out_dir keeps {c.keep_last}: "
+            f"{_gib(total * c.keep_last)} GiB")
 
 
 def group_table(group: GroupPlan) -> list[str]:

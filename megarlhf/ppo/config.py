@@ -85,8 +85,10 @@ _RANGES = (  # (field, low, high, low included?); high is included, values must 
     ("seed", 0, 2**31 - 1, True),
     ("save_every", 0, math.inf, True),
     ("max_restarts", 0, math.inf, True),
+    ("restart_window_steps", 1, math.inf, True),
     ("restart_backoff", 0.0, math.inf, True),
     ("restart_wait_s", 0.0, math.inf, False),
+    ("max_engine_restarts", 0, math.inf, True),
     ("collective_timeout_s", 0.0, math.inf, False),
     ("phase_timeout_factor", 1.0, math.inf, False),
     ("phase_timeout_min_s", 0.0, math.inf, False),
@@ -623,14 +625,21 @@ class PPOConfig:
     """Checkpoints kept in out_dir (older ones are removed once a newer one is complete)."""
     max_restarts: int = 2
     """When a rank dies (killed, OOM-killed; under Ray its actor died, also with its node) or
-    hangs (a collective timed out, see collective_timeout_s; or a phase passed its deadline,
-    see phase_timeout_factor), every group is torn down and started again from the latest
-    checkpoint, up to this many times in a run; each restart is a "restart" event in
-    metrics.jsonl. Without a checkpoint yet (see save_every), or once they are used up, the
-    run stops naming the fault. An exception a rank raises (a bug, bad input) always stops
+    hangs or loses a peer (a collective timed out or lost its peer, see collective_timeout_s;
+    or a phase passed its deadline, see phase_timeout_factor), every group is torn down and
+    started again from the latest checkpoint, up to this many times within
+    restart_window_steps; each restart is a "restart" event in metrics.jsonl. Without a
+    checkpoint yet (see save_every), once they are used up, or when the last restart's fault
+    comes back in the same step, the run stops naming the fault (exit code 1). Any other
+    exception a rank raises (a bug, bad input), and a local rank's own crash or abort, stop
     the run. Under Ray any death of a started actor counts as lost (Ray does not tell a
     kill from a crash; a crash that comes back in the same step stops the run), and the new
     actors go wherever the cluster has room (see restart_wait_s)."""
+    restart_window_steps: int = 50
+    """The steps max_restarts counts restarts over: a fault in step s stops the run if
+    max_restarts restarts were made for faults in steps s - restart_window_steps + 1 to s,
+    so the budget refills once the faults are that many steps apart (a long job may lose a
+    rank now and then)."""
     restart_backoff: float = 5.0
     """Seconds to wait before a restart."""
     restart_wait_s: float = 600.0
@@ -638,21 +647,38 @@ class PPOConfig:
     (a node lost; an autoscaler may bring one back). Then the run stops with exit code 75,
     which launch/ppo.sbatch answers by requeueing the job: on a new allocation it resumes
     from its last checkpoint. A first start waits as long as it takes."""
+    max_engine_restarts: int = 3
+    """placement=disaggregated: when a rollout engine's rank dies or hangs while the engines
+    generate, the rollout group alone is started again, given the actor's weights (a whole
+    sync) and asked again, and the trainer's groups keep their state; up to this many times
+    in a run (counted from its last whole restart), each an "engine_restart" event in
+    metrics.jsonl and every later step carrying fault/engine_restarts. The same fault again
+    in the call asked again stops the run. A loss the engines cannot get their weights back
+    from (the actor trained since their last sync: one_step_off and fully_async, now and
+    then), one during a weight sync, one past this count, any in a colocated group, and any
+    under worker_group=ray or of a vLLM engine (neither tested) take the whole restart
+    (max_restarts). 0: every loss takes the whole restart."""
     collective_timeout_s: float = 600.0
     """torch.distributed's timeout for the worker ranks' Megatron process groups and the
     weight channel (vLLM's own groups keep torch's defaults): how long a rank waits in a
     collective for a peer that never comes (hung, or stopped). Over gloo (CPU) the waiting
-    rank then fails and the run restarts (max_restarts). NCCL's watchdog aborts the waiting
-    rank instead, which stops a run on local worker groups (an abort is the rank's own
-    doing there) and restarts one under Ray (its actor died): on GPUs with local groups keep
-    this above the phase deadlines (phase_timeout_factor), which restart it."""
+    rank then fails; over NCCL the watchdog aborts it (SIGABRT; the ranks run with
+    TORCH_NCCL_ASYNC_ERROR_HANDLING=3). Either way the run restarts (max_restarts): a local
+    rank's abort counts as the watchdog's when the call has run this long and a peer has
+    not answered (else it is the rank's own and stops the run); under Ray its actor died.
+    Keep it above the longest time a rank may legitimately wait for its peers (one rank
+    writing a large checkpoint). It and the phase deadline (phase_timeout_factor) race for
+    the same hang: whichever fires first restarts the run naming the hung phase, and both
+    are the same fault for the same-step rule (max_restarts)."""
     phase_timeout_factor: float = 5.0
     """The controller's deadline for a phase (a call on the worker groups: rollout,
     experience, train, sync, save...) is this factor times the longest of the last 5
     durations of calls of the same method, roles and batch size, at least
     phase_timeout_min_s; a call of a size not seen yet has 30 minutes (the start-up, which
     loads every model, has 30 minutes with local worker groups and no limit under Ray).
-    Past it the ranks that did not answer are named and the run restarts (max_restarts)."""
+    Past it the ranks that did not answer are named and the run restarts (max_restarts).
+    With a deadline shorter than collective_timeout_s (short phases: phase_timeout_min_s)
+    the deadline catches a hang first, else the ranks' collective timeout does."""
     phase_timeout_min_s: float = 300.0
     """The shortest phase deadline (see phase_timeout_factor)."""
     resume_allow_changes: tuple[str, ...] = ()
@@ -784,6 +810,14 @@ class PPOConfig:
                 problems.append("layout.critic.lora.from_peft: a PEFT adapter is a language "
                                 "model's; the critic's adapters start at zero over its value "
                                 "model")
+        if self.lora_of("actor") is not None and self.dtype != "fp32" \
+                and self.rollout_correction == "none":
+            # The sync merges W + scale * B @ A and rounds it to 16 bits: an adapter update
+            # below half a 16-bit step of W reaches the trainer but not the engines
+            # (docs/guides/lora.md: a mean gap of up to 0.045 on SmolLM2 in bf16).
+            problems.append(f"layout.actor.lora with dtype={self.dtype}: the engines get the "
+                            f"merged weights rounded to {self.dtype}, behind the trainer's "
+                            f"adapters; set rollout_correction=tis (or mis), or dtype=fp32")
         problems += self._rollout_mode_problems()
         choice("stale_groups", STALE_GROUPS)  # read by fully_async only; a typo is one anyway
         if type(self.max_staleness) is not int:  # isinstance would let a bool through

@@ -14,7 +14,9 @@ function (in its worker processes), computes advantages (cheap tensor math on th
 batch) and logs; every model computation is a collective call on the workers. The
 `Placement` sends each phase to the groups that hold its roles (one group colocated, several
 at once disaggregated), so this loop is the same for both placements. A local rank that dies
-or hangs sends the run back to its latest checkpoint (`max_restarts`, `_run_restarting`).
+or hangs sends the run back to its latest checkpoint (`max_restarts`, `_run_restarting`);
+disaggregated, a rollout engine lost while it generates is restarted alone
+(`max_engine_restarts`, Placement.rollout).
 """
 
 from __future__ import annotations
@@ -72,7 +74,8 @@ def run(config: PPOConfig) -> list[dict]:
 
 def _run_restarting(config: PPOConfig) -> list[dict]:
     """The run, and after a lost worker the run again from its latest checkpoint (up to
-    max_restarts times): the metrics of every step it finished, each once."""
+    max_restarts times within restart_window_steps): the metrics of every step it finished,
+    each once."""
     history: list[dict] = []
     restarts: list[dict] = []
     groups_backend = placement.backend(config)  # kept across restarts (Ray stays up)
@@ -91,14 +94,19 @@ def _run_restarting(config: PPOConfig) -> list[dict]:
 def _restart_point(config: PPOConfig, fault: WorkerLost, restarts: list[dict],
                    history: list[dict]) -> dict:
     """The restart event for `fault` (history cut back to its checkpoint), or RunFault when
-    there is no checkpoint to restart from, no restart left, or the last restart's fault came
-    back in the same step."""
+    there is no checkpoint to restart from, no restart left within restart_window_steps, or
+    the last restart's fault came back in the same step."""
     saved, done = checkpoints.of_run(config.out_dir).completed(), len(restarts)
     cause, failed = fault.cause, fault.step
+    window = [r["failed_step"] for r in restarts
+              if r["failed_step"] > failed - config.restart_window_steps]
     if not saved:
         reason = "no checkpoint to restart from yet (save_every sets how often one is saved)"
-    elif done >= config.max_restarts:
-        reason = f"max_restarts={config.max_restarts} reached"
+    elif len(window) >= config.max_restarts:
+        reason = (f"max_restarts={config.max_restarts} reached within restart_window_steps="
+                  f"{config.restart_window_steps}" + (f" (after faults in steps "
+                                                      f"{', '.join(map(str, window))})"
+                                                      if window else ""))
     elif restarts and (restarts[-1]["kind"], restarts[-1]["failed_step"]) == (fault.kind, failed):
         reason = "the same fault in the same step again, so it comes from the run itself"
     else:
@@ -171,6 +179,7 @@ def _train(config: PPOConfig, groups_backend, data: RunInputs, history: list[dic
                                  (config.val_every and step % config.val_every == 0)):
                     with steps.idle():  # as above
                         metrics.update(validate(config, data, workers, step, log))
+                _log_engine_restarts(log, workers, step, metrics)
                 history.append(metrics)
                 log.write(metrics)
                 if step == config.steps or (config.save_every and
@@ -201,6 +210,18 @@ def _log_restart(log: MetricsLog, restart: dict) -> None:
     log.write(event, echo=False)
     log.note(f"restart {event['restart']} after: {event['cause']} (in step "
              f"{event['failed_step']}); starting again from step {event['resumed_step']}")
+
+
+def _log_engine_restarts(log: MetricsLog, workers: Placement, step: int,
+                         metrics: dict) -> None:
+    """The rollout engines' restarts since the last step (Placement.rollout): each an
+    "engine_restart" event, and the count so far in the step's metrics."""
+    for event in workers.take_engine_restarts():
+        log.write({**event, "failed_step": step}, echo=False)
+        log.note(f"engine restart {event['engine_restart']} after: {event['cause']} (in step "
+                 f"{step}), {event['seconds']} s; the trainer kept its state")
+    if workers.engine_restarts:
+        metrics["fault/engine_restarts"] = workers.engine_restarts
 
 
 def ppo_step(config: PPOConfig, data: RunInputs, workers: Placement,

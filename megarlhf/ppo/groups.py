@@ -48,15 +48,15 @@ class WorkerLost(WorkerError):
 
 
 def hang(what: str) -> str:
-    """The kind of a hang in call `what`: a peer's collective timing out and the phase
-    passing its deadline are the same fault."""
+    """The kind of a hang in call `what`: a peer's collective timing out or losing its peer,
+    NCCL's watchdog aborting a rank, and the phase passing its deadline are the same fault."""
     return f"{what}: hang"
 
 
-def collective_timed_out(what: str, group: str, rank: int, detail: str) -> WorkerLost:
-    """Rank `rank` of `group` gave up waiting in a collective of call `what` (a peer hung
-    or stopped): `detail`, its traceback."""
-    cause = f"{what}: a collective of {group} timed out (a rank stopped answering)"
+def collective_failed(what: str, group: str, rank: int, detail: str, how: str) -> WorkerLost:
+    """Rank `rank` of `group` failed in a collective of call `what` because of a peer (`how`:
+    TIMED_OUT or PEER_GONE, as `peer_failure` says): `detail`, its traceback."""
+    cause = f"{what}: a collective of {group} {how}"
     return WorkerLost(f"{cause}; rank {rank}:\n{detail}", cause, hang(what))
 
 
@@ -69,8 +69,12 @@ def past_deadline(what: str, late: str, timeout_s: float) -> WorkerLost:
 
 LOST_EXIT_CODES = (-signal.SIGKILL, -signal.SIGTERM)
 """How a rank stopped from outside exits (the kernel's out-of-memory killer, an operator, a
-node going down). Any other exit (an abort, a segfault, an exit code) is the rank's own doing
-and would happen again."""
+node going down). Any other exit (a segfault, an exit code) is the rank's own doing and would
+happen again; so is an abort, unless NCCL's watchdog may have made it (`LocalCall._death`)."""
+
+ABORTED = -signal.SIGABRT
+"""How a rank exits that NCCL's watchdog aborts (TORCH_NCCL_ASYNC_ERROR_HANDLING, set in
+megarlhf/parallel/mesh.py): its collective waited collective_timeout_s for a peer."""
 
 
 class WorkerInputError(WorkerError, ValueError):
@@ -78,32 +82,46 @@ class WorkerInputError(WorkerError, ValueError):
     its one-line message; the rank's traceback is kept as a note (MEGARLHF_DEBUG=1 shows it)."""
 
 
-def _failure() -> tuple[str, str | None, bool]:
+def _failure() -> tuple[str, str | None, str | None]:
     """The current exception as (traceback, one-line message if it is an expected one,
-    whether it is a collective that timed out waiting for a peer)."""
+    how a collective failed because of a peer, if it did: `peer_failure`)."""
     from megarlhf.errors import describe
 
     e = sys.exc_info()[1]
     expected = isinstance(e, (ValueError, OSError)) and not isinstance(e, WorkerError)
-    return traceback.format_exc(), describe(e) if expected else None, collective_timeout(e)
+    return traceback.format_exc(), describe(e) if expected else None, peer_failure(e)
 
 
-_TIMED_OUT = re.compile(r"timed out|timing out|wait timeout|socket timeout", re.IGNORECASE)
+TIMED_OUT = "timed out (a rank stopped answering)"
+PEER_GONE = "lost a peer (a rank's process is gone)"
+
+_PEER_FAILURES = (
+    # A peer that never came: gloo's "Timed out waiting <ms> for recv operation", NCCL's
+    # "... ran for <ms> milliseconds before timing out" (a DistBackendError, where NCCL
+    # raises rather than aborting the rank), a store's "wait timeout after <ms>" or "Socket
+    # Timeout" (config.collective_timeout_s).
+    (TIMED_OUT, re.compile(r"timed out|timing out|wait timeout|socket timeout", re.I)),
+    # A peer that is gone: gloo's "Connection closed by peer" / "Connection reset by peer",
+    # NCCL's "remote process exited or there was a network error" (ncclRemoteError) and
+    # "NCCL communicator was aborted" (its watchdog tore the communicator down).
+    (PEER_GONE, re.compile(r"(closed|reset) by peer|remote process exit|ncclRemoteError|"
+                           r"communicator was aborted", re.I)),
+)
 
 
-def collective_timeout(e: BaseException | None) -> bool:
-    """Whether `e`, or an exception it was raised from, is torch.distributed giving up on a
-    peer: gloo's "Timed out waiting <ms> for recv operation", NCCL's "... ran for <ms>
-    milliseconds before timing out" (a DistBackendError, where NCCL raises rather than
-    aborting the rank), a store's "wait timeout after <ms>" or "Socket Timeout". The rank
-    itself did nothing wrong: a peer hung or stopped (config.collective_timeout_s)."""
+def peer_failure(e: BaseException | None) -> str | None:
+    """How torch.distributed failed because of a peer, if `e` or an exception it was raised
+    from says it did: TIMED_OUT or PEER_GONE (`_PEER_FAILURES`); None for anything else.
+    The rank itself did nothing wrong: a peer hung, stopped or died."""
     seen = set()
     while e is not None and id(e) not in seen:
         seen.add(id(e))
-        if isinstance(e, RuntimeError) and _TIMED_OUT.search(str(e)):
-            return True
+        if isinstance(e, RuntimeError):
+            for how, pattern in _PEER_FAILURES:
+                if pattern.search(str(e)):
+                    return how
         e = e.__cause__ or e.__context__
-    return False
+    return None
 
 
 _NUMPY_DTYPES = {torch.float64, torch.float32, torch.float16, torch.int64, torch.int32,
@@ -172,6 +190,7 @@ class LocalCall:
         self.group, self.what = group, what
         self.results: list = [None] * group.nproc
         self.pending = set(range(group.nproc))
+        self.started = time.monotonic()
 
     def waitables(self) -> list:
         return [w for r in self.pending
@@ -187,10 +206,11 @@ class LocalCall:
                 except (EOFError, ConnectionError):  # its end of the pipe closed or reset
                     self.raise_closed(rank)
                 if not ok:
-                    trace, message, timed_out = value
+                    trace, message, how = value
+                    self.pending.discard(rank)  # it answered: not a peer that hung
                     self._raise_if_a_rank_died(f"; then rank {rank} failed:\n{trace}")
-                    if timed_out:  # a peer hung or stopped: nothing this rank did
-                        raise collective_timed_out(self.what, self.group.name, rank, trace)
+                    if how:  # a peer hung, stopped or died: nothing this rank did
+                        raise collective_failed(self.what, self.group.name, rank, trace, how)
                     if message is not None:
                         error = WorkerInputError(f"{self.what} on {self.group.name} rank "
                                                  f"{rank}: {message}")
@@ -214,7 +234,23 @@ class LocalCall:
         cause = f"{self.what}: {self.group.name} rank {rank} died (exit code {code})"
         if code in LOST_EXIT_CODES:
             return WorkerLost(cause + then, cause)
+        silent = self._silent_peers(rank)
+        if code == ABORTED and silent:
+            cause = (f"{self.what}: {self.group.name} rank {rank} aborted (exit code {code}) "
+                     f"after collective_timeout_s while ranks {silent} had not answered: "
+                     f"NCCL's watchdog (a peer hung)")
+            return WorkerLost(cause + then, cause, hang(self.what))
         return WorkerError(cause + then)
+
+    def _silent_peers(self, rank: int) -> list[int]:
+        """The ranks besides `rank` that are alive and have not answered, if the call has run
+        for collective_timeout_s: long enough for NCCL's watchdog to abort `rank` waiting for
+        them in a collective (a collective of a call starts after the call does). Before
+        then, or with every peer answered, an abort is the rank's own."""
+        if time.monotonic() - self.started < self.group.collective_timeout_s:
+            return []
+        return [r for r in sorted(self.pending)
+                if r != rank and self.group.procs[r].exitcode is None]
 
     def _raise_if_a_rank_died(self, then: str, grace_s: float = 2.0) -> None:
         """A rank that dies makes its peers fail in their next collective, often before its
@@ -224,8 +260,10 @@ class LocalCall:
         while True:
             dead = [(rank, proc.exitcode) for rank, proc in enumerate(self.group.procs)
                     if proc.exitcode not in (None, 0)]
-            if dead:  # a rank killed from outside first: its peers may abort after it
-                rank, code = min(dead, key=lambda d: (d[1] not in LOST_EXIT_CODES, d[0]))
+            if dead:  # a rank killed from outside first, then one that crashed on its own:
+                # its peers may abort after it (NCCL's watchdog)
+                rank, code = min(dead, key=lambda d: (d[1] not in LOST_EXIT_CODES,
+                                                      d[1] == ABORTED, d[0]))
                 raise self._death(rank, code, then)
             if time.monotonic() > deadline:
                 return
@@ -234,10 +272,13 @@ class LocalCall:
 
 class LocalWorkerGroup:
     """`nproc` spawned processes, gloo/NCCL between them. Start-up runs in the background:
-    wait for `starting` before the first call."""
+    wait for `starting` before the first call. `collective_timeout_s`: the ranks' (see
+    LocalCall._death)."""
 
-    def __init__(self, name: str, nproc: int, worker_args: tuple, *, threads: int = 1):
+    def __init__(self, name: str, nproc: int, worker_args: tuple, *, threads: int = 1,
+                 collective_timeout_s: float = 600.0):
         self.name, self.nproc = name, nproc
+        self.collective_timeout_s = collective_timeout_s
         pipes = [mp.Pipe() for _ in range(nproc)]
         self.conns = [parent for parent, _ in pipes]
         self.procs = spawn_ranks(_serve, [(rank, worker_args, child)
@@ -296,8 +337,10 @@ def _kill_tree(proc: mp.Process) -> None:
 class LocalBackend:
     """Makes local worker groups and waits on their calls."""
 
-    def __init__(self, total_ranks: int, *, timeout_s: float = 1800.0):
-        self.timeout_s = timeout_s
+    def __init__(self, total_ranks: int, *, timeout_s: float = 1800.0,
+                 collective_timeout_s: float = 600.0):
+        """`collective_timeout_s`: the ranks' (PPOConfig.collective_timeout_s)."""
+        self.timeout_s, self.collective_timeout_s = timeout_s, collective_timeout_s
         # Every rank of every group shares this machine's cores, unless the user says.
         self.threads = int(os.environ.get("OMP_NUM_THREADS")
                            or max(1, (os.cpu_count() or 1) // total_ranks))
@@ -305,7 +348,8 @@ class LocalBackend:
     def group(self, name: str, nproc: int, worker_args: tuple, *,
               room_wait_s: float | None = None) -> LocalWorkerGroup:
         """`room_wait_s` is the Ray backend's: local ranks never wait for room."""
-        return LocalWorkerGroup(name, nproc, worker_args, threads=self.threads)
+        return LocalWorkerGroup(name, nproc, worker_args, threads=self.threads,
+                                collective_timeout_s=self.collective_timeout_s)
 
     def wait_all(self, calls: list[LocalCall],
                  timeout_s: float | None = None) -> list[list[tuple]]:

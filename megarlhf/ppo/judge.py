@@ -15,7 +15,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from megarlhf.convert.hf_to_mcore import inspect_hf
-from megarlhf.convert.mcore_io import CheckpointReader
+from megarlhf.convert.mcore_to_hf import checkpoint_reader
 from megarlhf.data.prompts import Prompt
 from megarlhf.data.tokenizer import HFTokenizer, eos_token_ids
 from megarlhf.engine.checkpoint import (HF_SIDECAR, checkpoint_architecture, is_complete,
@@ -78,7 +78,7 @@ def judge_model(path: str) -> JudgeModel:
                          f"(tools/convert_hf/hf_to_mcore writes one): copy its base model's "
                          f"tokenizer and generation config files into {tokenizer}")
     model, arch = ModelConfig.from_dict(meta["model"]), checkpoint_architecture(meta)
-    reader = CheckpointReader(path)
+    reader = checkpoint_reader(path, meta)
     missing = [rule.mcore for rule in arch.rules(model, lm_head=True, value_head=False)
                if reader.shape(rule.mcore) is None]
     if missing:

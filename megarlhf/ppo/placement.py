@@ -13,18 +13,25 @@ The loop calls the same phases either way. A phase goes to every group holding a
 needs, all at once, and then waits for all of them: disaggregated, the actor's and ref's
 logprobs, the critic's values and the reward model's scores are computed concurrently, and
 so are the actor and critic updates.
+
+Disaggregated, a rollout engine that dies or hangs while the engines generate costs only the
+rollout group: it is started again, the channel reopened and the weights synced whole, and
+the call made again (`rollout`, `_restart_engines`); any other lost rank takes the whole
+restart from the latest checkpoint (controller).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import time
 from typing import TYPE_CHECKING, Callable
 
 from megarlhf.data.sequences import SequenceBatch
+from megarlhf.errors import RunFault
 from megarlhf.ppo.config import PPOConfig
-from megarlhf.ppo.groups import WorkerError
+from megarlhf.ppo.groups import WorkerError, WorkerLost
 from megarlhf.ppo.layout import group_specs
 from megarlhf.ppo.worker_api import WorkerAPI
 from megarlhf.rollout.engine import Completion, SamplingParams
@@ -54,7 +61,7 @@ def backend(config: PPOConfig):
         return RayBackend(total_ranks)
     from megarlhf.ppo.groups import LocalBackend
 
-    return LocalBackend(total_ranks)
+    return LocalBackend(total_ranks, collective_timeout_s=config.collective_timeout_s)
 
 
 class Placement:
@@ -75,7 +82,16 @@ class Placement:
         self._failed = False
         self._durations: dict[tuple, list[float]] = {}  # per phase (_run): last wall times
         self._backend = groups_backend
+        self._engine_sizes = engine_sizes or {}
         self._groups = []
+        # Engine-only recovery (_restart_engines): the restarts so far, their events not yet
+        # logged, and whether the actor trained since the engines' last sync (conservative
+        # both ways: set before a train call, cleared after a sync).
+        self.engine_restarts, self._engine_events, self._weights_moved = 0, [], False
+        # Taken by shutdown to close, and by a restart to put its new group in (a rollout
+        # group restarting in a thread is either stopped by the shutdown or not started) and
+        # to count itself.
+        self._groups_lock, self._closed = threading.Lock(), False
         # A group serves one call at a time. With asynchronous rollouts the engines' calls (and
         # the reward model's scores of their samples) run in a thread beside the training
         # phases: a call takes the locks of its groups, in group order (no deadlock), for as
@@ -90,10 +106,8 @@ class Placement:
                     room_wait_s=None if room_until is None
                     else max(0.0, room_until - time.monotonic())))
             self._wait([g.starting for g in self._groups])
-            if config.placement == "disaggregated":
-                host, port = self._groups[0].address()  # the actor's rank 0 hosts the channel
-                self._run(WorkerAPI.open_channel, SYNC, host, port)
-            self.sync()
+            with self._holding(self._chosen(SYNC)):
+                self._connect()
         except BaseException:
             self._failed = True
             self.shutdown()
@@ -104,8 +118,23 @@ class Placement:
     def rollout(self, prompts: list[list[int]], params: SamplingParams,
                 keys: list[int] | None = None) -> list[Completion]:
         """params.n completions per prompt, a prompt's consecutive; `keys`: see
-        WorkerAPI.generate (PPOWorker.generate)."""
-        (completions,), seconds = self._run(WorkerAPI.generate, ROLLOUT, prompts, params, keys)
+        WorkerAPI.generate (PPOWorker.generate). Disaggregated, an engine lost in the call is
+        restarted alone and the call made again (`_restart_engines`); lost again in it, the
+        same way, the run stops."""
+        generate = functools.partial(self._run, WorkerAPI.generate, ROLLOUT, prompts, params,
+                                     keys)
+        try:
+            (completions,), seconds = generate(recoverable=True)
+        except WorkerLost as fault:
+            self._restart_engines(fault)
+            try:
+                (completions,), seconds = generate()
+            except WorkerLost as again:
+                if again.kind != fault.kind:  # another fault: the whole restart judges it
+                    raise
+                raise RunFault(f"{again.cause}; not restarted: the same fault again after the "
+                               f"rollout engines' restart, so it comes from the run "
+                               f"itself") from again
         self.busy["rollout"] = self.busy.get("rollout", 0.0) + seconds  # a step may take rounds
         return completions
 
@@ -129,6 +158,7 @@ class Placement:
         """Metrics of every optimizer step (actor and critic steps of one mini-batch merged),
         and with `old_logp` None what the actor's update pass gives in its place
         (PPOWorker.train)."""
+        self._weights_moved = True  # before the call: no engine restart may see it unset
         parts, self.busy["train"] = self._run(WorkerAPI.train, TRAIN, batch, old_logp,
                                               advantages, old_values, returns, loss_mask,
                                               for_actor=policy)
@@ -141,6 +171,7 @@ class Placement:
         `whole`: every bucket whole (sync_mode=delta sends the rest as deltas); a phase of
         its own for deadlines, so a whole sync is not judged by the deltas before it."""
         parts, self.busy["sync"] = self._run(WorkerAPI.sync_weights, SYNC, whole)
+        self._weights_moved = False
         return {k: v for part in parts for k, v in part.items()}
 
     def profile(self, step: int) -> None:
@@ -190,6 +221,8 @@ class Placement:
         may be stuck in a collective with the failed rank and would never answer). The
         backend stays up for the run's next start (and a thread may still be reading a
         killed rank's answer)."""
+        with self._groups_lock:
+            self._closed = True
         deadline = time.monotonic() + (0 if self._failed else 30)
         for group in self._groups:
             group.stop()
@@ -197,45 +230,120 @@ class Placement:
             group.join(deadline)
         self._groups = []
 
+    # -- the rollout engines' recovery -------------------------------------------------------
+
+    def take_engine_restarts(self) -> list[dict]:
+        """The "engine_restart" events since the last call (cause, seconds), for the log."""
+        with self._groups_lock:
+            events, self._engine_events = self._engine_events, []
+        return events
+
+    def _connect(self) -> None:
+        """Open the weight channel (disaggregated; the actor's rank 0 hosts it, at a port free
+        now) and sync the weights whole. The caller holds the SYNC groups' locks."""
+        if self.config.placement == "disaggregated":
+            host, port = self._groups[0].address()
+            self._call(WorkerAPI.open_channel, SYNC, (host, port))
+        self._call(WorkerAPI.sync_weights, SYNC, (True,))
+
+    def _restart_engines(self, fault: WorkerLost) -> None:
+        """After `fault` in a call only the rollout group took part in (disaggregated): kill
+        that group (its other ranks may wait in a collective with the lost one), start it
+        again, reopen the channel on both sides and sync the weights whole (a delta sync's
+        bases died with the engines). The trainer's groups keep their state. Only while the
+        engines can get the very weights they held (the actor has not trained since their
+        last sync) and max_engine_restarts allows; else `fault` goes on to the whole restart
+        from the latest checkpoint."""
+        start = time.monotonic()
+        with self._holding(self._chosen(SYNC)):
+            # Ray's actors and vLLM engines are not restarted alone: those paths are untested
+            # (the docstring of max_engine_restarts says so).
+            if self.config.placement != "disaggregated" or self.config.worker_group != "local" \
+                    or self.config.rollout_backend != "megatron" or self._weights_moved or \
+                    self.engine_restarts >= self.config.max_engine_restarts:
+                self._failed = True
+                raise fault
+            (i,) = self._chosen(ROLLOUT)
+            spec = self.specs[i]
+            with self._groups_lock:
+                if self._closed:  # the run is stopping (a fault in another thread)
+                    raise fault
+                self._groups[i].join(time.monotonic())  # kills what is left of it
+                self._groups[i] = self._backend.group(
+                    spec.name, spec.nproc, (self.config, spec, self._engine_sizes),
+                    room_wait_s=self.config.restart_wait_s)
+            self._wait([self._groups[i].starting])
+            self._connect()
+            with self._groups_lock:
+                self.engine_restarts += 1
+                self._engine_events.append({
+                    "event": "engine_restart", "engine_restart": self.engine_restarts,
+                    "cause": fault.cause, "seconds": round(time.monotonic() - start, 3)})
+
     # -- plumbing ----------------------------------------------------------------------------
 
-    def _run(self, method: Callable, roles: set[str], *args,
-             for_actor=_NOTHING) -> tuple[list, float]:
+    def _run(self, method: Callable, roles: set[str], *args, for_actor=_NOTHING,
+             recoverable: bool = False) -> tuple[list, float]:
         """`method(*args)` (a WorkerAPI method) on every rank of the groups holding any of
         `roles`, concurrently: (rank 0's result per group, the slowest rank's seconds in it).
         `for_actor`: a last argument the actor's group gets and the others get as None (they
-        would only receive and drop it: an expert routing is gigabytes at scale)."""
-        chosen = [i for i, spec in enumerate(self.specs) if spec.roles & roles]
+        would only receive and drop it: an expert routing is gigabytes at scale).
+        `recoverable`: a lost rank leaves the other groups' ranks to a clean shutdown (the
+        caller may restart its group alone)."""
+        with self._holding(self._chosen(roles)):
+            return self._call(method, roles, args, for_actor, recoverable)
+
+    def _chosen(self, roles: set[str]) -> list[int]:
+        """The groups holding any of `roles`, in group order."""
+        return [i for i, spec in enumerate(self.specs) if spec.roles & roles]
+
+    def _holding(self, chosen: list[int]) -> contextlib.ExitStack:
+        """The `chosen` groups' locks, taken in group order (no deadlock)."""
+        held = contextlib.ExitStack()
+        for i in chosen:
+            held.enter_context(self._locks[i])
+        return held
+
+    def _call(self, method: Callable, roles: set[str], args: tuple, for_actor=_NOTHING,
+              recoverable: bool = False) -> tuple[list, float]:
+        """`_run` for a caller holding the groups' locks."""
+        chosen = self._chosen(roles)
         phase = (method.__name__, frozenset(roles), call_size(args))
-        with contextlib.ExitStack() as held:
-            for i in chosen:
-                held.enter_context(self._locks[i])
-            try:
-                calls = [self._groups[i].async_call(
-                    method.__name__, *args, *self._last_argument(i, for_actor)) for i in chosen]
-            except (WorkerError, KeyboardInterrupt):  # stop the others now, as _wait does
-                self._failed = True
-                raise
-            per_call = self._wait(calls, phase)
+        try:
+            calls = [self._groups[i].async_call(
+                method.__name__, *args, *self._last_argument(i, for_actor)) for i in chosen]
+        except (WorkerError, KeyboardInterrupt) as e:  # stop the others now, as _wait does
+            self._fail(e, recoverable)
+            raise
+        per_call = self._wait(calls, phase, recoverable)
         return ([ranks[0][0] for ranks in per_call],
                 max(seconds for ranks in per_call for _, seconds in ranks))
+
+    def _fail(self, error: BaseException, recoverable: bool) -> None:
+        """A call failed with `error`: the shutdown will not wait for the ranks (some may be
+        stuck in a collective with a failed one), unless a caller may restart the lost
+        rank's group alone."""
+        if not (recoverable and isinstance(error, WorkerLost)):
+            self._failed = True
 
     def _last_argument(self, group: int, for_actor) -> tuple:
         if for_actor is _NOTHING:
             return ()
         return (for_actor if "actor" in self.specs[group].roles else None,)
 
-    def _wait(self, calls: list, phase: tuple | None = None) -> list[list[tuple]]:
+    def _wait(self, calls: list, phase: tuple | None = None,
+              recoverable: bool = False) -> list[list[tuple]]:
         """The calls' answers, within the deadline of `phase` (see call_size) from its recent
-        durations; None (the start-up, which loads every model): the backend's own limit."""
+        durations; None (the start-up, which loads every model): the backend's own limit.
+        `recoverable`: see _run."""
         start = time.monotonic()
         recent = self._durations.setdefault(phase, []) if phase else []
         deadline = phase_deadline(recent, self.config.phase_timeout_factor,
                                   self.config.phase_timeout_min_s) if phase else None
         try:
             out = self._backend.wait_all(calls, deadline)
-        except (WorkerError, KeyboardInterrupt):  # Ctrl-C: stop now, not after the phase
-            self._failed = True
+        except (WorkerError, KeyboardInterrupt) as e:  # Ctrl-C: stop now, not after the phase
+            self._fail(e, recoverable)
             raise
         recent[:] = [*recent[-(RECENT_PHASES - 1):], time.monotonic() - start]
         return out

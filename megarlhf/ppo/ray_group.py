@@ -15,8 +15,8 @@ import time
 
 from megarlhf import logs
 from megarlhf.errors import NoRoom, describe
-from megarlhf.ppo.groups import (WorkerError, WorkerInputError, WorkerLost, collective_timed_out,
-                                 collective_timeout, dumps, past_deadline)
+from megarlhf.ppo.groups import (WorkerError, WorkerInputError, WorkerLost, collective_failed,
+                                 dumps, past_deadline, peer_failure)
 
 _INLINE_BYTES = 64 * 1024
 """Smaller call arguments travel inside each rank's task (a put costs more than a copy)."""
@@ -70,8 +70,9 @@ def _rank_failure(call: "RayCall", rank: int, e: Exception) -> WorkerError:
         lost = f"{call.what}: {call.group.name} rank {rank}'s Ray actor died"
         return WorkerLost(f"{lost}:\n{e}", lost)
     cause = getattr(e, "cause", None)
-    if collective_timeout(cause):  # a peer hung or stopped
-        return collective_timed_out(call.what, call.group.name, rank, str(e))
+    how = peer_failure(cause)
+    if how:  # a peer hung, stopped or died
+        return collective_failed(call.what, call.group.name, rank, str(e), how)
     if isinstance(cause, (ValueError, OSError)) and not isinstance(cause, WorkerError):
         error = WorkerInputError(f"{call.what} on {call.group.name} rank {rank}: "
                                  f"{describe(cause)}")
@@ -201,7 +202,9 @@ class RayBackend:
                     answers[ref] = pickle.loads(ray.get(ref))
                 except Exception as e:  # noqa: BLE001 - RayTaskError / RayActorError carry it
                     failure = _rank_failure(*owner[ref], e)
-                    if not isinstance(failure, WorkerLost):  # the dead rank's maybe in `done`
+                    # A rank that raised (a peer gone, a hang, its own error): the rank whose
+                    # actor died, if one did, is the cause (maybe in `done`).
+                    if not isinstance(e, ray.exceptions.RayActorError):
                         others = [r for r in owner if r not in answers and r != ref]
                         failure = self._dead_rank(owner, others) or failure
                     raise failure from None

@@ -19,6 +19,7 @@ import socket
 
 from megarlhf.engine.checkpoint import (COMPLETE_MARKER, HF_SIDECAR, check_resumed_adapters,
                                        is_complete)
+from megarlhf.integrity import sample_weights
 from megarlhf.models.peft_format import CONFIG_FILE, WEIGHTS_FILE
 from megarlhf.ppo import checkpoints
 from megarlhf.ppo.config import LAYOUT_KEYS, RESUME_INPUTS, TRAINED_ROLES
@@ -85,7 +86,8 @@ def resume_point(config, inputs: dict) -> tuple[str | None, dict | None]:
     for role in TRAINED_ROLES:
         if role in config.roles and is_complete(os.path.join(latest, role)):
             check_resumed_adapters(os.path.join(latest, role), config.lora_of(role),
-                                   f"layout.{LAYOUT_KEYS[role]}.lora")
+                                   f"layout.{LAYOUT_KEYS[role]}.lora",
+                                   base=getattr(config, role), base_field=role)
     return latest, state
 
 
@@ -151,14 +153,12 @@ def _checkpoint_fingerprint(path: str) -> dict:
 
 _JUDGE_FILES = ("config.json", "generation_config.json", "tokenizer.json",
                 "tokenizer_config.json", "chat_template.jinja", "model.safetensors.index.json")
-_WEIGHT_SAMPLE = 1 << 20
 
 
 def _judge_fingerprint(judge) -> dict:
     """The judge by what decides its scores: its template's text, its config and tokenizer
     files, and each safetensors file's header (names, shapes, dtypes) with the first and last
-    MiB of its data. Reading every weight of a 70B judge at each launch would take minutes; a
-    fine-tuned judge differs from its base in those sampled bytes too (every tensor moves).
+    MiB of its data (integrity.sample_weights).
     A Megatron checkpoint: its metadata (_checkpoint_fingerprint) and its hf/ sidecar's
     tokenizer files."""
     digest = hashlib.sha256()
@@ -171,12 +171,12 @@ def _judge_fingerprint(judge) -> dict:
         return {"path": os.path.abspath(judge.model), "sha256": digest.hexdigest()}
     digest.update(_files_fingerprint(judge.model, _JUDGE_FILES)["sha256"].encode())
     for name in sorted(n for n in os.listdir(judge.model) if n.endswith(".safetensors")):
-        with open(os.path.join(judge.model, name), "rb") as f:
+        file = os.path.join(judge.model, name)
+        with open(file, "rb") as f:
             header = f.read(8)
-            digest.update(name.encode() + b"\0" + header)
-            digest.update(f.read(int.from_bytes(header, "little") + _WEIGHT_SAMPLE))
-            f.seek(max(f.tell(), os.fstat(f.fileno()).st_size - _WEIGHT_SAMPLE))
-            digest.update(f.read())
+            header += f.read(int.from_bytes(header, "little"))
+        digest.update(name.encode() + b"\0" + header)
+        sample_weights(digest, file, start=len(header))
     return {"path": os.path.abspath(judge.model), "sha256": digest.hexdigest()}
 
 

@@ -112,7 +112,8 @@ def plan(cfg: StageConfig, make_stage: Callable[[int], Stage]) -> Plan:
     if latest:
         extra = read_meta(latest)["extra"]
         _check_resume(latest, extra, fingerprint)
-        check_resumed_adapters(latest, cfg.model.lora, "model.lora")
+        check_resumed_adapters(latest, cfg.model.lora, "model.lora", base=cfg.model.checkpoint,
+                               base_field="model.checkpoint")
         resume_step = extra["step"]
     return Plan(tokenizer=tokenizer, stage=stage, model=model, examples=examples,
                 resume_from=latest, resume_step=resume_step, fingerprint=fingerprint)
@@ -166,7 +167,8 @@ def _train(cfg: StageConfig, p: Plan, mesh: Mesh, log: MetricsLog) -> dict:
                         value_head=stage.value_head)
     step, consumed = 0, 0
     if p.resume_from:
-        extra = load_checkpoint(p.resume_from, engine, with_optimizer=True)
+        extra = load_checkpoint(p.resume_from, engine, with_optimizer=True,
+                                base=cfg.model.checkpoint)
         step, consumed = extra["step"], extra["items_consumed"]
         log.note(f"resumed from {p.resume_from} at step {step}")
     else:

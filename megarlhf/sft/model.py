@@ -7,21 +7,16 @@ from the checkpoint, and the head keeps its seeded initialisation.
 
 from __future__ import annotations
 
-import os
-
-from megarlhf.compat.megatron import load_dist_checkpoint
-from megarlhf.engine.checkpoint import HF_SIDECAR, load_checkpoint, read_meta
+from megarlhf.engine.checkpoint import load_base, read_meta
 from megarlhf.engine.optim import OptimConfig
 from megarlhf.engine.train import TrainEngine
 from megarlhf.models.config import ModelConfig
 from megarlhf.models.gpt import model_spec
 from megarlhf.convert.peft_adapter import check_adapter, load_adapter
-from megarlhf.models.lora import check_model as check_lora_targets, is_adapter_key
+from megarlhf.models.lora import check_model as check_lora_targets
 from megarlhf.models.transformer_config import parse_dtype
 from megarlhf.parallel.mesh import Mesh, ParallelConfig
 from megarlhf.sft.config import ModelSource
-
-HEAD_PREFIX = "value_head."
 
 
 def model_config(source: ModelSource, *, value_head: bool) -> ModelConfig:
@@ -73,39 +68,7 @@ def init_weights(source: ModelSource, engine: TrainEngine) -> str:
 def _init_base(source: ModelSource, engine: TrainEngine) -> str:
     if source.checkpoint is None:
         return f"fresh weights from preset {source.preset!r}"
-    meta = read_meta(source.checkpoint)
-    value_head = engine.spec.value_head
-    if meta["value_head"] == value_head:
-        load_checkpoint(source.checkpoint, engine, with_optimizer=False)
+    load_base(source.checkpoint, engine)
+    if read_meta(source.checkpoint)["value_head"] == engine.spec.value_head:
         return f"weights from {source.checkpoint}"
-    assert value_head, "model_config refuses value checkpoints for LM stages"
-    load_trunk(source.checkpoint, engine, meta)
-    engine.refresh_masters()
     return f"trunk from LM {source.checkpoint}, new value head"
-
-
-def load_trunk(path: str, engine: TrainEngine, meta: dict) -> None:
-    """Load every tensor of a value model except its head from the LM checkpoint at `path`."""
-    for chunk in engine.unwrapped():
-        template = {k: v for k, v in chunk.sharded_state_dict().items()
-                    if not k.startswith(HEAD_PREFIX) and not is_adapter_key(k)}
-        # The template holds only trunk tensors, so the checkpoint's output layer is not read;
-        # the load also returns the checkpoint's non-tensor state (optimizer, schedule), which
-        # is not ours to take.
-        loaded = load_dist_checkpoint(template, path)
-        result = chunk.load_state_dict({k: loaded[k] for k in template}, strict=False)
-        missing = [k for k in result.missing_keys
-                   if not k.startswith(HEAD_PREFIX) and not is_adapter_key(k)]
-        assert not missing and not result.unexpected_keys, (missing, result.unexpected_keys)
-    engine.provenance = {"architecture": meta.get("architecture"),
-                         "hf_files": _sidecar_files(os.path.join(path, HF_SIDECAR))}
-
-
-def _sidecar_files(directory: str) -> dict[str, bytes]:
-    if not os.path.isdir(directory):
-        return {}
-    out = {}
-    for name in sorted(os.listdir(directory)):
-        with open(os.path.join(directory, name), "rb") as f:
-            out[name] = f.read()
-    return out

@@ -21,13 +21,17 @@ def main(argv=None) -> int:
                    help="a checkpoint with LoRA adapters: the model with them merged, or a "
                         "PEFT adapter directory (adapter_config.json + "
                         "adapter_model.safetensors) over its base")
+    p.add_argument("--base", default=None,
+                   help="a LoRA run's checkpoint holds only its adapters: where the base "
+                        "checkpoint it trained over is now, if it moved from the path the "
+                        "checkpoint records")
     args = p.parse_args(argv)
 
     from megarlhf.convert.mcore_to_hf import mcore_to_hf
 
     out = mcore_to_hf(args.ckpt, args.out, dtype=args.dtype, force=args.force,
                       arch_name=args.arch, max_shard_bytes=int(args.max_shard_gb * 1024**3),
-                      lora=args.lora)
+                      lora=args.lora, base=args.base)
     print(f"wrote {out}")
     return 0
 
