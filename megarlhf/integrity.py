@@ -68,16 +68,37 @@ def sample_weights(digest, file: str, start: int = 0) -> None:
         digest.update(f.read())
 
 
+CHUNK_SAMPLE = 4096
+"""The bytes `checkpoint_weights_fingerprint` reads from the start of each stored chunk."""
+
+
 def checkpoint_weights_fingerprint(path: str) -> str:
-    """A dist checkpoint at `path` by its weights (sample_weights of every data file, and DCP's
-    `.metadata`: keys, shapes, dtypes, where each chunk lies): the same for a moved or copied
-    checkpoint, another for one trained further or written again."""
+    """A dist checkpoint at `path` by its weights: DCP's index of them (keys, shapes, dtypes,
+    and which file, offset and length holds each chunk), and the first CHUNK_SAMPLE bytes of
+    every chunk (a few MB for a 70B model, every tensor sampled). The same for a moved or
+    copied checkpoint and for the same weights converted again at the same layout (the
+    `.metadata` file's own bytes would not be: each save writes a new id into it); another
+    for one trained further."""
+    metadata = read_metadata(path)
     digest = hashlib.sha256()
-    with open(os.path.join(path, ".metadata"), "rb") as f:
-        digest.update(f.read())
-    for name in sorted(n for n in os.listdir(path) if n.endswith(".distcp")):
-        digest.update(name.encode() + b"\0")
-        sample_weights(digest, os.path.join(path, name))
+    for key in sorted(metadata.state_dict_metadata):
+        digest.update(f"{key}\0{metadata.state_dict_metadata[key]!r}\0".encode())
+    chunks = sorted(metadata.storage_data.items(),
+                    key=lambda item: (item[0].fqn, tuple(item[0].offset or ()),
+                                      item[0].index or 0))
+    files = {}
+    try:
+        for index, where in chunks:
+            digest.update(f"{index.fqn}\0{tuple(index.offset or ())}\0{where.relative_path}"
+                          f"\0{where.offset}\0{where.length}\0".encode())
+            if where.relative_path not in files:
+                files[where.relative_path] = open(os.path.join(path, where.relative_path), "rb")
+            f = files[where.relative_path]
+            f.seek(where.offset)
+            digest.update(f.read(min(where.length, CHUNK_SAMPLE)))
+    finally:
+        for f in files.values():
+            f.close()
     return digest.hexdigest()
 
 

@@ -161,3 +161,31 @@ def test_verification_split_over_parts_covers_every_archive(intact, tmp_path):
         except CorruptFileError:
             found += 1
     assert found == 1  # exactly one part holds the damaged archive
+
+
+def test_the_weights_fingerprint_follows_the_weights_not_the_save(intact, tmp_path):
+    """An adapter-only LoRA checkpoint names its base by `checkpoint_weights_fingerprint`:
+    equal for a copy and for the same model converted again (each save writes a new id into
+    `.metadata`), another once a tensor's bytes change."""
+    from megarlhf.convert.hf_to_mcore import hf_to_mcore
+    from megarlhf.integrity import checkpoint_weights_fingerprint
+    from tests import hf_models
+
+    again = str(tmp_path / "again")
+    hf_to_mcore(hf_models.save_model(str(tmp_path / "hf"), "llama"), again,
+                parallel=ParallelConfig())
+    with open(os.path.join(intact, ".metadata"), "rb") as a, \
+            open(os.path.join(again, ".metadata"), "rb") as b:
+        assert a.read() != b.read()  # what a fingerprint of the file would have refused
+    fingerprint = checkpoint_weights_fingerprint(intact)
+    assert checkpoint_weights_fingerprint(again) == fingerprint
+    moved = str(tmp_path / "moved")
+    shutil.copytree(intact, moved)
+    assert checkpoint_weights_fingerprint(moved) == fingerprint
+    file, offset = _tensor_bytes_at(moved, KEY)
+    with open(file, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 1]))
+    assert checkpoint_weights_fingerprint(moved) != fingerprint

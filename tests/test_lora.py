@@ -372,3 +372,9 @@ def test_an_adapter_only_checkpoint_resumes_at_another_layout_over_a_moved_base(
                                          r"where it moved with actor$"):
         check_resumed_adapters(str(adapters), lora, "layout.actor.lora", base=str(other),
                                base_field="actor")
+    # With the base back in place, a recipe naming another model cannot swap it in.
+    moved.rename(base)
+    with pytest.raises(ValueError, match=r"its adapters trained over .*/base, actor now gives "
+                                         r".*/other, other weights; adapters keep their base"):
+        check_resumed_adapters(str(adapters), lora, "layout.actor.lora", base=str(other),
+                               base_field="actor")

@@ -143,6 +143,24 @@ def test_planned_adapter_params_equal_the_meta_built_model():
         assert built == rank_adapter_params(model, parallel, lora), parallel
 
 
+def test_planned_checkpoint_bytes_are_the_trained_tensors_of_a_lora_critic():
+    """`megarlhf plan`'s bytes per save of a LoRA critic over an untied model (Llama-3-8B):
+    its adapters and value head as megatron-core builds them (engine/checkpoint.py's
+    is_trained_key), each with a bf16 weight and 12 bytes of Adam state."""
+    from megarlhf.engine.checkpoint import is_trained_key
+    from megarlhf.models.lora import LoraConfig
+    from megarlhf.plan.params import saved_bytes
+
+    model, lora, parallel = preset("llama3-8b"), LoraConfig(rank=16), ParallelConfig()
+    assert not model.tie_embeddings
+    spec = model_spec(model, parallel, layer_spec="local", on_gpu=False, lora=lora,
+                      value_head=True)
+    with fake_rank(parallel, 0) as mesh:
+        built = sum(p.numel() for c in build_model(spec, mesh, meta=True)
+                    for n, p in c.named_parameters() if is_trained_key(n))
+    assert saved_bytes(model, value_head=True, lora=lora, param_bytes=2) == built * 14
+
+
 def test_lora_fits_70b_grpo_on_one_node_and_is_the_fix_named_without_it(capsys):
     """The LoRA recipe fits one node of 8 x 80 GB; without LoRA the same job is refused, and
     the fix named is LoRA (itself a plan that fits)."""
@@ -150,6 +168,10 @@ def test_lora_fits_70b_grpo_on_one_node_and_is_the_fix_named_without_it(capsys):
     code, out, err = run_cli(args + ["layout.actor.lora=null"], capsys)
     assert code == 1 and "DOES NOT FIT" in out and "largest term: actor optimizer" in err
     assert "fixes that fit: layout.actor.lora.rank=16 (train LoRA adapters" in err, err
+    # Without a rollout correction the bf16 fix names the one a 16-bit LoRA actor needs.
+    code, _, err = run_cli(args + ["layout.actor.lora=null", "rollout_correction=none"], capsys)
+    assert code == 1 and "fixes that fit: layout.actor.lora.rank=16 rollout_correction=tis " \
+        "(train LoRA adapters" in err, err
     code, out, _ = run_cli(args + ["layout.actor.lora.rank=16"], capsys)
     assert code == 0 and ": fits" in out
     assert re.search(r"^  ref +[\d,]+ params", out, re.MULTILINE)  # its forward pass is planned

@@ -372,6 +372,36 @@ def test_a_phase_deadline_follows_its_recent_durations_and_timeouts_are_named():
     assert (str(lost), lost.cause, lost.kind) == ("message", "cause", "train: hang")
 
 
+def test_a_ranks_own_error_outranks_its_peers_lost_collectives():
+    """A rank that raises reports and exits with code 0, so its peers' collectives fail for a
+    lost peer; when a peer's report is read first (a lower rank, an earlier group), the own
+    error that arrives within the grace is the cause: the run stops instead of restarting.
+    Without one the peer's failure stands (after the grace)."""
+    import time
+
+    from megarlhf.ppo.groups import (PEER_GONE, CollectiveFailed, WorkerInputError,
+                                     collective_failed, own_failure)
+
+    class Call:  # a group's call whose ranks report one after another
+        def __init__(self, reports):
+            self.reports, self.pending = list(reports), {0}
+
+        def collect(self):
+            ready = [r for at, r in self.reports if time.monotonic() >= at]
+            if ready:
+                self.pending = set()
+                raise ready[0]
+
+    peer = collective_failed("sync_weights", "actor", 0, "trace", PEER_GONE)
+    assert isinstance(peer, CollectiveFailed)
+    own = WorkerInputError("sync_weights on rollout rank 1: bad bucket")
+    later = time.monotonic() + 0.3
+    assert own_failure([Call([]), Call([(later, own)])], peer, grace_s=2.0) is own
+    start = time.monotonic()
+    assert own_failure([Call([])], peer, grace_s=0.3) is peer
+    assert time.monotonic() - start >= 0.3
+
+
 def test_a_fault_is_restarted_only_from_a_checkpoint_within_max_restarts(prompts_file,
                                                                          tmp_path):
     """The controller's decision after a lost worker: restart from the latest complete

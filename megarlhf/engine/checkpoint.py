@@ -297,7 +297,13 @@ def check_resumed_adapters(path: str, lora: LoraConfig | None, field: str, *,
     process."""
     meta = read_meta(path)
     if meta.get("base"):
-        base_checkpoint(path, meta, base, field=base_field)
+        found = base_checkpoint(path, meta, base, field=base_field)
+        # The recipe naming another model (resume_allow_changes) cannot swap the base.
+        if base and os.path.abspath(base) != found and is_complete(base) and \
+                checkpoint_weights_fingerprint(base) != meta["base"]["sha256"]:
+            raise ValueError(f"cannot resume from {path}: its adapters trained over {found}, "
+                             f"{base_field} now gives {base}, other weights; adapters keep "
+                             f"their base: resume over it, or start a new run")
     saved = adapter_shape(meta.get("lora"))
     ours = adapter_shape(lora and lora.to_dict())
     if saved != ours:

@@ -66,15 +66,19 @@ def _with_lora(base: Plan) -> tuple[str, Plan] | None:
         return None
     layout = dataclasses.replace(config.layout, actor=dataclasses.replace(
         config.layout.actor, lora=LoraConfig()))
+    # A 16-bit LoRA actor needs a rollout correction (PPOConfig's check, docs/guides/lora.md).
+    correct = config.dtype != "fp32" and config.rollout_correction == "none"
     try:
-        candidate = plan(dataclasses.replace(config, layout=layout), base.cluster,
-                         base.prompt_len, base.models)
+        candidate = plan(dataclasses.replace(
+            config, layout=layout, **({"rollout_correction": "tis"} if correct else {})),
+            base.cluster, base.prompt_len, base.models)
     except ValueError:
         return None
     if not candidate.fits:
         return None
-    return f"layout.actor.lora.rank={LoraConfig().rank} (train LoRA adapters: the base " \
-           f"frozen, no reference copy)", candidate
+    return f"layout.actor.lora.rank={LoraConfig().rank}" + (
+        " rollout_correction=tis" if correct else "") + \
+        " (train LoRA adapters: the base frozen, no reference copy)", candidate
 
 
 def switch_options(config) -> list[list[dict]]:

@@ -117,6 +117,6 @@ def saved_bytes(model: ModelConfig, *, value_head: bool, lora: LoraConfig | None
     if lora is None:
         trained = total_params(model, value_head=value_head)
     else:
-        head = total_params(model, value_head=True) - total_params(model) if value_head else 0
+        head = model.hidden_size if value_head else 0  # its one output (chunk_params)
         trained = rank_adapter_params(model, ParallelConfig(), lora) + head
     return trained * (param_bytes + CHECKPOINT_OPTIMIZER_BYTES)

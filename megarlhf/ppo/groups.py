@@ -53,11 +53,38 @@ def hang(what: str) -> str:
     return f"{what}: hang"
 
 
+class CollectiveFailed(WorkerLost):
+    """A rank's collective failed because of a peer (`collective_failed`)."""
+
+
 def collective_failed(what: str, group: str, rank: int, detail: str, how: str) -> WorkerLost:
     """Rank `rank` of `group` failed in a collective of call `what` because of a peer (`how`:
     TIMED_OUT or PEER_GONE, as `peer_failure` says): `detail`, its traceback."""
     cause = f"{what}: a collective of {group} {how}"
-    return WorkerLost(f"{cause}; rank {rank}:\n{detail}", cause, hang(what))
+    return CollectiveFailed(f"{cause}; rank {rank}:\n{detail}", cause, hang(what))
+
+
+OWN_FAILURE_GRACE_S = 2.0
+
+
+def own_failure(calls: list, peer: CollectiveFailed,
+                grace_s: float = OWN_FAILURE_GRACE_S) -> WorkerError:
+    """What to raise for `peer`, a collective failed because of a peer: a rank that raises
+    reports its error and exits with code 0 (no death names it), and its peers' collectives
+    then fail for a lost peer, one of which may be read first (a lower rank, an earlier
+    group). Every rank still pending gets `grace_s` to report: a rank's own failure (a bug,
+    bad input, a death) is the cause and is returned; else `peer`."""
+    deadline = time.monotonic() + grace_s
+    while any(call.pending for call in calls) and time.monotonic() < deadline:
+        for call in calls:
+            try:
+                call.collect()
+            except CollectiveFailed:
+                continue
+            except WorkerError as own:
+                return own
+        time.sleep(0.05)
+    return peer
 
 
 def past_deadline(what: str, late: str, timeout_s: float) -> WorkerLost:
@@ -243,14 +270,16 @@ class LocalCall:
         return WorkerError(cause + then)
 
     def _silent_peers(self, rank: int) -> list[int]:
-        """The ranks besides `rank` that are alive and have not answered, if the call has run
-        for collective_timeout_s: long enough for NCCL's watchdog to abort `rank` waiting for
-        them in a collective (a collective of a call starts after the call does). Before
-        then, or with every peer answered, an abort is the rank's own."""
+        """The ranks besides `rank` that have not answered (alive, or aborted too), if the
+        call has run for collective_timeout_s: long enough for NCCL's watchdog to abort
+        `rank` waiting for them in a collective (a collective of a call starts after the call
+        does). Before then, or with every peer answered, an abort is the rank's own."""
         if time.monotonic() - self.started < self.group.collective_timeout_s:
             return []
+        # A hang of the fabric makes every rank's watchdog abort within a second or so: a
+        # peer that aborted without answering was waiting too.
         return [r for r in sorted(self.pending)
-                if r != rank and self.group.procs[r].exitcode is None]
+                if r != rank and self.group.procs[r].exitcode in (None, ABORTED)]
 
     def _raise_if_a_rank_died(self, then: str, grace_s: float = 2.0) -> None:
         """A rank that dies makes its peers fail in their next collective, often before its
@@ -363,8 +392,11 @@ class LocalBackend:
                 late = ", ".join(sorted(f"{c.group.name} ranks {sorted(c.pending)}"
                                         for c in calls if c.pending))
                 raise past_deadline(calls[0].what, late, timeout_s)
-            for call in calls:
-                call.collect()
+            try:
+                for call in calls:
+                    call.collect()
+            except CollectiveFailed as peer:
+                raise own_failure(calls, peer) from None
         return [call.results for call in calls]
 
     def shutdown(self) -> None:

@@ -269,10 +269,13 @@ class Placement:
                 if self._closed:  # the run is stopping (a fault in another thread)
                     raise fault
                 self._groups[i].join(time.monotonic())  # kills what is left of it
-                self._groups[i] = self._backend.group(
+                group = self._groups[i] = self._backend.group(
                     spec.name, spec.nproc, (self.config, spec, self._engine_sizes),
                     room_wait_s=self.config.restart_wait_s)
-            self._wait([self._groups[i].starting])
+            self._wait([group.starting])
+            with self._groups_lock:  # a shutdown meanwhile emptied the groups
+                if self._closed:
+                    raise fault
             self._connect()
             with self._groups_lock:
                 self.engine_restarts += 1
