@@ -35,8 +35,9 @@ from megarlhf.rewards.calls import Sample
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    """Toy checkpoints (actor, critic, a second actor, a reward model of another vocabulary),
-    its HF directory, a prompts file and a recipe that passes every check."""
+    """Toy checkpoints (actor, critic, a second actor, a reward model and a language model of
+    another vocabulary), its HF directory, a prompts file and a recipe that passes every
+    check."""
     from megarlhf.convert.hf_to_mcore import hf_to_mcore
     from tests import hf_models
 
@@ -50,6 +51,7 @@ def world(tmp_path_factory):
     small = hf_models.save_model(str(root / "hf_small"), "llama", vocab_size=280)
     hf_to_mcore(small, str(root / "rm_small"), parallel=ParallelConfig(), role="reward",
                 init_value_head=True)
+    hf_to_mcore(small, str(root / "lm_small"), parallel=ParallelConfig())
     prompts = root / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt_ids": [5 + i, 6, 7]}) + "\n"
                                for i in range(8)))
@@ -148,6 +150,7 @@ CONFIG_CASES = [  # (overrides, what the message must name)
     (["save_every=-1"], "save_every=-1 is out of range"),
     (["restart_window_steps=0"], "restart_window_steps=0 is out of range"),
     (["kl_coef=-0.1"], "kl_coef=-0.1 is out of range"),
+    (["distill_coef=0.5"], "needs teacher=CKPT"),
     (["seed=-1"], "seed=-1 is out of range"),
     (["top_k=-1"], "top_k=-1 is out of range"),
     (["entropy_coef=-1"], "entropy_coef=-1.0 is out of range"),
@@ -271,6 +274,8 @@ def path_cases(world) -> dict[str, tuple[list[str], str]]:
         "reward_fn not callable": (["reward_fn=tests.ppo_tasks:__doc__"], "is not callable"),
         "reward model of another vocabulary": ([f"reward_model={world}/rm_small"],
                                                "reward_model: its vocabulary has 280"),
+        "teacher of another tokenizer": (["algorithm=opd", f"teacher={world}/lm_small"],
+                                         "teacher: its vocabulary has 280"),
         "out_dir is a file": ([f"out_dir={a_file}"], f"out_dir {a_file}"),
         "out_dir under a file": ([f"out_dir={a_file}/run"], f"{a_file} is a file"),
         "vllm_model_dir without config.json": (["rollout_backend=vllm",
@@ -295,7 +300,8 @@ PATH_CASES = ["actor missing", "actor is an HF dir", "actor is a value checkpoin
               "prompts empty", "prompt ids outside the vocabulary",
               "prompt longer than the positions", "reward_fn module missing",
               "reward_fn not module:function", "reward_fn not callable",
-              "reward model of another vocabulary", "out_dir is a file",
+              "reward model of another vocabulary", "teacher of another tokenizer",
+              "out_dir is a file",
               "out_dir under a file", "vllm_model_dir without config.json",
               "stop ids outside the vocabulary", "rollout_max_model_len too short",
               "reward server unreachable", "reward_url headers variable unset"]

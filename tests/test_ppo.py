@@ -1469,7 +1469,8 @@ VALUE_RUNS = {
 RUN_ELSEWHERE = {
     # field: {value: the test above that runs a step with it}
     "algorithm": {"ppo": "test_colocated_ppo_reward_rises_under_ray_with_vllm",
-                  "grpo": "test_grpo_reward_rises"},
+                  "grpo": "test_grpo_reward_rises",
+                  "opd": "test_opd_logs_a_checkpoint_teachers_logprobs_and_trains_on_them"},
     "aggregation": {"token_mean": "test_grpo_reward_rises"},
     "dtype": {"fp32": "test_grpo_reward_rises",
               "bf16": "test_bf16_ppo_with_a_tp2_vllm_engine_over_two_ranks"},
@@ -1766,6 +1767,69 @@ def test_each_config_value_runs_a_step(base, judge_dir, tmp_path, name):  # noqa
                 "rollout/dynamic_sampling_short"} <= set(metrics), metrics
     if config.options.kl_in == "loss":
         assert (metrics["actor/kl_loss"] > 0) == (config.options.kl_coef > 0), metrics
+
+
+def _hf_logprobs(hf_dir: str, rows: list[dict]) -> list[list[float]]:
+    """transformers' fp32 logprob of each logged row's response tokens after its prompt."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    out = []
+    with torch.no_grad():
+        for row in rows:
+            tokens = torch.tensor([row["prompt"] + row["response"]])
+            logp = torch.log_softmax(model(tokens).logits[0].double(), dim=-1)
+            start = len(row["prompt"])
+            out.append([float(logp[start + j - 1, t]) for j, t in enumerate(row["response"])])
+    return out
+
+
+@pytest.mark.slow
+def test_opd_logs_a_checkpoint_teachers_logprobs_and_trains_on_them(prompts_file, tmp_path):
+    """algorithm=opd, no reward, a teacher converted from another HF model of the actor's
+    tokenizer, colocated at TP2 with its weights offloaded outside the experience pass. Each
+    logged per-token teacher logprob equals transformers' forward of the teacher's HF model on
+    the sample's tokens; the step's advantages (their mean, max and min) and distill metrics
+    equal the hand computation teacher - student on the logged batch (clamped at
+    distill_clip for the advantages), the student being
+    transformers' forward of the actor's HF model (step 1's old logprobs are its weights).
+    Tolerance 1e-4: fp32 Megatron at TP2 against transformers on the same weights differ by
+    summation order (~1e-6), while the two models' logprobs differ by ~1 per token."""
+    from tests import hf_models
+
+    hf = {name: hf_models.save_model(str(tmp_path / f"{name}_hf"), "llama", seed=seed)
+          for name, seed in (("student", 0), ("teacher", 7))}
+    for name, directory in hf.items():
+        # Without tokenizer files the samples are logged as token ids, which the forward
+        # below reads as they were trained.
+        for file in os.listdir(directory):
+            if file.startswith(("tokenizer", "special_tokens")):
+                os.remove(os.path.join(directory, file))
+        hf_to_mcore(directory, str(tmp_path / name), parallel=ParallelConfig())
+    config = PPOConfig(actor=str(tmp_path / "student"), teacher=str(tmp_path / "teacher"),
+                       algorithm="opd", prompts=prompts_file, out_dir=str(tmp_path / "run"),
+                       nproc=2, tensor_parallel=2, steps=1, prompts_per_step=4,
+                       samples_per_prompt=2, max_new_tokens=8, log_samples=8,
+                       offload_params=True, distill_clip=1.0)
+    (metrics,) = run(config)
+    with open(os.path.join(config.out_dir, "samples.jsonl")) as f:
+        rows = [row for row in map(json.loads, f) if row["phase"] == "train"]
+    assert len(rows) == config.rows_per_step
+    teacher, student = _hf_logprobs(hf["teacher"], rows), _hf_logprobs(hf["student"], rows)
+    for row, want in zip(rows, teacher):
+        assert row["teacher_logprobs"] == pytest.approx(want, abs=1e-4), row
+    kl = [t - s for ts, ss in zip(teacher, student) for t, s in zip(ts, ss)]
+    terms = [min(max(d, -1.0), 1.0) for d in kl]  # distill_clip
+    assert 0 < sum(abs(d) > 1.0 for d in kl) < len(kl)  # some tokens clipped, not all
+    assert metrics["advantages/mean"] == pytest.approx(sum(terms) / len(terms), abs=1e-4)
+    assert metrics["advantages/max"] == pytest.approx(max(terms), abs=1e-4)
+    assert metrics["advantages/min"] == pytest.approx(min(terms), abs=1e-4)
+    assert metrics["distill/reverse_kl"] == pytest.approx(-sum(kl) / len(kl), abs=1e-4)
+    flat = [t for ts in teacher for t in ts]
+    assert metrics["distill/teacher_logprob_mean"] == pytest.approx(sum(flat) / len(flat),
+                                                                    abs=1e-4)
+    assert metrics["actor/grad_norm"] > 0 and metrics["actor/skipped"] == 0.0, metrics
+    assert math.isnan(metrics["reward/mean"])  # no reward source: no reward, not 0
 
 
 @pytest.mark.slow

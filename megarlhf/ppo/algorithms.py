@@ -14,7 +14,8 @@ import dataclasses
 @dataclasses.dataclass(frozen=True)
 class AlgorithmOptions:
     estimator: str
-    """Advantage estimator: 'gae' (with the critic) or one of CRITIC_FREE_ESTIMATORS."""
+    """Advantage estimator: 'gae' (with the critic), one of CRITIC_FREE_ESTIMATORS, or 'opd'
+    (none: the advantages are the distillation term alone)."""
     clip_eps: float
     clip_eps_high: float
     ratio_level: str
@@ -30,6 +31,8 @@ class AlgorithmOptions:
     dynamic_sampling: bool
     overlong_buffer: int
     """Tokens before max_new_tokens where the overlong penalty starts (0: off)."""
+    distill_coef: float
+    """Weight of the per-token distillation term added to the advantages (0: off)."""
 
     @property
     def critic(self) -> bool:
@@ -39,7 +42,7 @@ class AlgorithmOptions:
 _PPO = dict(estimator="gae", clip_eps=0.2, clip_eps_high=None, ratio_level="token",
             policy_loss="clip", aggregation="token_mean", advantage_std_norm=False,
             whiten_advantages=True, kl_coef=0.05, kl_in="reward", kl_estimator="k1",
-            dynamic_sampling=False, overlong_buffer=0)
+            dynamic_sampling=False, overlong_buffer=0, distill_coef=0.0)
 # The group methods: verl's GRPO (a k3 KL loss of 0.001 against the reference, no in-reward
 # KL, group advantages not whitened again over the batch) and what each 2025 variant changes.
 _GRPO = {**_PPO, "estimator": "grpo", "advantage_std_norm": True, "whiten_advantages": False,
@@ -68,6 +71,12 @@ PRESETS: dict[str, dict] = {
     # CISPO (MiniMax-M1, 2025): clipped stop-gradient weights on the REINFORCE term with no
     # lower bound on the weight; the upper bound and GRPO's KL loss as verl's CISPO example.
     "cispo": {**_GRPO, "policy_loss": "cispo", "clip_eps": 1.0, "clip_eps_high": 0.2},
+    # On-policy distillation (Agarwal et al. 2024, Thinking Machines 2025): no reward and no
+    # critic; each sampled token's advantage is the teacher's logprob minus the student's
+    # (the reverse KL's per-token estimate), undiscounted, not normalised, no KL to the
+    # reference (the teacher is the anchor).
+    "opd": {**_PPO, **_NO_KL, "estimator": "opd", "whiten_advantages": False,
+            "distill_coef": 1.0},
 }
 ALGORITHMS = tuple(PRESETS)
 OPTION_FIELDS = tuple(f.name for f in dataclasses.fields(AlgorithmOptions)
@@ -92,12 +101,16 @@ def describe(config) -> str:
     """The options `config` runs with, in one line (the dry run prints it)."""
     o = resolve(config)
     kl = (f"KL {o.kl_estimator} x {o.kl_coef} in the {o.kl_in}" if o.kl_coef else "no KL")
-    parts = [f"{o.estimator} advantages" + (" / group std" if o.advantage_std_norm else "")
+    estimator = "no reward advantages" if o.estimator == "opd" else f"{o.estimator} advantages"
+    parts = [estimator + (" / group std" if o.advantage_std_norm else "")
              + (", whitened" if o.whiten_advantages else ""),
              f"{o.policy_loss} loss on {o.ratio_level} ratios in "
              f"[1 - {o.clip_eps:g}, 1 + {o.clip_eps_high:g}]", o.aggregation, kl]
     if o.dynamic_sampling:
         parts.append(f"dynamic sampling (up to {config.dynamic_sampling_rounds} extra rounds)")
+    if o.distill_coef:
+        parts.append(f"distillation term {o.distill_coef:g} x (teacher - student logprob)"
+                     + (f" clipped at {config.distill_clip:g}" if config.distill_clip else ""))
     if o.overlong_buffer:
         parts.append(f"overlong penalty over the last {o.overlong_buffer} tokens")
     if config.rollout_correction != "none":

@@ -46,8 +46,8 @@ LAYER_SPECS = ("auto", "local", "sdpa")
 """Megatron layer specs of every role and of the Megatron rollout engine (models/specs.py;
 'te' is refused there: TE_REFUSED)."""
 PROMPT_FIELDS = KIND_FIELDS["prompt"] + OPTIONAL_FIELDS["prompt"]
-RESUME_INPUTS = ("actor", "actor_adapter", "critic", "reward_model", "reward_judge", "prompts",
-                 "seed", "algorithm")
+RESUME_INPUTS = ("actor", "actor_adapter", "critic", "reward_model", "reward_judge", "teacher",
+                 "prompts", "seed", "algorithm")
 EPISODE_FIELDS = {"env_args": {}, "max_turns": 8, "max_turn_tokens": None,
                   "max_observation_tokens": None, "on_env_error": "stop", "tools": (),
                   "tool_parser": "hermes", "tool_timeout": 30.0, "tool_workers": 2,
@@ -75,6 +75,8 @@ _RANGES = (  # (field, low, high, low included?); high is included, values must 
     ("value_clip_eps", 0.0, math.inf, False),
     ("entropy_coef", 0.0, math.inf, True),
     ("kl_coef", 0.0, math.inf, True),
+    ("distill_coef", 0.0, math.inf, True),
+    ("distill_clip", 0.0, math.inf, False),
     ("kl_target", 0.0, math.inf, False),
     ("kl_horizon", 1, math.inf, True),
     ("clip_reward", 0.0, math.inf, False),
@@ -272,6 +274,15 @@ class PPOConfig:
     """Refuse the run before any rank starts when the reward server accepts no connection;
     false for a server that starts after the trainer (its first step then waits on the
     retries)."""
+    teacher: str | None = None
+    """On-policy distillation's teacher: a megarlhf checkpoint of a language model without
+    LoRA adapters (tools/convert_hf makes one from an HF directory; mcore_to_hf exports a
+    LoRA checkpoint merged) that shares the actor's tokenizer. A frozen role of the
+    experience pass in the actor's layout, beside the reference (offloaded outside
+    experience with offload_params), scoring every sampled response token. Read by
+    algorithm=opd and by distill_coef > 0. Run so far only colocated, with the Megatron
+    rollout engine, synchronous rollouts, single-turn prompts, TP (and DP) layouts and
+    micro-batches of whole rows: other settings are refused before launch."""
     # -- data and output --
     prompts: str
     """Prompt dataset: a JSONL or Parquet file, or a directory written by HF datasets'
@@ -509,9 +520,10 @@ class PPOConfig:
     not)."""
     # -- algorithm --
     algorithm: str = "ppo"
-    """ppo, grpo, rloo, reinforce++, reinforce++_baseline, dapo, dr_grpo, gspo or cispo: an
-    advantage estimator, and the value of every option below that says "(algorithm's)" while
-    it is unset (megarlhf/ppo/algorithms.py; the table in docs/guides/algorithms.md)."""
+    """ppo, grpo, rloo, reinforce++, reinforce++_baseline, dapo, dr_grpo, gspo, cispo or opd
+    (on-policy distillation from `teacher`, no reward needed): an advantage estimator, and
+    the value of every option below that says "(algorithm's)" while it is unset
+    (megarlhf/ppo/algorithms.py; the table in docs/guides/algorithms.md)."""
     steps: int = 10
     """Steps of the run (rollout, experience, updates, weight sync)."""
     ppo_epochs: int = 1
@@ -576,6 +588,14 @@ class PPOConfig:
     'loss': a term of the actor's loss, logged as actor/kl_loss (GRPO)."""
     kl_estimator: str | None = None
     """(algorithm's) k1, k2 or k3 (megarlhf/rl/kl.py)."""
+    distill_coef: float | None = None
+    """(algorithm's: opd 1, the others 0) Weight of on-policy distillation's per-token term,
+    distill_coef x (teacher logprob - the actor's old logprob) of each sampled token, added
+    to the advantages after the algorithm's own normalisation and whitening (needs teacher);
+    logged as distill/reverse_kl and distill/teacher_logprob_mean."""
+    distill_clip: float | None = None
+    """Bound on the distillation term of one token: clamped to [-distill_clip, distill_clip]
+    (None: unbounded)."""
     kl_clamp: float | None = 10.0
     """Clamp on each token's KL estimate (None: none)."""
     log_ratio_clamp: float | None = 20.0
@@ -684,8 +704,9 @@ class PPOConfig:
     resume_allow_changes: tuple[str, ...] = ()
     """Inputs a resumed run may change on purpose (of RESUME_INPUTS: actor, actor_adapter
     (layout.actor.lora.from_peft: the reference's adapter), critic, reward_model,
-    reward_judge (its model and template), prompts, seed, algorithm); any other difference
-    from what the checkpoint in out_dir was trained with stops the run before it starts."""
+    reward_judge (its model and template), teacher, prompts, seed, algorithm); any other
+    difference from what the checkpoint in out_dir was trained with stops the run before it
+    starts."""
     skip_overlong: bool = False
     """Drop prompts that do not fit the model's positions (or rollout_max_model_len) next to
     max_new_tokens, with a count, instead of refusing the prompts file."""
@@ -790,9 +811,7 @@ class PPOConfig:
             problems.append("reward_url_headers_env is set, but no reward_url")
         problems += self._reward_term_problems()
         problems += self._judge_problems()
-        if self.reward_model is None and self.reward_fn is None and self.reward_url is None \
-                and not self.reward_fn_by_source and not self.rewards \
-                and self.environment is None and self.reward_judge is None:
+        if not self.has_reward and self.algorithm != "opd":
             problems.append("no reward: set reward_model=CKPT and/or reward_fn=math|exact_match|"
                             "module:function, or an environment that gives rewards")
         if self.placement != "colocated":
@@ -906,6 +925,13 @@ class PPOConfig:
             raise ValueError("invalid PPO config:\n  " + "\n  ".join(problems))
 
     @property
+    def has_reward(self) -> bool:
+        """Whether any source scores the samples (algorithm=opd trains without one)."""
+        return any(value not in (None, (), {}) for value in (
+            self.reward_model, self.reward_fn, self.reward_url, self.reward_fn_by_source,
+            self.rewards, self.environment, self.reward_judge))
+
+    @property
     def options(self) -> AlgorithmOptions:
         """The algorithm's options with this config's settings applied."""
         return resolve(self)
@@ -916,7 +942,8 @@ class PPOConfig:
             problems.append(f"algorithm {self.algorithm!r} needs a critic checkpoint "
                             f"(critic=...), or choose a critic-free algorithm")
         # REINFORCE++ whitens over the whole batch; the others compare samples of a prompt.
-        if not o.critic and o.estimator != "reinforce++" and self.samples_per_prompt < 2:
+        if not o.critic and o.estimator not in ("reinforce++", "opd") \
+                and self.samples_per_prompt < 2:
             problems.append(f"algorithm {self.algorithm!r} compares samples of one prompt: "
                             f"set samples_per_prompt >= 2")
         if o.estimator.startswith("reinforce++") and self.whiten_advantages is not None:
@@ -940,12 +967,47 @@ class PPOConfig:
         if self.kl_target is not None and o.kl_coef <= 0:
             problems.append(f"kl_target steers kl_coef, which is {o.kl_coef} for "
                             f"{self.algorithm}: set kl_coef > 0")
+        problems += self._distill_problems()
         low = self.rollout_correction_threshold_low
         if low is not None and (self.rollout_correction != "mis" or
                                 not 0 <= low < 1):
             problems.append(f"rollout_correction_threshold_low={low} is MIS's lower bound: "
                             f"it needs rollout_correction=mis and 0 <= value < 1")
         return problems
+
+    def _distill_problems(self) -> list[str]:
+        distilling = self.options.distill_coef > 0
+        if distilling and self.teacher is None:
+            return [f"distill_coef={self.options.distill_coef} (algorithm {self.algorithm}) "
+                    f"needs teacher=CKPT, the model the actor distills from"]
+        if self.teacher is not None and not distilling:
+            return [f"teacher is set, but distill_coef is 0 for algorithm {self.algorithm}: "
+                    f"use algorithm=opd or set distill_coef > 0"]
+        if self.distill_clip is not None and not distilling:
+            return ["distill_clip bounds the distillation term; set teacher and "
+                    "algorithm=opd or distill_coef > 0"]
+        if self.teacher is None:
+            return []
+        return [f"teacher with {setting}: not run yet with a teacher; {fix}"
+                for setting, fix in self._untested_with_teacher()]
+
+    def _untested_with_teacher(self) -> list[tuple[str, str]]:
+        """(setting, fix) of what no test has run with a teacher yet."""
+        actor = self.parallel_of("actor")
+        untested = [
+            (self.placement != "colocated", "placement=disaggregated", "use colocated"),
+            (self.rollout_backend != "megatron", f"rollout_backend={self.rollout_backend}",
+             "use the megatron engine"),
+            (self.resolved_rollout_mode != "sync",
+             f"rollout_mode={self.resolved_rollout_mode}", "use rollout_mode=sync"),
+            (self.environment is not None, "an environment (multi-turn episodes)",
+             "distil on single-turn prompts"),
+            (max(actor.pipeline_parallel, actor.context_parallel, actor.expert_parallel) > 1,
+             "pipeline, context or expert parallelism", "lay the actor out in TP x DP"),
+            (self.max_tokens_per_micro_batch is not None or self.pack_sequences,
+             "max_tokens_per_micro_batch or pack_sequences", "batch whole rows"),
+        ]
+        return [(setting, fix) for bad, setting, fix in untested if bad]
 
     def _data_problems(self) -> list[str]:
         problems = [f"prompt_fields.{name}: not a field of prompt rows; map some of "
@@ -1037,7 +1099,8 @@ class PPOConfig:
         """The layout of model role `role` (actor, ref, critic, reward), with its sequence
         parallelism (the group's mesh is the same without it: ppo/layout.py). With the actor's
         LoRA adapters the reference is the actor's engine: the actor's layout."""
-        if role == "ref" and self.reference_is_actor_base:
+        # The teacher runs beside the actor, in its layout (no layout key of its own yet).
+        if role == "teacher" or (role == "ref" and self.reference_is_actor_base):
             role = "actor"
         override = getattr(self.layout, LAYOUT_KEYS[role])
         default = ParallelConfig(
@@ -1054,15 +1117,16 @@ class PPOConfig:
         """Whether the update pass gives the actor's old logprobs (old_logprobs='auto'): one
         optimizer step per rollout batch (one epoch, one mini-batch), so the update pass runs
         the weights that would compute them, over the same batch. Not with what reads them
-        before training: rollout correction (its weights), the KL in the reward (the
-        advantages), asynchronous rollouts (samples of older weights: the ratio to the engine
-        needs them first); nor with LoRA dropout, which the update pass applies and a forward
-        pass does not. The gap guard then runs inside the update pass, before its optimizer
-        step."""
+        before training: rollout correction (its weights), the KL in the reward and the
+        distillation term (the advantages), asynchronous rollouts (samples of older weights:
+        the ratio to the engine needs them first); nor with LoRA dropout, which the update
+        pass applies and a forward pass does not. The gap guard then runs inside the update
+        pass, before its optimizer step."""
         lora = self.lora_of("actor")
         kl_in_reward = self.options.kl_in == "reward" and self.options.kl_coef > 0
         return (self.old_logprobs == "auto" and self.ppo_epochs == 1 and self.mini_batches == 1
                 and self.rollout_correction == "none" and not kl_in_reward
+                and not self.options.distill_coef
                 and self.resolved_rollout_mode == "sync"
                 and (lora is None or not lora.dropout))
 
@@ -1350,8 +1414,8 @@ class PPOConfig:
         """Raise ValueError naming every input path that does not exist. Kept apart from the
         field checks so a recipe can be planned (megarlhf plan) before its checkpoints exist."""
         missing = [f"{name}: {getattr(self, name)} does not exist"
-                   for name in ("actor", "critic", "reward_model", "prompts", "val_prompts",
-                                "tokenizer", "chat_template")
+                   for name in ("actor", "critic", "reward_model", "teacher", "prompts",
+                                "val_prompts", "tokenizer", "chat_template")
                    if getattr(self, name) is not None and not os.path.exists(getattr(self, name))]
         missing += [f"tool_python_packages: {d} is not a directory"
                     for d in self.tool_python_packages if not os.path.isdir(d)]

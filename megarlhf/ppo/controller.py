@@ -43,8 +43,8 @@ from megarlhf.ppo.metrics import CONSOLE_KEYS, step_metrics
 from megarlhf.ppo.placement import EXPERIENCE, Placement
 from megarlhf.rewards.calls import Sample
 from megarlhf.rl import (
-    AdaptiveKLController, FixedKLController, critic_free_advantages, gae, kl_penalty,
-    kl_shaped_rewards, masked_whiten, trained_samples,
+    AdaptiveKLController, FixedKLController, critic_free_advantages, distillation_advantages,
+    gae, kl_penalty, kl_shaped_rewards, masked_whiten, trained_samples,
 )
 from megarlhf.rl.advantages import GROUP_ESTIMATORS
 from megarlhf.rl.shaping import clip_rewards
@@ -253,11 +253,6 @@ def ppo_step(config: PPOConfig, data: RunInputs, workers: Placement,
                                               .all(dim=1).sum())}
     # A rollout drawn ahead ran during the step before: its seconds are not this step's.
     timer = {} if drawn.busy else dict(drawn.seconds)
-    log.samples(step, sample_rows(drawn.samples, score, config.log_samples, "train",
-                                  episodes, drawn.judged, versions=drawn.versions,
-                                  weight_version=drawn.weight_version, failed=drawn.failed))
-    # (after the log: the failures' reasons are in samples.jsonl)
-    rollouts.check_failures(config, drawn.failed or [None] * len(scored), f"step {step}")
 
     log.phase("experience")
     t = time.perf_counter()
@@ -269,6 +264,15 @@ def ppo_step(config: PPOConfig, data: RunInputs, workers: Placement,
     one_pass = config.one_pass_old_logprobs
     roles = EXPERIENCE - {"reward"} - ({"actor"} if one_pass else set())
     exp = workers.experience(batch, roles, routing)
+    # After the experience pass, which gives the teacher's logprobs the rows carry.
+    teacher = response_values(exp["teacher_logp"], batch.response_mask) \
+        if "teacher_logp" in exp else None
+    log.samples(step, sample_rows(drawn.samples, score, config.log_samples, "train",
+                                  episodes, drawn.judged, versions=drawn.versions,
+                                  weight_version=drawn.weight_version, failed=drawn.failed,
+                                  teacher_logp=teacher))
+    # (after the log: the failures' reasons are in samples.jsonl)
+    rollouts.check_failures(config, drawn.failed or [None] * len(scored), f"step {step}")
     gap = guard_gap(config, rollout.engine_logp, exp, batch, lag, step) \
         if not one_pass else None
     fresh = guard_fresh(config, rollout.engine_logp, exp, batch, drawn.versions, step) \
@@ -334,7 +338,9 @@ def ppo_step(config: PPOConfig, data: RunInputs, workers: Placement,
         if bool(mask.any()) else math.nan
     if math.isfinite(kl):  # a step that trained nothing does not steer the coefficient
         kl_ctl.update(kl, config.rows_per_step)
-    metrics = step_metrics(step=step, score=score[scored], exp=exp, mask=mask, values=values,
+    # Without a reward source the zeros in `score` are no reward: reward/mean is NaN.
+    rewarded = score[scored] if config.has_reward else score[:0]
+    metrics = step_metrics(step=step, score=rewarded, exp=exp, mask=mask, values=values,
                            advantages=advantages, returns=returns, train=train_metrics,
                            gap=gap, kl=kl, kl_coef=kl_ctl.value, timer=timer,
                            skipped=not train_metrics,
@@ -423,7 +429,10 @@ def compute_advantages(config: PPOConfig, score: torch.Tensor, exp: dict, mask: 
     - group estimators (grpo, rloo): a sample's summed KL penalty off its score (verl's
       in-reward KL), then the estimator (grpo with or without the group's std). These and
       reinforce++ score a sample as a whole (an episode's summed rewards at its end).
-    Then whitening over the batch when whiten_advantages. Advantages and returns are 0 off
+    - opd: none; the distillation term below is the whole advantage.
+    Then whitening over the batch when whiten_advantages, then the distillation term
+    (distill_coef > 0: distillation_advantages of the teacher's and the actor's old logprobs),
+    so it is neither normalised nor whitened. Advantages and returns are 0 off
     `mask`. The controller holds the whole batch, so batch statistics need no process
     group."""
     o = config.options
@@ -444,6 +453,8 @@ def compute_advantages(config: PPOConfig, score: torch.Tensor, exp: dict, mask: 
                                     mask, kl_coef=in_reward, **kl) + placed
         advantages, returns = gae(rewards, exp["values"], mask, gamma=config.gamma,
                                   lam=config.lam)
+    elif o.estimator == "opd":
+        advantages, returns = zero, None
     elif o.estimator.startswith("reinforce++"):
         # The estimator clips the score it trains on again: for the baseline variant, the
         # centred score (OpenRLHF's reinforce_baseline); a no-op for the other.
@@ -464,6 +475,10 @@ def compute_advantages(config: PPOConfig, score: torch.Tensor, exp: dict, mask: 
         advantages, returns = critic_free_advantages(o.estimator, score, mask, **options), None
     if o.whiten_advantages and not o.estimator.startswith("reinforce++"):
         advantages = masked_whiten(advantages, mask)
+    if o.distill_coef:
+        advantages = advantages + distillation_advantages(
+            exp["teacher_logp"], exp["logp"], mask, coef=o.distill_coef,
+            clip=config.distill_clip)
     # Rows left out of `mask` carry nothing that could reach a gradient (0, never NaN).
     advantages = torch.where(mask.bool(), advantages, 0.0)
     return advantages, (None if returns is None else torch.where(mask.bool(), returns, 0.0))
@@ -529,11 +544,14 @@ def sample_rows(samples: list[Sample], score: torch.Tensor, count: int, phase: s
                 episodes: list[Episode] | None = None,
                 judged: list[dict] | None = None, *, weight_version: int | None = None,
                 versions: list[list[int]] | None = None,
-                failed: list[str | None] | None = None) -> list[dict]:
+                failed: list[str | None] | None = None,
+                teacher_logp: list[list[float]] | None = None) -> list[dict]:
     """`count` of the samples, spread over the batch, as samples.jsonl rows; an episode's
     with its turns in order (role, text, tokens, trained on or not); with the judge's text
     and score; with the weight version it was sampled under (fully_async: its oldest token's,
-    and `token_versions`, [version, tokens] runs over its response). A sample without a
+    and `token_versions`, [version, tokens] runs over its response); with the teacher's
+    logprob of each of its response tokens (`teacher_logprobs`; an episode's model tokens
+    only, in order). A sample without a
     score has reward null and `failed`, why."""
     picked = sorted({i * len(samples) // count for i in range(count)}) if count else []
     rows = []
@@ -555,8 +573,17 @@ def sample_rows(samples: list[Sample], score: torch.Tensor, count: int, phase: s
                                      for v, run in itertools.groupby(versions[i])]
         elif weight_version is not None:
             row["weight_version"] = weight_version
+        if teacher_logp is not None:
+            row["teacher_logprobs"] = teacher_logp[i]
         rows.append(row)
     return rows
+
+
+def response_values(values_BT: torch.Tensor, response_mask_BT: torch.Tensor
+                    ) -> list[list[float]]:
+    """Each row's values at its response tokens, in order (an episode's observations are
+    not response tokens)."""
+    return [row[keep.bool()].tolist() for row, keep in zip(values_BT, response_mask_BT)]
 
 
 def _finite(*tensors: torch.Tensor) -> bool:

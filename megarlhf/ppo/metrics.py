@@ -31,6 +31,11 @@ def step_metrics(*, step, score, exp, mask, values, advantages, returns, train, 
          "advantages/max": float(trained.max()) if any_trained else nan,
          "advantages/min": float(trained.min()) if any_trained else nan,
          **gap.to_dict()}
+    if "teacher_logp" in exp and any_trained:
+        # The reverse KL's estimate on the student's own samples: student - teacher logprob.
+        teacher = (exp["teacher_logp"] * mask).sum() / tokens
+        m["distill/teacher_logprob_mean"] = float(teacher)
+        m["distill/reverse_kl"] = float((exp["logp"] * mask).sum() / tokens - teacher)
     if values is not None and any_trained:
         v, r = values[mask.bool()], returns[mask.bool()]
         m["critic/explained_variance"] = float(1 - (r - v).var() / r.var().clamp(min=1e-8))

@@ -42,7 +42,8 @@ if TYPE_CHECKING:
     import torch
 
 ROLLOUT, EXPERIENCE, TRAIN, SYNC, JUDGE = (frozenset({"rollout"}),
-                                           frozenset({"actor", "ref", "critic", "reward"}),
+                                           frozenset({"actor", "ref", "critic", "reward",
+                                                      "teacher"}),
                                            frozenset({"actor", "critic"}),
                                            frozenset({"actor", "rollout"}),
                                            frozenset({"judge"}))

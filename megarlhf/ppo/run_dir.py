@@ -97,7 +97,7 @@ def run_inputs(config, prompts) -> dict:
     file counts as other prompts)."""
     inputs = {"seed": config.seed, "algorithm": config.algorithm,
               "prompts": _prompts_fingerprint(config.prompts, prompts)}
-    for field in ("actor", "critic", "reward_model"):
+    for field in ("actor", "critic", "reward_model", "teacher"):
         path = getattr(config, field)
         inputs[field] = None if path is None else _checkpoint_fingerprint(path)
     # The reference is rebuilt from it on a resume.

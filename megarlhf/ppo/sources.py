@@ -30,7 +30,8 @@ from megarlhf.ppo.layout import group_specs
 PRESET_PREFIX = "preset:"
 
 MODEL_ROLES = {"actor": ("actor", False, True), "ref": ("actor", False, False),
-               "critic": ("critic", True, True), "reward": ("reward_model", True, False)}
+               "critic": ("critic", True, True), "reward": ("reward_model", True, False),
+               "teacher": ("teacher", False, False)}
 """role -> (PPOConfig field with its checkpoint, value head, trained)."""
 
 

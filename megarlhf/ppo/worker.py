@@ -77,7 +77,7 @@ class PPOWorker:
         self.rank = self.mesh.rank
         self.dtype = parse_dtype(c.dtype)
         self.profiler = PhaseProfiler(c.out_dir, f"{group.name}_rank{self.rank}")
-        self.actor = self.ref = self.critic = self.reward = None
+        self.actor = self.ref = self.critic = self.reward = self.teacher = None
         o = c.options
         norm = (c.aggregation_norm or c.max_new_tokens
                 if o.aggregation == "seq_mean_token_sum_norm" else None)
@@ -108,6 +108,9 @@ class PPOWorker:
         if "reward" in roles:
             self.reward = ValueRole(self._engine("reward", c.reward_model, None),
                                     batching=batching)
+        if "teacher" in roles:
+            self.teacher = PolicyRole(self._engine("teacher", c.teacher, None),
+                                      batching=batching)
         model, arch = self._actor_model()
         self.bridge = self.engine = self.channel = self.delta = None
         if self.actor is not None:
@@ -134,7 +137,8 @@ class PPOWorker:
     def _models(self) -> dict:
         """role -> its PolicyRole / ValueRole, for the model roles this group holds."""
         return {role: r for role, r in (("actor", self.actor), ("ref", self.ref),
-                                        ("critic", self.critic), ("reward", self.reward))
+                                        ("critic", self.critic), ("reward", self.reward),
+                                        ("teacher", self.teacher))
                 if r is not None}
 
     def _engine_sleeps(self) -> None:
@@ -317,7 +321,7 @@ class PPOWorker:
         """What this group's roles among `roles` add to the rollout batch: old logprobs and
         entropy (actor; through the engine's expert `routing` when given, with the fraction
         of it the actor's routers would have chosen otherwise), ref logprobs, values
-        (critic), reward-model scores (reward)."""
+        (critic), reward-model scores (reward), the teacher's logprobs of the same tokens."""
         self._engine_sleeps()
         out = {}
         for role, model in self._models().items():
@@ -336,6 +340,8 @@ class PPOWorker:
             elif role == "ref":
                 with adapters_off(model.engine.chunks) if shares_actor else nullcontext():
                     out["ref_logp"] = model.logprobs(batch)
+            elif role == "teacher":
+                out["teacher_logp"] = model.logprobs(batch)
             elif role == "critic":
                 out["values"] = model.values(batch)
             else:

@@ -229,6 +229,26 @@ def reinforce_pp_baseline_advantages(score_B: torch.Tensor, mask_BT: torch.Tenso
     return reinforce_pp_advantages(centred_B, mask_BT, **options)
 
 
+@torch.no_grad()
+def distillation_advantages(teacher_logp_BT: torch.Tensor, logp_BT: torch.Tensor,
+                            mask_BT: torch.Tensor, *, coef: float,
+                            clip: float | None = None) -> torch.Tensor:
+    """On-policy distillation's per-token term: each sampled token moves toward the teacher
+    by the reverse KL's single-sample estimate at that token,
+
+        d_t = coef * (log pi_teacher(y_t) - log pi_student(y_t)),   clamped to [-clip, clip]
+
+    `logp_BT` is the student's old logprob of the token (the one the importance ratio divides
+    by), so a teacher equal to the student gives exactly 0. Per token, undiscounted: the
+    on-policy distillation recipe's, not a return. 0 off the mask.
+    """
+    check_same_shape(teacher_logp_BT=teacher_logp_BT, logp_BT=logp_BT, mask_BT=mask_BT)
+    term_BT = coef * (teacher_logp_BT - logp_BT)
+    if clip is not None:
+        term_BT = term_BT.clamp(-clip, clip)
+    return torch.where(mask_BT.bool(), term_BT, 0.0)
+
+
 CRITIC_FREE_ESTIMATORS = {
     "grpo": grpo_advantages,
     "rloo": rloo_advantages,
