@@ -1787,8 +1787,8 @@ def _hf_logprobs(hf_dir: str, rows: list[dict]) -> list[list[float]]:
 @pytest.mark.slow
 def test_opd_logs_a_checkpoint_teachers_logprobs_and_trains_on_them(prompts_file, tmp_path):
     """algorithm=opd, no reward, a teacher converted from another HF model of the actor's
-    tokenizer, colocated at TP2 with its weights offloaded outside the experience pass. Each
-    logged per-token teacher logprob equals transformers' forward of the teacher's HF model on
+    tokenizer, colocated at TP2+SP x DP2 with its weights offloaded outside the experience
+    pass. Each logged per-token teacher logprob equals transformers' forward of the teacher's HF model on
     the sample's tokens; the step's advantages (their mean, max and min) and distill metrics
     equal the hand computation teacher - student on the logged batch (clamped at
     distill_clip for the advantages), the student being
@@ -1808,9 +1808,9 @@ def test_opd_logs_a_checkpoint_teachers_logprobs_and_trains_on_them(prompts_file
         hf_to_mcore(directory, str(tmp_path / name), parallel=ParallelConfig())
     config = PPOConfig(actor=str(tmp_path / "student"), teacher=str(tmp_path / "teacher"),
                        algorithm="opd", prompts=prompts_file, out_dir=str(tmp_path / "run"),
-                       nproc=2, tensor_parallel=2, steps=1, prompts_per_step=4,
-                       samples_per_prompt=2, max_new_tokens=8, log_samples=8,
-                       offload_params=True, distill_clip=1.0)
+                       nproc=4, tensor_parallel=2, sequence_parallel=True, steps=1,
+                       prompts_per_step=4, samples_per_prompt=2, max_new_tokens=8,
+                       log_samples=8, offload_params=True, distill_clip=1.0)
     (metrics,) = run(config)
     with open(os.path.join(config.out_dir, "samples.jsonl")) as f:
         rows = [row for row in map(json.loads, f) if row["phase"] == "train"]

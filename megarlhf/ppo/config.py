@@ -280,9 +280,10 @@ class PPOConfig:
     LoRA checkpoint merged) that shares the actor's tokenizer. A frozen role of the
     experience pass in the actor's layout, beside the reference (offloaded outside
     experience with offload_params), scoring every sampled response token. Read by
-    algorithm=opd and by distill_coef > 0. Run so far only colocated, with the Megatron
-    rollout engine, synchronous rollouts, single-turn prompts, TP (and DP) layouts and
-    micro-batches of whole rows: other settings are refused before launch."""
+    algorithm=opd (and distill_coef > 0). Run so far with algorithm=opd and no reward,
+    colocated at TP x DP with sequence parallelism, fp32, the Megatron rollout engine,
+    synchronous single-turn rollouts and micro-batches of whole rows: other settings are
+    refused before launch."""
     # -- data and output --
     prompts: str
     """Prompt dataset: a JSONL or Parquet file, or a directory written by HF datasets'
@@ -927,7 +928,7 @@ class PPOConfig:
     @property
     def has_reward(self) -> bool:
         """Whether any source scores the samples (algorithm=opd trains without one)."""
-        return any(value not in (None, (), {}) for value in (
+        return any(bool(value) for value in (
             self.reward_model, self.reward_fn, self.reward_url, self.reward_fn_by_source,
             self.rewards, self.environment, self.reward_judge))
 
@@ -976,9 +977,24 @@ class PPOConfig:
         return problems
 
     def _distill_problems(self) -> list[str]:
-        distilling = self.options.distill_coef > 0
+        o = self.options
+        distilling = o.distill_coef > 0
+        if o.estimator == "opd":
+            # opd trains on the teacher's term alone: nothing else would reach a gradient.
+            ignored = [name for name, on in (("kl_coef", o.kl_coef > 0),
+                                             ("overlong_buffer", bool(self.overlong_buffer)),
+                                             ("clip_reward", self.clip_reward is not None),
+                                             ("val_prompts", self.val_prompts is not None
+                                              and not self.has_reward)) if on]
+            if not distilling:
+                return ["algorithm=opd trains on distill_coef x (teacher - student logprob): "
+                        "set distill_coef > 0 and teacher=CKPT"]
+            if ignored:
+                return [f"algorithm=opd trains on the teacher's term alone, so "
+                        f"{', '.join(ignored)} would change nothing: unset "
+                        f"{'it' if len(ignored) == 1 else 'them'}"]
         if distilling and self.teacher is None:
-            return [f"distill_coef={self.options.distill_coef} (algorithm {self.algorithm}) "
+            return [f"distill_coef={o.distill_coef} (algorithm {self.algorithm}) "
                     f"needs teacher=CKPT, the model the actor distills from"]
         if self.teacher is not None and not distilling:
             return [f"teacher is set, but distill_coef is 0 for algorithm {self.algorithm}: "
@@ -993,8 +1009,11 @@ class PPOConfig:
 
     def _untested_with_teacher(self) -> list[tuple[str, str]]:
         """(setting, fix) of what no test has run with a teacher yet."""
-        actor = self.parallel_of("actor")
+        actor = self._actor_layout()
         untested = [
+            (self.algorithm != "opd", f"algorithm={self.algorithm}",
+             "use algorithm=opd (distill_coef beside another algorithm is not run yet)"),
+            (self.has_reward, "a reward source", "use algorithm=opd without one"),
             (self.placement != "colocated", "placement=disaggregated", "use colocated"),
             (self.rollout_backend != "megatron", f"rollout_backend={self.rollout_backend}",
              "use the megatron engine"),
@@ -1006,6 +1025,10 @@ class PPOConfig:
              "pipeline, context or expert parallelism", "lay the actor out in TP x DP"),
             (self.max_tokens_per_micro_batch is not None or self.pack_sequences,
              "max_tokens_per_micro_batch or pack_sequences", "batch whole rows"),
+            (self.dtype != "fp32", f"dtype={self.dtype}", "use dtype=fp32"),
+            (self.lora_of("actor") is not None, "a LoRA actor", "train every weight"),
+            (self.rollout_correction != "none", f"rollout_correction={self.rollout_correction}",
+             "use rollout_correction=none"),
         ]
         return [(setting, fix) for bad, setting, fix in untested if bad]
 
