@@ -20,14 +20,13 @@ import json
 import os
 import signal
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 
 import psutil
 
-from bench.bench_rlvr import RECIPE, recipe_inputs
+from bench.bench_faults import logged_so_far, start_run
+from bench.bench_rlvr import recipe_inputs
 from bench.report import append_entry
 from megarlhf.metrics import read_metrics
 from tests.ranks import rank_processes
@@ -44,13 +43,10 @@ def recover(tmp: str, inputs: list[str]) -> dict:
     out_dir = os.path.join(tmp, "run")
     overrides = [*inputs, f"out_dir={out_dir}", "steps=5", "save_every=2", "val_every=0",
                  "placement=disaggregated", "nproc=1", "max_restarts=0"]
-    proc = subprocess.Popen([sys.executable, "-m", "megarlhf.cli", "ppo", "--config", RECIPE,
-                             *overrides], stdout=subprocess.DEVNULL,
-                            stderr=open(out_dir + ".err", "w"))
+    proc = start_run(out_dir, overrides)
     killed = logged = None
     while proc.poll() is None:
-        records = read_metrics(out_dir) if os.path.isfile(
-            os.path.join(out_dir, "metrics.jsonl")) else []
+        records = logged_so_far(out_dir)
         last = max((r["step"] for r in records if "step" in r), default=0)
         if killed is None and last >= KILLED_AFTER:
             # Local ranks start group by group: the rollout group is the last.

@@ -46,6 +46,20 @@ FAULTS = {"kill": (signal.SIGKILL, "local"), "hang": (signal.SIGSTOP, "local"),
 COLLECTIVE_TIMEOUT_S = 30
 
 
+def start_run(out_dir: str, overrides: list[str]) -> subprocess.Popen:
+    """The recipe run by `megarlhf ppo` in a process of its own (its stderr in
+    `<out_dir>.err`), so its ranks can be faulted from here."""
+    return subprocess.Popen([sys.executable, "-m", "megarlhf.cli", "ppo", "--config", RECIPE,
+                             *overrides], stdout=subprocess.DEVNULL,
+                            stderr=open(out_dir + ".err", "w"))
+
+
+def logged_so_far(out_dir: str) -> list[dict]:
+    """The run's metrics.jsonl records written so far."""
+    return read_metrics(out_dir) if os.path.isfile(
+        os.path.join(out_dir, "metrics.jsonl")) else []
+
+
 def recover(tmp: str, inputs: list[str], fault: str) -> dict:
     """One run with `fault` injected after step 3: the seconds from the injection to each
     mark, and the median step time."""
@@ -53,14 +67,11 @@ def recover(tmp: str, inputs: list[str], fault: str) -> dict:
     out_dir = os.path.join(tmp, re.sub(r"\W+", "_", fault).strip("_"))
     overrides = [*inputs, f"out_dir={out_dir}", "steps=5", "save_every=2", "val_every=0",
                  f"collective_timeout_s={COLLECTIVE_TIMEOUT_S}", f"worker_group={worker_group}"]
-    proc = subprocess.Popen([sys.executable, "-m", "megarlhf.cli", "ppo", "--config", RECIPE,
-                             *overrides], stdout=subprocess.DEVNULL,
-                            stderr=open(out_dir + ".err", "w"))
+    proc = start_run(out_dir, overrides)
     seen: dict[str, float] = {}  # mark -> wall time first seen
     injected = None
     while proc.poll() is None:
-        records = read_metrics(out_dir) if os.path.isfile(
-            os.path.join(out_dir, "metrics.jsonl")) else []
+        records = logged_so_far(out_dir)
         steps = [r["step"] for r in records if "step" in r and "event" not in r]
         restart = [r for r in records if r.get("event") == "restart"]
         now = time.time()

@@ -1003,12 +1003,7 @@ def test_disaggregated_equals_colocated_and_resumes_exactly(base, tmp_path, monk
     # restart: max_engine_restarts=0; the engines restarted alone: tests/test_ppo_failures.py).
     faulted = dataclasses.replace(apart, out_dir=str(tmp_path / "faulted"), restart_backoff=0.0,
                                   max_engine_restarts=0)
-    killer = threading.Thread(target=_kill_rollout_rank_when_busy, args=(faulted.out_dir, 2))
-    killer.start()
-    try:
-        history = run(faulted)
-    finally:
-        killer.join()
+    history = _run_killing_the_rollout_rank(faulted, 2)
     event, = [r for r in read_metrics(faulted.out_dir) if r.get("event") == "restart"]
     assert event["resumed_step"] == 2 and event["failed_step"] == 3, event
     assert event["cause"] == "generate: rollout rank 0 died (exit code -9)", event
@@ -1019,6 +1014,18 @@ def test_disaggregated_equals_colocated_and_resumes_exactly(base, tmp_path, monk
         assert ours.keys() == theirs.keys()
         for key in ours:
             assert torch.equal(ours[key], theirs[key]), (role, key)
+
+
+def _run_killing_the_rollout_rank(config: PPOConfig, checkpoint: int) -> list[dict]:
+    """`run(config)`, its rollout rank killed while it generates the step after the
+    step-`checkpoint` checkpoint (_kill_rollout_rank_when_busy)."""
+    killer = threading.Thread(target=_kill_rollout_rank_when_busy,
+                              args=(config.out_dir, checkpoint))
+    killer.start()
+    try:
+        return run(config)
+    finally:
+        killer.join()
 
 
 def _kill_rollout_rank_when_busy(out_dir: str, checkpoint: int) -> None:

@@ -6,7 +6,6 @@ import dataclasses
 import os
 import re
 import signal
-import threading
 import time
 
 import psutil
@@ -21,7 +20,7 @@ from megarlhf.ppo.rewards import RewardFnError
 from tests import role_workers
 from tests.ranks import rank_processes
 from tests.test_ppo import (  # noqa: F401 (fixtures)
-    FAULT_RUN, _final_weights, _kill_rollout_rank_when_busy, _ppo_process, _without_timings,
+    FAULT_RUN, _final_weights, _ppo_process, _run_killing_the_rollout_rank, _without_timings,
     base, prompts_file, rank_faults,
 )
 
@@ -144,12 +143,7 @@ def test_a_killed_rollout_engine_is_restarted_alone_and_the_run_equals_a_straigh
                  placement="disaggregated", sync_mode="delta")
     straight = run(dataclasses.replace(base, out_dir=str(tmp_path / "straight"), **short))
     faulted = dataclasses.replace(base, out_dir=str(tmp_path / "faulted"), **short)
-    killer = threading.Thread(target=_kill_rollout_rank_when_busy, args=(faulted.out_dir, 1))
-    killer.start()
-    try:
-        history = run(faulted)
-    finally:
-        killer.join()
+    history = _run_killing_the_rollout_rank(faulted, 1)
     events = [r for r in read_metrics(faulted.out_dir) if r.get("event") in
               ("restart", "engine_restart")]
     assert [(e["event"], e["failed_step"], e["cause"]) for e in events] == [
