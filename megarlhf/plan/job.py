@@ -62,7 +62,7 @@ from megarlhf.ppo.config import PPOConfig
 from megarlhf.ppo.layout import GroupSpec, group_specs
 from megarlhf.rewards.judge import judge_limit
 from megarlhf.ppo.sources import (MODEL_ROLES, ModelSource, check_models, resolve,
-                                  resolve_models)
+                                  resolve_models, role_of)
 from megarlhf.rollout.bridge import DEFAULT_BUCKET_BYTES
 from megarlhf.rollout.megatron_engine import MegatronEngineConfig
 
@@ -395,10 +395,10 @@ def _stage(config: PPOConfig, spec: GroupSpec, models: dict[str, ModelSource],
             train_rows = exp_rows = per_micro_batch
     experience, train = frozenset({"experience"}), frozenset({"train"})
     terms = []
-    for role in MODEL_ROLES:
-        if role not in spec.roles:
+    for role in models:  # each teacher a model of its own
+        if role_of(role) not in spec.roles:
             continue
-        model, trained = models[role].model, MODEL_ROLES[role][2]
+        model, trained = models[role].model, MODEL_ROLES[role_of(role)][2]
         parallel = config.parallel_of(role)  # the group's mesh, with the role's SP
         lm = not models[role].value_head
         n = rank_params(model, parallel, pp_rank, value_head=not lm)

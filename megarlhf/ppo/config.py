@@ -47,7 +47,7 @@ LAYER_SPECS = ("auto", "local", "sdpa")
 'te' is refused there: TE_REFUSED)."""
 PROMPT_FIELDS = KIND_FIELDS["prompt"] + OPTIONAL_FIELDS["prompt"]
 RESUME_INPUTS = ("actor", "actor_adapter", "critic", "reward_model", "reward_judge", "teacher",
-                 "prompts", "seed", "algorithm")
+                 "teacher_by_source", "prompts", "seed", "algorithm")
 EPISODE_FIELDS = {"env_args": {}, "max_turns": 8, "max_turn_tokens": None,
                   "max_observation_tokens": None, "on_env_error": "stop", "tools": (),
                   "tool_parser": "hermes", "tool_timeout": 30.0, "tool_workers": 2,
@@ -275,15 +275,34 @@ class PPOConfig:
     false for a server that starts after the trainer (its first step then waits on the
     retries)."""
     teacher: str | None = None
-    """On-policy distillation's teacher: a megarlhf checkpoint of a language model without
-    LoRA adapters (tools/convert_hf makes one from an HF directory; mcore_to_hf exports a
-    LoRA checkpoint merged) that shares the actor's tokenizer. A frozen role of the
-    experience pass in the actor's layout, beside the reference (offloaded outside
-    experience with offload_params), scoring every sampled response token. Read by
-    algorithm=opd (and distill_coef > 0). Run so far with algorithm=opd and no reward,
-    colocated at TP x DP with sequence parallelism, fp32, the Megatron rollout engine,
-    synchronous single-turn rollouts and micro-batches of whole rows: other settings are
-    refused before launch."""
+    """On-policy distillation's teacher: an HF model directory (config.json and safetensors,
+    its tensors streamed into the role's model at launch, as reward_judge.model's are; no
+    conversion on disk) or a megarlhf checkpoint of a language model without LoRA adapters
+    (mcore_to_hf exports a LoRA checkpoint merged), that shares the actor's tokenizer (its
+    vocabulary and special tokens, checked before launch where its tokenizer files are
+    found). With teacher_by_source it scores the rows of every source that map does not
+    name. A frozen role of the experience pass in the actor's layout, beside the reference
+    (offloaded outside experience with offload_params), scoring every sampled response
+    token (an episode's whole transcript is its context; only the model's tokens get a
+    term). Read by algorithm=opd (a reward there is logged, not trained on; a sample whose
+    reward failed is not trained, as everywhere) and by any other algorithm with
+    distill_coef > 0, beside its rewards. Run end to end: opd colocated at TP2 + SP x DP2
+    and at TP2 (an HF-directory teacher beside a per-source checkpoint one); GRPO with a
+    reward function on multi-turn episodes; disaggregated (in the actor's group) at TP1 x
+    PP2 with a token budget and packing under fully_async (an HF-directory teacher), and
+    one_step_off with vLLM rollouts, bf16, a LoRA actor and rollout_correction=tis. Refused
+    before launch: opd with an environment, a reward model or judge beside a teacher,
+    context or expert parallelism, fp16."""
+    teacher_by_source: dict[str, str] = dataclasses.field(default_factory=dict)
+    """data_source -> teacher (as `teacher`: an HF directory or a checkpoint) for the rows of
+    that source, as reward_fn_by_source maps reward functions: a student distilled from
+    several domain teachers. Rows of the other sources get `teacher`; without one, a
+    training prompt whose source is unmapped is refused before launch (no row trains on a
+    term no teacher scored). Each distinct teacher is a frozen role of its own (its own
+    weights on every rank, offloaded outside experience with offload_params, counted by the
+    planner, a resume input), held to the same checks as `teacher`; each scores the whole
+    batch in the experience pass and a row keeps its own teacher's logprobs, so k teachers
+    cost k forward passes per step."""
     # -- data and output --
     prompts: str
     """Prompt dataset: a JSONL or Parquet file, or a directory written by HF datasets'
@@ -592,8 +611,10 @@ class PPOConfig:
     distill_coef: float | None = None
     """(algorithm's: opd 1, the others 0) Weight of on-policy distillation's per-token term,
     distill_coef x (teacher logprob - the actor's old logprob) of each sampled token, added
-    to the advantages after the algorithm's own normalisation and whitening (needs teacher);
-    logged as distill/reverse_kl and distill/teacher_logprob_mean."""
+    to the advantages after the algorithm's own normalisation and whitening (needs teacher),
+    on the tokens trained only (never an episode's observations, nor a sample without a
+    score); logged over the same tokens as distill/reverse_kl and
+    distill/teacher_logprob_mean."""
     distill_clip: float | None = None
     """Bound on the distillation term of one token: clamped to [-distill_clip, distill_clip]
     (None: unbounded)."""
@@ -705,7 +726,8 @@ class PPOConfig:
     resume_allow_changes: tuple[str, ...] = ()
     """Inputs a resumed run may change on purpose (of RESUME_INPUTS: actor, actor_adapter
     (layout.actor.lora.from_peft: the reference's adapter), critic, reward_model,
-    reward_judge (its model and template), teacher, prompts, seed, algorithm); any other
+    reward_judge (its model and template), teacher, teacher_by_source, prompts, seed,
+    algorithm); any other
     difference from what the checkpoint in out_dir was trained with stops the run before it
     starts."""
     skip_overlong: bool = False
@@ -979,6 +1001,13 @@ class PPOConfig:
     def _distill_problems(self) -> list[str]:
         o = self.options
         distilling = o.distill_coef > 0
+        unnamed = [f"teacher_by_source.{source} must name a teacher (an HF directory or a "
+                   f"checkpoint), got {path!r}"
+                   for source, path in self.teacher_by_source.items()
+                   if not isinstance(path, str) or not path]
+        if unnamed:
+            return unnamed
+        taught = bool(self.teachers)
         if o.estimator == "opd":
             # opd trains on the teacher's term alone: nothing else would reach a gradient.
             ignored = [name for name, on in (("kl_coef", o.kl_coef > 0),
@@ -993,16 +1022,17 @@ class PPOConfig:
                 return [f"algorithm=opd trains on the teacher's term alone, so "
                         f"{', '.join(ignored)} would change nothing: unset "
                         f"{'it' if len(ignored) == 1 else 'them'}"]
-        if distilling and self.teacher is None:
+        if distilling and not taught:
             return [f"distill_coef={o.distill_coef} (algorithm {self.algorithm}) "
-                    f"needs teacher=CKPT, the model the actor distills from"]
-        if self.teacher is not None and not distilling:
-            return [f"teacher is set, but distill_coef is 0 for algorithm {self.algorithm}: "
-                    f"use algorithm=opd or set distill_coef > 0"]
+                    f"needs teacher=CKPT (or teacher_by_source), the model the actor "
+                    f"distills from"]
+        if taught and not distilling:
+            return [f"{next(iter(self.teachers))} is set, but distill_coef is 0 for algorithm "
+                    f"{self.algorithm}: use algorithm=opd or set distill_coef > 0"]
         if self.distill_clip is not None and not distilling:
             return ["distill_clip bounds the distillation term; set teacher and "
                     "algorithm=opd or distill_coef > 0"]
-        if self.teacher is None:
+        if not taught:
             return []
         return [f"teacher with {setting}: not run yet with a teacher; {fix}"
                 for setting, fix in self._untested_with_teacher()]
@@ -1011,24 +1041,15 @@ class PPOConfig:
         """(setting, fix) of what no test has run with a teacher yet."""
         actor = self._actor_layout()
         untested = [
-            (self.algorithm != "opd", f"algorithm={self.algorithm}",
-             "use algorithm=opd (distill_coef beside another algorithm is not run yet)"),
-            (self.has_reward, "a reward source", "use algorithm=opd without one"),
-            (self.placement != "colocated", "placement=disaggregated", "use colocated"),
-            (self.rollout_backend != "megatron", f"rollout_backend={self.rollout_backend}",
-             "use the megatron engine"),
-            (self.resolved_rollout_mode != "sync",
-             f"rollout_mode={self.resolved_rollout_mode}", "use rollout_mode=sync"),
-            (self.environment is not None, "an environment (multi-turn episodes)",
-             "distil on single-turn prompts"),
-            (max(actor.pipeline_parallel, actor.context_parallel, actor.expert_parallel) > 1,
-             "pipeline, context or expert parallelism", "lay the actor out in TP x DP"),
-            (self.max_tokens_per_micro_batch is not None or self.pack_sequences,
-             "max_tokens_per_micro_batch or pack_sequences", "batch whole rows"),
-            (self.dtype != "fp32", f"dtype={self.dtype}", "use dtype=fp32"),
-            (self.lora_of("actor") is not None, "a LoRA actor", "train every weight"),
-            (self.rollout_correction != "none", f"rollout_correction={self.rollout_correction}",
-             "use rollout_correction=none"),
+            (self.algorithm == "opd" and self.environment is not None,
+             "algorithm=opd and an environment",
+             "use algorithm=grpo (or another) with distill_coef > 0: it trains on the "
+             "episodes' rewards beside the teacher"),
+            (self.reward_model is not None or self.reward_judge is not None,
+             "a reward model or judge", "score with reward_fn, rewards or reward_url"),
+            (max(actor.context_parallel, actor.expert_parallel) > 1,
+             "context or expert parallelism", "lay the actor out in TP x PP x DP"),
+            (self.dtype == "fp16", "dtype=fp16", "use dtype=bf16 or fp32"),
         ]
         return [(setting, fix) for bad, setting, fix in untested if bad]
 
@@ -1122,8 +1143,8 @@ class PPOConfig:
         """The layout of model role `role` (actor, ref, critic, reward), with its sequence
         parallelism (the group's mesh is the same without it: ppo/layout.py). With the actor's
         LoRA adapters the reference is the actor's engine: the actor's layout."""
-        # The teacher runs beside the actor, in its layout (no layout key of its own yet).
-        if role == "teacher" or (role == "ref" and self.reference_is_actor_base):
+        # The teachers run beside the actor, in its layout (no layout key of their own yet).
+        if role.startswith("teacher") or (role == "ref" and self.reference_is_actor_base):
             role = "actor"
         override = getattr(self.layout, LAYOUT_KEYS[role])
         default = ParallelConfig(
@@ -1440,10 +1461,32 @@ class PPOConfig:
                    for name in ("actor", "critic", "reward_model", "teacher", "prompts",
                                 "val_prompts", "tokenizer", "chat_template")
                    if getattr(self, name) is not None and not os.path.exists(getattr(self, name))]
+        missing += [f"teacher_by_source.{source}: {path} does not exist"
+                    for source, path in self.teacher_by_source.items()
+                    if not os.path.exists(path)]
         missing += [f"tool_python_packages: {d} is not a directory"
                     for d in self.tool_python_packages if not os.path.isdir(d)]
         if missing:
             raise ValueError("invalid PPO config:\n  " + "\n  ".join(missing))
+
+    @property
+    def teachers(self) -> dict[str, str]:
+        """Each distinct teacher, by the field that names it first ('teacher', then
+        'teacher_by_source.SOURCE' in the map's order) -> its path: a model role of its own
+        (a path named twice is loaded once)."""
+        named = [("teacher", self.teacher)] if self.teacher is not None else []
+        named += [(f"teacher_by_source.{source}", path)
+                  for source, path in self.teacher_by_source.items()]
+        first = {}
+        for name, path in named:
+            first.setdefault(path, name)
+        return {name: path for path, name in first.items()}
+
+    def teacher_of(self, source: str | None) -> str | None:
+        """The teacher (a key of `teachers`) scoring rows of data source `source`; None when
+        no teacher does."""
+        path = self.teacher_by_source.get(source, self.teacher)
+        return next((name for name, p in self.teachers.items() if p == path), None)
 
     @property
     def rollout_engines(self) -> int:

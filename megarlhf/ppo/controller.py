@@ -41,6 +41,7 @@ from megarlhf.ppo.groups import WorkerLost
 from megarlhf.ppo.inputs import RunInputs, read_inputs
 from megarlhf.ppo.metrics import CONSOLE_KEYS, step_metrics
 from megarlhf.ppo.placement import EXPERIENCE, Placement
+from megarlhf.ppo.sources import TEACHER_LOGP
 from megarlhf.rewards.calls import Sample
 from megarlhf.rl import (
     AdaptiveKLController, FixedKLController, critic_free_advantages, distillation_advantages,
@@ -264,6 +265,7 @@ def ppo_step(config: PPOConfig, data: RunInputs, workers: Placement,
     one_pass = config.one_pass_old_logprobs
     roles = EXPERIENCE - {"reward"} - ({"actor"} if one_pass else set())
     exp = workers.experience(batch, roles, routing)
+    own_teachers(config, exp, drawn.samples)
     # After the experience pass, which gives the teacher's logprobs the rows carry.
     teacher = response_values(exp["teacher_logp"], batch.response_mask) \
         if "teacher_logp" in exp else None
@@ -432,8 +434,9 @@ def compute_advantages(config: PPOConfig, score: torch.Tensor, exp: dict, mask: 
     - opd: none; the distillation term below is the whole advantage.
     Then whitening over the batch when whiten_advantages, then the distillation term
     (distill_coef > 0: distillation_advantages of the teacher's and the actor's old logprobs),
-    so it is neither normalised nor whitened. Advantages and returns are 0 off
-    `mask`. The controller holds the whole batch, so batch statistics need no process
+    so it is neither normalised nor whitened, and on `mask` only: never on an episode's
+    observations (not response tokens) nor a sample not trained. Advantages and returns are
+    0 off `mask`. The controller holds the whole batch, so batch statistics need no process
     group."""
     o = config.options
     zero = torch.zeros_like(mask)
@@ -540,6 +543,23 @@ def validate(config: PPOConfig, data: RunInputs, workers: Placement, step: int,
     return out
 
 
+def own_teachers(config: PPOConfig, exp: dict, samples: list[Sample]) -> None:
+    """Replace each teacher's logprobs of the whole batch (TEACHER_LOGP + its name) with
+    `teacher_logp`, each row's from its own teacher (PPOConfig.teacher_of its data source).
+    A row without one is an error: the launch refuses such prompts, and a term no teacher
+    scored must never train."""
+    each = {key[len(TEACHER_LOGP):]: exp.pop(key) for key in list(exp)
+            if key.startswith(TEACHER_LOGP)}
+    if not each:
+        return
+    names = [config.teacher_of(s.data_source) for s in samples]
+    untaught = sorted({str(s.data_source) for s, name in zip(samples, names) if name is None})
+    if untaught:
+        raise RuntimeError(f"rows of data source(s) {untaught} have no teacher (the launch "
+                           f"should have refused them)")
+    exp["teacher_logp"] = torch.stack([each[name][i] for i, name in enumerate(names)])
+
+
 def sample_rows(samples: list[Sample], score: torch.Tensor, count: int, phase: str,
                 episodes: list[Episode] | None = None,
                 judged: list[dict] | None = None, *, weight_version: int | None = None,
@@ -551,7 +571,8 @@ def sample_rows(samples: list[Sample], score: torch.Tensor, count: int, phase: s
     and score; with the weight version it was sampled under (fully_async: its oldest token's,
     and `token_versions`, [version, tokens] runs over its response); with the teacher's
     logprob of each of its response tokens (`teacher_logprobs`; an episode's model tokens
-    only, in order). A sample without a
+    only, in order) and, for a single-turn text row, its `prompt_ids` and `response_ids`
+    (an episode's turns give their text and token counts, not ids). A sample without a
     score has reward null and `failed`, why."""
     picked = sorted({i * len(samples) // count for i in range(count)}) if count else []
     rows = []
@@ -575,6 +596,9 @@ def sample_rows(samples: list[Sample], score: torch.Tensor, count: int, phase: s
             row["weight_version"] = weight_version
         if teacher_logp is not None:
             row["teacher_logprobs"] = teacher_logp[i]
+            if episodes is None and s.response is not None:
+                # Text does not say which token each logprob scored: the ids do.
+                row.update(prompt_ids=s.prompt_ids, response_ids=s.response_ids)
         rows.append(row)
     return rows
 

@@ -83,6 +83,20 @@ class RunInputs:
                 pool.close()
 
 
+def _check_taught(config: PPOConfig, train: list[Prompt]) -> None:
+    """ValueError naming the data sources of training prompts no teacher scores (with
+    teacher_by_source and no `teacher`): their rows would train on a term nobody computed."""
+    if not config.teachers:
+        return
+    untaught = sorted({"(none)" if p.data_source is None else p.data_source
+                       for p in train if config.teacher_of(p.data_source) is None})
+    if untaught:
+        raise ValueError(f"teacher_by_source maps no teacher for the prompts of data source(s) "
+                         f"{', '.join(untaught)} in {config.prompts}, and teacher is unset: "
+                         f"map them (a prompt without a data_source, '(none)', needs one "
+                         f"given), or set teacher for every other source")
+
+
 def read_inputs(config: PPOConfig) -> RunInputs:
     """ValueError naming what is wrong with the run's inputs (see the module doc)."""
     scorers = _scorers(config)
@@ -115,6 +129,7 @@ def read_inputs(config: PPOConfig) -> RunInputs:
     kept_val = [p for i, p in enumerate(val, start=len(train)) if i not in dropped]
     if not kept_train:
         raise ValueError(f"prompts {config.prompts}: skip_overlong drops every prompt")
+    _check_taught(config, kept_train)
     if val and not kept_val:
         raise ValueError(f"val_prompts {config.val_prompts}: skip_overlong drops every "
                          f"validation prompt")

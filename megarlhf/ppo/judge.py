@@ -34,9 +34,10 @@ from megarlhf.rollout.engine import SamplingParams
 
 @dataclasses.dataclass(frozen=True)
 class JudgeModel:
-    """reward_judge.model, read: an HF directory, or a Megatron checkpoint of a language
-    model (its weights streamed into the judge's Megatron engine under their HF names, its
-    tokenizer from the checkpoint's hf/ sidecar)."""
+    """reward_judge.model (or an HF-directory teacher), read: an HF directory, or a Megatron
+    checkpoint of a language model (its weights streamed into the judge's Megatron engine, or
+    a teacher's frozen model, under their HF names; its tokenizer from the checkpoint's hf/
+    sidecar). A checkpoint teacher is loaded as the other roles are, not from here."""
 
     path: str
     model: ModelConfig
@@ -56,25 +57,26 @@ class JudgeModel:
                 for name in hf_shapes(source.rules, source.model))
 
 
-def judge_model(path: str) -> JudgeModel:
-    """ValueError naming reward_judge.model for a path that is neither an HF model directory
-    nor a Megatron checkpoint of a language model with its tokenizer."""
+def judge_model(path: str, field: str = "reward_judge.model") -> JudgeModel:
+    """ValueError naming `field` (the recipe field giving `path`) for a path that is neither
+    an HF model directory nor a Megatron checkpoint of a language model with its
+    tokenizer."""
     if os.path.isfile(os.path.join(path, "config.json")):
         try:
             source = inspect_hf(path)
         except ValueError as e:
-            raise ValueError(f"reward_judge.model: {e}") from None
+            raise ValueError(f"{field}: {e}") from None
         return JudgeModel(path, source.model, source.arch_name, path, checkpoint=False)
     if not is_complete(path):
-        raise ValueError(f"reward_judge.model {path} has no config.json and is no complete "
+        raise ValueError(f"{field} {path} has no config.json and is no complete "
                          f"Megatron checkpoint; give an HF model directory or a checkpoint")
     meta = read_meta(path)
     if meta.get("value_head"):
-        raise ValueError(f"reward_judge.model {path} is a value model (a critic or reward "
-                         f"model: a scalar head); a judge writes text, give a language model")
+        raise ValueError(f"{field} {path} is a value model (a critic or reward "
+                         f"model: a scalar head); give a language model")
     tokenizer = os.path.join(path, HF_SIDECAR)
     if not os.path.isdir(tokenizer):
-        raise ValueError(f"reward_judge.model {path} has no {HF_SIDECAR}/ tokenizer sidecar "
+        raise ValueError(f"{field} {path} has no {HF_SIDECAR}/ tokenizer sidecar "
                          f"(tools/convert_hf/hf_to_mcore writes one): copy its base model's "
                          f"tokenizer and generation config files into {tokenizer}")
     model, arch = ModelConfig.from_dict(meta["model"]), checkpoint_architecture(meta)
@@ -82,7 +84,7 @@ def judge_model(path: str) -> JudgeModel:
     missing = [rule.mcore for rule in arch.rules(model, lm_head=True, value_head=False)
                if reader.shape(rule.mcore) is None]
     if missing:
-        raise ValueError(f"reward_judge.model {path} has no tensor {missing[0]!r}, which a "
+        raise ValueError(f"{field} {path} has no tensor {missing[0]!r}, which a "
                          f"{arch.name} language model needs (of another architecture?)")
     return JudgeModel(path, model, arch.name, tokenizer, checkpoint=True)
 

@@ -31,14 +31,16 @@ def group_specs(config: PPOConfig) -> tuple[GroupSpec, ...]:
 
     actor = mesh("actor")
     judge = {"judge"} if config.reward_judge is not None else set()
-    teacher = {"teacher"} if config.teacher is not None else set()
+    # "teacher": every teacher of the run (PPOConfig.teachers), each a model of the group.
+    teacher = {"teacher"} if config.teachers else set()
     if config.placement == "colocated":
         roles = frozenset({"actor", "ref", "rollout"} | critic | reward | judge | teacher)
         return (GroupSpec("colocated", roles, config.nproc, actor),)
     # With the actor's LoRA adapters the reference is the actor with them off: in its group.
-    # (A teacher is colocated only: PPOConfig refuses it here until a test runs it.)
+    # The teacher runs in the actor's layout (PPOConfig.parallel_of): in its group too.
     ref = {"ref"}
-    actor_roles = frozenset({"actor"} | (ref if config.reference_is_actor_base else set()))
+    actor_roles = frozenset({"actor"} | (ref if config.reference_is_actor_base else set())
+                            | teacher)
     groups = [GroupSpec("+".join(sorted(actor_roles)), actor_roles, config.nproc, actor)]
     if critic:
         groups.append(GroupSpec("critic", frozenset(critic), config.nproc,

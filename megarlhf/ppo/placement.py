@@ -3,11 +3,11 @@
 - colocated: one group of `nproc` ranks holds every role: actor, ref, critic, reward and the
   rollout engine, fed by the bridge inside each rank.
 - disaggregated: a group per role set, each with a torch.distributed world and Megatron mesh of
-  its own: actor (trains; the weight source), critic (PPO only), ref+reward (frozen
-  inference), each `nproc` ranks at TP x PP; `rollout_nproc` rollout ranks (engines of
-  config.rollout_tp consecutive ranks) that all receive the actor's weights over the bridge's
-  channel, each engine rank loading its own shard; and with reward_judge `judge_nproc` judge
-  ranks (engines of config.judge_tp ranks, their weights the judge's own, never synced).
+  its own: actor (trains; the weight source; with it the teacher, in its layout), critic (PPO
+  only), ref+reward (frozen inference), each `nproc` ranks at TP x PP; `rollout_nproc`
+  rollout ranks (engines of config.rollout_tp consecutive ranks) that all receive the actor's
+  weights over the bridge's channel, each engine rank loading its own shard; and with
+  reward_judge `judge_nproc` judge ranks (engines of config.judge_tp ranks, their weights the judge's own, never synced).
 
 The loop calls the same phases either way. A phase goes to every group holding a role it
 needs, all at once, and then waits for all of them: disaggregated, the actor's and ref's

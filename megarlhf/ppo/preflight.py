@@ -17,7 +17,8 @@ from megarlhf.data.tokenizer import eos_token_ids, tokenizer_fingerprint
 from megarlhf.engine.checkpoint import HF_SIDECAR
 from megarlhf.models.config import ModelConfig
 from megarlhf.ppo.config import PPOConfig
-from megarlhf.ppo.sources import MODEL_ROLES, check_models, resolve_models
+from megarlhf.ppo.sources import (check_models, field_of, model_paths, resolve_models,
+                                  role_of)
 from megarlhf.rollout.sizing import EngineSize
 
 log = logging.getLogger(__name__)
@@ -85,11 +86,14 @@ def preflight(config: PPOConfig, prompts: list[list[int]],
             problems.append(f"max_tokens_per_micro_batch={budget} cannot hold the longest "
                             f"prompt ({longest} tokens) + max_new_tokens="
                             f"{config.max_new_tokens}; raise it to at least {need}")
-    problems += [f"{role}: {getattr(config, field)} is an HF model directory, not a megarlhf "
+    # A teacher may be an HF directory: its tensors are streamed in at launch.
+    problems += [f"{name}: {path} is an HF model directory, not a megarlhf "
                  f"checkpoint; convert it first (python -m tools.convert_hf.hf_to_mcore --hf "
                  f"DIR --out CKPT [--role critic|reward])"
-                 for role, (field, _, _) in MODEL_ROLES.items()
-                 if role in models and role != "ref" and models[role].origin != "checkpoint"]
+                 for name, path in model_paths(config).items()
+                 if role_of(name) not in ("ref", "teacher")
+                 and models[name].origin != "checkpoint"]
+    problems += _hf_teacher_problems(config, models)
     if config.rollout_backend == "vllm" and not os.path.isfile(
             os.path.join(config.vllm_model_dir, "config.json")):
         problems.append(f"vllm_model_dir {config.vllm_model_dir} has no config.json (an HF "
@@ -154,24 +158,40 @@ def _overlong(config: PPOConfig, limit: int, prompts: list[list[int]]) -> list[i
     return [i for i, p in enumerate(prompts) if len(p) + config.max_new_tokens > limit]
 
 
+def _hf_teacher_problems(config: PPOConfig, models: dict) -> list[str]:
+    """What the ranks would fail on streaming an HF-directory teacher's tensors (each named
+    with its tensor rules' shapes), read here from the files' headers."""
+    from megarlhf.ppo.judge import judge_model  # (judge.py imports this module)
+
+    problems = []
+    for name, path in config.teachers.items():
+        if name in models and models[name].origin == "HF config":
+            try:
+                judge_model(path, name)
+            except ValueError as e:
+                problems.append(str(e))
+    return problems
+
+
 def _vocabulary_problems(config: PPOConfig, models: dict) -> list[str]:
     """Every model reads the actor's token ids: the same vocabulary (unpadded: padded sizes
     legitimately differ with TP) and, where their files say, the same tokenizer."""
     actor = models["actor"].model.vocab_size
-    problems = [f"{config_field}: its vocabulary has {source.model.vocab_size} tokens, the "
+    problems = [f"{field_of(name)}: its vocabulary has {source.model.vocab_size} tokens, the "
                 f"actor's {actor}; it must share the actor's tokenizer (train it from the same "
                 f"base model)"
-                for role, source in models.items()
-                for config_field in [MODEL_ROLES[role][0]]
-                if role != "ref" and source.model.vocab_size != actor]
-    tokenizers = {MODEL_ROLES[role][0]: tokenizer_fingerprint(
-                      os.path.join(getattr(config, MODEL_ROLES[role][0]), HF_SIDECAR))
-                  for role in models if role != "ref"}
+                for name, source in models.items()
+                if name != "ref" and source.model.vocab_size != actor]
+    # An HF directory holds its tokenizer files; a checkpoint, its hf/ sidecar.
+    tokenizers = {field_of(name): tokenizer_fingerprint(
+                      path if models[name].origin == "HF config"
+                      else os.path.join(path, HF_SIDECAR))
+                  for name, path in model_paths(config).items() if name != "ref"}
     if config.rollout_backend == "vllm" and config.vllm_model_dir:
         tokenizers["vllm_model_dir"] = tokenizer_fingerprint(config.vllm_model_dir)
     mine = tokenizers.pop("actor")
-    problems += [f"{field}: its tokenizer files differ from the actor's (another vocabulary "
-                 f"or merges); every role must tokenize like the actor"
+    problems += [f"{field}: its tokenizer files differ from the actor's (another vocabulary, "
+                 f"merges or special tokens); every role must tokenize like the actor"
                  for field, theirs in tokenizers.items()
                  if mine is not None and theirs is not None and theirs != mine]
     return problems

@@ -97,9 +97,11 @@ def run_inputs(config, prompts) -> dict:
     file counts as other prompts)."""
     inputs = {"seed": config.seed, "algorithm": config.algorithm,
               "prompts": _prompts_fingerprint(config.prompts, prompts)}
-    for field in ("actor", "critic", "reward_model", "teacher"):
+    for field in ("actor", "critic", "reward_model"):
         path = getattr(config, field)
         inputs[field] = None if path is None else _checkpoint_fingerprint(path)
+    inputs["teacher"] = None if config.teacher is None else _teacher_fingerprint(config.teacher)
+    inputs["teacher_by_source"] = _teachers_fingerprint(config.teacher_by_source)
     # The reference is rebuilt from it on a resume.
     adapter = config.reference_adapter
     inputs["actor_adapter"] = None if adapter is None else _files_fingerprint(
@@ -169,15 +171,43 @@ def _judge_fingerprint(judge) -> dict:
                      _files_fingerprint(os.path.join(judge.model, HF_SIDECAR), _JUDGE_FILES)):
             digest.update(part["sha256"].encode())
         return {"path": os.path.abspath(judge.model), "sha256": digest.hexdigest()}
-    digest.update(_files_fingerprint(judge.model, _JUDGE_FILES)["sha256"].encode())
-    for name in sorted(n for n in os.listdir(judge.model) if n.endswith(".safetensors")):
-        file = os.path.join(judge.model, name)
+    _hf_digest(digest, judge.model)
+    return {"path": os.path.abspath(judge.model), "sha256": digest.hexdigest()}
+
+
+def _hf_digest(digest, hf_dir: str) -> None:
+    """Add an HF model directory to `digest`: its config and tokenizer files, and each
+    safetensors file's header (names, shapes, dtypes) with the first and last MiB of its data
+    (integrity.sample_weights)."""
+    digest.update(_files_fingerprint(hf_dir, _JUDGE_FILES)["sha256"].encode())
+    for name in sorted(n for n in os.listdir(hf_dir) if n.endswith(".safetensors")):
+        file = os.path.join(hf_dir, name)
         with open(file, "rb") as f:
             header = f.read(8)
             header += f.read(int.from_bytes(header, "little"))
         digest.update(name.encode() + b"\0" + header)
         sample_weights(digest, file, start=len(header))
-    return {"path": os.path.abspath(judge.model), "sha256": digest.hexdigest()}
+
+
+def _teacher_fingerprint(path: str) -> dict:
+    """A teacher: a checkpoint by its metadata (_checkpoint_fingerprint), an HF directory as
+    _hf_digest reads it (told apart as the worker loads it: a complete checkpoint first)."""
+    if is_complete(path):
+        return _checkpoint_fingerprint(path)
+    digest = hashlib.sha256()
+    _hf_digest(digest, path)
+    return {"path": os.path.abspath(path), "sha256": digest.hexdigest()}
+
+
+def _teachers_fingerprint(by_source: dict[str, str]) -> dict | None:
+    """teacher_by_source as one input: each source with its teacher's fingerprint (a moved
+    teacher is the same one; another source's, or another teacher, is not)."""
+    if not by_source:
+        return None
+    parts = {source: _teacher_fingerprint(path) for source, path in sorted(by_source.items())}
+    digest = hashlib.sha256(json.dumps({s: p["sha256"] for s, p in parts.items()}).encode())
+    return {"path": ", ".join(f"{s}={p['path']}" for s, p in parts.items()),
+            "sha256": digest.hexdigest()}
 
 
 def _files_fingerprint(path: str, names: tuple[str, ...]) -> dict:

@@ -73,14 +73,40 @@ def resolve(path: str, *, field: str, value_head: bool, lora: bool = False) -> M
                      f"megarlhf.models.presets)")
 
 
-def resolve_models(config: PPOConfig) -> dict[str, ModelSource]:
-    """Role -> its model's shape, for the roles this job has."""
+TEACHER_LOGP = "teacher_logp:"
+"""The experience pass's key of each teacher's logprobs, before its name (PPOConfig.teachers);
+the controller keeps each row's own teacher's as `teacher_logp`."""
+
+
+def role_of(name: str) -> str:
+    """The model role (a key of MODEL_ROLES) of a model of the job: the role itself, or
+    "teacher" for each of the run's teachers (PPOConfig.teachers)."""
+    return "teacher" if name.startswith("teacher") else name
+
+
+def field_of(name: str) -> str:
+    """The recipe field giving a model's path (a teacher's name is its field)."""
+    return name if role_of(name) == "teacher" else MODEL_ROLES[name][0]
+
+
+def model_paths(config: PPOConfig) -> dict[str, str]:
+    """Model -> its path, for the roles this job has: a model per role, and one per
+    distinct teacher under its name."""
     roles = set().union(*(spec.roles for spec in group_specs(config)))
-    models = {}
-    for role, (field, value_head, _) in MODEL_ROLES.items():
-        if role in roles:
-            models[role] = resolve(getattr(config, field), field=field, value_head=value_head)
-    return models
+    paths = {}
+    for role, (field, _, _) in MODEL_ROLES.items():
+        if role == "teacher" and role in roles:
+            paths.update(config.teachers)
+        elif role in roles:
+            paths[role] = getattr(config, field)
+    return paths
+
+
+def resolve_models(config: PPOConfig) -> dict[str, ModelSource]:
+    """Model (model_paths' names) -> its shape, for the roles this job has."""
+    return {name: resolve(path, field=field_of(name),
+                          value_head=MODEL_ROLES[role_of(name)][1])
+            for name, path in model_paths(config).items()}
 
 
 def check_models(config: PPOConfig, models: dict[str, ModelSource], seq: int) -> list[str]:

@@ -22,7 +22,8 @@ import torch.distributed as dist
 from megarlhf.convert.peft_adapter import load_adapter
 from megarlhf.data.sequences import SequenceBatch
 from megarlhf.engine.checkpoint import (
-    checkpoint_architecture, engine_from_checkpoint, load_checkpoint, read_meta, save_checkpoint,
+    checkpoint_architecture, engine_from_checkpoint, is_complete, load_checkpoint, read_meta,
+    save_checkpoint,
 )
 from megarlhf.engine.optim import OptimConfig
 from megarlhf.engine.train import TrainEngine
@@ -35,6 +36,7 @@ from megarlhf.ppo.config import PPOConfig
 from megarlhf.ppo import residency
 from megarlhf.ppo.layout import GroupSpec
 from megarlhf.ppo.residency import Residency
+from megarlhf.ppo.sources import TEACHER_LOGP, role_of
 from megarlhf.profiling import PhaseProfiler
 from megarlhf.rollout.bridge import WeightBridge, open_channel, receive
 from megarlhf.rollout.delta import DeltaChannel
@@ -77,7 +79,9 @@ class PPOWorker:
         self.rank = self.mesh.rank
         self.dtype = parse_dtype(c.dtype)
         self.profiler = PhaseProfiler(c.out_dir, f"{group.name}_rank{self.rank}")
-        self.actor = self.ref = self.critic = self.reward = self.teacher = None
+        self.actor = self.ref = self.critic = self.reward = None
+        self.teachers: dict[str, PolicyRole] = {}
+        """PPOConfig.teachers' name -> its frozen model (the group's "teacher" role)."""
         o = c.options
         norm = (c.aggregation_norm or c.max_new_tokens
                 if o.aggregation == "seq_mean_token_sum_norm" else None)
@@ -109,8 +113,9 @@ class PPOWorker:
             self.reward = ValueRole(self._engine("reward", c.reward_model, None),
                                     batching=batching)
         if "teacher" in roles:
-            self.teacher = PolicyRole(self._engine("teacher", c.teacher, None),
-                                      batching=batching)
+            self.teachers = {name: PolicyRole(self._teacher_engine(name, path),
+                                              batching=batching)
+                             for name, path in c.teachers.items()}
         model, arch = self._actor_model()
         self.bridge = self.engine = self.channel = self.delta = None
         if self.actor is not None:
@@ -135,10 +140,11 @@ class PPOWorker:
             self._hidden = model.hidden_size
 
     def _models(self) -> dict:
-        """role -> its PolicyRole / ValueRole, for the model roles this group holds."""
+        """role -> its PolicyRole / ValueRole, for the model roles this group holds (each
+        teacher under its name)."""
         return {role: r for role, r in (("actor", self.actor), ("ref", self.ref),
                                         ("critic", self.critic), ("reward", self.reward),
-                                        ("teacher", self.teacher))
+                                        *self.teachers.items())
                 if r is not None}
 
     def _engine_sleeps(self) -> None:
@@ -164,6 +170,23 @@ class PPOWorker:
         if lora is not None and lora.from_peft is not None:
             load_adapter(lora.from_peft, engine.unwrapped())
             engine.refresh_masters()
+        return engine
+
+    def _teacher_engine(self, name: str, path: str) -> TrainEngine:
+        """Teacher `name`'s frozen model in the actor's layout: a checkpoint loaded as every
+        role's is, or an HF directory's tensors streamed in under their HF names (as a
+        Megatron judge's are; nothing converted on disk)."""
+        if is_complete(path):
+            return self._engine("teacher", path, None)
+        from megarlhf.ppo.judge import judge_model
+        from megarlhf.rollout.megatron_engine import HFWeights
+
+        source = judge_model(path, name)
+        parallel = self.config.parallel_of("teacher")
+        engine = TrainEngine(model_spec(source.model, parallel, dtype=self.dtype,
+                                        layer_spec=self.config.layer_spec), self.mesh, None)
+        HFWeights(engine.chunks, source.model, source.arch_name, name,
+                  whole=parallel.pipeline_parallel == 1).load(source.weights(), self.mesh.device)
         return engine
 
     def _actor_model(self):
@@ -325,7 +348,7 @@ class PPOWorker:
         self._engine_sleeps()
         out = {}
         for role, model in self._models().items():
-            if role not in roles:
+            if role_of(role) not in roles:
                 continue
             # One role's weights at a time, when they are offloaded (LoRA's reference is the
             # actor's weights).
@@ -340,8 +363,8 @@ class PPOWorker:
             elif role == "ref":
                 with adapters_off(model.engine.chunks) if shares_actor else nullcontext():
                     out["ref_logp"] = model.logprobs(batch)
-            elif role == "teacher":
-                out["teacher_logp"] = model.logprobs(batch)
+            elif role in self.teachers:  # the controller picks each row's teacher
+                out[TEACHER_LOGP + role] = model.logprobs(batch)
             elif role == "critic":
                 out["values"] = model.values(batch)
             else:

@@ -79,6 +79,70 @@ class _Slot:
         return self.rule.mcore, self.index
 
 
+class HFWeights:
+    """This rank's shards of a Megatron language model's `chunks`, written from full
+    HF-named tensors (a WeightStream): the engine's update_weights, and a frozen TrainEngine
+    loaded from an HF directory (the teacher)."""
+
+    def __init__(self, chunks: list[torch.nn.Module], model: ModelConfig, arch_name: str,
+                 name: str, *, whole: bool = True):
+        """`arch_name`: the architecture whose tensor rules name the model's tensors; `name`:
+        the model's, for errors; `whole`: the chunks hold every layer (False: one pipeline
+        stage's; the stream's other tensors are checked and passed over)."""
+        arch = architecture_for_model(model, arch_name)
+        rules = arch.rules(model, lm_head=True, value_head=False)
+        self.name, self.num_layers, self.whole = name, model.num_layers, whole
+        self._slots = _hf_slots(rules, model)
+        self._shapes = hf_shapes(rules, model)
+        self._pieces = _pieces_by_unit(local_pieces(chunks))
+        self._check_rules_cover_model(chunks, {s.unit for s in self._slots.values()},
+                                      arch.name)
+
+    @torch.no_grad()  # a trainable model's parameters are written in place
+    def load(self, buckets: WeightStream, device) -> None:
+        """Copy every tensor of `buckets` into its shards; ValueError unless each of the
+        model's tensors arrives once, of its shape. A rule's HF tensors may arrive in
+        different buckets; only incomplete rules are held."""
+        check = WeightCheck(self._shapes, f"this model (LM head, {self.num_layers} layers)")
+        pending: dict[Unit, list[torch.Tensor | None]] = {}
+        for bucket in buckets:
+            for name, tensor in bucket:
+                check.accept(name, tensor)
+                slot = self._slots[name]
+                if slot.unit not in self._pieces:  # another pipeline stage's
+                    continue
+                parts = pending.setdefault(slot.unit, [None] * len(slot.rule.hf))
+                parts[slot.position] = tensor
+                if all(p is not None for p in parts):
+                    self._load_unit(slot, pending.pop(slot.unit), device)
+            # The producer may reuse this bucket's memory (copies_each_bucket).
+            for parts in pending.values():
+                parts[:] = [p if p is None else p.clone() for p in parts]
+        check.finish()
+
+    def _load_unit(self, slot: _Slot, parts: list[torch.Tensor], device) -> None:
+        pieces = self._pieces[slot.unit]
+        full = slot.rule.fuse([p.to(device) for p in parts])
+        if slot.rule.vocab:
+            full = _pad_rows(full, pieces[0].full_shape[0])
+        assert tuple(full.shape) == pieces[0].full_shape, (slot.unit, full.shape)
+        for piece in pieces:
+            piece.data.copy_(piece.region(full))
+
+    def _check_rules_cover_model(self, chunks: list[torch.nn.Module], rule_units: set[Unit],
+                                 arch_name: str) -> None:
+        model_units = set(self._pieces)
+        if not model_units <= rule_units or (self.whole and model_units != rule_units):
+            raise ValueError(
+                f"{self.name}: the {arch_name} tensor rules do not match the model: model only "
+                f"{sorted(model_units - rule_units, key=str)}, rules only "
+                f"{sorted(rule_units - model_units, key=str)}; pass the right architecture")
+        params = {p.untyped_storage().data_ptr() for c in chunks for p in c.parameters()}
+        assert all(piece.data.untyped_storage().data_ptr() in params
+                   for pieces in self._pieces.values() for piece in pieces), \
+            "a checkpoint piece is a copy, not a view of a parameter: writes would be lost"
+
+
 @dataclasses.dataclass
 class _Sample:
     token_ids: list[int] = dataclasses.field(default_factory=list)
@@ -104,12 +168,8 @@ class MegatronEngine:
         self.config = config or MegatronEngineConfig()
         self.name = f"megatron engine rank {mesh.rank}"
         self.model = build_model(spec, mesh)[0].eval().requires_grad_(False)
-        arch = architecture_for_model(spec.model, self.config.architecture)
-        rules = arch.rules(spec.model, lm_head=True, value_head=False)
-        self._slots = _hf_slots(rules, spec.model)
-        self._shapes = hf_shapes(rules, spec.model)
-        self._pieces = _pieces_by_unit(local_pieces([self.model]))
-        self._check_rules_cover_model({s.unit for s in self._slots.values()}, arch.name)
+        self._weights = HFWeights([self.model], spec.model, self.config.architecture,
+                                  self.name)
         if self.config.return_routing and not spec.model.is_moe:
             raise ValueError("return_routing needs a mixture-of-experts model; this one is "
                              "dense")
@@ -293,48 +353,10 @@ class MegatronEngine:
         self._weights_ready = False  # a failed update leaves a half-written model
         self._kept = None  # a host copy of other weights
         try:
-            self._load_stream(buckets)
+            self._weights.load(buckets, self.mesh.device)
         except ValueError as e:
             raise ValueError(f"{self.name}: {e}") from None
         self._weights_ready = True
-
-    def _load_stream(self, buckets: WeightStream) -> None:
-        check = WeightCheck(self._shapes, f"this model (LM head, {self.spec.model.num_layers} "
-                                          f"layers)")
-        pending: dict[Unit, list[torch.Tensor | None]] = {}
-        for bucket in buckets:
-            for name, tensor in bucket:
-                check.accept(name, tensor)
-                slot = self._slots[name]
-                parts = pending.setdefault(slot.unit, [None] * len(slot.rule.hf))
-                parts[slot.position] = tensor
-                if all(p is not None for p in parts):
-                    self._load_unit(slot, pending.pop(slot.unit))
-            # The producer may reuse this bucket's memory (copies_each_bucket).
-            for parts in pending.values():
-                parts[:] = [p if p is None else p.clone() for p in parts]
-        check.finish()
-
-    def _load_unit(self, slot: _Slot, parts: list[torch.Tensor]) -> None:
-        pieces = self._pieces[slot.unit]
-        full = slot.rule.fuse([p.to(self.mesh.device) for p in parts])
-        if slot.rule.vocab:
-            full = _pad_rows(full, pieces[0].full_shape[0])
-        assert tuple(full.shape) == pieces[0].full_shape, (slot.unit, full.shape)
-        for piece in pieces:
-            piece.data.copy_(piece.region(full))
-
-    def _check_rules_cover_model(self, rule_units: set[Unit], arch_name: str) -> None:
-        model_units = set(self._pieces)
-        if rule_units != model_units:
-            raise ValueError(
-                f"{self.name}: the {arch_name} tensor rules do not match the model: model only "
-                f"{sorted(model_units - rule_units, key=str)}, rules only "
-                f"{sorted(rule_units - model_units, key=str)}; pass the right architecture")
-        params = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
-        assert all(piece.data.untyped_storage().data_ptr() in params
-                   for pieces in self._pieces.values() for piece in pieces), \
-            "a checkpoint piece is a copy, not a view of a parameter: writes would be lost"
 
     # ---------------------------------------------------------------------- sleep / lifecycle
 
