@@ -153,6 +153,19 @@ CONFIG_CASES = [  # (overrides, what the message must name)
     (["distill_coef=0.5"], "needs teacher=CKPT"),
     (["teacher_by_source={a: ''}", "algorithm=opd", "reward_fn=null"],
      "teacher_by_source.a must name a teacher"),
+    # A teacher on ranks of its own: disaggregated, with a teacher, at a layout its ranks hold.
+    (["teacher_nproc=2", "algorithm=opd", "reward_fn=null", "teacher=t"],
+     "teacher_nproc=2 needs placement=disaggregated; a colocated teacher runs on the nproc "
+     "training ranks"),
+    (["teacher_nproc=2", "placement=disaggregated"],
+     "teacher_nproc=2 is set, but no teacher (or teacher_by_source): unset it"),
+    (["teacher_nproc=3", "placement=disaggregated", "algorithm=opd", "reward_fn=null",
+      "teacher=t", "layout={teacher: {tensor_parallel: 2}}"],
+     "teacher_nproc=3 is not a multiple of layout.teacher's tensor_parallel x "
+     "pipeline_parallel x context_parallel = 2"),
+    (["layout={teacher: {tensor_parallel: 2}}", "algorithm=opd", "reward_fn=null", "teacher=t"],
+     "layout.teacher is set, but without teacher_nproc the teachers run in the actor's "
+     "group, in its layout: set teacher_nproc"),
     (["seed=-1"], "seed=-1 is out of range"),
     (["top_k=-1"], "top_k=-1 is out of range"),
     (["entropy_coef=-1"], "entropy_coef=-1.0 is out of range"),
@@ -298,6 +311,10 @@ def path_cases(world) -> dict[str, tuple[list[str], str]]:
         "teacher_by_source of other special tokens": (
             [*opd, f"teacher={world}/hf", f"teacher_by_source={{a: {special}}}"],
             "teacher_by_source.a: its tokenizer files differ from the actor's"),
+        "teacher on its own ranks at a TP its heads do not split": (
+            [*opd, f"teacher={world}/actor_other", "placement=disaggregated", "teacher_nproc=4",
+             "layout={teacher: {tensor_parallel: 4}}"],
+            "teacher: tensor_parallel=4 does not divide num_kv_heads=2"),
         "teacher HF dir without weights": ([*opd, f"teacher={weightless}"],
                                            "teacher: no model.safetensors or model."
                                            "safetensors.index.json in " + str(weightless)),
@@ -333,7 +350,9 @@ PATH_CASES = ["actor missing", "actor is an HF dir", "actor is a value checkpoin
               "reward_fn not module:function", "reward_fn not callable",
               "reward model of another vocabulary", "teacher of another tokenizer",
               "teacher_by_source of another vocabulary",
-              "teacher_by_source of other special tokens", "teacher HF dir without weights",
+              "teacher_by_source of other special tokens",
+              "teacher on its own ranks at a TP its heads do not split",
+              "teacher HF dir without weights",
               "teacher_by_source missing",
               "a source without a teacher",
               "out_dir is a file",

@@ -542,6 +542,41 @@ def test_each_teacher_is_planned_as_a_frozen_model_of_its_own():
         for r in ("actor", "ref", *teachers))
 
 
+def test_teachers_on_ranks_of_their_own_are_a_group_at_their_own_layout():
+    """teacher_nproc=4 at layout.teacher TP1 x PP1 (DP4; the actor's TP2 x PP2): the teachers
+    (`teacher` and a teacher_by_source one) are a group of 4 ranks after ref, counted in the
+    GPUs the job needs, each rank holding both teachers whole (weights and a forward pass),
+    and the actor's group holds none of them. At TP4 the tiny teacher's 2 KV heads do not
+    split: refused, naming the teacher."""
+    from megarlhf.plan.job import Cluster, plan
+    from megarlhf.ppo.config import Layout, RoleLayout
+
+    config = config_of(reward_model=None, algorithm="opd", actor="preset:tiny",
+                       teacher="preset:tiny", teacher_by_source={"b": "preset:llama-1b"},
+                       placement="disaggregated", teacher_nproc=4,
+                       layout=Layout(teacher=RoleLayout(tensor_parallel=1, pipeline_parallel=1)))
+    with pytest.raises(ValueError, match=r"the job needs 21 GPUs \(actor 8 \+ ref 8 \+ "
+                                         r"teacher 4 \+ rollout 1\)"):
+        plan(config, Cluster(nodes=2), 16)
+    at_tp4 = Layout(teacher=RoleLayout(tensor_parallel=4, pipeline_parallel=1))
+    with pytest.raises(ValueError, match="teacher: tensor_parallel=4 does not divide "
+                                         "num_kv_heads=2"):
+        plan(dataclasses.replace(config, layout=at_tp4), Cluster(nodes=3), 16)
+    result = plan(config, Cluster(nodes=3), 16)
+    assert result.gpus_needed == 21
+    teacher = result.groups[2]
+    assert (teacher.spec.name, teacher.spec.nproc, teacher.first_gpu) == ("teacher", 4, 16)
+    (stage,) = teacher.stages  # PP1
+    assert teacher.spec.parallel.data_parallel_size(4) == 4
+    by = {(t.role, t.what): t.bytes for t in stage.terms}
+    names = ("teacher", "teacher_by_source.b")
+    assert set(by) == {(n, w) for n in names for w in ("weights", "forward pass")}
+    for name, model in zip(names, ("tiny", "llama-1b")):
+        assert by[(name, "weights")] == rank_params(preset(model), ParallelConfig(), 0) * 2  # bf16
+    assert not any(t.role.startswith("teacher") for g in result.groups if g is not teacher
+                   for st in g.stages for t in st.terms)
+
+
 def test_the_vllm_kv_cache_is_what_the_engines_are_sized_with():
     from megarlhf.plan.job import Cluster, plan
 

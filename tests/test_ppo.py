@@ -1913,8 +1913,8 @@ def _model_positions(row: dict) -> list[int]:
 
 
 @pytest.mark.slow
-def test_grpo_with_a_reward_distills_a_teacher_on_the_model_tokens_of_episodes(tmp_path,
-                                                                                monkeypatch):
+@pytest.mark.parametrize("algorithm", ["grpo", "opd"])
+def test_a_teacher_distills_on_the_model_tokens_of_episodes(tmp_path, monkeypatch, algorithm):
     """algorithm=grpo with a reward function (beside the environment's rewards), 2-turn
     episodes of tests.env_fns:LowIds and a teacher of the actor's chat tokenizer, distill_coef
     0.5 and distill_clip 0.25, one rank. The teacher reads each whole episode, observations
@@ -1926,9 +1926,10 @@ def test_grpo_with_a_reward_distills_a_teacher_on_the_model_tokens_of_episodes(t
     forward of the actor's HF model; distill/reverse_kl and distill/teacher_logprob_mean are
     over the model's tokens only. samples.jsonl logs text: the episodes' token ids are read
     from the batch the controller builds, which of them are the model's from the logged
-    turns. Tolerance 1e-4 as the opd test's (fp32 Megatron against transformers: ~1e-6;
-    an observation token's term, or the teacher without the observations, moves these by
-    > 1e-2)."""
+    turns. algorithm=opd the same, its advantages the clamped term alone (the rewards logged,
+    not trained on). Tolerance 1e-4 as the opd test's (fp32 Megatron against transformers:
+    ~1e-6; an observation token's term, or the teacher without the observations, moves these
+    by > 1e-2)."""
     from megarlhf.ppo import controller
     from tests import hf_models
 
@@ -1948,7 +1949,7 @@ def test_grpo_with_a_reward_distills_a_teacher_on_the_model_tokens_of_episodes(t
 
     monkeypatch.setattr(controller, "rollout_batch", keep_batch)
     config = PPOConfig(actor=str(tmp_path / "student"), teacher=str(tmp_path / "teacher"),
-                       algorithm="grpo", reward_fn="tests.reward_fns:conversation_reward",
+                       algorithm=algorithm, reward_fn="tests.reward_fns:conversation_reward",
                        environment="tests.env_fns:LowIds", env_args={"turns": 2}, max_turns=2,
                        max_new_tokens=40, max_turn_tokens=8, prompts=str(prompts),
                        out_dir=str(tmp_path / "run"), nproc=1, steps=1, prompts_per_step=2,
@@ -1980,7 +1981,8 @@ def test_grpo_with_a_reward_distills_a_teacher_on_the_model_tokens_of_episodes(t
     grpo = []
     for i, reward in enumerate(rewards):
         group = rewards[i - i % G:i - i % G + G]
-        grpo.append((reward - statistics.fmean(group)) / (statistics.stdev(group) + 1e-6))
+        grpo.append((reward - statistics.fmean(group)) / (statistics.stdev(group) + 1e-6)
+                    if algorithm == "grpo" else 0.0)
     kl = [[t - s for t, s in zip(ts, ss)] for ts, ss in zip(teacher, student)]
     terms = [[min(max(0.5 * d, -0.25), 0.25) for d in ds] for ds in kl]  # distill_clip
     clipped = [abs(t) == 0.25 for ts in terms for t in ts]
@@ -2048,6 +2050,47 @@ def test_opd_teacher_at_pp2_with_packed_token_budgets_and_fully_async_rollouts(p
         assert row["teacher_logprobs"] == pytest.approx(want, abs=1e-4), row
     assert history[0]["distill/reverse_kl"] == pytest.approx(kl, abs=1e-4), history[0]
     assert [m["rollout/policy_lag_max"] for m in history] == [0.0, 1.0], history
+
+
+@pytest.mark.slow
+def test_opd_teachers_on_ranks_of_their_own_at_another_tp(tmp_path):
+    """Disaggregated: the actor at TP1 on one rank, one Megatron rollout rank, and the
+    teachers on 2 ranks of their own at TP2 (teacher_nproc=2, layout.teacher), a group that
+    holds both: `teacher` the teacher's checkpoint and teacher_by_source {b: its HF
+    directory} (streamed in), over prompts of sources a and b, for 2 steps. Each logged
+    teacher logprob equals transformers' forward of the teacher's HF model (1e-4, as the TP2
+    test: fp32 summation order ~1e-6, a wrong model or row ~1 per token), and step 1's
+    reverse KL that of the logged rows. Resumed for a step 3 with the teachers back in the
+    actor's group (teacher_nproc unset: where they run is not a resume input), its rows'
+    teacher logprobs are transformers' too."""
+    hf = _distill_models(tmp_path)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt_ids": [5 + i, 40, 77 * i + 3],
+                                           "data_source": "ab"[i % 2]}) + "\n"
+                               for i in range(4)))
+    config = PPOConfig(actor=str(tmp_path / "student"), teacher=str(tmp_path / "teacher"),
+                       teacher_by_source={"b": hf["teacher"]}, algorithm="opd",
+                       prompts=str(prompts), out_dir=str(tmp_path / "run"), nproc=1,
+                       placement="disaggregated", teacher_nproc=2,
+                       layout=Layout(teacher=RoleLayout(tensor_parallel=2)), steps=2,
+                       prompts_per_step=4, samples_per_prompt=2, max_new_tokens=8,
+                       log_samples=8)
+    specs = group_specs(config)
+    assert [(s.name, s.nproc, s.parallel.tensor_parallel) for s in specs] == [
+        ("actor", 1, 1), ("ref", 1, 1), ("teacher", 2, 2), ("rollout", 1, 1)]
+    history, rows, teacher, kl = _distill_run(config, hf, torch.float32)
+    assert {row["data_source"] for row in rows} == {"a", "b"}
+    for row, want in zip(rows, teacher):
+        assert row["teacher_logprobs"] == pytest.approx(want, abs=1e-4), row
+    assert history[0]["distill/reverse_kl"] == pytest.approx(kl, abs=1e-4), history[0]
+    resumed = dataclasses.replace(config, steps=3, teacher_nproc=None, layout=Layout())
+    assert [s.name for s in group_specs(resumed)] == ["actor+teacher", "ref", "rollout"]
+    (again,) = run(resumed)
+    with open(os.path.join(config.out_dir, "samples.jsonl")) as f:
+        rows = [row for row in map(json.loads, f) if row["step"] == 3]
+    assert again["step"] == 3 and len(rows) == config.rows_per_step
+    for row, want in zip(rows, _hf_logprobs(hf["teacher"], rows)):
+        assert row["teacher_logprobs"] == pytest.approx(want, abs=1e-4), row
 
 
 BF16_TEACHER_TOL = 0.05

@@ -15,7 +15,9 @@ import statistics
 import pytest
 import torch
 
+from megarlhf.models.lora import LoraConfig
 from megarlhf.ppo.algorithms import PRESETS, resolve
+from megarlhf.ppo.config import Layout, RoleLayout
 from megarlhf.rl import aggregate, kl_penalty, policy_loss
 from megarlhf.rl.correction import rollout_correction
 from megarlhf.rl.shaping import overlong_penalty, varied_groups
@@ -364,14 +366,25 @@ def test_distill_coef_adds_the_same_term_to_every_algorithms_advantages(algorith
      "teacher with a reward model or judge: not run yet with a teacher; score with reward_fn"),
     (dict(algorithm="opd", teacher="t", dtype="fp16"),
      "teacher with dtype=fp16: not run yet with a teacher; use dtype=bf16 or fp32"),
+    (dict(algorithm="opd", teacher="t", placement="disaggregated", teacher_nproc=2,
+          layout=Layout(teacher=RoleLayout(context_parallel=2))),
+     "teacher with context or expert parallelism on its own ranks: not run yet with a "
+     "teacher; lay layout.teacher out in TP x PP x DP"),
+    # A teacher on ranks of its own (teacher_nproc): its layout and its share of the batch.
+    (dict(algorithm="opd", teacher="t", placement="disaggregated", teacher_nproc=4,
+          prompts_per_step=3, samples_per_prompt=2),
+     r"6 rows do not split over the teachers' DP \(4 = teacher_nproc / \(TP x PP\)\) x "
+     r"micro_batches \(1\); change teacher_nproc"),
+    (dict(algorithm="opd", teacher="t", placement="disaggregated", teacher_nproc=2,
+          layout=Layout(teacher=RoleLayout(recompute="full"))),
+     "layout.teacher.recompute=full: the teacher model is frozen"),
+    (dict(algorithm="opd", teacher="t", placement="disaggregated", teacher_nproc=2,
+          layout=Layout(teacher=RoleLayout(lora=LoraConfig()))),
+     "layout.teacher.lora: the teacher model is frozen"),
     # opd trains on the teacher's term alone: settings it would ignore are refused.
     (dict(algorithm="opd", teacher="t", distill_coef=0.0), "set distill_coef > 0"),
     (dict(algorithm="opd", teacher="t", kl_coef=0.05, clip_reward=1.0),
      "kl_coef, clip_reward would change nothing: unset them"),
-    # Episodes are distilled beside another algorithm's rewards; opd over them is not run yet.
-    (dict(algorithm="opd", teacher="t", environment="m:make"),
-     "teacher with algorithm=opd and an environment: not run yet with a teacher; use "
-     "algorithm=grpo"),
 ])
 def test_distillation_mistakes_are_named(fields, message):
     with pytest.raises(ValueError, match=message):

@@ -91,6 +91,7 @@ _RANGES = (  # (field, low, high, low included?); high is included, values must 
     ("restart_backoff", 0.0, math.inf, True),
     ("restart_wait_s", 0.0, math.inf, False),
     ("max_engine_restarts", 0, math.inf, True),
+    ("teacher_nproc", 1, math.inf, True),
     ("collective_timeout_s", 0.0, math.inf, False),
     ("phase_timeout_factor", 1.0, math.inf, False),
     ("phase_timeout_min_s", 0.0, math.inf, False),
@@ -186,14 +187,20 @@ class Layout:
     """The rollout engines' size."""
     judge: JudgeLayout = dataclasses.field(default_factory=JudgeLayout)
     """The judge engines' size (reward_judge)."""
+    teacher: RoleLayout = dataclasses.field(default_factory=RoleLayout)
+    """The teachers' layout on ranks of their own (teacher_nproc): tensor_parallel,
+    pipeline_parallel and sequence parallelism (frozen: no adapters, no recomputation).
+    Without teacher_nproc the teachers run in the actor's group, in its layout: leave it
+    unset."""
 
 
 _RUN_REWARDS = (("url", "reward_url"), ("reward_model", "reward_model"),
                 ("judge", "reward_judge"))
 """Reward kinds the run has at most one of, and the field that sets it up."""
 
-LAYOUT_KEYS = {"actor": "actor", "ref": "reference", "critic": "critic", "reward": "reward"}
-"""Model role -> its key in the `layout` section."""
+LAYOUT_KEYS = {"actor": "actor", "ref": "reference", "critic": "critic", "reward": "reward",
+               "teacher": "teacher"}
+"""Model role -> its key in the `layout` section (every teacher's: "teacher")."""
 TRAINED_ROLES = ("actor", "critic")
 """The model roles with an optimizer (the others are frozen: forward passes only)."""
 
@@ -282,17 +289,19 @@ class PPOConfig:
     vocabulary and special tokens, checked before launch where its tokenizer files are
     found). With teacher_by_source it scores the rows of every source that map does not
     name. A frozen role of the experience pass in the actor's layout, beside the reference
-    (offloaded outside experience with offload_params), scoring every sampled response
+    (offloaded outside experience with offload_params), or disaggregated on teacher_nproc
+    ranks of its own at layout.teacher's (run at TP2 beside an actor at TP1, a checkpoint
+    teacher with an HF-directory one per source), scoring every sampled response
     token (an episode's whole transcript is its context; only the model's tokens get a
     term). Read by algorithm=opd (a reward there is logged, not trained on; a sample whose
     reward failed is not trained, as everywhere) and by any other algorithm with
     distill_coef > 0, beside its rewards. Run end to end: opd colocated at TP2 + SP x DP2
     and at TP2 (an HF-directory teacher beside a per-source checkpoint one); GRPO with a
-    reward function on multi-turn episodes; disaggregated (in the actor's group) at TP1 x
-    PP2 with a token budget and packing under fully_async (an HF-directory teacher), and
-    one_step_off with vLLM rollouts, bf16, a LoRA actor and rollout_correction=tis. Refused
-    before launch: opd with an environment, a reward model or judge beside a teacher,
-    context or expert parallelism, fp16."""
+    reward function, and opd, on multi-turn episodes; disaggregated (in the actor's group)
+    at TP1 x PP2 with a token budget and packing under fully_async (an HF-directory
+    teacher), and one_step_off with vLLM rollouts, bf16, a LoRA actor and
+    rollout_correction=tis. Refused before launch: a reward model or judge beside a
+    teacher, context or expert parallelism, fp16."""
     teacher_by_source: dict[str, str] = dataclasses.field(default_factory=dict)
     """data_source -> teacher (as `teacher`: an HF directory or a checkpoint) for the rows of
     that source, as reward_fn_by_source maps reward functions: a student distilled from
@@ -400,6 +409,12 @@ class PPOConfig:
     """Disaggregated only, with reward_judge: the judge's ranks (a group of their own), in
     engines of layout.judge.tensor_parallel ranks; a step's judge prompts are dealt over the
     engines."""
+    teacher_nproc: int | None = None
+    """Disaggregated only, with a teacher: the teachers' ranks, a group of their own
+    ("teacher") holding every teacher of the run (teacher_by_source's too) at
+    layout.teacher's tensor_parallel x pipeline_parallel (its DP: teacher_nproc / (TP x
+    PP)), scoring in the experience pass beside the other groups. None: the teachers run in
+    the actor's group, in its layout."""
     sync_mode: str = "full"
     """Disaggregated only: how the actor's weights travel to the rollout ranks. 'full':
     every bucket whole; 'delta': per bucket, only the elements whose bits changed since the
@@ -834,6 +849,7 @@ class PPOConfig:
             problems.append("reward_url_headers_env is set, but no reward_url")
         problems += self._reward_term_problems()
         problems += self._judge_problems()
+        problems += self._teacher_group_problems()
         if not self.has_reward and self.algorithm != "opd":
             problems.append("no reward: set reward_model=CKPT and/or reward_fn=math|exact_match|"
                             "module:function, or an environment that gives rewards")
@@ -1039,16 +1055,15 @@ class PPOConfig:
 
     def _untested_with_teacher(self) -> list[tuple[str, str]]:
         """(setting, fix) of what no test has run with a teacher yet."""
-        actor = self._actor_layout()
+        actor, teacher = self._actor_layout(), self._own_teacher_layout()
         untested = [
-            (self.algorithm == "opd" and self.environment is not None,
-             "algorithm=opd and an environment",
-             "use algorithm=grpo (or another) with distill_coef > 0: it trains on the "
-             "episodes' rewards beside the teacher"),
             (self.reward_model is not None or self.reward_judge is not None,
              "a reward model or judge", "score with reward_fn, rewards or reward_url"),
             (max(actor.context_parallel, actor.expert_parallel) > 1,
              "context or expert parallelism", "lay the actor out in TP x PP x DP"),
+            (teacher is not None and max(teacher.context_parallel, teacher.expert_parallel) > 1,
+             "context or expert parallelism on its own ranks",
+             "lay layout.teacher out in TP x PP x DP"),
             (self.dtype == "fp16", "dtype=fp16", "use dtype=bf16 or fp32"),
         ]
         return [(setting, fix) for bad, setting, fix in untested if bad]
@@ -1140,11 +1155,14 @@ class PPOConfig:
             (("reward",) if self.reward_model else ())
 
     def parallel_of(self, role: str) -> ParallelConfig:
-        """The layout of model role `role` (actor, ref, critic, reward), with its sequence
-        parallelism (the group's mesh is the same without it: ppo/layout.py). With the actor's
-        LoRA adapters the reference is the actor's engine: the actor's layout."""
-        # The teachers run beside the actor, in its layout (no layout key of their own yet).
-        if role.startswith("teacher") or (role == "ref" and self.reference_is_actor_base):
+        """The layout of model role `role` (actor, ref, critic, reward, a teacher's name),
+        with its sequence parallelism (the group's mesh is the same without it:
+        ppo/layout.py). With the actor's LoRA adapters the reference is the actor's engine:
+        the actor's layout; the teachers have layout.teacher on ranks of their own
+        (teacher_nproc), else the actor's, in whose group they run."""
+        if role.startswith("teacher"):
+            role = "teacher" if self.teacher_nproc is not None else "actor"
+        elif role == "ref" and self.reference_is_actor_base:
             role = "actor"
         override = getattr(self.layout, LAYOUT_KEYS[role])
         default = ParallelConfig(
@@ -1288,6 +1306,50 @@ class PPOConfig:
                             f"colocated judge runs on the nproc training ranks")
         return problems
 
+    def _own_teacher_layout(self) -> ParallelConfig | None:
+        """The teachers' layout on ranks of their own (teacher_nproc); None without them or
+        when it is invalid (reported by _teacher_group_problems)."""
+        if self.teacher_nproc is None:
+            return None
+        try:
+            return self.parallel_of("teacher")
+        except ValueError:
+            return None
+
+    def _teacher_group_problems(self) -> list[str]:
+        """teacher_nproc and layout.teacher: the teachers' group of their own."""
+        nproc = self.teacher_nproc
+        if nproc is None:
+            return (["layout.teacher is set, but without teacher_nproc the teachers run in "
+                     "the actor's group, in its layout: set teacher_nproc (with "
+                     "placement=disaggregated) or leave layout.teacher unset"]
+                    if self.layout.teacher.is_set else [])
+        if nproc < 1:  # reported with the ranges
+            return []
+        problems = []
+        if not self.teachers:
+            problems.append(f"teacher_nproc={nproc} is set, but no teacher (or "
+                            f"teacher_by_source): unset it")
+        if self.placement != "disaggregated":
+            problems.append(f"teacher_nproc={nproc} needs placement=disaggregated; a colocated "
+                            f"teacher runs on the nproc training ranks")
+        try:
+            parallel = self.parallel_of("teacher")
+        except ValueError as e:
+            return problems + [f"layout.teacher: {e}"]
+        if nproc % parallel.replica_size:
+            return problems + [f"teacher_nproc={nproc} is not a multiple of layout.teacher's "
+                               f"tensor_parallel x pipeline_parallel x context_parallel = "
+                               f"{parallel.replica_size}"]
+        # The experience pass deals the batch's rows over the teachers' DP replicas.
+        dp, rows = nproc // parallel.replica_size, self.rows_per_step
+        if (rows < dp if self.max_tokens_per_micro_batch is not None
+                else rows % (dp * self.micro_batches)):
+            problems.append(f"prompts_per_step x samples_per_prompt = {rows} rows do not split "
+                            f"over the teachers' DP ({dp} = teacher_nproc / (TP x PP)) x "
+                            f"micro_batches ({self.micro_batches}); change teacher_nproc")
+        return problems
+
     @property
     def judge_tp(self) -> int:
         """Ranks per judge engine, with layout.judge.tensor_parallel's default resolved."""
@@ -1377,7 +1439,7 @@ class PPOConfig:
                 problems.append(f"layout.{key}.lora: the {key} model is frozen (an actor's "
                                 f"adapters switched off make the reference); lora applies to "
                                 f"the actor and critic")
-            if not override.is_set:
+            if not override.is_set or role == "teacher":  # teacher: _teacher_group_problems
                 continue
             if role not in self.roles:
                 why = f"algorithm={self.algorithm}" if role == "critic" else "no reward_model"

@@ -37,10 +37,12 @@ def group_specs(config: PPOConfig) -> tuple[GroupSpec, ...]:
         roles = frozenset({"actor", "ref", "rollout"} | critic | reward | judge | teacher)
         return (GroupSpec("colocated", roles, config.nproc, actor),)
     # With the actor's LoRA adapters the reference is the actor with them off: in its group.
-    # The teacher runs in the actor's layout (PPOConfig.parallel_of): in its group too.
+    # Without ranks of its own (teacher_nproc) the teacher runs in the actor's layout
+    # (PPOConfig.parallel_of): in its group too.
     ref = {"ref"}
+    own_teacher = teacher if config.teacher_nproc is not None else set()
     actor_roles = frozenset({"actor"} | (ref if config.reference_is_actor_base else set())
-                            | teacher)
+                            | (teacher - own_teacher))
     groups = [GroupSpec("+".join(sorted(actor_roles)), actor_roles, config.nproc, actor)]
     if critic:
         groups.append(GroupSpec("critic", frozenset(critic), config.nproc,
@@ -49,6 +51,9 @@ def group_specs(config: PPOConfig) -> tuple[GroupSpec, ...]:
     if inference:
         groups.append(GroupSpec("+".join(sorted(inference)), inference, config.nproc,
                                 mesh(min(inference))))
+    if own_teacher:
+        groups.append(GroupSpec("teacher", frozenset(own_teacher), config.teacher_nproc,
+                                mesh("teacher")))
     groups.append(GroupSpec("rollout", frozenset({"rollout"}), config.rollout_nproc,
                             ParallelConfig(tensor_parallel=config.rollout_tp)))
     if judge:  # engines of its own, like the rollout group's

@@ -4,7 +4,9 @@
   rollout engine, fed by the bridge inside each rank.
 - disaggregated: a group per role set, each with a torch.distributed world and Megatron mesh of
   its own: actor (trains; the weight source; with it the teacher, in its layout), critic (PPO
-  only), ref+reward (frozen inference), each `nproc` ranks at TP x PP; `rollout_nproc`
+  only), ref+reward (frozen inference), each `nproc` ranks at TP x PP; with teacher_nproc
+  the teacher (every teacher of the run) on `teacher_nproc` ranks of its own at
+  layout.teacher's TP x PP instead of in the actor's group; `rollout_nproc`
   rollout ranks (engines of config.rollout_tp consecutive ranks) that all receive the actor's
   weights over the bridge's channel, each engine rank loading its own shard; and with
   reward_judge `judge_nproc` judge ranks (engines of config.judge_tp ranks, their weights the judge's own, never synced).

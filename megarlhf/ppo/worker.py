@@ -173,9 +173,10 @@ class PPOWorker:
         return engine
 
     def _teacher_engine(self, name: str, path: str) -> TrainEngine:
-        """Teacher `name`'s frozen model in the actor's layout: a checkpoint loaded as every
-        role's is, or an HF directory's tensors streamed in under their HF names (as a
-        Megatron judge's are; nothing converted on disk)."""
+        """Teacher `name`'s frozen model at its layout (PPOConfig.parallel_of: the actor's,
+        or layout.teacher on ranks of its own): a checkpoint loaded as every role's is, or an
+        HF directory's tensors streamed in under their HF names (as a Megatron judge's are;
+        nothing converted on disk)."""
         if is_complete(path):
             return self._engine("teacher", path, None)
         from megarlhf.ppo.judge import judge_model
@@ -476,9 +477,10 @@ class PPOWorker:
 
     @property
     def _has_rng(self) -> bool:
-        """A judge-only group draws nothing from its RNGs (its calls carry their seeds), so
-        a checkpoint keeps none of its: a resume may add or resize it."""
-        return self.group.roles != {"judge"}
+        """A judge-only group draws nothing from its RNGs (its calls carry their seeds), nor
+        does a teacher-only one (forward passes), so a checkpoint keeps none of theirs: a
+        resume may add or resize them."""
+        return self.group.roles not in ({"judge"}, {"teacher"})
 
     def save(self, directory: str) -> None:
         """The trained models with their optimizers, and every rank's RNG states."""
@@ -513,7 +515,10 @@ class PPOWorker:
         np.random.set_state(rng["numpy"])
 
     def _rng_path(self, directory: str) -> str:
-        return os.path.join(directory, "rng", f"{self.group.name}-rank{self.rank}.pt")
+        # Named without the teachers, which draw nothing: whether they run in the actor's
+        # group (teacher_nproc unset) may change on a resume.
+        name = "+".join(part for part in self.group.name.split("+") if part != "teacher")
+        return os.path.join(directory, "rng", f"{name}-rank{self.rank}.pt")
 
     def shutdown(self) -> None:
         if self.engine is not None:
