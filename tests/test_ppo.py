@@ -242,6 +242,12 @@ def test_sequence_parallel_and_recompute_resolve_per_role(prompts_file, tmp_path
                                 layout=Layout(critic=RoleLayout(tensor_parallel=1)))
     assert apart.parallel_of("critic") == ParallelConfig()
     assert [g.parallel for g in group_specs(apart)[:3]] == [tp2, ParallelConfig(), tp2]
+    # ... and a role above the run's TP1 does (the run's sequence_parallel has a taker).
+    wider = dataclasses.replace(every, placement="disaggregated", tensor_parallel=1, nproc=2,
+                                layout=Layout(critic=RoleLayout(tensor_parallel=2)))
+    assert wider.parallel_of("critic") == ParallelConfig(tensor_parallel=2,
+                                                         sequence_parallel=True)
+    assert wider.parallel_of("actor") == ParallelConfig()
     dataclasses.replace(every, layout=Layout(reference=RoleLayout(recompute="none")))
     for bad, match in [
         (dict(layout=Layout(reference=RoleLayout(recompute="full"))),

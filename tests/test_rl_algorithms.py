@@ -370,6 +370,10 @@ def test_distill_coef_adds_the_same_term_to_every_algorithms_advantages(algorith
           layout=Layout(teacher=RoleLayout(context_parallel=2))),
      "teacher with context or expert parallelism on its own ranks: not run yet with a "
      "teacher; lay layout.teacher out in TP x PP x DP"),
+    (dict(algorithm="opd", teacher="t", placement="disaggregated", teacher_nproc=2,
+          layout=Layout(teacher=RoleLayout(pipeline_parallel=2))),
+     "teacher with pipeline parallelism on its own ranks: not run yet with a teacher; lay "
+     "layout.teacher out in TP x DP"),
     # A teacher on ranks of its own (teacher_nproc): its layout and its share of the batch.
     (dict(algorithm="opd", teacher="t", placement="disaggregated", teacher_nproc=4,
           prompts_per_step=3, samples_per_prompt=2),

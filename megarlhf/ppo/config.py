@@ -308,10 +308,10 @@ class PPOConfig:
     several domain teachers. Rows of the other sources get `teacher`; without one, a
     training prompt whose source is unmapped is refused before launch (no row trains on a
     term no teacher scored). Each distinct teacher is a frozen role of its own (its own
-    weights on every rank, offloaded outside experience with offload_params, counted by the
-    planner, a resume input), held to the same checks as `teacher`; each scores the whole
-    batch in the experience pass and a row keeps its own teacher's logprobs, so k teachers
-    cost k forward passes per step."""
+    weights on every rank of the group that runs the teachers, offloaded outside experience
+    with offload_params when colocated, counted by the planner, a resume input), held to
+    the same checks as `teacher`; each scores the whole batch in the experience pass and a
+    row keeps its own teacher's logprobs, so k teachers cost k forward passes per step."""
     # -- data and output --
     prompts: str
     """Prompt dataset: a JSONL or Parquet file, or a directory written by HF datasets'
@@ -835,8 +835,8 @@ class PPOConfig:
             problems.append(f"nproc={self.nproc} is not a multiple of tensor_parallel x "
                             f"pipeline_parallel x context_parallel = {replica}")
         problems += self._layout_problems()
-        if self.sequence_parallel and not any(p.sequence_parallel
-                                              for p in self._valid_layouts().values()):
+        if self.sequence_parallel and not any(p.sequence_parallel for p in (
+                *self._valid_layouts().values(), self._own_teacher_layout()) if p is not None):
             problems.append("sequence_parallel=true needs tensor_parallel > 1 (in the run's "
                             "or a role's layout)")
         if self.algorithm in ALGORITHMS:
@@ -1064,6 +1064,9 @@ class PPOConfig:
             (teacher is not None and max(teacher.context_parallel, teacher.expert_parallel) > 1,
              "context or expert parallelism on its own ranks",
              "lay layout.teacher out in TP x PP x DP"),
+            # Its own ranks' mesh has run at TP2 only (at PP2 in the actor's group).
+            (teacher is not None and teacher.pipeline_parallel > 1,
+             "pipeline parallelism on its own ranks", "lay layout.teacher out in TP x DP"),
             (self.dtype == "fp16", "dtype=fp16", "use dtype=bf16 or fp32"),
         ]
         return [(setting, fix) for bad, setting, fix in untested if bad]
@@ -1165,14 +1168,16 @@ class PPOConfig:
         elif role == "ref" and self.reference_is_actor_base:
             role = "actor"
         override = getattr(self.layout, LAYOUT_KEYS[role])
-        default = ParallelConfig(
+        layout = ParallelConfig(
             tensor_parallel=self.tensor_parallel, pipeline_parallel=self.pipeline_parallel,
             context_parallel=self.context_parallel, expert_parallel=self.expert_parallel,
-            expert_tensor_parallel=self.expert_tensor_parallel,
-            # A role whose own TP is 1 cannot inherit the run's sequence parallelism.
-            sequence_parallel=self.sequence_parallel and (override.tensor_parallel or
-                                                          self.tensor_parallel) > 1)
-        return default.with_overrides(override)
+            expert_tensor_parallel=self.expert_tensor_parallel).with_overrides(override)
+        if override.sequence_parallel is None:
+            # Inherited once the role's own TP is known (the run's may be 1 where the role's
+            # is not); a role whose own TP is 1 cannot inherit it.
+            layout = dataclasses.replace(layout, sequence_parallel=self.sequence_parallel
+                                         and layout.tensor_parallel > 1)
+        return layout
 
     @property
     def one_pass_old_logprobs(self) -> bool:

@@ -9,12 +9,13 @@
   layout.teacher's TP x PP instead of in the actor's group; `rollout_nproc`
   rollout ranks (engines of config.rollout_tp consecutive ranks) that all receive the actor's
   weights over the bridge's channel, each engine rank loading its own shard; and with
-  reward_judge `judge_nproc` judge ranks (engines of config.judge_tp ranks, their weights the judge's own, never synced).
+  reward_judge `judge_nproc` judge ranks (engines of config.judge_tp ranks, their weights
+  the judge's own, never synced).
 
 The loop calls the same phases either way. A phase goes to every group holding a role it
 needs, all at once, and then waits for all of them: disaggregated, the actor's and ref's
-logprobs, the critic's values and the reward model's scores are computed concurrently, and
-so are the actor and critic updates.
+logprobs, the critic's values, the reward model's scores and the teachers' logprobs on ranks
+of their own are computed concurrently, and so are the actor and critic updates.
 
 Disaggregated, a rollout engine that dies or hangs while the engines generate costs only the
 rollout group: it is started again, the channel reopened and the weights synced whole, and

@@ -518,7 +518,7 @@ class PPOWorker:
         # Named without the teachers, which draw nothing: whether they run in the actor's
         # group (teacher_nproc unset) may change on a resume.
         name = "+".join(part for part in self.group.name.split("+") if part != "teacher")
-        return os.path.join(directory, "rng", f"{name}-rank{self.rank}.pt")
+        return os.path.join(directory, "rng", f"{name or self.group.name}-rank{self.rank}.pt")
 
     def shutdown(self) -> None:
         if self.engine is not None:
