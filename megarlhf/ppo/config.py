@@ -34,6 +34,7 @@ from megarlhf.rl.losses import POLICY_LOSSES, RATIO_LEVELS
 
 KL_IN = ("reward", "loss")
 ROLLOUT_BACKENDS = ("megatron", "vllm")
+TEACHER_BACKENDS = ("megatron", "vllm")
 NAN_POLICIES = ("stop", "skip")
 OLD_LOGPROBS = ("auto", "experience_pass")
 REWARD_URL_FORMATS = ("native", "openrlhf")
@@ -312,6 +313,13 @@ class PPOConfig:
     with offload_params when colocated, counted by the planner, a resume input), held to
     the same checks as `teacher`; each scores the whole batch in the experience pass and a
     row keeps its own teacher's logprobs, so k teachers cost k forward passes per step."""
+    teacher_backend: str = "megatron"
+    """What scores the teachers: 'megatron' (a frozen model role, wherever the teachers run)
+    or 'vllm' (on teacher_nproc ranks of their own: vLLM engines of layout.teacher's
+    tensor_parallel ranks, each teacher an engine reading its HF directory, scoring the
+    given ids as prompt logprobs of raw logits; a checkpoint teacher must be exported with
+    mcore_to_hf first). Run end to end: vllm at TP2 on 2 ranks with a per-source teacher,
+    logprobs within 1e-4 of transformers' in fp32."""
     # -- data and output --
     prompts: str
     """Prompt dataset: a JSONL or Parquet file, or a directory written by HF datasets'
@@ -789,6 +797,7 @@ class PPOConfig:
 
         choice("algorithm", ALGORITHMS)
         choice("rollout_backend", ROLLOUT_BACKENDS)
+        choice("teacher_backend", TEACHER_BACKENDS)
         choice("nan_policy", NAN_POLICIES)
         choice("logprob_gap_policy", GAP_POLICIES)
         choice("old_logprobs", OLD_LOGPROBS)
@@ -1324,11 +1333,19 @@ class PPOConfig:
     def _teacher_group_problems(self) -> list[str]:
         """teacher_nproc and layout.teacher: the teachers' group of their own."""
         nproc = self.teacher_nproc
+        if self.teacher_backend == "vllm" and not self.teachers:
+            return ["teacher_backend=vllm is set, but there is no teacher (or "
+                    "teacher_by_source): unset it"]
         if nproc is None:
-            return (["layout.teacher is set, but without teacher_nproc the teachers run in "
-                     "the actor's group, in its layout: set teacher_nproc (with "
-                     "placement=disaggregated) or leave layout.teacher unset"]
-                    if self.layout.teacher.is_set else [])
+            problems = (["layout.teacher is set, but without teacher_nproc the teachers run "
+                         "in the actor's group, in its layout: set teacher_nproc (with "
+                         "placement=disaggregated) or leave layout.teacher unset"]
+                        if self.layout.teacher.is_set else [])
+            if self.teacher_backend == "vllm" and self.teachers:
+                problems.append("teacher_backend=vllm runs the teachers on ranks of their own: "
+                                "set teacher_nproc (with placement=disaggregated), or use "
+                                "teacher_backend=megatron")
+            return problems
         if nproc < 1:  # reported with the ranges
             return []
         problems = []
@@ -1346,10 +1363,12 @@ class PPOConfig:
             return problems + [f"teacher_nproc={nproc} is not a multiple of layout.teacher's "
                                f"tensor_parallel x pipeline_parallel x context_parallel = "
                                f"{parallel.replica_size}"]
-        # The experience pass deals the batch's rows over the teachers' DP replicas.
+        # The experience pass deals the batch's rows over the teachers' DP replicas (vLLM
+        # engines take any share).
         dp, rows = nproc // parallel.replica_size, self.rows_per_step
-        if (rows < dp if self.max_tokens_per_micro_batch is not None
-                else rows % (dp * self.micro_batches)):
+        uneven = (rows < dp if self.max_tokens_per_micro_batch is not None
+                  else rows % (dp * self.micro_batches))
+        if self.teacher_backend == "megatron" and uneven:
             problems.append(f"prompts_per_step x samples_per_prompt = {rows} rows do not split "
                             f"over the teachers' DP ({dp} = teacher_nproc / (TP x PP)) x "
                             f"micro_batches ({self.micro_batches}); change teacher_nproc")
@@ -1380,6 +1399,19 @@ class PPOConfig:
                                            max_model_len=min(longest, limit),
                                            dtype_bytes=dtype_bytes))
         return EngineSize(max_model_len=limit, kv_cache_bytes=kv)
+
+    def teacher_engine_size(self, model: ModelConfig, length: int) -> EngineSize:
+        """A vLLM teacher engine's size (teacher_backend=vllm): sequences of up to `length`
+        tokens (VLLMEngine.score needs no room beyond them), a KV cache for its share of a
+        step's rows at that length, dealt over teacher_nproc / layout.teacher's TP engines."""
+        tp = self.parallel_of("teacher").tensor_parallel
+        rows = math.ceil(self.rows_per_step / max(1, self.teacher_nproc // tp))
+        dtype_bytes = DTYPES[self.dtype].itemsize
+        kv = max(sizing.minimum_kv_cache_bytes(model, engine_tp=tp, max_model_len=length,
+                                               dtype_bytes=dtype_bytes),
+                 sizing.job_kv_cache_bytes(model, engine_tp=tp, rows=rows,
+                                           max_model_len=length, dtype_bytes=dtype_bytes))
+        return EngineSize(max_model_len=length, kv_cache_bytes=kv)
 
     def lora_of(self, role: str) -> LoraConfig | None:
         """The LoRA adapters model role `role` trains (layout.actor.lora, layout.critic.lora);

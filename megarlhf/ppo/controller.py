@@ -156,6 +156,7 @@ def _train(config: PPOConfig, groups_backend, data: RunInputs, history: list[dic
         log.write({"event": "data", **data.report}, echo=False)
         sizes = {name: size for name, size in (("rollout", data.checked.engine_size),
                                                 ("judge", data.judge_size)) if size}
+        sizes.update(data.checked.teacher_sizes)
         workers, steps = Placement(config, groups_backend, sizes,
                                    after_fault=bool(restarts)), None
         try:

@@ -29,7 +29,7 @@ from megarlhf.rewards.judge import (
     template_fields,
 )
 from megarlhf.rollout.engine import SamplingParams
-from megarlhf.rollout.sizing import vllm_head_dim_problem
+from megarlhf.rollout.sizing import vllm_head_dim_problem, vllm_token_logprobs_problem
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,9 +126,10 @@ class Judge:
         except ValueError as e:
             raise ValueError(f"reward_judge.model: {e}") from None
         if config.backend == "vllm" and config.verdict == "yes_no":
-            problem = _vllm_without_token_logprobs()
+            problem = vllm_token_logprobs_problem()
             if problem:
-                raise ValueError(f"reward_judge verdict yes_no on backend vllm: {problem}")
+                raise ValueError(f"reward_judge verdict yes_no on backend vllm: {problem}; "
+                                 f"upgrade it, or use backend=megatron")
         if source.checkpoint and config.backend == "vllm":
             raise ValueError(f"reward_judge.backend=vllm reads an HF directory; export "
                              f"{config.model} with tools/convert_hf/mcore_to_hf and give that, "
@@ -296,20 +297,6 @@ class Judge:
         if self.candidates:
             metrics["reward/judge_verdict_mass"] = mass / len(completions)
         return Judged(scores, metrics, texts, failed)
-
-
-def _vllm_without_token_logprobs() -> str | None:
-    """Why this process's vLLM cannot report given tokens' logprobs (yes_no reads them through
-    SamplingParams.logprob_token_ids), if it cannot; None also where vLLM is not installed
-    here (a CPU-only launching process: the engines check again)."""
-    try:
-        import vllm
-    except ImportError:
-        return None
-    if hasattr(vllm.SamplingParams(), "logprob_token_ids"):
-        return None
-    return (f"vLLM {vllm.__version__} has no SamplingParams.logprob_token_ids (0.32 has); "
-            f"upgrade it, or use backend=megatron")
 
 
 def _text(value) -> str:

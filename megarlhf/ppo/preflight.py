@@ -19,7 +19,8 @@ from megarlhf.ppo.config import PPOConfig
 from megarlhf.ppo.judge import judge_model
 from megarlhf.ppo.sources import (check_models, field_of, model_paths, resolve_models,
                                   role_of)
-from megarlhf.rollout.sizing import EngineSize, vllm_head_dim_problem
+from megarlhf.rollout.sizing import (EngineSize, vllm_head_dim_problem,
+                                     vllm_token_logprobs_problem)
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +38,8 @@ class Preflight:
     """The longest prompt a sample may start from next to max_new_tokens (the models'
     positions, the vLLM engines' length): an environment's reset messages must keep within
     it."""
+    teacher_sizes: dict[str, EngineSize] = dataclasses.field(default_factory=dict)
+    """With teacher_backend=vllm: each teacher's (PPOConfig.teachers' name) engine size."""
 
 
 def preflight(config: PPOConfig, prompts: list[list[int]],
@@ -83,6 +86,7 @@ def preflight(config: PPOConfig, prompts: list[list[int]],
                  if role_of(name) not in ("ref", "teacher")
                  and models[name].origin != "checkpoint"]
     problems += _hf_teacher_problems(config, models)
+    problems += _vllm_teacher_problems(config, models)
     if config.rollout_backend == "vllm" and not os.path.isfile(
             os.path.join(config.vllm_model_dir, "config.json")):
         problems.append(f"vllm_model_dir {config.vllm_model_dir} has no config.json (an HF "
@@ -109,7 +113,9 @@ def preflight(config: PPOConfig, prompts: list[list[int]],
                         f"({model.vocab_size})")
     size = None
     vllm_judge = config.reward_judge is not None and config.reward_judge.backend == "vllm"
-    if (config.rollout_backend == "vllm" or vllm_judge) and config.rollout_cuda_graphs and \
+    vllm_teacher = config.teacher_backend == "vllm"
+    if (config.rollout_backend == "vllm" or vllm_judge or vllm_teacher) and \
+            config.rollout_cuda_graphs and \
             not torch.cuda.is_available():
         problems.append("rollout_cuda_graphs=true needs CUDA (there is no GPU here); "
                         "leave it false on CPU")
@@ -124,9 +130,15 @@ def preflight(config: PPOConfig, prompts: list[list[int]],
     if problems:
         raise ValueError("the run cannot start:\n  " + "\n  ".join(problems))
     room = min(limit, size.max_model_len) if size is not None else limit
+    # An episode's transcript may take the room its reset messages leave; a sample, its
+    # prompt and max_new_tokens.
+    scored = room if config.environment is not None else longest + config.max_new_tokens
+    teacher_sizes = {name: config.teacher_engine_size(models[name].model, scored)
+                     for name in config.teachers} if vllm_teacher else {}
     return Preflight(stop_token_ids=tuple(stop_ids), engine_size=size,
                      max_prompt_tokens=room - config.max_new_tokens,
-                     overlong=tuple(overlong) if config.skip_overlong else ())
+                     overlong=tuple(overlong) if config.skip_overlong else (),
+                     teacher_sizes=teacher_sizes)
 
 
 def fit_limit(config: PPOConfig, models: dict) -> tuple[int, str, str]:
@@ -157,6 +169,30 @@ def _hf_teacher_problems(config: PPOConfig, models: dict) -> list[str]:
                 judge_model(path, name)
             except ValueError as e:
                 problems.append(str(e))
+    return problems
+
+
+def _vllm_teacher_problems(config: PPOConfig, models: dict) -> list[str]:
+    """With teacher_backend=vllm: each teacher an HF directory whose heads vLLM serves here."""
+    if config.teacher_backend != "vllm":
+        return []
+    problem = vllm_token_logprobs_problem()
+    if problem:
+        return [f"teacher_backend=vllm: {problem}; upgrade it, or use teacher_backend=megatron"]
+    problems = []
+    for name, path in config.teachers.items():
+        if name not in models:
+            continue
+        if models[name].origin != "HF config":
+            problems.append(f"{field_of(name)}: {path} is a megarlhf checkpoint; "
+                            f"teacher_backend=vllm reads an HF directory: export it (python -m "
+                            f"tools.convert_hf.mcore_to_hf --ckpt {path} --out DIR) or use "
+                            f"teacher_backend=megatron")
+            continue
+        problem = vllm_head_dim_problem(models[name].model)
+        if problem:
+            problems.append(f"{field_of(name)} on teacher_backend=vllm: {problem}; use "
+                            f"teacher_backend=megatron")
     return problems
 
 

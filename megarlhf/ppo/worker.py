@@ -46,6 +46,7 @@ from megarlhf.rollout.sizing import EngineSize
 from megarlhf.roles.batching import Batching
 from megarlhf.roles.policy import PolicyInputs, PolicyLossConfig, PolicyRole
 from megarlhf.roles.value import ValueLossConfig, ValueRole
+from megarlhf.roles.vllm_teacher import VLLMTeacher
 
 
 _ENGINE_SEED = 0x9E3779B97F4A7C15
@@ -80,8 +81,9 @@ class PPOWorker:
         self.dtype = parse_dtype(c.dtype)
         self.profiler = PhaseProfiler(c.out_dir, f"{group.name}_rank{self.rank}")
         self.actor = self.ref = self.critic = self.reward = None
-        self.teachers: dict[str, PolicyRole] = {}
-        """PPOConfig.teachers' name -> its frozen model (the group's "teacher" role)."""
+        self.teachers: dict[str, PolicyRole | VLLMTeacher] = {}
+        """PPOConfig.teachers' name -> its frozen model (the group's "teacher" role), or its
+        vLLM engines (teacher_backend=vllm)."""
         o = c.options
         norm = (c.aggregation_norm or c.max_new_tokens
                 if o.aggregation == "seq_mean_token_sum_norm" else None)
@@ -112,7 +114,14 @@ class PPOWorker:
         if "reward" in roles:
             self.reward = ValueRole(self._engine("reward", c.reward_model, None),
                                     batching=batching)
-        if "teacher" in roles:
+        if "teacher" in roles and c.teacher_backend == "vllm":
+            tp = c.parallel_of("teacher").tensor_parallel
+            self.teachers = {name: VLLMTeacher(
+                                 self._vllm_engine(name, path, tp, load_format="auto"),
+                                 rank=self.rank, world_size=self.mesh.world_size,
+                                 tensor_parallel=tp, device=self.mesh.device)
+                             for name, path in c.teachers.items()}
+        elif "teacher" in roles:
             self.teachers = {name: PolicyRole(self._teacher_engine(name, path),
                                               batching=batching)
                              for name, path in c.teachers.items()}
@@ -130,7 +139,8 @@ class PPOWorker:
         counted = self.judge_engine is not None and c.reward_judge.backend == "megatron"
         self.residency = Residency(
             {role: r.engine for role, r in self._models().items()
-             if not (role == "ref" and c.reference_is_actor_base)},
+             if not (role == "ref" and c.reference_is_actor_base)
+             and not isinstance(r, VLLMTeacher)},  # vLLM's memory is its own
             params=c.offload_params, grads=c.offload_grads, optimizer=c.offload_optimizer,
             engines={"judge": self.judge_engine} if counted else {})
         if "rollout" in roles:
@@ -211,7 +221,7 @@ class PPOWorker:
     def _vllm_engine(self, kind: str, model_dir: str, tp: int, *, load_format: str,
                      prefix_caching: bool = False):
         """A vLLM engine of `tp` consecutive ranks of this group, sized by the controller's
-        preflight (engine_sizes[kind]: "rollout" or "judge")."""
+        preflight (engine_sizes[kind]: "rollout", "judge" or a teacher's name)."""
         from megarlhf.rollout.vllm_engine import VLLMEngine, VLLMEngineConfig
 
         size = self.engine_sizes.get(kind)
@@ -231,7 +241,8 @@ class PPOWorker:
                               f"kv_cache_bytes={size.kv_cache_bytes}, gpu_memory_utilization="
                               f"{size.gpu_memory_utilization}; the rollout engines' are set by "
                               f"rollout_max_model_len, rollout_kv_cache_bytes, rollout_gpu_"
-                              f"memory_utilization, a judge's from its positions]") from e
+                              f"memory_utilization, a judge's from its positions, a teacher's "
+                              f"from the run's longest sequence]") from e
 
     def _judge_engine(self):
         """reward_judge's model on engines of this group's TP: Megatron (its HF directory's
@@ -525,4 +536,7 @@ class PPOWorker:
             self.engine.shutdown()
         if self.judge_engine is not None:
             self.judge_engine.shutdown()
+        for teacher in self.teachers.values():
+            if isinstance(teacher, VLLMTeacher):
+                teacher.shutdown()
 

@@ -28,6 +28,20 @@ def vllm_head_dim_problem(model: ModelConfig) -> str | None:
             f"{list(VLLM_CPU_HEAD_DIMS)})")
 
 
+def vllm_token_logprobs_problem() -> str | None:
+    """Why this process's vLLM cannot report given tokens' logprobs (a yes_no judge and a vLLM
+    teacher read them through SamplingParams.logprob_token_ids), if it cannot; None also
+    where vLLM is not installed here (a CPU-only launching process: the engines check
+    again)."""
+    try:
+        import vllm
+    except ImportError:
+        return None
+    if hasattr(vllm.SamplingParams(), "logprob_token_ids"):
+        return None
+    return f"vLLM {vllm.__version__} has no SamplingParams.logprob_token_ids (0.32 has)"
+
+
 BLOCK_TOKENS = 32
 """The engines' KV-cache block (a sequence occupies whole blocks), passed to vLLM so that it
 uses the size planned with. vLLM's own default differs by platform (16 on GPU, 128 on CPU,

@@ -168,6 +168,38 @@ class VLLMEngine:
         return [self._completion(i // params.n, out.outputs[0], params.first_token_candidates)
                 for i, out in enumerate(outputs)]
 
+    def score(self, sequences: list[list[int]]) -> list[list[float]]:
+        """Per sequence, log p(token_t | tokens_<t) of each token after its first (len - 1
+        values): the sequence but its last token prefilled as a prompt (vLLM's prompt
+        logprobs of the given ids) and its last token's logprob read at the one position
+        generated (logprob_token_ids), so a sequence of max_model_len tokens fits. Raw
+        logprobs (the logits' log-softmax), as a trainer's forward computes them."""
+        llm = self._running()
+        self._check_ready("score")
+        import vllm
+        from vllm.inputs import TokensPrompt
+
+        limit = llm.llm_engine.model_config.max_model_len
+        bad = next((i for i, s in enumerate(sequences) if not 2 <= len(s) <= limit), None)
+        if bad is not None:
+            raise ValueError(f"{self.name}: a sequence to score needs 2 to max_model_len="
+                             f"{limit} tokens; sequence {bad} has {len(sequences[bad])}")
+        requests = [TokensPrompt(prompt_token_ids=list(s[:-1])) for s in sequences]
+        params = [vllm.SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False,
+                                      logprob_token_ids=[s[-1]], ignore_eos=True)
+                  for s in sequences]
+        try:
+            outputs = llm.generate(requests, params, use_tqdm=False)
+        except Exception as e:  # noqa: BLE001 - any failure must name this engine
+            from megarlhf.compat import vllm as shims
+
+            shims.drop_unfinished(llm)
+            raise EngineError(f"{self.name}: scoring failed: {type(e).__name__}: {e}") from e
+        # prompt_logprobs[0] is None (no token before the first).
+        return [[step[t].logprob for step, t in zip(out.prompt_logprobs[1:], s[1:-1])]
+                + [out.outputs[0].logprobs[0][s[-1]].logprob]
+                for s, out in zip(sequences, outputs)]
+
     def _check_prompts(self, prompts: list[list[int]], params: SamplingParams,
                        limit: int) -> None:
         """What vLLM would not refuse but we must: it silently cuts a response short when the
