@@ -90,7 +90,7 @@ $(VENV)/megatron-core-%/.installed: $(STAMP)
 
 # Test modules that exercise no megatron-core code (rewards, environments, datasets, logs,
 # Slurm scripts, the generated config reference) run once, in the main tier.
-MCORE_FREE_TESTS := test_rewards test_remote_reward test_config_reference test_envs test_data \
+MCORE_FREE_TESTS := test_rewards test_remote_reward test_config_reference test_envs test_agents test_data \
 	test_logs test_slurm test_docs
 
 # MEGARLHF_EXPECT_MCORE makes tests/test_compat.py fail unless that version is the one loaded.

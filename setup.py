@@ -18,6 +18,7 @@ setup(
         "psutil",  # dist_checkpointing needs it; megatron-core does not declare it
         "pyyaml",
         "matplotlib",  # `megarlhf plot`: a run's curves to PNG
+        "aiohttp",  # the agent endpoint (envs/endpoint.py); ray[default] brings it too
     ],
     extras_require={
         # tensorboard: the test of PPO's TensorBoard logging (optional for users). gguf and
@@ -25,8 +26,10 @@ setup(
         # pyarrow and datasets: the Parquet and HF-directory dataset forms. peft: LoRA
         # adapters exported and imported are checked against HF PEFT. mkdocs-material and
         # mkdocstrings: the documentation site, built with --strict by the tests.
+        # openai: the agent tests' programs use its AsyncOpenAI client, as users' do.
         "test": ["pytest>=8", "pytest-timeout", "tensorboard", "gguf", "accelerate",
-                 "pyarrow", "datasets", "peft", "mkdocs-material", "mkdocstrings[python]"],
+                 "pyarrow", "datasets", "peft", "mkdocs-material", "mkdocstrings[python]",
+                 "openai"],
         # Parquet files and HF `datasets` directories as datasets (JSONL needs neither).
         "data": ["pyarrow", "datasets"],
         # Dashboards, used when installed: `tensorboard=true`, `wandb_project=...`.

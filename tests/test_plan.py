@@ -580,11 +580,12 @@ def test_teachers_on_ranks_of_their_own_are_a_group_at_their_own_layout():
 def test_vllm_teachers_are_planned_as_engines_of_their_tp():
     """teacher_backend=vllm on 4 ranks at layout.teacher TP2 (2 engines): each teacher's rank
     holds its weights at TP2 and the KV cache its engine is started with for good
-    (PPOConfig.teacher_engine_size, which the workers use: a sequence of the longest prompt +
-    max_new_tokens, its engine's half of a step's rows), and full-vocabulary logits of those
-    rows while it scores; no Megatron forward pass."""
+    (PPOConfig.teacher_engine_size, which the workers use: its engine's half of a step's rows
+    at the longest prompt + max_new_tokens), and one sequence's full-vocabulary logits while
+    it scores (vLLM's prompt logprobs are a request at a time); no Megatron forward pass."""
     from megarlhf.plan.job import Cluster, plan
     from megarlhf.plan import memory
+    from megarlhf.rollout import sizing
     from megarlhf.ppo.config import Layout, RoleLayout
 
     config = config_of(reward_model=None, algorithm="opd", actor="preset:tiny",
@@ -596,14 +597,16 @@ def test_vllm_teachers_are_planned_as_engines_of_their_tp():
     by = {(t.role, t.what): t for t in stage.terms}
     names = ("teacher", "teacher_by_source.b")
     assert set(by) == {(n, w) for n in names for w in ("weights", "KV cache", "scoring")}
-    seq, rows = 16 + config.max_new_tokens, config.rows_per_step // 2
+    seq = 16 + config.max_new_tokens
     for name, model in zip(names, ("tiny", "llama-1b")):
         assert by[(name, "weights")].bytes == rank_params(
             preset(model), ParallelConfig(tensor_parallel=2), 0) * 2  # bf16
-        size = config.teacher_engine_size(preset(model), seq)
+        size = config.teacher_engine_size(preset(model), seq, seq)
         assert size.max_model_len == seq
-        assert by[(name, "KV cache")].bytes == size.kv_cache_bytes > 0
-        assert by[(name, "scoring")].bytes == memory.lm_logits(preset(model), 1, rows, seq, 2,
+        assert by[(name, "KV cache")].bytes == size.kv_cache_bytes == sizing.job_kv_cache_bytes(
+            preset(model), engine_tp=2, rows=config.rows_per_step // 2, max_model_len=seq,
+            dtype_bytes=2)
+        assert by[(name, "scoring")].bytes == memory.lm_logits(preset(model), 1, 1, seq, 2,
                                                                backward=False)
         assert by[(name, "scoring")].running == frozenset({"experience"})
         assert "experience" in by[(name, "KV cache")].held

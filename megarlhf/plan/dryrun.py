@@ -43,6 +43,13 @@ def ppo(config: PPOConfig) -> str:
                      f"turns of <= {config.turn_tokens} tokens, <= {config.max_new_tokens} "
                      f"tokens after the prompt, observations <= {config.observation_tokens}"
                      f"{tools}")
+    for name, size in checked.teacher_sizes.items():
+        lines.append(f"  vLLM teacher {name}: max_model_len {size.max_model_len}, KV cache "
+                     f"{size.kv_cache_bytes} bytes per rank")
+    if config.agent is not None:
+        lines.append(f"  episodes: agent {config.agent} over an OpenAI-compatible endpoint on "
+                     f"loopback, up to {config.max_turns} calls and <= {config.max_new_tokens} "
+                     f"tokens after the prompt per episode, {config.agent_timeout:g} s each")
     if data.judge is not None:
         j = config.reward_judge
         where = ("the rollout ranks' Megatron engines" if config.placement == "colocated"

@@ -60,6 +60,7 @@ from megarlhf.plan.params import (rank_adapter_params, rank_expert_params, rank_
 from megarlhf.ppo import residency as phase_needs
 from megarlhf.ppo.config import PPOConfig
 from megarlhf.ppo.layout import GroupSpec, group_specs
+from megarlhf.ppo.preflight import fit_limit
 from megarlhf.rewards.judge import judge_limit
 from megarlhf.ppo.sources import (MODEL_ROLES, ModelSource, check_models, resolve,
                                   resolve_models, role_of)
@@ -448,23 +449,24 @@ def _stage(config: PPOConfig, spec: GroupSpec, models: dict[str, ModelSource],
     if "judge" in spec.roles:
         terms += _judge_terms(config, spec, judge.model, prompt_len)
     if vllm_teachers and "teacher" in spec.roles:
+        # An episode may take the models' whole room (the workers size with the same).
+        length = fit_limit(config, models)[0] if config.episodic else seq
         for name in config.teachers:
-            terms += _vllm_teacher_terms(config, name, models[name].model, seq)
+            terms += _vllm_teacher_terms(config, name, models[name].model, length, seq)
     return Stage(pp_rank, tuple(terms))
 
 
-def _vllm_teacher_terms(config: PPOConfig, name: str, model: ModelConfig, seq: int
-                        ) -> list[Term]:
+def _vllm_teacher_terms(config: PPOConfig, name: str, model: ModelConfig, length: int,
+                        seq: int) -> list[Term]:
     """A vLLM teacher's engine (teacher_backend=vllm, on ranks of its own): its weights and
-    KV cache for good, and while it scores, the full-vocabulary logits of its share of the
-    batch's positions (prompt logprobs; an upper bound: vLLM may prefill them in parts)."""
+    KV cache for good, and while it scores, the full-vocabulary logits of one sequence's
+    positions (vLLM computes prompt logprobs a request at a time)."""
     tp, nbytes = config.parallel_of("teacher").tensor_parallel, param_bytes(config)
-    size = config.teacher_engine_size(model, seq)
-    rows = math.ceil(config.rows_per_step / (config.teacher_nproc // tp))
+    size = config.teacher_engine_size(model, length, seq)
     return [Term(name, "weights", rank_params(model, ParallelConfig(tensor_parallel=tp), 0)
                  * nbytes, held=EVERY),
             Term(name, "KV cache", size.kv_cache_bytes, held=EVERY),
-            Term(name, "scoring", memory.lm_logits(model, 1, rows, seq, nbytes, backward=False),
+            Term(name, "scoring", memory.lm_logits(model, 1, 1, length, nbytes, backward=False),
                  running=frozenset({"experience"}))]
 
 

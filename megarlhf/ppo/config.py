@@ -55,6 +55,11 @@ EPISODE_FIELDS = {"env_args": {}, "max_turns": 8, "max_turn_tokens": None,
                   "tool_memory_mb": 1024, "tool_python_workers": None,
                   "tool_python_packages": (), "env_workers": 32}
 """The fields that only an environment reads, with their defaults."""
+AGENT_READS = ("max_turns", "tool_parser")
+"""Of EPISODE_FIELDS, those an agent's episodes read too (calls per episode, how tool calls
+are found in its answers)."""
+AGENT_FIELDS = {"agent_timeout": 600.0, "agent_max_requests": 256}
+"""The fields that only an agent reads, with their defaults."""
 """What a resumed run must share with its checkpoint, unless named in resume_allow_changes."""
 
 
@@ -98,6 +103,8 @@ _RANGES = (  # (field, low, high, low included?); high is included, values must 
     ("phase_timeout_min_s", 0.0, math.inf, False),
     ("reward_timeout", 0.0, math.inf, False),
     ("tool_timeout", 0.0, math.inf, False),
+    ("agent_timeout", 0.0, math.inf, False),
+    ("agent_max_requests", 1, math.inf, True),
     ("max_failed_reward_fraction", 0.0, 1.0, True),
     ("delta_full_every", 1, math.inf, True),
     ("max_staleness", 0, math.inf, True),
@@ -190,7 +197,8 @@ class Layout:
     """The judge engines' size (reward_judge)."""
     teacher: RoleLayout = dataclasses.field(default_factory=RoleLayout)
     """The teachers' layout on ranks of their own (teacher_nproc): tensor_parallel,
-    pipeline_parallel and sequence parallelism (frozen: no adapters, no recomputation).
+    pipeline_parallel and sequence parallelism (frozen: no adapters, no recomputation); with
+    teacher_backend=vllm only tensor_parallel matters (the ranks of each vLLM engine).
     Without teacher_nproc the teachers run in the actor's group, in its layout: leave it
     unset."""
 
@@ -484,7 +492,7 @@ class PPOConfig:
     with a device of their own (next to a resident trainer a fraction is fragile; on CPU it
     is a fraction of all RAM). Excludes rollout_kv_cache_bytes."""
     rollout_cuda_graphs: bool = False
-    """vLLM engines (rollout and judge): capture CUDA graphs for decoding (GPU: slower start,
+    """vLLM engines (rollout, judge and teachers): capture CUDA graphs for decoding (GPU: slower start,
     faster decode).
     False runs eagerly (CPU always does)."""
     routing_replay: bool = False
@@ -557,6 +565,25 @@ class PPOConfig:
     """Threads that run the reset() and step() of environments written as plain functions,
     so that episodes waiting on I/O overlap (an async environment runs on the event loop
     and needs none)."""
+    agent: str | None = None
+    """Train an agent program written against an OpenAI-style client instead of an
+    environment: 'module:function', an async function called per episode as
+    `await function(base_url=..., api_key=..., model=..., row=row)` (row: the prompt row).
+    base_url is an OpenAI-compatible endpoint (/v1/chat/completions, /v1/completions,
+    /v1/models) the run serves on loopback from its rollout engines, api_key names the
+    episode. It returns the episode's reward (a finite number, added to what the run's reward
+    sources score) or None (they score the final conversation). Each episode is one
+    token-exact row (the calls that extend one another, the model's tokens as sampled,
+    everything else masked; see megarlhf/envs/agents.py); max_turns bounds its calls,
+    max_new_tokens its tokens after the prompt, tool_parser reads tool calls in answers to
+    requests with tools. The run's sampling settings apply to every call. An episode whose
+    program raises, times out or returns something else is masked and counted
+    (agent/errors)."""
+    agent_timeout: float = 600.0
+    """Seconds an agent's episode may run; past it the episode fails (masked, counted)."""
+    agent_max_requests: int = 256
+    """Requests the agent endpoint serves at once; more are answered 429 (the openai client
+    retries them)."""
     chat_template: str | None = None
     """A Jinja chat template file used instead of the tokenizer's for prompts and
     observations (e.g. one that renders earlier turns unchanged where the model's own does
@@ -829,6 +856,7 @@ class PPOConfig:
         choice("on_bad_record", BAD_RECORD_POLICIES)
         problems += self._data_problems()
         problems += self._episode_problems()
+        problems += self._agent_problems()
         for name in ("nproc", "tensor_parallel", "pipeline_parallel", "context_parallel",
                      "expert_parallel",
                      "prompts_per_step",
@@ -977,7 +1005,7 @@ class PPOConfig:
         """Whether any source scores the samples (algorithm=opd trains without one)."""
         return any(bool(value) for value in (
             self.reward_model, self.reward_fn, self.reward_url, self.reward_fn_by_source,
-            self.rewards, self.environment, self.reward_judge))
+            self.rewards, self.environment, self.agent, self.reward_judge))
 
     @property
     def options(self) -> AlgorithmOptions:
@@ -1126,7 +1154,8 @@ class PPOConfig:
                                 f"episode after the prompt)")
         if self.environment is None:
             unused = [name for name, default in EPISODE_FIELDS.items()
-                      if getattr(self, name) != default]
+                      if getattr(self, name) != default
+                      and not (self.agent is not None and name in AGENT_READS)]
             if unused:
                 problems.append(f"{', '.join(unused)} apply to multi-turn episodes; set "
                                 f"environment=... or leave them unset")
@@ -1134,6 +1163,25 @@ class PPOConfig:
             problems.append("environment=tools needs tools=[module:function, ...] (or python), "
                             "and tools need environment=tools")
         return problems
+
+    def _agent_problems(self) -> list[str]:
+        if self.agent is None:
+            unused = [name for name, default in AGENT_FIELDS.items()
+                      if getattr(self, name) != default]
+            return [f"{', '.join(unused)} apply to agent programs; set agent=module:function "
+                    f"or leave them unset"] if unused else []
+        if self.environment is not None:
+            return [f"agent and environment are two ways to run episodes; set one (agent="
+                    f"{self.agent}, environment={self.environment})"]
+        if self.resolved_rollout_mode == "fully_async":
+            return ["agent with rollout_mode=fully_async: not run yet; use sync or "
+                    "one_step_off"]
+        return []
+
+    @property
+    def episodic(self) -> bool:
+        """Samples are multi-turn episodes: of an environment or of an agent program."""
+        return self.environment is not None or self.agent is not None
 
     @property
     def turn_tokens(self) -> int:
@@ -1400,17 +1448,22 @@ class PPOConfig:
                                            dtype_bytes=dtype_bytes))
         return EngineSize(max_model_len=limit, kv_cache_bytes=kv)
 
-    def teacher_engine_size(self, model: ModelConfig, length: int) -> EngineSize:
+    def teacher_engine_size(self, model: ModelConfig, length: int, typical: int
+                            ) -> EngineSize:
         """A vLLM teacher engine's size (teacher_backend=vllm): sequences of up to `length`
-        tokens (VLLMEngine.score needs no room beyond them), a KV cache for its share of a
-        step's rows at that length, dealt over teacher_nproc / layout.teacher's TP engines."""
+        tokens (VLLMEngine.score needs no room beyond them; an episode may take the models'
+        whole room), a KV cache for its share of a step's rows (dealt over teacher_nproc /
+        layout.teacher's TP engines) at `typical` tokens (the longest prompt +
+        max_new_tokens), and at least one sequence of `length` (vLLM queues what does not
+        fit at once)."""
         tp = self.parallel_of("teacher").tensor_parallel
         rows = math.ceil(self.rows_per_step / max(1, self.teacher_nproc // tp))
         dtype_bytes = DTYPES[self.dtype].itemsize
         kv = max(sizing.minimum_kv_cache_bytes(model, engine_tp=tp, max_model_len=length,
                                                dtype_bytes=dtype_bytes),
                  sizing.job_kv_cache_bytes(model, engine_tp=tp, rows=rows,
-                                           max_model_len=length, dtype_bytes=dtype_bytes))
+                                           max_model_len=min(typical, length),
+                                           dtype_bytes=dtype_bytes))
         return EngineSize(max_model_len=length, kv_cache_bytes=kv)
 
     def lora_of(self, role: str) -> LoraConfig | None:

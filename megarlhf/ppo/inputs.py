@@ -9,6 +9,7 @@ import dataclasses
 
 from megarlhf.data.prompts import Prompt
 from megarlhf.data.tokenizer import Tokenizer
+from megarlhf.envs.agents import AgentLimits, AgentRunner, load_agent
 from megarlhf.envs.episodes import Episode, EpisodeLimits, EpisodeRunner
 from megarlhf.envs.loading import environment_factory
 from megarlhf.envs.tools import Toolbox
@@ -43,8 +44,8 @@ class RunInputs:
     tokenizer: Tokenizer | None
     report: dict
     """Per dataset: rows kept and skipped (by reason), prompt format; and what was dropped."""
-    episodes: EpisodeRunner | None = None
-    """With an environment: runs the multi-turn episodes."""
+    episodes: EpisodeRunner | AgentRunner | None = None
+    """With an environment or an agent: runs the multi-turn episodes."""
     toolbox: Toolbox | None = None
     judge: Judge | None = None
     """With reward_judge: builds the judge's prompts and reads its verdicts."""
@@ -108,11 +109,12 @@ def read_inputs(config: PPOConfig) -> RunInputs:
             raise ValueError(f"{what}, but no tokenizer is known to decode responses (the "
                              f"actor checkpoint has no {config.actor}/hf tokenizer); set "
                              f"tokenizer=HF_DIR")
-    if config.environment is not None and path is None:
-        raise ValueError(f"environment: episodes are rendered as text, but no tokenizer is "
+    if config.episodic and path is None:
+        raise ValueError(f"{'agent' if config.agent else 'environment'}: episodes are "
+                         f"rendered as text, but no tokenizer is "
                          f"known (the actor checkpoint has no {config.actor}/hf tokenizer); "
                          f"set tokenizer=HF_DIR")
-    if config.val_prompts and not scorers and config.environment is None:
+    if config.val_prompts and not scorers and not config.episodic:
         raise ValueError("val_prompts: validation scores answers with the reward function; "
                          "set reward_fn or reward_url (the reward model and the judge do not "
                          "score validation)")
@@ -138,6 +140,8 @@ def read_inputs(config: PPOConfig) -> RunInputs:
     if config.environment is not None:
         toolbox, runner = _environment(config, tokenizer, kept_train[0],
                                        checked.max_prompt_tokens)
+    elif config.agent is not None:
+        runner = _agent(config, tokenizer, checked.max_prompt_tokens)
     judge = judge_size = None
     if config.reward_judge is not None:
         if path is None:
@@ -150,7 +154,7 @@ def read_inputs(config: PPOConfig) -> RunInputs:
                    for name in names}
         columns["ground_truth"] = max((p.ground_truth for p in kept_train),
                                       key=lambda v: len(str(v)) if v is not None else 0)
-        if config.environment is not None:
+        if config.episodic:
             columns["conversation"] = None  # the episode's turns (RunInputs.samples)
         judge = Judge(config.reward_judge, columns, seed=config.seed,
                       tensor_parallel=config.judge_tp,
@@ -195,6 +199,21 @@ def _remote_reward(config: PPOConfig) -> RemoteReward:
                         concurrency=config.reward_url_concurrency,
                         timeout=config.reward_timeout, retries=config.reward_url_retries,
                         headers=headers, allow_non_finite=config.nan_policy == "skip")
+
+
+def _agent(config: PPOConfig, tokenizer: Tokenizer, max_prompt_tokens: int | None
+           ) -> AgentRunner:
+    """The agent program's episode runner: the program loaded (an async function)."""
+    fn = load_agent(config.agent)
+    room = (max_prompt_tokens if max_prompt_tokens is not None else 0) + config.max_new_tokens
+    limits = AgentLimits(max_calls=config.max_turns, max_new_tokens=config.max_new_tokens,
+                         max_tokens=room, timeout=config.agent_timeout,
+                         max_requests=config.agent_max_requests)
+    others = any(bool(v) for v in (config.reward_model, config.reward_fn, config.reward_url,
+                                   config.reward_fn_by_source, config.rewards,
+                                   config.reward_judge))
+    return AgentRunner(fn, run_format(config, tokenizer), limits, name=config.agent,
+                       tool_parser=config.tool_parser, scored_elsewhere=others)
 
 
 def _environment(config: PPOConfig, tokenizer: Tokenizer, first: Prompt,

@@ -132,8 +132,10 @@ def preflight(config: PPOConfig, prompts: list[list[int]],
     room = min(limit, size.max_model_len) if size is not None else limit
     # An episode's transcript may take the room its reset messages leave; a sample, its
     # prompt and max_new_tokens.
-    scored = room if config.environment is not None else longest + config.max_new_tokens
-    teacher_sizes = {name: config.teacher_engine_size(models[name].model, scored)
+    typical = longest + config.max_new_tokens
+    teacher_sizes = {name: config.teacher_engine_size(models[name].model,
+                                                      room if config.episodic else typical,
+                                                      typical)
                      for name in config.teachers} if vllm_teacher else {}
     return Preflight(stop_token_ids=tuple(stop_ids), engine_size=size,
                      max_prompt_tokens=room - config.max_new_tokens,
@@ -179,15 +181,25 @@ def _vllm_teacher_problems(config: PPOConfig, models: dict) -> list[str]:
     problem = vllm_token_logprobs_problem()
     if problem:
         return [f"teacher_backend=vllm: {problem}; upgrade it, or use teacher_backend=megatron"]
+    if torch.cuda.is_available() and len(config.teachers) > 1:
+        # vLLM's sleep-mode allocator and its free-memory check at start serve one engine
+        # per process on CUDA; several have run on CPU only.
+        return [f"teacher_backend=vllm with {len(config.teachers)} teachers: one vLLM engine "
+                f"per process on GPUs (several not run yet); use teacher_backend=megatron for "
+                f"teacher_by_source"]
     problems = []
     for name, path in config.teachers.items():
         if name not in models:
             continue
-        if models[name].origin != "HF config":
+        if models[name].origin == "checkpoint":
             problems.append(f"{field_of(name)}: {path} is a megarlhf checkpoint; "
                             f"teacher_backend=vllm reads an HF directory: export it (python -m "
                             f"tools.convert_hf.mcore_to_hf --ckpt {path} --out DIR) or use "
                             f"teacher_backend=megatron")
+            continue
+        if models[name].origin != "HF config":
+            problems.append(f"{field_of(name)}: teacher_backend=vllm reads an HF directory, "
+                            f"{path} is a {models[name].origin}")
             continue
         problem = vllm_head_dim_problem(models[name].model)
         if problem:

@@ -291,6 +291,9 @@ def settings(config: PPOConfig) -> dict:
         drawn.update({name: getattr(config, name) for name in (
             "environment", "env_args", "max_turns", "max_turn_tokens", "max_observation_tokens",
             "on_env_error", "tools", "tool_parser", "chat_template")})
+    if config.agent is not None:
+        drawn.update({name: getattr(config, name) for name in (
+            "agent", "max_turns", "tool_parser", "chat_template")})
     return json.loads(json.dumps(drawn))
 
 

@@ -73,7 +73,7 @@ class PPOWorker:
     def __init__(self, config: PPOConfig, group: GroupSpec,
                  engine_sizes: dict[str, EngineSize] | None = None):
         """`engine_sizes`: the vLLM engines' sizes the controller's preflight computed
-        ("rollout", "judge")."""
+        ("rollout", "judge", each vLLM teacher's name)."""
         self.config, self.group, self.engine_sizes = config, group, engine_sizes or {}
         c, roles = config, group.roles
         self.mesh = init_mesh(group.parallel, seed=c.seed, timeout_s=c.collective_timeout_s)
@@ -117,7 +117,8 @@ class PPOWorker:
         if "teacher" in roles and c.teacher_backend == "vllm":
             tp = c.parallel_of("teacher").tensor_parallel
             self.teachers = {name: VLLMTeacher(
-                                 self._vllm_engine(name, path, tp, load_format="auto"),
+                                 self._vllm_engine(name, path, tp, load_format="auto",
+                                                   sleeps=False),
                                  rank=self.rank, world_size=self.mesh.world_size,
                                  tensor_parallel=tp, device=self.mesh.device)
                              for name, path in c.teachers.items()}
@@ -210,7 +211,7 @@ class PPOWorker:
         if c.rollout_backend == "vllm":
             return self._vllm_engine("rollout", c.vllm_model_dir, c.rollout_tp,
                                      load_format="dummy",
-                                     prefix_caching=c.environment is not None)
+                                     prefix_caching=c.episodic)
         from megarlhf.rollout.megatron_engine import MegatronEngine, MegatronEngineConfig
 
         return MegatronEngine(model_spec(model, self.group.parallel, dtype=self.dtype,
@@ -219,7 +220,7 @@ class PPOWorker:
                                                               return_routing=c.routing_replay))
 
     def _vllm_engine(self, kind: str, model_dir: str, tp: int, *, load_format: str,
-                     prefix_caching: bool = False):
+                     prefix_caching: bool = False, sleeps: bool = True):
         """A vLLM engine of `tp` consecutive ranks of this group, sized by the controller's
         preflight (engine_sizes[kind]: "rollout", "judge" or a teacher's name)."""
         from megarlhf.rollout.vllm_engine import VLLMEngine, VLLMEngineConfig
@@ -235,7 +236,8 @@ class PPOWorker:
                 gpu_memory_utilization=size.gpu_memory_utilization,
                 block_size=sizing.BLOCK_TOKENS, load_format=load_format,
                 enforce_eager=not self.config.rollout_cuda_graphs,
-                prefix_caching=prefix_caching, dtype=str(self.dtype).removeprefix("torch.")))
+                prefix_caching=prefix_caching, sleeps=sleeps,
+                dtype=str(self.dtype).removeprefix("torch.")))
         except EngineError as e:
             raise EngineError(f"{e} [started with max_model_len={size.max_model_len}, "
                               f"kv_cache_bytes={size.kv_cache_bytes}, gpu_memory_utilization="

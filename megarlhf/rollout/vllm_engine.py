@@ -77,6 +77,10 @@ class VLLMEngineConfig:
     start); 'auto': the weights in model_dir."""
     enforce_eager: bool = True
     """No torch.compile / CUDA graphs: starts in seconds. Set False on GPU for decode speed."""
+    sleeps: bool = True
+    """Whether the engine may sleep (vLLM's sleep mode, where the platform has it). False for
+    an engine that never does (a teacher's): on CUDA sleep mode's allocator serves one
+    engine per process."""
     prefix_caching: bool = False
     """Reuse the keys and values of a prompt's leading blocks computed by an earlier request
     since the last weight update (multi-turn episodes: a turn's context is the previous
@@ -117,7 +121,7 @@ class VLLMEngine:
         self._expected = expected_hf_weights(config.model_dir)
         shims.keep_trainer_process_group()
         shims.prepack_reloaded_experts()
-        self._sleep_mode = _sleep_mode_available()
+        self._sleep_mode = config.sleeps and _sleep_mode_available()
         self._shm_ident = shims.unique_shm_ident(config.tensor_parallel_size)
         memory = {"kv_cache_memory_bytes": config.kv_cache_memory_bytes} \
             if config.kv_cache_memory_bytes is not None else \

@@ -1,0 +1,134 @@
+"""Agent programs for the agent tests, written as users write them: against the `openai`
+package's AsyncOpenAI client, importable by module:name (the controller loads them). Each
+records what its client received in SEEN (api_key -> list of responses), for the tests that
+run the runner in this process."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from openai import AsyncOpenAI, AuthenticationError
+
+SEEN: dict[str, list] = {}
+
+ADD_TOOL = {"type": "function", "function": {
+    "name": "add", "description": "Add two numbers.",
+    "parameters": {"type": "object", "properties": {"a": {"type": "number"},
+                                                     "b": {"type": "number"}},
+                   "required": ["a", "b"]}}}
+
+
+def _client(base_url: str, api_key: str) -> AsyncOpenAI:
+    return AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+
+
+def _question(row: dict) -> list[dict]:
+    prompt = row["prompt"]
+    return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+
+
+async def _two_calls(base_url, api_key, model, row):
+    client = _client(base_url, api_key)
+    messages = _question(row)
+    first = await client.chat.completions.create(model=model, messages=messages, max_tokens=8,
+                                                 logprobs=True, temperature=0.0)
+    messages += [first.choices[0].message.model_dump(), {"role": "user", "content": "Sure?"}]
+    second = await client.chat.completions.create(model=model, messages=messages, max_tokens=8,
+                                                  logprobs=True)
+    SEEN.setdefault(api_key, []).extend([first, second])
+    return second.choices[0].message.content or ""
+
+
+async def two_calls(*, base_url, api_key, model, row):
+    """Asks, sends its answer back (as the client's own message object, dumped) with a
+    follow-up (its temperature is ignored: the run's applies), and returns 1.0 if the second
+    answer is non-empty."""
+    return 1.0 if await _two_calls(base_url, api_key, model, row) else 0.0
+
+
+async def two_calls_by_length(*, base_url, api_key, model, row):
+    """two_calls, rewarded by its second answer's length modulo 3 (rewards that differ
+    within a group)."""
+    return float(len(await _two_calls(base_url, api_key, model, row)) % 3)
+
+
+async def rewrites(*, base_url, api_key, model, row):
+    """Asks, then asks again without its first answer (history rewritten): two chains."""
+    client = _client(base_url, api_key)
+    first = await client.chat.completions.create(model=model, messages=_question(row),
+                                                 max_tokens=8)
+    again = [{"role": "system", "content": "Be brief."}, *_question(row)]
+    second = await client.chat.completions.create(model=model, messages=again, max_tokens=8)
+    SEEN.setdefault(api_key, []).extend([first, second])
+    return None
+
+
+async def with_tools(*, base_url, api_key, model, row):
+    """Offers the add tool; runs the call the model makes, sends the result back as a tool
+    message (its arguments re-serialised with other spacing), asks for the final answer."""
+    client = _client(base_url, api_key)
+    messages = _question(row)
+    first = await client.chat.completions.create(model=model, messages=messages,
+                                                 tools=[ADD_TOOL], max_tokens=40)
+    message = first.choices[0].message.model_dump(exclude_none=True)
+    calls = message.get("tool_calls") or []
+    for call in calls:
+        args = json.loads(call["function"]["arguments"])
+        call["function"]["arguments"] = json.dumps(args, indent=1)  # re-serialised
+    messages.append(message)
+    for call in calls:
+        args = json.loads(call["function"]["arguments"])
+        messages.append({"role": "tool", "tool_call_id": call["id"],
+                         "content": str(args["a"] + args["b"])})
+    second = await client.chat.completions.create(model=model, messages=messages,
+                                                  tools=[ADD_TOOL], max_tokens=8)
+    SEEN.setdefault(api_key, []).extend([first, second])
+    return 1.0
+
+
+async def stops_at_newline(*, base_url, api_key, model, row):
+    client = _client(base_url, api_key)
+    answer = await client.chat.completions.create(model=model, messages=_question(row),
+                                                  max_tokens=20, stop=["\n"])
+    SEEN.setdefault(api_key, []).append(answer)
+    return 0.5
+
+
+async def wrong_key(*, base_url, api_key, model, row):
+    """Calls with a key of its own making (refused), then with its own."""
+    try:
+        await _client(base_url, "not-a-key").chat.completions.create(
+            model=model, messages=_question(row), max_tokens=4)
+    except AuthenticationError as e:
+        SEEN.setdefault(api_key, []).append(("refused", e.status_code))
+    answer = await _client(base_url, api_key).chat.completions.create(
+        model=model, messages=_question(row), max_tokens=4)
+    SEEN.setdefault(api_key, []).append(answer)
+    return 1.0
+
+
+async def raises(*, base_url, api_key, model, row):
+    await _client(base_url, api_key).chat.completions.create(
+        model=model, messages=_question(row), max_tokens=4)
+    raise RuntimeError("the agent's own bug")
+
+
+async def hangs(*, base_url, api_key, model, row):
+    await _client(base_url, api_key).chat.completions.create(
+        model=model, messages=_question(row), max_tokens=4)
+    await asyncio.sleep(3600)
+
+
+async def many_calls(*, base_url, api_key, model, row):
+    """Calls until the endpoint answers with nothing ('length' and no text)."""
+    client = _client(base_url, api_key)
+    messages = _question(row)
+    while True:
+        answer = await client.chat.completions.create(model=model, messages=messages,
+                                                      max_tokens=4)
+        SEEN.setdefault(api_key, []).append(answer)
+        choice = answer.choices[0]
+        if not choice.message.content and choice.finish_reason == "length":
+            return 1.0
+        messages += [choice.message.model_dump(), {"role": "user", "content": "More."}]
