@@ -741,10 +741,11 @@ LARGE = ["llama3-70b-grpo.yaml", "llama3-70b-ppo.yaml", "qwen2.5-72b-ppo.yaml",
 
 
 CPU = ["smollm2-135m-grpo-arithmetic.yaml", "smollm2-135m-grpo-multiturn.yaml",
-       "smollm2-135m-grpo-tools.yaml"]
+       "smollm2-135m-grpo-tools.yaml", "smollm2-135m-grpo-agent.yaml"]
 """Recipes that run on this machine: bench/bench_rlvr.py and bench/bench_multiturn.py run the
 first two end to end (their results are in BENCHMARKS.md), tests/test_real_model.py the third
-for a step; here each must load, and its header's data command must make what it reads."""
+and fourth for a step; here each must load, and its header's data command must make what it
+reads."""
 
 
 DPO = ["smollm2-135m-dpo-arithmetic.yaml"]

@@ -416,6 +416,47 @@ def test_tool_calls_on_the_real_model(hf_dir, actor, work):
     assert calls > 0
 
 
+def test_the_agent_recipe_on_the_real_model(hf_dir, actor, work):
+    """The agent recipe (the calculator task as an `openai`-client program over the run's
+    endpoint) for one step with the Megatron engine: each episode is one row; the model's
+    calls come back to the program as tool_calls, their results (computed here) are in the
+    masked tool messages that follow; the rows hold the model's tokens as the engine sampled
+    them (the gap on them below 1e-4, fp32), no completion untrained, no program failed."""
+    pytest.importorskip("openai")
+    from megarlhf.data import synthetic
+
+    train, _ = synthetic.tool_arithmetic_records(rows=16, held_out=0)
+    prompts = synthetic.write_jsonl(train, str(work / "agent.jsonl"))
+    out_dir = work / "agent"
+    _run(sys.executable, "-m", "megarlhf.cli", "ppo", "--config",
+         os.path.join(REPO, "recipes", "smollm2-135m-grpo-agent.yaml"), f"actor={actor}",
+         f"prompts={prompts}", "val_prompts=null", f"out_dir={out_dir}", "steps=1",
+         "prompts_per_step=2", "samples_per_prompt=2", "log_samples=4", "val_every=0")
+    (m,) = read_steps(str(out_dir))
+    print(f"agent: calls per episode {m['agent/calls_mean']:.2f}, errors "
+          f"{m['agent/errors']:.0f}, gap max {m['rollout/logprob_gap_max']:.3g}, reward "
+          f"{m['reward/mean']:.3f}, wall {m['time/wall']:.1f} s")
+    assert m["rollout/logprob_gap_max"] < 1e-4 and m["agent/errors"] == 0.0, m
+    assert m["agent/untrained_completions"] == 0.0 and m["agent/calls_mean"] >= 1.0, m
+    calls = 0
+    for row in _episode_rows(str(out_dir)):
+        parts = row["turns"]
+        assert [p["trained"] for p in parts] == [p["role"] == "assistant" for p in parts], row
+        for model, tool in zip(parts[0::2], parts[1::2]):
+            found = re.findall(r"<tool_call>(.*?)</tool_call>", model["text"], re.DOTALL)
+            try:
+                expressions = [json.loads(f)["arguments"]["expression"] for f in found]
+            except (ValueError, KeyError, TypeError):
+                continue  # a malformed call: no tool_calls came back, the episode ended
+            for expression in expressions:
+                if re.fullmatch(r"[\d\s+\-*/().]+", expression):
+                    value = eval(expression)  # noqa: S307 - digits and operators only
+                    shown = str(int(value) if float(value).is_integer() else value)
+                    assert f"<|im_start|>tool\n{shown}<|im_end|>" in tool["text"], (model, tool)
+                    calls += 1
+    assert calls > 0
+
+
 JUDGE_TEMPLATE = ("Question: {prompt}\nProposed answer: {response}\nThe correct answer is "
                   "{ground_truth}. Is the proposed answer correct? Answer Yes or No.")
 
