@@ -64,6 +64,17 @@ async def rewrites(*, base_url, api_key, model, row):
     return None
 
 
+async def two_completions(*, base_url, api_key, model, row):
+    """Two /v1/completions calls, the second's prompt the first's + its text + more text,
+    a pause between them (the run's weights may move on meanwhile)."""
+    client = _client(base_url, api_key)
+    first = await client.completions.create(model=model, prompt="Count:", max_tokens=2)
+    await asyncio.sleep(0.3)
+    await client.completions.create(model=model, prompt="Count:" + first.choices[0].text
+                                    + " go on", max_tokens=2)
+    return 1.0
+
+
 async def with_tools(*, base_url, api_key, model, row):
     """Offers the add tool; runs the call the model makes, sends the result back as a tool
     message (its arguments re-serialised with other spacing), asks for the final answer."""

@@ -172,8 +172,6 @@ CONFIG_CASES = [  # (overrides, what the message must name)
     # Agent programs: one way to run episodes, in the rollout modes a test ran.
     (["agent=tests.agent_programs:two_calls", "environment=tools", "tools=[python]"],
      "agent and environment are two ways to run episodes; set one"),
-    (["agent=tests.agent_programs:two_calls", "rollout_mode=fully_async",
-      "placement=disaggregated"], "agent with rollout_mode=fully_async: not run yet"),
     (["agent_timeout=30"], "agent_timeout apply to agent programs; set agent=module:function"),
     (["agent=tests.agent_programs:two_calls", "agent_timeout=0"],
      "agent_timeout=0.0 is out of range"),

@@ -485,6 +485,58 @@ def test_episodes_take_weight_syncs_between_their_turns(monkeypatch):
     assert all(v == [1, 1, 1, 2, 2] for v in drawn[2].versions), drawn[2].versions
 
 
+def test_an_agents_tokens_keep_the_versions_of_their_engine_calls(monkeypatch, tmp_path):
+    """fully_async with an agent program (tests/agent_programs.two_completions: two
+    /v1/completions calls over the run's endpoint, a pause between): a weight sync may come
+    between an episode's calls, and each token keeps the version of the engine call that
+    sampled it (the text the program added between: the call before), through
+    Episode.engine_calls; the lags count the model's tokens only."""
+    pytest.importorskip("openai")
+    from megarlhf.data.templates import PromptFormat
+    from megarlhf.data.tokenizer import load_tokenizer
+    from megarlhf.envs.agents import AgentLimits, AgentRunner, load_agent
+    from tests import chat_tokenizer
+
+    tok = load_tokenizer(chat_tokenizer.save(str(tmp_path)))
+    stream, _ = _stream(monkeypatch, steps=3, staleness=1, per_call=1, delay=0.0)
+    engine = EpisodeEngine(0.0)
+    stream.workers = engine
+    stream.data.episodes = AgentRunner(
+        load_agent("tests.agent_programs:two_completions"), PromptFormat(tok, "plain"),
+        AgentLimits(max_calls=4, max_new_tokens=40, max_tokens=200, timeout=30.0,
+                    max_requests=64), name="two_completions", tool_parser="hermes",
+        scored_elsewhere=True)
+    drawn, served = [], 0
+    for step in range(1, 4):
+        drawn.append(stream.take(step))
+        deadline = time.monotonic() + 10
+        while engine.calls == served:  # a call since the last sync (the next batch began)
+            assert time.monotonic() < deadline
+            time.sleep(0.002)
+        with stream.paused():
+            engine.syncing = True
+            engine.version = step
+            stream.synced(step)
+            engine.syncing = False
+        served = engine.calls
+    stream.stop()
+    assert stream._error is None
+    spanning = 0
+    for step, d in enumerate(drawn, start=1):
+        assert len(d.episodes) == 6
+        for c, versions in zip(d.completions, d.versions):
+            between = len(c.token_ids) - 4  # " go on" as tokens, between two completions
+            assert list(c.sampled) == [True] * 2 + [False] * between + [True] * 2
+            assert c.logprobs == [-float(v) if sampled else 0.0
+                                  for v, sampled in zip(versions, c.sampled)]
+            assert versions[2:2 + between] == [versions[1]] * between
+            spanning += versions[0] != versions[-1]
+        lags = [step - 1 - v for versions, c in zip(d.versions, d.completions)
+                for v, sampled in zip(versions, c.sampled) if sampled]
+        assert d.metrics["rollout/policy_lag_mean"] == pytest.approx(sum(lags) / len(lags))
+    assert spanning > 0  # some episode's calls straddled a sync
+
+
 def test_an_engine_failure_reaches_the_waiting_step(monkeypatch):
     """The producer's exception is raised by the step that waits for its groups, once."""
     stream, engine = _stream(monkeypatch, steps=2, staleness=1, per_call=2, delay=0.0)

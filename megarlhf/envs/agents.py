@@ -100,7 +100,10 @@ class _Chain:
     sampled: list[bool] = dataclasses.field(default_factory=list)
     parts: list[EpisodePart] = dataclasses.field(default_factory=list)
     completions: tuple[int, ...] = ()
-    """The calls whose completions the row holds."""
+    """The episode's engine calls (counted from 0) whose completions the row holds."""
+    calls: list[int | None] = dataclasses.field(default_factory=list)
+    """Per token: the engine call that sampled it; for a token put between, the call before
+    it (None before the first)."""
 
     @property
     def ids(self) -> list[int]:
@@ -108,10 +111,13 @@ class _Chain:
 
     def extended(self, ids: list[int], *, sampled: bool, logprobs: list[float] | None = None,
                  part: EpisodePart, call: int | None = None) -> "_Chain":
+        """`call`: the engine call that sampled `ids` (sampled only)."""
+        before = self.completions[-1] if self.completions else None
         return _Chain(self.prompt, self.tokens + ids,
                       self.logprobs + (logprobs if sampled else [0.0] * len(ids)),
                       self.sampled + [sampled] * len(ids), self.parts + [part],
-                      self.completions + ((call,) if call is not None else ()))
+                      self.completions + ((call,) if sampled else ()),
+                      self.calls + [call if sampled else before] * len(ids))
 
 
 @dataclasses.dataclass
@@ -140,6 +146,7 @@ class _Episode:
         self.api_key = f"ep-{key}-{secrets.token_hex(12)}"
         self.calls: list[_Call] = []
         self.requests = 0
+        self.generated = 0  # engine calls made for it
         self.lock = asyncio.Lock()  # one call at a time: each extends what came before
         self.error: str | None = None
         self.reward: float | None = None
@@ -278,12 +285,12 @@ class AgentRunner:
         outcome = await self._sample(e, chain, body)
         if outcome is None:
             return _chat_response(e, "", None, "length", None, len(chain.ids))
-        ids, logprobs, text, finish, after = outcome
+        ids, logprobs, text, finish, after, engine_call = outcome
         calls = self._tool_calls(text, len(e.calls)) if tools else None
         returned = {"role": "assistant", "content": None if calls else text}
         if calls:
             returned["tool_calls"] = calls
-        done = chain.extended(ids, sampled=True, logprobs=logprobs, call=len(e.calls),
+        done = chain.extended(ids, sampled=True, logprobs=logprobs, call=engine_call,
                               part=EpisodePart("assistant", self.tokenizer.decode(ids),
                                                len(ids), True))
         conversation = [_rendered(m) for m in messages] + [returned]
@@ -312,8 +319,8 @@ class AgentRunner:
         outcome = await self._sample(e, chain, body)
         if outcome is None:
             return _text_response("", "length", None, len(chain.ids), 0)
-        ids, logprobs, text, finish, after = outcome
-        done = chain.extended(ids, sampled=True, logprobs=logprobs, call=len(e.calls),
+        ids, logprobs, text, finish, after, engine_call = outcome
+        done = chain.extended(ids, sampled=True, logprobs=logprobs, call=engine_call,
                               part=EpisodePart("assistant", self.tokenizer.decode(ids), len(ids),
                                                True))
         e.calls.append(_Call(None, prompt, text, [{"role": "user", "content": prompt},
@@ -346,8 +353,9 @@ class AgentRunner:
         return _Chain(tuple(ids))
 
     async def _sample(self, e: _Episode, chain: _Chain, body: dict):
-        """(ids, logprobs, text, finish_reason, after) of the engines' answer to `chain`, cut
-        at the first stop string; None when a budget leaves no room for a token."""
+        """(ids, logprobs, text, finish_reason, after, the episode's engine call) of the
+        engines' answer to `chain`, cut at the first stop string; None when a budget leaves no
+        room for a token."""
         stop = body.get("stop") or []
         stop = [stop] if isinstance(stop, str) else stop
         if not all(isinstance(s, str) and s for s in stop):
@@ -363,7 +371,7 @@ class AgentRunner:
         waiting = _Waiting(e, chain.ids, int(room), loop.create_future())
         self._waiting.append(waiting)
         self._arrived.set()
-        c: Completion = await waiting.future
+        c, engine_call = await waiting.future
         ids, logprobs, finish = list(c.token_ids), list(c.logprobs), c.finish_reason
         text = self.tokenizer.decode(ids, skip_special=True)
         after = ids[-1] if finish == "stop" else None
@@ -371,7 +379,7 @@ class AgentRunner:
         if cut is not None:
             kept, text = cut
             ids, logprobs, finish, after = ids[:kept], logprobs[:kept], "stop", None
-        return ids, logprobs, text, finish, after
+        return ids, logprobs, text, finish, after, engine_call
 
     def _tool_calls(self, text: str, call: int) -> list[dict] | None:
         found = [c for c in self._parse(text) if isinstance(c, ToolCall)]
@@ -422,9 +430,8 @@ class AgentRunner:
                 self._arrived.clear()
             batch, self._waiting = self._waiting, []
             try:
-                completions = await self._turns([w.episode for w in batch],
-                                                [w.context for w in batch],
-                                                [w.room for w in batch])
+                answers = await self._turns([w.episode for w in batch],
+                                            [w.context for w in batch], [w.room for w in batch])
             except BaseException as ex:  # the engines': the run's failure, not the agents'
                 self._fault = ex
                 for w in batch:
@@ -432,14 +439,20 @@ class AgentRunner:
                 for e in episodes:
                     e.running = False
                 raise
-            for w, c in zip(batch, completions):
+            for w, answer in zip(batch, answers):
                 if not w.future.done():  # its program may have timed out meanwhile
-                    w.future.set_result(c)
+                    w.future.set_result(answer)
 
     async def _turns(self, episodes: list[_Episode], contexts: list[list[int]],
-                     rooms: list[int], *, fill: bool = False) -> list[Completion]:
-        """The engines' completions of `contexts` (in a thread: the endpoint serves on);
-        `fill`: unscored turns of episodes that made no call, kept as their rows."""
+                     rooms: list[int], *, fill: bool = False
+                     ) -> list[tuple[Completion, int]]:
+        """The engines' completions of `contexts` (in a thread: the endpoint serves on), each
+        with its episode's count of engine calls before it (what a fully_async run's weight
+        versions are recorded by); `fill`: unscored turns of episodes that made no call, kept
+        as their rows."""
+        made = [e.generated for e in episodes]
+        for e in episodes:
+            e.generated += 1
         params = dataclasses.replace(
             self._params, n=1, max_new_tokens=max(rooms), max_new_tokens_each=tuple(rooms),
             seed=None if self._params.seed is None else self._params.seed
@@ -452,13 +465,13 @@ class AgentRunner:
             raise RuntimeError(f"the rollout engines returned {len(completions)} completions "
                                f"for {len(contexts)} contexts")
         if fill:
-            for e, c in zip(episodes, completions):
+            for e, c, call in zip(episodes, completions, made):
                 chain = _Chain(tuple(e.prompt.ids)).extended(
-                    list(c.token_ids), sampled=True, logprobs=list(c.logprobs), call=0,
+                    list(c.token_ids), sampled=True, logprobs=list(c.logprobs), call=call,
                     part=EpisodePart("assistant", self.tokenizer.decode(c.token_ids),
                                      len(c.token_ids), True))
                 e.calls.append(_Call(None, None, "", [], chain, None, c.finish_reason))
-        return completions
+        return list(zip(completions, made))
 
     # -- the step's rows ---------------------------------------------------------------------
 
@@ -475,10 +488,12 @@ class AgentRunner:
         final = last.conversation[-1]["content"] or "" if last.conversation else \
             self.tokenizer.decode(chain.tokens, skip_special=True)
         n = chain.parts[-1].tokens
+        first = chain.completions[0]
         return Episode(prompt=dataclasses.replace(e.prompt, ids=chain.prompt),
                        completion=completion, parts=tuple(chain.parts), rewards_at=rewards,
                        conversation=tuple(last.conversation), final_response=final,
-                       final_ids=tuple(chain.tokens[-n:]), error=e.error)
+                       final_ids=tuple(chain.tokens[-n:]), error=e.error,
+                       engine_calls=tuple(first if c is None else c for c in chain.calls))
 
     def _metrics(self, episodes: list[_Episode], seconds: float) -> dict[str, float]:
         count = len(episodes)

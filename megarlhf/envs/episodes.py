@@ -84,6 +84,10 @@ class Episode:
     error: str | None = None
     """The environment's failure, when on_env_error=drop ended the episode: it has no score
     (the controller masks it)."""
+    engine_calls: tuple[int, ...] | None = None
+    """Per token of `completion`: the episode's engine call (counted from 0) that sampled it,
+    or for a token put between, the call before it. None: each turn one call, in order (an
+    environment's). A fully_async run dates each token by its call's weight version."""
 
     @property
     def reward(self) -> float:

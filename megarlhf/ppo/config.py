@@ -1173,9 +1173,6 @@ class PPOConfig:
         if self.environment is not None:
             return [f"agent and environment are two ways to run episodes; set one (agent="
                     f"{self.agent}, environment={self.environment})"]
-        if self.resolved_rollout_mode == "fully_async":
-            return ["agent with rollout_mode=fully_async: not run yet; use sync or "
-                    "one_step_off"]
         return []
 
     @property

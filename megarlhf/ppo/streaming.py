@@ -472,7 +472,7 @@ class Stream:
         for i, g in enumerate(groups):
             mine = episodes[i * n:(i + 1) * n]
             out.append(Scoring(g, [e.completion for e in mine], mine,
-                               [_episode_versions(e.completion, turns[i * n + j])
+                               [_episode_versions(e, turns[i * n + j])
                                 for j, e in enumerate(mine)],
                                metrics if i == 0 else {}))
         return out
@@ -584,9 +584,13 @@ def _oldest(scoring: Scoring) -> int:
     return min(versions) if versions else scoring.group.version
 
 
-def _episode_versions(completion: Completion, turns: list[tuple[int, int]]) -> list[int]:
+def _episode_versions(episode: Episode, turns: list[tuple[int, int]]) -> list[int]:
     """Per token of an episode, the weight version of its turn (an observation: of the turn
-    before it), from the (version, tokens) of each of its turns in order."""
+    before it), from the (version, tokens) of each of its engine calls in order: through
+    the call each token names (Episode.engine_calls, an agent's), else turn by turn."""
+    if episode.engine_calls is not None:
+        return [turns[call][0] for call in episode.engine_calls]
+    completion = episode.completion
     sampled = completion.sampled or (True,) * len(completion.token_ids)
     out, i = [], 0
     for version, count in turns:
