@@ -143,3 +143,35 @@ async def many_calls(*, base_url, api_key, model, row):
         if not choice.message.content and choice.finish_reason == "length":
             return 1.0
         messages += [choice.message.model_dump(), {"role": "user", "content": "More."}]
+
+
+async def bad_requests(*, base_url, api_key, model, row):
+    """Sends what the endpoint refuses, records each status, then asks properly."""
+    from openai import APIStatusError
+
+    client = _client(base_url, api_key)
+    for bad in ({"stop": [""]}, {"max_tokens": 0}, {"n": 2}, {"messages": []},
+                {"tools": ["add"]}):
+        try:
+            await client.chat.completions.create(
+                **{"model": model, "messages": _question(row), **bad})
+        except APIStatusError as e:
+            SEEN.setdefault(api_key, []).append(e.status_code)
+    answer = await client.chat.completions.create(model=model, messages=_question(row))
+    SEEN.setdefault(api_key, []).append(answer)
+    return 1.0
+
+
+async def abandons(*, base_url, api_key, model, row):
+    """Asks, then gives up on a second call after 0.2 s (its client's own timeout) and
+    returns 1.0: the answer it never received must not be trained."""
+    client = _client(base_url, api_key)
+    messages = _question(row)
+    first = await client.chat.completions.create(model=model, messages=messages)
+    messages += [first.choices[0].message.model_dump(), {"role": "user", "content": "Again."}]
+    try:
+        await asyncio.wait_for(client.chat.completions.create(model=model, messages=messages),
+                               0.2)
+    except TimeoutError:
+        SEEN.setdefault(api_key, []).append("gave up")
+    return 1.0

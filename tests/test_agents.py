@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 
 import pytest
 
@@ -140,7 +141,7 @@ def test_an_agent_that_rewrites_history_trains_its_last_call_and_counts_the_rest
     (masked,), metrics = _runner(tok, "rewrites", scored_elsewhere=False).run(
         [_prompt(tok)], PARAMS, ScriptedEngine(tok, reply))
     agent_programs.SEEN.clear()
-    assert "returned None, and the run has no reward source" in masked.error
+    assert "returned None, and the run has no reward function or reward service" in masked.error
     assert metrics["agent/errors"] == 1.0
 
 
@@ -167,3 +168,66 @@ def test_keys_budgets_and_failing_programs(tok):
     assert answers[-1].choices[0].finish_reason == "length"
     assert sum(capped.completion.sampled) == 3 * 2  # three turns of a digit and end-of-turn
     assert metrics["agent/calls_mean"] == 3.0
+
+
+def test_requests_the_endpoint_cannot_serve_are_answered_400(tok):
+    """An empty stop string, max_tokens 0, n > 1, no messages, tools that are not function
+    schemas: each answered 400 (the client does not retry those), and the episode goes on."""
+    (episode,), metrics = _runner(tok, "bad_requests").run(
+        [_prompt(tok)], PARAMS, ScriptedEngine(tok, lambda key, turn: "5"))
+    (seen,) = [agent_programs.SEEN.pop(k) for k in list(agent_programs.SEEN)]
+    assert seen[:-1] == [400] * 5 and seen[-1].choices[0].message.content == "5"
+    assert episode.error is None and metrics["agent/calls_mean"] == 1.0
+
+
+class SlowSecondCall(ScriptedEngine):
+    """The scripted engine, 0.6 s per call after the first."""
+
+    def __call__(self, contexts, params, keys):
+        if self.calls:
+            time.sleep(0.6)
+        return super().__call__(contexts, params, keys)
+
+
+def test_an_answer_its_program_never_received_is_not_trained(tok):
+    """abandons gives up on its second call after 0.2 s and returns 1.0; the engine answers
+    that call later. The row is the first call's: the completion nobody received is neither
+    trained nor counted as the program's."""
+    engine = SlowSecondCall(tok, lambda key, turn: f"{turn}")
+    (episode,), metrics = _runner(tok, "abandons").run([_prompt(tok)], PARAMS, engine)
+    assert [agent_programs.SEEN.pop(k) for k in list(agent_programs.SEEN)] == [["gave up"]]
+    assert len(engine.calls) == 2  # the abandoned call did reach the engine
+    assert episode.completion.token_ids == tok.encode("0") + [tok.eos_id]
+    assert list(episode.rewards_at) == [(1, 1.0)] and episode.error is None
+    assert metrics["agent/calls_mean"] == 1.0
+
+
+def test_an_engine_failure_stops_the_run_and_is_no_programs_error(tok):
+    """The engines fail on the second round: run() raises their error (the programs are
+    cancelled, none is counted as failed), rather than masking every episode."""
+
+    def broken(contexts, params, keys):
+        if broken.calls:
+            raise ConnectionError("rollout rank 0 is gone")
+        broken.calls += 1
+        return ScriptedEngine(tok, lambda key, turn: "1")(contexts, params, keys)
+
+    broken.calls = 0
+    start = time.monotonic()
+    with pytest.raises(ConnectionError, match="rollout rank 0 is gone"):
+        _runner(tok, "two_calls").run([_prompt(tok)] * 2, PARAMS, broken)
+    assert time.monotonic() - start < 10
+    agent_programs.SEEN.clear()
+
+
+def test_a_program_timed_out_while_its_call_is_in_the_engines(tok):
+    """agent_timeout (0.4 s) ends two_calls while its second call is in the engines (0.6 s):
+    the episode is masked and counted, the step's rows come back (no stray cancellation),
+    and the late answer is not its row's."""
+    engine = SlowSecondCall(tok, lambda key, turn: f"{turn}")
+    (episode,), metrics = _runner(tok, "two_calls", timeout=0.4).run([_prompt(tok)], PARAMS,
+                                                                     engine)
+    agent_programs.SEEN.clear()
+    assert "timed out after agent_timeout=0.4 s" in episode.error
+    assert episode.completion.token_ids == tok.encode("0") + [tok.eos_id]
+    assert metrics["agent/errors"] == 1.0 and len(engine.calls) == 2

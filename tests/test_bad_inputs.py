@@ -176,7 +176,8 @@ CONFIG_CASES = [  # (overrides, what the message must name)
     (["agent=tests.agent_programs:two_calls", "agent_timeout=0"],
      "agent_timeout=0.0 is out of range"),
     (["agent=tests.agent_programs:two_calls", "max_observation_tokens=8"],
-     "max_observation_tokens apply to multi-turn episodes; set environment=..."),
+     "max_observation_tokens apply to an environment's episodes; an agent's read only "
+     "max_turns and tool_parser: leave them unset"),
     (["teacher_backend=sglang"], "teacher_backend='sglang' is not one of"),
     (["seed=-1"], "seed=-1 is out of range"),
     (["top_k=-1"], "top_k=-1 is out of range"),

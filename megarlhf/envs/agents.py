@@ -39,12 +39,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import inspect
 import json
 import logging
 import math
-import numbers
+import queue
 import secrets
+import threading
 import time
 from typing import Any, Callable
 
@@ -52,16 +54,16 @@ from megarlhf import named
 from megarlhf.data.prompts import Prompt
 from megarlhf.data.templates import PromptFormat
 from megarlhf.envs.endpoint import Endpoint, error
-from megarlhf.envs.episodes import (TURN_SEED, Episode, EpisodePart, Generate, _last_line,
-                                    _row)
-from megarlhf.envs.tools import ToolCall, load_parser, tool_instructions
+from megarlhf.envs.episodes import (Episode, EpisodePart, Generate, _last_line, _row,
+                                    is_number, turn_call)
+from megarlhf.envs.tools import ToolCall, load_parser, tool_options
 from megarlhf.rollout.engine import Completion, SamplingParams
 
 _log = logging.getLogger(__name__)
 
-BATCH_WAIT_S = 0.05
+BATCH_WAIT_S = 0.25
 """How long a request waits for the other live episodes' before the engines run without
-them."""
+them (when every running episode has one waiting, the call runs at once)."""
 MODEL = "megarlhf-policy"
 """The model name the endpoint lists (a request's `model` is not checked)."""
 
@@ -173,34 +175,58 @@ class AgentRunner:
         self.scored_elsewhere = scored_elsewhere
         self._formats: dict[str, PromptFormat] = {}
 
-    def check(self, prompt: Prompt) -> None:
-        """Nothing to probe before launch without engines: the program was loaded and is
-        an async function (load_agent)."""
-
     def run(self, prompts: list[Prompt], params: SamplingParams, generate: Generate
             ) -> tuple[list[Episode], dict[str, float]]:
         """params.n episodes per prompt (a prompt's consecutive), and the step's agent/
-        metrics."""
-        return asyncio.run(self._run(prompts, params, generate))
+        metrics. The programs and the endpoint run on an event loop in a thread of their
+        own; the engine calls are made here, in the calling thread, as an environment's turns
+        are (what the caller times and pauses between calls is its own thread's)."""
+        calls: queue.Queue = queue.Queue()
+        outcome: dict = {}
 
-    async def _run(self, prompts, params, generate):
+        def serve():
+            try:
+                outcome["value"] = asyncio.run(self._run(prompts, params, calls))
+            except BaseException as e:  # raised below, in the calling thread
+                outcome["error"] = e
+            finally:
+                calls.put(None)
+
+        thread = threading.Thread(target=serve, name="agent-endpoint", daemon=True)
+        thread.start()
+        while (call := calls.get()) is not None:
+            job, settle = call
+            try:
+                settle(job(generate), None)
+            except Exception as e:  # the engines': the loop stops the programs and raises it
+                settle(None, e)
+        thread.join()
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome["value"]
+
+    async def _run(self, prompts, params, calls: queue.Queue):
         episodes = [_Episode(prompt, key=i * params.n + j)
                     for i, prompt in enumerate(prompts) for j in range(params.n)]
         self._by_key = {e.api_key: e for e in episodes}
         self._waiting: list[_Waiting] = []
         self._arrived = asyncio.Event()
         self._fault: BaseException | None = None
+        self._closing = False
         self._rounds = 0
-        self._params, self._generate = params, generate
+        self._params, self._calls = params, calls
         endpoint = Endpoint(self._serve, model=MODEL, host=self.limits.host,
                             max_requests=self.limits.max_requests)
         base_url = await endpoint.start()
         start = time.perf_counter()
+        self._programs = [asyncio.create_task(self._episode(e, base_url)) for e in episodes]
         batcher = asyncio.create_task(self._batches(episodes))
         try:
-            await asyncio.gather(*(self._episode(e, base_url) for e in episodes))
+            await asyncio.gather(*self._programs, return_exceptions=True)
         finally:
-            batcher.cancel()
+            # The batch in flight ends first: its engine call is never abandoned half-way.
+            self._closing = True
+            self._arrived.set()
             await asyncio.gather(batcher, return_exceptions=True)
             await endpoint.stop()
         if self._fault is not None:
@@ -212,37 +238,51 @@ class AgentRunner:
                               [self.limits.max_new_tokens] * len(lone), fill=True)
         return [self._result(e) for e in episodes], self._metrics(episodes, seconds)
 
+    def _stop(self, fault: BaseException) -> None:
+        """A failure of the run's own (the engines', a template's): every program is
+        cancelled and run() raises it."""
+        if self._fault is None:
+            self._fault = fault
+        for program in self._programs:
+            program.cancel()
+
     # -- an episode's program ----------------------------------------------------------------
 
     async def _episode(self, e: _Episode, base_url: str) -> None:
+        where = f"agent {self.name} at {e.prompt.where}"
         try:
-            value = await asyncio.wait_for(
-                self.agent(base_url=base_url, api_key=e.api_key, model=MODEL, row=_row(e.prompt)),
-                timeout=self.limits.timeout)
-        except asyncio.TimeoutError:
-            e.error = f"agent {self.name} at {e.prompt.where}: timed out after agent_timeout=" \
-                      f"{self.limits.timeout:g} s"
+            async with asyncio.timeout(self.limits.timeout) as limit:
+                value = await self.agent(base_url=base_url, api_key=e.api_key, model=MODEL,
+                                         row=_row(e.prompt))
+        except TimeoutError as ex:
+            e.error = (f"{where}: timed out after agent_timeout={self.limits.timeout:g} s"
+                       if limit.expired() else f"{where}: {type(ex).__name__}: "
+                                                f"{_last_line(ex)}")
         except Exception as ex:  # the user's program
-            e.error = f"agent {self.name} at {e.prompt.where}: {type(ex).__name__}: " \
-                      f"{_last_line(ex)}"
+            e.error = f"{where}: {type(ex).__name__}: {_last_line(ex)}"
         else:
-            if value is not None and (isinstance(value, bool)
-                                      or not isinstance(value, numbers.Real)
-                                      or not math.isfinite(value)):
-                e.error = f"agent {self.name} at {e.prompt.where} returned {value!r}, not a " \
-                          f"finite number or None"
+            if value is not None and not (is_number(value) and math.isfinite(value)):
+                e.error = f"{where} returned {value!r}, not a finite number or None"
             elif value is None and not self.scored_elsewhere:
-                e.error = f"agent {self.name} at {e.prompt.where} returned None, and the run " \
-                          f"has no reward source to score it"
+                e.error = f"{where} returned None, and the run has no reward function or " \
+                          f"reward service to score it"
             else:
                 e.reward = None if value is None else float(value)
             if e.error is None and not e.calls:
-                e.error = f"agent {self.name} at {e.prompt.where} made no call"
+                e.error = f"{where} made no call"
         finally:
-            e.running = False
-            self._arrived.set()  # one fewer episode to wait for
-        if e.error is not None:
+            self._end(e)
+        if e.error is not None and self._fault is None:
             _log.warning("%s (masked: agent/errors)", e.error)
+
+    def _end(self, e: _Episode) -> None:
+        """Its program is over: a request of it still waiting gets no answer, none is
+        sampled for it (its key is refused from now on)."""
+        e.running = False
+        for w in [w for w in self._waiting if w.episode is e]:
+            self._waiting.remove(w)
+            w.future.cancel()
+        self._arrived.set()  # one fewer episode to wait for
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -260,10 +300,15 @@ class AgentRunner:
         async with e.lock:
             e.requests += 1
             try:
-                request = self._chat(e, body) if route == "chat" else self._completion(e, body)
+                return 200, await (self._chat(e, body) if route == "chat"
+                                   else self._completion(e, body))
             except _BadRequest as bad:
                 return error(400, str(bad), "invalid_request_error")
-            return 200, await request
+            except (_Ended, asyncio.CancelledError):
+                return error(401, "the episode has ended", "invalid_api_key")
+            except Exception as ex:  # ours (a template that cannot render): the run's
+                self._stop(ex)
+                return error(500, "the run failed", "server_error")
 
     async def _chat(self, e: _Episode, body: dict) -> dict:
         messages = body.get("messages")
@@ -294,8 +339,8 @@ class AgentRunner:
                               part=EpisodePart("assistant", self.tokenizer.decode(ids),
                                                len(ids), True))
         conversation = [_rendered(m) for m in messages] + [returned]
-        e.calls.append(_Call(normal, None, _normal(returned), conversation, done, after,
-                             finish))
+        self._record(e, _Call(normal, None, _normal(returned), conversation, done, after,
+                              finish))
         return _chat_response(e, returned["content"], calls,
                               "tool_calls" if calls and finish == "stop" else finish,
                               self._logprobs(ids, logprobs) if body.get("logprobs") else None,
@@ -323,12 +368,20 @@ class AgentRunner:
         done = chain.extended(ids, sampled=True, logprobs=logprobs, call=engine_call,
                               part=EpisodePart("assistant", self.tokenizer.decode(ids), len(ids),
                                                True))
-        e.calls.append(_Call(None, prompt, text, [{"role": "user", "content": prompt},
-                                                  {"role": "assistant", "content": text}],
-                             done, after, finish))
+        self._record(e, _Call(None, prompt, text, [{"role": "user", "content": prompt},
+                                                   {"role": "assistant", "content": text}],
+                              done, after, finish))
         return _text_response(text, finish,
                               self._logprobs(ids, logprobs) if body.get("logprobs") else None,
                               len(chain.ids), len(ids))
+
+    @staticmethod
+    def _record(e: _Episode, call: _Call) -> None:
+        """A completion its program receives; none once the program is over (it never saw
+        the answer: it is not trained)."""
+        if not e.running:
+            raise _Ended()
+        e.calls.append(call)
 
     def _extends(self, e: _Episode, normal: list[dict]) -> tuple[_Call, int] | None:
         """The latest call whose request and answer `normal` starts with (and where its new
@@ -360,13 +413,17 @@ class AgentRunner:
         stop = [stop] if isinstance(stop, str) else stop
         if not all(isinstance(s, str) and s for s in stop):
             raise _BadRequest("stop must be a text or a list of non-empty texts")
-        asked = body.get("max_completion_tokens") or body.get("max_tokens")
-        if asked is not None and (not isinstance(asked, int) or asked < 1):
+        asked = body.get("max_completion_tokens")
+        asked = body.get("max_tokens") if asked is None else asked
+        if asked is not None and (isinstance(asked, bool) or not isinstance(asked, int)
+                                  or asked < 1):
             raise _BadRequest("max_tokens must be a positive integer")
         room = min(self.limits.max_new_tokens - len(chain.tokens),
                    self.limits.max_tokens - len(chain.ids), asked or math.inf)
         if len(e.calls) >= self.limits.max_calls or room < 1:
             return None
+        if not e.running:
+            raise _Ended()
         loop = asyncio.get_running_loop()
         waiting = _Waiting(e, chain.ids, int(room), loop.create_future())
         self._waiting.append(waiting)
@@ -401,46 +458,49 @@ class AgentRunner:
             return self.fmt
         key = json.dumps(tools, sort_keys=True)
         if key not in self._formats:
-            schemas = [t.get("function", t) if isinstance(t, dict) else t for t in tools]
-            schemas = [{"type": "function", "function": s} for s in schemas]
+            if not all(isinstance(t, dict) and isinstance(t.get("function"), dict)
+                       for t in tools):
+                raise _BadRequest('tools must be a list of {"type": "function", "function": '
+                                  '{name, description, parameters}}')
             self._formats[key] = PromptFormat(
-                self.tokenizer, "chat" if self.fmt.chat else "plain", tools=schemas,
-                tool_instructions=tool_instructions(schemas, self.tool_parser),
-                chat_template=self.fmt.chat_template)
+                self.tokenizer, "chat" if self.fmt.chat else "plain",
+                chat_template=self.fmt.chat_template,
+                **tool_options([{"type": "function", "function": t["function"]}
+                                for t in tools], self.tool_parser))
         return self._formats[key]
 
     # -- batching ----------------------------------------------------------------------------
 
     async def _batches(self, episodes: list[_Episode]) -> None:
         """One engine call for the requests waiting: once every running episode has one,
-        or BATCH_WAIT_S after the first."""
+        or BATCH_WAIT_S after the first. Ends when run() closes, after the call in flight."""
         loop = asyncio.get_running_loop()
-        while True:
+        while not self._closing:
             await self._arrived.wait()
             self._arrived.clear()
             if not self._waiting:
                 continue
             deadline = loop.time() + BATCH_WAIT_S
             while (len(self._waiting) < sum(e.running for e in episodes)
-                   and loop.time() < deadline):
+                   and loop.time() < deadline and not self._closing):
                 try:
                     await asyncio.wait_for(self._arrived.wait(), deadline - loop.time())
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     break
                 self._arrived.clear()
             batch, self._waiting = self._waiting, []
+            if not batch:
+                continue
             try:
                 answers = await self._turns([w.episode for w in batch],
                                             [w.context for w in batch], [w.room for w in batch])
-            except BaseException as ex:  # the engines': the run's failure, not the agents'
-                self._fault = ex
+            except Exception as ex:  # the engines': the run's failure, not the programs'
                 for w in batch:
                     w.future.cancel()
-                for e in episodes:
-                    e.running = False
-                raise
+                self._stop(ex)
+                return
             for w, answer in zip(batch, answers):
-                if not w.future.done():  # its program may have timed out meanwhile
+                if not w.future.done():  # its program may have ended meanwhile
                     w.future.set_result(answer)
 
     async def _turns(self, episodes: list[_Episode], contexts: list[list[int]],
@@ -453,17 +513,17 @@ class AgentRunner:
         made = [e.generated for e in episodes]
         for e in episodes:
             e.generated += 1
-        params = dataclasses.replace(
-            self._params, n=1, max_new_tokens=max(rooms), max_new_tokens_each=tuple(rooms),
-            seed=None if self._params.seed is None else self._params.seed
-            + self._rounds * TURN_SEED)
         self._rounds += 1
         loop = asyncio.get_running_loop()
-        completions = await loop.run_in_executor(None, self._generate, contexts, params,
-                                                 [e.key for e in episodes])
-        if len(completions) != len(contexts):
-            raise RuntimeError(f"the rollout engines returned {len(completions)} completions "
-                               f"for {len(contexts)} contexts")
+        future = loop.create_future()
+
+        def settle(value, error):  # in the calling thread
+            loop.call_soon_threadsafe(_settle, future, value, error)
+
+        job = functools.partial(turn_call, contexts=contexts, params=self._params, rooms=rooms,
+                                keys=[e.key for e in episodes], turn=self._rounds - 1)
+        self._calls.put((job, settle))
+        completions = await future
         if fill:
             for e, c, call in zip(episodes, completions, made):
                 chain = _Chain(tuple(e.prompt.ids)).extended(
@@ -507,8 +567,21 @@ class AgentRunner:
                 "agent/seconds": seconds}
 
 
+def _settle(future: asyncio.Future, value, error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(value)
+
+
 class _BadRequest(ValueError):
     """A request the endpoint answers 400."""
+
+
+class _Ended(Exception):
+    """A request of an episode whose program is over (answered 401)."""
 
 
 def _text_of(content) -> str:

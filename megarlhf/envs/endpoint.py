@@ -59,19 +59,19 @@ class Endpoint:
                 return _respond(*error(429, f"more than agent_max_requests="
                                             f"{self.max_requests} requests at once",
                                        "rate_limit_exceeded"))
+            self._running += 1  # counted from here: reading the body may wait
             try:
-                body = await request.json()
-            except ValueError:
-                return _respond(*error(400, "the body is not JSON", "invalid_request_error"))
-            if not isinstance(body, dict):
-                return _respond(*error(400, "the body must be a JSON object",
-                                       "invalid_request_error"))
-            self._running += 1
-            try:
-                status, payload = await self.handler(route, key, body)
+                try:
+                    body = await request.json()
+                except ValueError:
+                    return _respond(*error(400, "the body is not JSON",
+                                           "invalid_request_error"))
+                if not isinstance(body, dict):
+                    return _respond(*error(400, "the body must be a JSON object",
+                                           "invalid_request_error"))
+                return _respond(*await self.handler(route, key, body))
             finally:
                 self._running -= 1
-            return _respond(status, payload)
 
         return serve
 

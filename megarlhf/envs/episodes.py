@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import inspect
 import logging
 import numbers
@@ -185,13 +186,8 @@ class EpisodeRunner:
                   generate: Generate) -> None:
         room = [min(self.limits.max_turn_tokens, self.limits.max_new_tokens - len(s.tokens))
                 for s in live]
-        seed = None if params.seed is None else params.seed + turn * TURN_SEED
-        turn_params = dataclasses.replace(params, n=1, max_new_tokens=max(room),
-                                          max_new_tokens_each=tuple(room), seed=seed)
-        completions = generate([s.context for s in live], turn_params, [s.key for s in live])
-        if len(completions) != len(live):
-            raise RuntimeError(f"the rollout engines returned {len(completions)} completions "
-                               f"for {len(live)} episodes")
+        completions = turn_call(generate, [s.context for s in live], params, room,
+                                [s.key for s in live], turn)
         for s, c in zip(live, completions):
             s.add_turn(c, self.tokenizer)
 
@@ -199,7 +195,7 @@ class EpisodeRunner:
         """Take the environment's answer; whether the episode goes on."""
         if answer is None:  # failed (on_env_error=drop): ends unscored
             return False
-        if isinstance(answer.reward, bool) or not isinstance(answer.reward, numbers.Real):
+        if not is_number(answer.reward):
             raise EpisodeError(f"environment {self.name} at {s.prompt.where}, turn {turn + 1}: "
                                f"Turn.reward must be a number, got {answer.reward!r}")
         s.rewards_at.append((len(s.tokens) - 1, float(answer.reward)))
@@ -408,6 +404,29 @@ class _State:
                        rewards_at=tuple(self.rewards_at), conversation=tuple(self.conversation),
                        final_response=self.texts[-1], final_ids=tuple(self.last_ids),
                        error=self.error)
+
+
+def turn_call(generate: Generate, contexts: list[list[int]], params: SamplingParams,
+              rooms: list[int], keys: list[int], turn: int) -> list[Completion]:
+    """One engine call for turn `turn` of live episodes: one completion per context, each of
+    at most its room, seeded apart from the step's other turns (turns past 15, an agent's
+    many rounds, by a hash of the seed and turn: clear of the offsets of rounds and steps)."""
+    seed = params.seed
+    if seed is not None:
+        seed = seed + turn * TURN_SEED if turn < 16 else int.from_bytes(
+            hashlib.blake2b(f"{seed}:{turn}".encode(), digest_size=7).digest(), "big")
+    completions = generate(contexts, dataclasses.replace(
+        params, n=1, max_new_tokens=max(rooms), max_new_tokens_each=tuple(rooms), seed=seed),
+        keys)
+    if len(completions) != len(contexts):
+        raise RuntimeError(f"the rollout engines returned {len(completions)} completions for "
+                           f"{len(contexts)} episodes")
+    return completions
+
+
+def is_number(value) -> bool:
+    """A reward's type: a real number, not a bool."""
+    return not isinstance(value, bool) and isinstance(value, numbers.Real)
 
 
 def _row(prompt: Prompt) -> dict:

@@ -140,6 +140,13 @@ def tool_schema(spec: str) -> dict:
                          f"type hint and a line in the docstring's Args: section)") from None
 
 
+def tool_options(schemas: list[dict], parser: str) -> dict:
+    """PromptFormat's keyword arguments for tools of these JSON schemas: the schemas (for a
+    template that renders `tools=`) and the system message describing them (for one that
+    does not)."""
+    return {"tools": schemas, "tool_instructions": tool_instructions(schemas, parser)}
+
+
 def tool_instructions(schemas: list[dict], parser: str) -> str:
     """The system message that describes the tools to a model whose chat template does not
     render `tools=`: their schemas, and how `parser` reads a call."""

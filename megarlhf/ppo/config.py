@@ -58,7 +58,7 @@ EPISODE_FIELDS = {"env_args": {}, "max_turns": 8, "max_turn_tokens": None,
 AGENT_READS = ("max_turns", "tool_parser")
 """Of EPISODE_FIELDS, those an agent's episodes read too (calls per episode, how tool calls
 are found in its answers)."""
-AGENT_FIELDS = {"agent_timeout": 600.0, "agent_max_requests": 256}
+AGENT_FIELDS = {"agent_timeout": 600.0, "agent_max_requests": None}
 """The fields that only an agent reads, with their defaults."""
 """What a resumed run must share with its checkpoint, unless named in resume_allow_changes."""
 
@@ -581,9 +581,10 @@ class PPOConfig:
     (agent/errors)."""
     agent_timeout: float = 600.0
     """Seconds an agent's episode may run; past it the episode fails (masked, counted)."""
-    agent_max_requests: int = 256
+    agent_max_requests: int | None = None
     """Requests the agent endpoint serves at once; more are answered 429 (the openai client
-    retries them)."""
+    retries them). None: twice the most episodes that run at once (a step's rows, or the
+    validation prompts)."""
     chat_template: str | None = None
     """A Jinja chat template file used instead of the tokenizer's for prompts and
     observations (e.g. one that renders earlier turns unchanged where the model's own does
@@ -1156,7 +1157,11 @@ class PPOConfig:
             unused = [name for name, default in EPISODE_FIELDS.items()
                       if getattr(self, name) != default
                       and not (self.agent is not None and name in AGENT_READS)]
-            if unused:
+            if unused and self.agent is not None:
+                problems.append(f"{', '.join(unused)} apply to an environment's episodes; an "
+                                f"agent's read only {' and '.join(AGENT_READS)}: leave them "
+                                f"unset")
+            elif unused:
                 problems.append(f"{', '.join(unused)} apply to multi-turn episodes; set "
                                 f"environment=... or leave them unset")
         elif (self.environment == "tools") != bool(self.tools):
@@ -1173,6 +1178,9 @@ class PPOConfig:
         if self.environment is not None:
             return [f"agent and environment are two ways to run episodes; set one (agent="
                     f"{self.agent}, environment={self.environment})"]
+        if self.routing_replay:
+            return ["routing_replay with an agent: not run yet (an agent's row keeps no "
+                    "routing); set routing_replay=false"]
         return []
 
     @property

@@ -527,7 +527,8 @@ def validate(config: PPOConfig, data: RunInputs, workers: Placement, step: int,
         if not prefix:
             out["val/response_length"] = sum(len(c.token_ids) for c in answers.completions) / \
                 len(answers.completions)
-            out.update({f"val/{k}": v for k, v in metrics.items() if k.startswith("env/")})
+            out.update({f"val/{k}": v for k, v in metrics.items()
+                        if k.startswith(("env/", "agent/"))})
         out[f"val/{prefix}failed_samples"] = float((~scored.scored()).sum())
         # Over the scored samples only: a failed one's NaN is left out of every figure.
         per_prompt = score.view(len(data.val), n)

@@ -45,13 +45,12 @@ def read_run_prompts(config, which: str = "prompts") -> tuple[list[Prompt], dict
 def format_options(config) -> dict:
     """PromptFormat's keyword arguments for the run: the tools' schemas and the system
     message that describes them (environment=tools), the chat_template file's text."""
-    from megarlhf.envs.tools import tool_instructions, tool_schema
+    from megarlhf.envs.tools import tool_options, tool_schema
 
     options = {}
     if config.tools:
-        schemas = [tool_schema(spec) for spec in config.tools]
-        options.update(tools=schemas,
-                       tool_instructions=tool_instructions(schemas, config.tool_parser))
+        options.update(tool_options([tool_schema(spec) for spec in config.tools],
+                                    config.tool_parser))
     if config.chat_template:
         with open(config.chat_template, encoding="utf-8") as f:
             options["chat_template"] = f.read()

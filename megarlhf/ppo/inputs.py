@@ -141,7 +141,8 @@ def read_inputs(config: PPOConfig) -> RunInputs:
         toolbox, runner = _environment(config, tokenizer, kept_train[0],
                                        checked.max_prompt_tokens)
     elif config.agent is not None:
-        runner = _agent(config, tokenizer, checked.max_prompt_tokens)
+        runner = _agent(config, tokenizer, checked.max_prompt_tokens, scorers,
+                        kept_train + kept_val)
     judge = judge_size = None
     if config.reward_judge is not None:
         if path is None:
@@ -201,19 +202,40 @@ def _remote_reward(config: PPOConfig) -> RemoteReward:
                         headers=headers, allow_non_finite=config.nan_policy == "skip")
 
 
-def _agent(config: PPOConfig, tokenizer: Tokenizer, max_prompt_tokens: int | None
-           ) -> AgentRunner:
-    """The agent program's episode runner: the program loaded (an async function)."""
+def _agent(config: PPOConfig, tokenizer: Tokenizer, max_prompt_tokens: int,
+           scorers: list[Scorer], prompts: list[Prompt]) -> AgentRunner:
+    """The agent program's episode runner, checked: the program loads (an async function),
+    every row gives it a prompt as text, and the chat template renders what programs send
+    back after a model turn as tokens of their own."""
     fn = load_agent(config.agent)
-    room = (max_prompt_tokens if max_prompt_tokens is not None else 0) + config.max_new_tokens
+    ids_only = next((p for p in prompts if p.text is None), None)
+    if ids_only is not None:
+        raise ValueError(f"agent {config.agent} reads the prompt row as text, but the row at "
+                         f"{ids_only.where} is pre-tokenized (prompt_ids): give the prompts "
+                         f"as text or messages")
+    fmt = run_format(config, tokenizer)
+    _check_renders(fmt, ("user", "tool"))
+    # Every episode of a step (or of validation) may wait on a request at once.
+    most = config.agent_max_requests or 2 * max(config.rows_per_step, len(prompts))
     limits = AgentLimits(max_calls=config.max_turns, max_new_tokens=config.max_new_tokens,
-                         max_tokens=room, timeout=config.agent_timeout,
-                         max_requests=config.agent_max_requests)
-    others = any(bool(v) for v in (config.reward_model, config.reward_fn, config.reward_url,
-                                   config.reward_fn_by_source, config.rewards,
-                                   config.reward_judge))
-    return AgentRunner(fn, run_format(config, tokenizer), limits, name=config.agent,
-                       tool_parser=config.tool_parser, scored_elsewhere=others)
+                         max_tokens=max_prompt_tokens + config.max_new_tokens,
+                         timeout=config.agent_timeout, max_requests=most)
+    # A program's None is scored by what scores validation too: the reward function or
+    # service (the reward model and the judge score training samples only).
+    return AgentRunner(fn, fmt, limits, name=config.agent, tool_parser=config.tool_parser,
+                       scored_elsewhere=bool(scorers))
+
+
+def _check_renders(fmt, roles: tuple[str, ...]) -> None:
+    """ValueError unless the chat template renders a message of each of `roles` after a
+    model turn as tokens of their own (an environment's observations, what an agent sends
+    back)."""
+    for role in roles:
+        try:
+            fmt.observation([{"role": role, "content": ""}], after=None)
+        except Exception as e:  # the template's own error, or ours
+            raise ValueError(f"the chat template cannot render a {role} message after a "
+                             f"model turn: {e}") from None
 
 
 def _environment(config: PPOConfig, tokenizer: Tokenizer, first: Prompt,
@@ -242,12 +264,9 @@ def _environment(config: PPOConfig, tokenizer: Tokenizer, first: Prompt,
     runner = EpisodeRunner(make_env, fmt, limits, name=config.environment)
     runner.check(first)
     roles = ("user", "tool") if toolbox is not None else ("user",)
+    _check_renders(fmt, roles)
     for role in roles:
-        try:
-            frame = len(fmt.observation([{"role": role, "content": ""}], after=None))
-        except Exception as e:  # the template's own error, or ours
-            raise ValueError(f"the chat template cannot render an environment's {role} "
-                             f"message after a model turn: {e}") from None
+        frame = len(fmt.observation([{"role": role, "content": ""}], after=None))
         if frame >= config.observation_tokens:
             raise ValueError(f"max_observation_tokens={config.observation_tokens} cannot hold "
                              f"an empty {role} message with its template tokens ({frame}); "

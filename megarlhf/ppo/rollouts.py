@@ -405,7 +405,8 @@ def check_failures(config: PPOConfig, failed: list[str | None], where: str) -> N
 COUNT_METRICS = ("reward/timeouts", "reward/worker_restarts", "reward/url_failed_samples",
            "reward/url_retries",
            "reward/url_seconds", "reward/judge_parse_failures", "reward/judge_seconds",
-           "env/errors", "env/tool_errors", "env/observations_cut",
+           "env/errors", "env/tool_errors", "env/observations_cut", "agent/errors",
+           "agent/untrained_completions", "agent/seconds",
            "env/seconds")
 """Metrics of a round that are totals (the step's is their sum over rounds)."""
 
