@@ -2000,6 +2000,37 @@ def test_an_openai_client_agent_trains_one_exact_row_per_episode(tmp_path, monke
 
 
 @pytest.mark.slow
+def test_an_agent_run_validates_streams_fully_async_and_resumes(tmp_path):
+    """The two-call agent under fully_async (disaggregated, tis), validated at step 0 and
+    every step, 2 steps, then resumed for a third: every step's episodes make two calls and
+    none fails, in training and in validation (its rewards the program's, from its second
+    answers), the lag within the bound, and the resumed run goes on from step 2's
+    checkpoint."""
+    from tests import hf_models
+
+    hf = hf_models.save_chat_llama(str(tmp_path / "hf"))
+    hf_to_mcore(hf, str(tmp_path / "actor"), parallel=ParallelConfig())
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": q}) + "\n"
+                               for q in ["What is 7 + 5?", "Say hello.", "Name a color."]))
+    config = PPOConfig(actor=str(tmp_path / "actor"), algorithm="grpo",
+                       agent="tests.agent_programs:two_calls_by_length", max_new_tokens=40,
+                       prompts=str(prompts), val_prompts=str(prompts), val_every=1,
+                       out_dir=str(tmp_path / "run"), nproc=1, steps=2, prompts_per_step=2,
+                       samples_per_prompt=4, placement="disaggregated",
+                       rollout_mode="fully_async", rollout_correction="tis", save_every=1)
+    history = run(config)
+    (resumed,) = run(dataclasses.replace(config, steps=3))
+    validated = [m for m in read_metrics(config.out_dir) if "val/reward_mean" in m]
+    assert [m["step"] for m in validated] == [0, 1, 2, 3], validated
+    for m in [*history, resumed, *validated]:
+        prefix = "val/" if "val/reward_mean" in m else ""
+        assert m[f"{prefix}agent/calls_mean"] == 2.0 and m[f"{prefix}agent/errors"] == 0.0, m
+    assert resumed["step"] == 3
+    assert all(0 <= m["rollout/policy_lag_max"] <= 1 for m in [*history, resumed])
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("algorithm", ["grpo", "opd"])
 def test_a_teacher_distills_on_the_model_tokens_of_episodes(tmp_path, monkeypatch, algorithm):
     """algorithm=grpo with a reward function (beside the environment's rewards), 2-turn
