@@ -6,6 +6,7 @@ run (`megarlhf ppo --dry-run`) both start here, so they refuse the same mistakes
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 from megarlhf.data.prompts import Prompt
 from megarlhf.data.tokenizer import Tokenizer
@@ -21,6 +22,8 @@ from megarlhf.ppo.remote_reward import RemoteReward, check_reachable, read_heade
 from megarlhf.ppo.rewards import RewardFunction
 from megarlhf.rewards.calls import Sample
 from megarlhf.rollout.sizing import EngineSize
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,7 +217,11 @@ def _agent(config: PPOConfig, tokenizer: Tokenizer, max_prompt_tokens: int,
                          f"{ids_only.where} is pre-tokenized (prompt_ids): give the prompts "
                          f"as text or messages")
     fmt = run_format(config, tokenizer)
-    _check_renders(fmt, ("user", "tool"))
+    _check_renders(fmt, ("user",))
+    try:  # a program that never calls tools needs none
+        _check_renders(fmt, ("tool",))
+    except ValueError as e:
+        log.warning("%s: a program that sends tool results will stop the run", e)
     # Every episode of a step (or of validation) may wait on a request at once.
     most = config.agent_max_requests or 2 * max(config.rows_per_step, len(prompts))
     limits = AgentLimits(max_calls=config.max_turns, max_new_tokens=config.max_new_tokens,
