@@ -445,19 +445,15 @@ class EpisodeEngine(ScriptedEngine):
                 for row in range(len(prompts))]
 
 
-def test_episodes_take_weight_syncs_between_their_turns(monkeypatch):
-    """With an environment, a batch of episodes runs to its end, and a weight sync waits
-    only for the turn in progress: episodes begun under one version finish their second turn
-    under the next, each model token keeping its turn's version (the observation token, not
-    trained, that of the turn before), and the lags count the model's tokens only."""
-    stream, _ = _stream(monkeypatch, steps=4, staleness=1, per_call=1, delay=0.0)
-    engine = EpisodeEngine(0.0)
-    stream.workers, stream.data.episodes = engine, TwoTurnEpisodes(engine, think_s=0.5)
+def _take_syncing_after_a_call(stream, engine, *, steps: int) -> list:
+    """Steps 1..steps as the controller runs them, each step's weight sync made once the
+    engine has had a call since the last (the next batch of episodes began), so a sync
+    falls between an episode's calls; the stream stopped after. Each step's rollout."""
     drawn, served = [], 0
-    for step in range(1, 5):
+    for step in range(1, steps + 1):
         drawn.append(stream.take(step))
         deadline = time.monotonic() + 10
-        while engine.calls == served:  # a turn since the last sync (the next batch began)
+        while engine.calls == served:
             assert time.monotonic() < deadline
             time.sleep(0.002)
         with stream.paused():
@@ -467,6 +463,18 @@ def test_episodes_take_weight_syncs_between_their_turns(monkeypatch):
             engine.syncing = False
         served = engine.calls
     stream.stop()
+    return drawn
+
+
+def test_episodes_take_weight_syncs_between_their_turns(monkeypatch):
+    """With an environment, a batch of episodes runs to its end, and a weight sync waits
+    only for the turn in progress: episodes begun under one version finish their second turn
+    under the next, each model token keeping its turn's version (the observation token, not
+    trained, that of the turn before), and the lags count the model's tokens only."""
+    stream, _ = _stream(monkeypatch, steps=4, staleness=1, per_call=1, delay=0.0)
+    engine = EpisodeEngine(0.0)
+    stream.workers, stream.data.episodes = engine, TwoTurnEpisodes(engine, think_s=0.5)
+    drawn = _take_syncing_after_a_call(stream, engine, steps=4)
     assert stream._error is None
     for step, d in enumerate(drawn, start=1):
         assert len(d.episodes) == 6 and d.episodes[0].completion.sampled == (True,) * 2 + (
@@ -506,20 +514,7 @@ def test_an_agents_tokens_keep_the_versions_of_their_engine_calls(monkeypatch, t
         AgentLimits(max_calls=4, max_new_tokens=40, max_tokens=200, timeout=30.0,
                     max_requests=64), name="two_completions", tool_parser="hermes",
         scored_elsewhere=True)
-    drawn, served = [], 0
-    for step in range(1, 4):
-        drawn.append(stream.take(step))
-        deadline = time.monotonic() + 10
-        while engine.calls == served:  # a call since the last sync (the next batch began)
-            assert time.monotonic() < deadline
-            time.sleep(0.002)
-        with stream.paused():
-            engine.syncing = True
-            engine.version = step
-            stream.synced(step)
-            engine.syncing = False
-        served = engine.calls
-    stream.stop()
+    drawn = _take_syncing_after_a_call(stream, engine, steps=3)
     assert stream._error is None
     spanning = 0
     for step, d in enumerate(drawn, start=1):

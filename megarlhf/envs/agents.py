@@ -656,19 +656,21 @@ def _chat_response(e: _Episode, content: str | None, calls: list[dict] | None, f
     message = {"role": "assistant", "content": content}
     if calls:
         message["tool_calls"] = calls
-    return {"id": f"chatcmpl-{e.key}-{e.requests}", "object": "chat.completion",
-            "created": int(time.time()), "model": MODEL,
-            "choices": [{"index": 0, "message": message, "finish_reason": finish,
-                         "logprobs": logprobs}],
-            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                      "total_tokens": prompt_tokens + completion_tokens}}
+    return _response(f"chatcmpl-{e.key}-{e.requests}", "chat.completion",
+                     {"message": message}, finish, logprobs, prompt_tokens, completion_tokens)
 
 
 def _text_response(text: str, finish: str, logprobs: dict | None, prompt_tokens: int,
                    completion_tokens: int) -> dict:
-    return {"id": f"cmpl-{time.time_ns()}", "object": "text_completion",
-            "created": int(time.time()), "model": MODEL,
-            "choices": [{"index": 0, "text": text, "finish_reason": finish,
+    return _response(f"cmpl-{time.time_ns()}", "text_completion", {"text": text}, finish,
+                     logprobs, prompt_tokens, completion_tokens)
+
+
+def _response(ident: str, kind: str, answer: dict, finish: str, logprobs: dict | None,
+              prompt_tokens: int, completion_tokens: int) -> dict:
+    """An OpenAI response body of one choice (`answer`: its message or text)."""
+    return {"id": ident, "object": kind, "created": int(time.time()), "model": MODEL,
+            "choices": [{"index": 0, **answer, "finish_reason": finish,
                          "logprobs": logprobs}],
             "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                       "total_tokens": prompt_tokens + completion_tokens}}
