@@ -77,8 +77,25 @@ sandbox-packages:
 	      bubblewrap >/dev/null)) || \
 	  echo "bubblewrap not installed: the python tool's tests will skip"
 
+# The `verifiers` example (megarlhf/envs/verifiers_agent.py) and its tests use verifiers 0.3.1,
+# the last release with the classic Environment API whose rollouts take an OpenAI client
+# (0.4 runs agent harnesses in runtimes of its own). It declares mcp<2 while vLLM 0.32
+# declares mcp>=2; the legacy API it imports runs on either, so it is installed with the
+# versions pip resolves for it here, without its mcp pin (--no-deps).
+VERIFIERS := 0.3.1
+VERIFIERS_PACKAGES := verifiers==$(VERIFIERS) aiofiles==25.1.0 aiolimiter==1.3.0 \
+	antlr4-python3-runtime==4.13.2 connectrpc==0.11.1 gepa==0.1.4 httpx-sse==0.4.3 \
+	latex2sympy2_extended==1.11.0 math-verify==0.9.0 openai-agents==0.25.0 \
+	openai-harmony==0.0.8 prime-pydantic-config==0.4.3 prime-sandboxes==0.5.18 \
+	prime-tunnel==0.1.17 protobuf-py==0.1.1 protobuf-py-ext==0.1.1 pyqwest==0.12.0 \
+	renderers==0.1.12 tenacity==9.2.1 tomli==2.5.0 tomli_w==1.2.0
+$(VENV)/.verifiers-$(VERIFIERS): $(STAMP)
+	$(PY) -m pip install --quiet --no-deps $(VERIFIERS_PACKAGES)
+	touch $@
+
 # --durations: the slowest tests, for keeping the suite inside its CI budget.
-test: $(STAMP) slurm-packages sandbox-packages $(MCORE_PROBED:%=$(VENV)/megatron-core-%/.installed)
+test: $(STAMP) slurm-packages sandbox-packages $(VENV)/.verifiers-$(VERIFIERS) \
+	$(MCORE_PROBED:%=$(VENV)/megatron-core-%/.installed)
 	$(PY) -m pytest -q --durations=60 tests
 	$(MAKE) test-mcore-newest
 
@@ -106,7 +123,7 @@ docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs serve
 
-test-fast: $(STAMP) sandbox-packages
+test-fast: $(STAMP) sandbox-packages $(VENV)/.verifiers-$(VERIFIERS)
 	$(PY) -m pytest -q -m "not slow" tests
 
 bench: $(STAMP)

