@@ -29,13 +29,14 @@ _FAILURES: contextvars.ContextVar[list | None] = contextvars.ContextVar(
 
 def verifiers_agent(load_environment: Callable[[], Any]):
     """The agent program for the environment `load_environment()` returns (called once, on
-    the first episode, in the run's agent thread)."""
+    the first episode, in the run's agent thread). verifiers and openai are imported here,
+    so a run without them stops before launch, where its agent is loaded."""
+    import verifiers as vf
+    from openai import AsyncOpenAI
+
     built: list = []
 
     async def agent(*, base_url: str, api_key: str, model: str, row: dict) -> float:
-        import verifiers as vf
-        from openai import AsyncOpenAI
-
         if not built:  # no await between the check and the append: built once
             with _keeping_signal_handlers(vf.Environment):
                 built.append(_reporting_failures(load_environment()))
