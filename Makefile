@@ -84,17 +84,19 @@ sandbox-packages:
 # versions pip resolves for it here, without its mcp pin (--no-deps).
 VERIFIERS := 0.3.1
 VERIFIERS_PACKAGES := verifiers==$(VERIFIERS) aiofiles==25.1.0 aiolimiter==1.3.0 \
-	antlr4-python3-runtime==4.13.2 connectrpc==0.11.1 gepa==0.1.4 httpx-sse==0.4.3 \
+	antlr4-python3-runtime==4.13.2 connectrpc==0.11.1 gepa==0.1.4 \
 	latex2sympy2_extended==1.11.0 math-verify==0.9.0 openai-agents==0.25.0 \
 	openai-harmony==0.0.8 prime-pydantic-config==0.4.3 prime-sandboxes==0.5.18 \
 	prime-tunnel==0.1.17 protobuf-py==0.1.1 protobuf-py-ext==0.1.1 pyqwest==0.12.0 \
-	renderers==0.1.12 tenacity==9.2.1 tomli==2.5.0 tomli_w==1.2.0
-$(VENV)/.verifiers-$(VERIFIERS): $(STAMP)
+	renderers==0.1.12 tenacity==9.2.1 tomli_w==1.2.0
+VERIFIERS_STAMP := $(VENV)/.verifiers-$(shell echo "$(VERIFIERS_PACKAGES)" | md5sum | cut -c1-12)
+$(VERIFIERS_STAMP): $(STAMP)
 	$(PY) -m pip install --quiet --no-deps $(VERIFIERS_PACKAGES)
+	rm -f $(VENV)/.verifiers-*
 	touch $@
 
 # --durations: the slowest tests, for keeping the suite inside its CI budget.
-test: $(STAMP) slurm-packages sandbox-packages $(VENV)/.verifiers-$(VERIFIERS) \
+test: $(STAMP) slurm-packages sandbox-packages $(VERIFIERS_STAMP) \
 	$(MCORE_PROBED:%=$(VENV)/megatron-core-%/.installed)
 	$(PY) -m pytest -q --durations=60 tests
 	$(MAKE) test-mcore-newest
@@ -123,7 +125,7 @@ docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs serve
 
-test-fast: $(STAMP) sandbox-packages $(VENV)/.verifiers-$(VERIFIERS)
+test-fast: $(STAMP) sandbox-packages $(VERIFIERS_STAMP)
 	$(PY) -m pytest -q -m "not slow" tests
 
 bench: $(STAMP)

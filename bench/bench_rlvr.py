@@ -53,13 +53,16 @@ def _plot(curve: list[dict], path: str) -> None:
     fig.savefig(path, dpi=100)
 
 
-def recipe_inputs(tmp: str) -> tuple[str, list[dict], list[str]]:
+def recipe_inputs(tmp: str, ask: str = synthetic.ANSWER_FORMAT
+                  ) -> tuple[str, list[dict], list[str]]:
     """The recipe's inputs made in `tmp`: SmolLM2 converted, the arithmetic train and held-out
-    rows written. Returns (HF dir, held-out rows, the recipe overrides naming them)."""
+    rows written, each question asking `ask` of the answer (the recipe's: the number alone).
+    Returns (HF dir, held-out rows, the recipe overrides naming them)."""
     hf_dir = real_model.smollm2_dir()
     actor = os.path.join(tmp, "actor")
     hf_to_mcore(hf_dir, actor, parallel=ParallelConfig())
-    train, val = synthetic.arithmetic_records(held_out=64)
+    train, val = ([{**r, "prompt": r["prompt"].removesuffix(synthetic.ANSWER_FORMAT) + ask}
+                   for r in rows] for rows in synthetic.arithmetic_records(held_out=64))
     return hf_dir, val, [
         f"actor={actor}",
         f"prompts={synthetic.write_jsonl(train, os.path.join(tmp, 'train.jsonl'))}",

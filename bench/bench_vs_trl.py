@@ -1,32 +1,60 @@
-"""The arithmetic GRPO recipe through TRL's GRPOTrainer and through megarlhf, side by side in
-one run: step time (median of steps 2-N) and held-out accuracy after the same steps, fp32 and
-bf16.
+"""GRPO step time of megarlhf against TRL's GRPOTrainer on the same workload, in ABBA order:
+the ratio TRL step / megarlhf step per pair of runs, its median and spread, and accuracy
+after the same steps, with both sides' package versions, thread settings and measured prompt
+and answer lengths beside every result.
 
-The same for both: SmolLM2-135M-Instruct (fp32 weights), the recipe's training rows (chat
-template), 8 prompts x 4 samples x <= 12 new tokens at temperature 1, one update per step
-(one mini-batch of 32), lr 1e-5 constant, Adam (0.9, 0.95), gradient clip 1, GRPO's group
+Workloads (`--workload`), every other setting shared:
+- `arithmetic` (the default): the arithmetic recipe's rows ("What is 7 times 4? Answer with
+  only the number."), at most 12 new tokens.
+- `long`: the same rows asked to reason step by step and end with the answer (LONG_ASK), at
+  most 256 new tokens, checked by the same `math` reward (its last number or 'the answer is
+  N').
+
+The same for both trainers: SmolLM2-135M-Instruct (fp32 weights), the workload's training
+rows (chat template), 8 prompts x 4 samples at temperature 1, one update per step (one
+mini-batch of 32), lr 1e-5 constant, Adam (0.9, 0.95), gradient clip 1, GRPO's group
 advantages divided by the group's std, a k3 KL loss of 0.001 against a frozen reference, the
 token-mean loss (TRL's `loss_type="dapo"`, its token mean over the batch), clip 0.2, the
-built-in `math` checker, seed 0 (`--seeds`: several, each run by both). TRL runs in one
-process with this machine's threads (HF generate, `use_cpu=True`; bf16 is its `bf16=True`,
-autocast over fp32 weights); megarlhf as the recipe says (2 colocated ranks, Megatron
-rollouts; bf16 is `dtype=bf16`, bf16 weights with fp32 master copies). Accuracy: each
-trained model's greedy answers to the recipe's 64 held-out questions through HF transformers
-(bench_rlvr.hf_accuracy, the same function for both), and the source model's. One 5-step run
-on 64 questions is a noisy measure (seeds of one trainer spread by 0.2 and more): with several
+built-in `math` checker, the pair's seed. TRL: one process, HF generate, `use_cpu=True`,
+`gradient_checkpointing=False` (TRL 1.16 defaults it on; megarlhf recomputes nothing, and a
+run with it on once ended at accuracy 0.0), everything else at TRL's defaults (its documented
+accelerations, vLLM, Liger kernels and padding-free batches, are for GPUs), torch's default
+thread count (accelerate sets one only for multi-process CPU runs); bf16 is its `bf16=True`,
+autocast over fp32 weights. megarlhf: as the recipe says (2 colocated ranks, an equal share
+of the cores each, Megatron rollouts); bf16 is `dtype=bf16`, bf16 weights with fp32 master
+copies.
+
+Order: pair i (the i-th of `--seeds`) runs megarlhf then TRL when i is even, TRL then
+megarlhf when odd (ours, TRL, TRL, ours, ...), so that a host slowing or speeding up over the
+bench moves both sides alike over an even number of pairs. Step time: the median of a run's
+steps 2-N, each from its start to its end (megarlhf's `time/wall`, TRL's step callbacks), so
+that what either trainer does outside its named phases counts. Lengths: mean prompt and
+generated answer tokens per sample (stop token included) over a run's steps, as each trainer
+had them: megarlhf's from the prompt and response ids its reward function is given, TRL's
+from its prompt and completion masks. Accuracy: each trained
+model's greedy answers to the 64 held-out questions through HF transformers
+(bench_rlvr.hf_accuracy, the same function for both), and the source model's; with several
 seeds the summary says whether the trainers' mean accuracies differ by more than twice the
 standard error of their difference.
+
+The whole bench, both workloads in fp32 and bf16, fits in about two hours on a 2-core CPU
+machine with (from BENCHMARKS.md's times: an arithmetic step 15-25 s per trainer, a
+long-answer step 80-90 s, and ~1-2 minutes of start-up and evaluation per run)
+
+    python -m bench.bench_vs_trl --workload arithmetic --steps 5 --seeds 0,1,2,3   # ~50 min
+    python -m bench.bench_vs_trl --workload long --steps 3 --seeds 0,1             # ~60 min
 
 TRL is not a dependency of megarlhf: the bench installs it once, without dependencies (it
 needs nothing the venv lacks), into .venv/trl-<version> and runs it from there.
 
-    python -m bench.bench_vs_trl [--steps 8] [--variants fp32,bf16] [--seeds 0,1,2]
-        [--append BENCHMARKS.md]
+    python -m bench.bench_vs_trl [--workload arithmetic|long] [--variants fp32,bf16]
+        [--seeds 0,1] [--steps 5] [--append BENCHMARKS.md]
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import os
 import statistics
@@ -34,17 +62,35 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import NamedTuple
 
 from bench.bench_rlvr import RECIPE, hf_accuracy, recipe_inputs, train_and_export
 from bench.report import append_entry
+from megarlhf.configio import load_config
+from megarlhf.data import synthetic
 from megarlhf.engine.optim import OptimConfig
 from megarlhf.ppo.config import PPOConfig
+from megarlhf.rewards import math_reward
 
 TRL_VERSION = "1.16.0"
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRL_DIR = os.path.join(REPO, ".venv", f"trl-{TRL_VERSION}")
 OPTIM = OptimConfig(clip_grad=1.0)
 """The actor's Adam and clipping in a megarlhf PPO run (ppo/worker.py), given to TRL too."""
+PACKAGES = ("torch", "transformers", "trl", "accelerate", "datasets", "megatron-core")
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+class Workload(NamedTuple):
+    ask: str
+    """What each question asks of the answer (replacing the recipe's)."""
+    max_new_tokens: int
+
+
+LONG_ASK = (" Think step by step and explain each step, then give the final answer at the end "
+            "as 'The answer is N'.")
+WORKLOADS = {"arithmetic": Workload(synthetic.ANSWER_FORMAT, 12),
+             "long": Workload(LONG_ASK, 256)}
 
 
 def ensure_trl() -> str:
@@ -55,14 +101,48 @@ def ensure_trl() -> str:
     return TRL_DIR
 
 
-def trl_worker(spec_path: str) -> None:
-    """Runs in TRL's environment: trains as the spec says, writes step times and the model."""
+def environment() -> dict:
+    """This process's package versions (None: not importable here), thread settings and the
+    CPU kernels torch dispatches to (AVX512, AVX2, ...)."""
     import torch
+
+    def version(package):
+        try:
+            return importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+    return {"versions": {p: version(p) for p in PACKAGES},
+            "threads": {"torch": torch.get_num_threads(),
+                        **{v: os.environ.get(v) for v in THREAD_VARIABLES}},
+            "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+
+
+def cpu() -> str:
+    """This machine's CPU model and the bf16 matrix instructions it offers (torch's bf16
+    matmuls use them where present): what may differ between machine images."""
+    with open("/proc/cpuinfo") as f:
+        info = f.read()
+    model = next((line.split(":", 1)[1].strip() for line in info.splitlines()
+                  if line.startswith("model name")), "unknown")
+    flags = [flag for flag in ("avx512_bf16", "amx_bf16") if f" {flag}" in info]
+    return f"{model}, {', '.join(flags) or 'no bf16 matrix instructions'}"
+
+
+def math_with_lengths(responses, ground_truths, prompt_ids, response_ids, **_) -> dict:
+    """megarlhf's reward here: the built-in `math` reward, also reporting each sample's prompt
+    and answer tokens (the step metrics reward/prompt_tokens, reward/answer_tokens)."""
+    return {**math_reward(responses, ground_truths),
+            "prompt_tokens": [float(len(p)) for p in prompt_ids],
+            "answer_tokens": [float(len(r)) for r in response_ids]}
+
+
+def trl_worker(spec_path: str) -> None:
+    """Runs in TRL's environment: trains as the spec says, writes step times, lengths, the
+    environment and the model."""
     from datasets import Dataset
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
-
-    from megarlhf.rewards import math_reward
 
     with open(spec_path) as f:
         spec = json.load(f)
@@ -77,6 +157,7 @@ def trl_worker(spec_path: str) -> None:
         return [float(s) for s in math_reward(texts, ground_truth)["scores"]]
 
     times: list[float] = []
+    lengths: dict[str, list[int]] = {"prompt": [], "answer": []}
 
     class StepTimes(TrainerCallback):
         def on_step_begin(self, *_, **__):
@@ -85,9 +166,19 @@ def trl_worker(spec_path: str) -> None:
         def on_step_end(self, *_, **__):
             times.append(time.perf_counter() - self.start)
 
+    class Measured(GRPOTrainer):
+        """Records each sample's prompt and answer tokens, as its masks give them."""
+
+        def _generate_and_score_completions(self, inputs):
+            out = super()._generate_and_score_completions(inputs)
+            lengths["prompt"] += out["prompt_mask"].sum(1).tolist()
+            lengths["answer"] += out["completion_mask"].sum(1).tolist()
+            return out
+
     per_step = config["prompts_per_step"] * config["samples_per_prompt"]
     args = GRPOConfig(
         output_dir=spec["out_dir"], use_cpu=True, bf16=spec["dtype"] == "bf16",
+        gradient_checkpointing=False,
         per_device_train_batch_size=per_step, gradient_accumulation_steps=1,
         num_generations=config["samples_per_prompt"],
         max_completion_length=config["max_new_tokens"], temperature=config["temperature"],
@@ -98,16 +189,20 @@ def trl_worker(spec_path: str) -> None:
         scale_rewards="group", num_iterations=1, shuffle_dataset=False, seed=config["seed"],
         logging_steps=1, save_strategy="no", report_to=[], disable_tqdm=True,
         model_init_kwargs={"dtype": "float32"})
-    trainer = GRPOTrainer(model=spec["model"], reward_funcs=reward, args=args,
-                          train_dataset=dataset, callbacks=[StepTimes()])
+    trainer = Measured(model=spec["model"], reward_funcs=reward, args=args,
+                       train_dataset=dataset, callbacks=[StepTimes()])
     trainer.train()
     trainer.save_model(spec["export"])
     with open(spec["result"], "w") as f:
-        json.dump({"step_times": times, "threads": torch.get_num_threads()}, f)
+        json.dump({"step_times": times, "lengths": lengths, "environment": environment()}, f)
 
 
-def run_trl(tmp: str, hf_dir: str, config: PPOConfig, dtype: str) -> dict:
-    root = os.path.join(tmp, f"trl-{dtype}")
+def median_step(times: list[float]) -> float:
+    """The median of steps 2-N (the first warms up), of the one step if there is one."""
+    return statistics.median(times[1:] or times)
+
+
+def run_trl(root: str, hf_dir: str, config: PPOConfig, dtype: str) -> dict:
     os.makedirs(root)
     spec = {"model": hf_dir, "prompts": config.prompts, "dtype": dtype,
             "out_dir": os.path.join(root, "out"), "export": os.path.join(root, "model"),
@@ -126,42 +221,40 @@ def run_trl(tmp: str, hf_dir: str, config: PPOConfig, dtype: str) -> dict:
                     os.path.join(root, "spec.json")], env=env, check=True)
     with open(spec["result"]) as f:
         result = json.load(f)
-    return {"step": statistics.median(result["step_times"][1:] or result["step_times"]),
-            "model": spec["export"], "threads": result["threads"]}
+    return {"step": median_step(result["step_times"]), "model": spec["export"],
+            "prompt_tokens": statistics.mean(result["lengths"]["prompt"]),
+            "answer_tokens": statistics.mean(result["lengths"]["answer"]),
+            "environment": result["environment"]}
 
 
-def run_megarlhf(tmp: str, inputs: list[str], dtype: str, steps: int,
-                 old_logprobs: str, seed: int) -> tuple[PPOConfig, dict]:
-    root = os.path.join(tmp, f"megarlhf-{dtype}-{old_logprobs}")
+def run_megarlhf(root: str, overrides: list[str], config: PPOConfig) -> dict:
+    from megarlhf.ppo.layout import group_specs
+    from megarlhf.ppo.placement import backend
+
     os.makedirs(root)
-    config, history, exported = train_and_export(
-        root, RECIPE, [*inputs, f"dtype={dtype}", "val_every=0", "val_prompts=null",
-                       f"seed={seed}", f"old_logprobs={old_logprobs}"], steps)
-    return config, {"step": statistics.median(m["time/step"] for m in history[1:] or history),
-                    "model": exported}
+    _, history, exported = train_and_export(root, RECIPE, overrides, None)
+    env = environment()
+    # The ranks' threads, not this process's: the run's backend gives each rank its share
+    # as OMP_NUM_THREADS and torch's thread count (parallel/launcher.py).
+    per_rank = backend(config).threads
+    env["threads"].update(torch=f"{sum(s.nproc for s in group_specs(config))} ranks x "
+                                f"{per_rank}", OMP_NUM_THREADS=str(per_rank))
+    return {"step": median_step([m["time/wall"] for m in history]), "model": exported,
+            "prompt_tokens": statistics.mean(m["reward/prompt_tokens"] for m in history),
+            "answer_tokens": statistics.mean(m["reward/answer_tokens"] for m in history),
+            "environment": env}
 
 
-def bf16_changed_share(source_dir: str, trained_dir: str) -> float:
-    """The share of the weights' elements whose bf16 value differs from the source's: what a
-    bf16 model can hold of the training (tensors both directories have)."""
-    import glob
-
-    import torch
-    from safetensors.torch import load_file
-
-    def tensors(directory):
-        out = {}
-        for path in sorted(glob.glob(os.path.join(directory, "*.safetensors"))):
-            out.update(load_file(path))
-        return out
-
-    source, trained = tensors(source_dir), tensors(trained_dir)
-    changed = total = 0
-    for name in source.keys() & trained.keys():
-        a, b = source[name].to(torch.bfloat16), trained[name].to(torch.bfloat16)
-        changed += int((a != b).sum())
-        total += a.numel()
-    return changed / total
+def run_pair(root: str, hf_dir: str, inputs: list[str], workload: Workload, dtype: str,
+             seed: int, steps: int, order: tuple[str, str]) -> dict[str, dict]:
+    """Both trainers on the same settings, one after the other in `order`."""
+    overrides = [*inputs, f"dtype={dtype}", f"seed={seed}", f"steps={steps}",
+                 f"max_new_tokens={workload.max_new_tokens}", "val_every=0", "val_prompts=null",
+                 "reward_fn=bench.bench_vs_trl:math_with_lengths"]
+    config = load_config(PPOConfig, RECIPE, overrides)
+    run = {"megarlhf": lambda: run_megarlhf(f"{root}-megarlhf", overrides, config),
+           "TRL": lambda: run_trl(f"{root}-trl", hf_dir, config, dtype)}
+    return {name: run[name]() for name in order}
 
 
 def spread(values: list[float]) -> str:
@@ -183,82 +276,100 @@ def noise_verdict(ours: list[float], theirs: list[float]) -> str:
             f"{'within' if inside else 'outside'} seed noise")
 
 
+def threads(env: dict) -> str:
+    t = env["threads"]
+    return f"torch {t['torch']}, " + ", ".join(f"{v}={t[v] or 'unset'}"
+                                               for v in THREAD_VARIABLES)
+
+
+def versions(env: dict) -> str:
+    return ", ".join(f"{p} {v}" for p, v in env["versions"].items() if v) + \
+        f", torch's CPU kernels {env['cpu_capability']}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="arithmetic")
+    parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--variants", default="fp32,bf16")
-    parser.add_argument("--experience-pass", action="store_true",
-                        help="also run megarlhf with old_logprobs=experience_pass (the actor's "
-                             "separate old-logprob forward: the step before it was cut)")
-    parser.add_argument("--seeds", default="0", help="both trainers' seeds, comma-separated: "
-                        "each dtype runs every seed; the summary compares the accuracies' "
-                        "means against their spread")
+    parser.add_argument("--seeds", default="0,1", help="one pair of runs per seed, in ABBA "
+                        "order, for each dtype, comma-separated")
     parser.add_argument("--append", default=None, help="append the result to this file")
     parser.add_argument("--trl-worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.trl_worker:
         trl_worker(args.trl_worker)
         return
+    workload = WORKLOADS[args.workload]
     seeds = [int(s) for s in args.seeds.split(",")]
-    ours = ["auto"] + (["experience_pass"] if args.experience_pass else [])
-    lines = ["| dtype | seed | trainer | step (s) | TRL step / this | accuracy (fp32 weights) | "
-             "accuracy (bf16 weights) | bf16 elements changed |", "|---" * 8 + "|"]
-    summary = ["| dtype | trainer | step (s), median over seeds | TRL step / this | "
-               "accuracy (fp32 weights) | accuracy (bf16 weights) |", "|---" * 6 + "|"]
-    verdicts = []
+    lines = ["| dtype | pair (seed) | order | step (s), ours / TRL | TRL step / ours | "
+             "prompt tokens, ours / TRL | answer tokens, ours / TRL | accuracy (fp32 "
+             "weights), ours / TRL | accuracy (bf16 weights), ours / TRL | threads, ours / "
+             "TRL |", "|---" * 10 + "|"]
+    summary = ["| dtype | TRL step / ours, median (min-max) over pairs | prompt tokens, ours / "
+               "TRL | answer tokens, ours / TRL | accuracy (fp32 weights), ours / TRL | "
+               "accuracy (bf16 weights), ours / TRL |", "|---" * 6 + "|"]
+    verdicts, environments = [], {"megarlhf": set(), "TRL": set()}
     with tempfile.TemporaryDirectory() as tmp:
-        hf_dir, val, inputs = recipe_inputs(tmp)
-        source = None
+        hf_dir, val, inputs = recipe_inputs(tmp, workload.ask)
+        source = {d: hf_accuracy(hf_dir, val, workload.max_new_tokens, d)
+                  for d in ("float32", "bfloat16")}
         for dtype in args.variants.split(","):
-            by_trainer: dict[str, list[dict]] = {}
-            for seed in seeds:
-                runs = {}
-                for mode in ours:
-                    config, runs[f"megarlhf, old_logprobs={mode}"] = run_megarlhf(
-                        os.path.join(tmp, f"seed{seed}"), inputs, dtype, args.steps, mode,
-                        seed)
-                theirs = runs["TRL"] = run_trl(os.path.join(tmp, f"seed{seed}"), hf_dir,
-                                               config, dtype)
-                if source is None:
-                    source = {d: hf_accuracy(hf_dir, val, config.max_new_tokens, d)
-                              for d in ("float32", "bfloat16")}
-                for name in ["TRL"] + [n for n in runs if n != "TRL"]:
-                    r = runs[name]
-                    r["accuracy"] = [hf_accuracy(r["model"], val, config.max_new_tokens, d)
+            pairs = []
+            for i, seed in enumerate(seeds):
+                # ABBA: ours, TRL, TRL, ours, ...
+                order = ("megarlhf", "TRL") if i % 2 == 0 else ("TRL", "megarlhf")
+                runs = run_pair(os.path.join(tmp, f"{dtype}-seed{seed}"), hf_dir, inputs,
+                                workload, dtype, seed, args.steps, order)
+                ours, theirs = runs["megarlhf"], runs["TRL"]
+                for name, r in runs.items():
+                    r["accuracy"] = [hf_accuracy(r["model"], val, workload.max_new_tokens, d)
                                      for d in ("float32", "bfloat16")]
-                    by_trainer.setdefault(name, []).append(r)
-                    lines.append(f"| {dtype} | {seed} | {name} | {r['step']:.2f} | "
-                                 f"{theirs['step'] / r['step']:.2f}x | {r['accuracy'][0]:.3f} | "
-                                 f"{r['accuracy'][1]:.3f} | "
-                                 f"{bf16_changed_share(hf_dir, r['model']):.3f} |")
-                    print(lines[-1], flush=True)
-            trl_step = statistics.median(r["step"] for r in by_trainer["TRL"])
-            for name, rs in by_trainer.items():
-                step = statistics.median(r["step"] for r in rs)
-                summary.append(f"| {dtype} | {name} | {step:.2f} | {trl_step / step:.2f}x | "
-                               f"{spread([r['accuracy'][0] for r in rs])} | "
-                               f"{spread([r['accuracy'][1] for r in rs])} |")
-                if name != "TRL":
-                    verdicts.append(f"{dtype}, {name} against TRL (fp32 weights): " + noise_verdict(
-                        [r["accuracy"][0] for r in rs],
-                        [r["accuracy"][0] for r in by_trainer["TRL"]]))
+                    environments[name].add(versions(r["environment"]))
+                pairs.append(runs)
+                lines.append(
+                    f"| {dtype} | {i} ({seed}) | {', '.join(order)} | {ours['step']:.2f} / "
+                    f"{theirs['step']:.2f} | {theirs['step'] / ours['step']:.2f}x | "
+                    f"{ours['prompt_tokens']:.1f} / {theirs['prompt_tokens']:.1f} | "
+                    f"{ours['answer_tokens']:.1f} / {theirs['answer_tokens']:.1f} | "
+                    f"{ours['accuracy'][0]:.3f} / {theirs['accuracy'][0]:.3f} | "
+                    f"{ours['accuracy'][1]:.3f} / {theirs['accuracy'][1]:.3f} | "
+                    f"{threads(ours['environment'])} / {threads(theirs['environment'])} |")
+                print(lines[-1], flush=True)
+            ratios = [p["TRL"]["step"] / p["megarlhf"]["step"] for p in pairs]
+
+            def both(key, fmt=lambda v: f"{statistics.mean(v):.1f}"):
+                return " / ".join(fmt([p[n][key] for p in pairs]) for n in ("megarlhf", "TRL"))
+
+            summary.append(
+                f"| {dtype} | {statistics.median(ratios):.2f}x ({min(ratios):.2f}-"
+                f"{max(ratios):.2f}) | {both('prompt_tokens')} | {both('answer_tokens')} | " +
+                " | ".join(" / ".join(spread([p[n]["accuracy"][k] for p in pairs])
+                                      for n in ("megarlhf", "TRL")) for k in (0, 1)) + " |")
+            verdicts.append(f"{dtype}, accuracy (fp32 weights) against TRL's: " + noise_verdict(
+                *([p[n]["accuracy"][0] for p in pairs] for n in ("megarlhf", "TRL"))))
     body = "\n".join(lines + [""] + summary) + "\n\n" + "\n".join(
         f"- {v}" for v in verdicts) + (
-        f"\n\nSteps: medians of steps 2-{args.steps} of each run. Accuracy: greedy answers to "
-        f"the recipe's 64 held-out questions after {args.steps} steps (HF transformers, the "
-        f"same function for all), the trained weights loaded in fp32 and cast to bf16; the "
-        f"source model: {source['float32']:.3f} (fp32), {source['bfloat16']:.3f} (bf16). "
-        f"Summary: mean +- standard deviation over seeds {args.seeds}. "
-        f"bf16 elements changed: the share of weight elements whose bf16 value differs from "
-        f"the source's. TRL {TRL_VERSION} in one process ({theirs['threads']} threads); "
-        f"megarlhf at {os.path.relpath(RECIPE, REPO)} (2 colocated ranks). Settings in "
-        f"bench/bench_vs_trl.py's docstring.")
+        f"\n\nWorkload `{args.workload}`: at most {workload.max_new_tokens} new tokens, the "
+        f"question asks {workload.ask.strip()!r}. Pairs in ABBA order (even pairs megarlhf first), "
+        f"seeds {args.seeds}. Steps: medians of steps 2-{args.steps} of each run. Lengths: "
+        f"mean tokens per sample over each run's steps, as each trainer had them. Accuracy: "
+        f"greedy answers to the 64 held-out questions after {args.steps} steps (HF "
+        f"transformers, the same function for both), the trained weights loaded in fp32 and "
+        f"cast to bf16; the source model: {source['float32']:.3f} (fp32), "
+        f"{source['bfloat16']:.3f} (bf16). Summary: ratios' median (min-max) over the pairs, "
+        f"lengths' means, accuracies' mean +- standard deviation over the seeds. "
+        + "; ".join(f"{name}'s process: {'; '.join(sorted(found))}"
+                    for name, found in environments.items()) +
+        f". CPU: {cpu()}. megarlhf at {os.path.relpath(RECIPE, REPO)}; TRL {TRL_VERSION} in "
+        f"one process. "
+        f"Settings in bench/bench_vs_trl.py's docstring.")
     print(body)
     if args.append:
-        append_entry(args.append, "GRPO step: megarlhf vs TRL's GRPOTrainer (arithmetic "
-                     "recipe)", f"python -m bench.bench_vs_trl --steps {args.steps} "
-                     f"--variants {args.variants} --seeds {args.seeds}"
-                     + (" --experience-pass" if args.experience_pass else ""), body)
+        append_entry(args.append, f"GRPO step: megarlhf vs TRL's GRPOTrainer, ABBA pairs "
+                     f"({args.workload} workload)", f"python -m bench.bench_vs_trl --workload "
+                     f"{args.workload} --steps {args.steps} --variants {args.variants} --seeds "
+                     f"{args.seeds}", body)
 
 
 if __name__ == "__main__":

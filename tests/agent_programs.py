@@ -190,28 +190,56 @@ def _two_turn_environment():
         async def env_response(self, messages, state, **kwargs):
             return [{"role": "user", "content": "Sure?"}]
 
-    def by_length(completion, **_) -> float:
-        return float(len(completion[-1].get("content") or "") % 3)
-
     return TwoTurns(dataset=Dataset.from_list([{"prompt": [{"role": "user", "content": "?"}],
                                                 "answer": ""}]),
                     max_turns=2, sampling_args={"max_tokens": 8},
-                    rubric=vf.Rubric(funcs=[by_length]))
+                    rubric=vf.Rubric(funcs=[_by_length]))
 
 
-def _raising_environment():
-    """A verifiers SingleTurnEnv whose reward function raises (verifiers scores it 0.0)."""
+def single_turn_environment(*reward_funcs, **options):
+    """A verifiers SingleTurnEnv scored by `reward_funcs` (`options`: the Environment's)."""
     import verifiers as vf
     from datasets import Dataset
-
-    def broken(completion, **_) -> float:
-        raise KeyError("no such field")
 
     return vf.SingleTurnEnv(dataset=Dataset.from_list([{"prompt": [{"role": "user",
                                                                     "content": "?"}],
                                                         "answer": ""}]),
-                            rubric=vf.Rubric(funcs=[broken]))
+                            rubric=vf.Rubric(funcs=list(reward_funcs)), **options)
+
+
+def _by_length(completion, **_) -> float:
+    return float(len(completion[-1].get("content") or "") % 3)
+
+
+def _broken(completion, **_) -> float:
+    raise KeyError("no such field")
+
+
+def _no_number(completion, **_):
+    return None
+
+
+def _slow_environment():
+    """A MultiTurnEnv whose reply takes longer than its own timeout_seconds."""
+    import verifiers as vf
+    from datasets import Dataset
+
+    class Slow(vf.MultiTurnEnv):
+        async def env_response(self, messages, state, **kwargs):
+            await asyncio.sleep(2.0)
+            return [{"role": "user", "content": "Sure?"}]
+
+    return Slow(dataset=Dataset.from_list([{"prompt": [{"role": "user", "content": "?"}],
+                                            "answer": ""}]),
+                max_turns=2, timeout_seconds=0.5, rubric=vf.Rubric(funcs=[_by_length]))
 
 
 verifiers_two_calls = verifiers_agent(_two_turn_environment)
-verifiers_raising = verifiers_agent(_raising_environment)
+"""Failures verifiers would score 0.0: a reward function that raises, one that returns no
+number, a model call the endpoint refuses (an empty stop string: 400), a rollout past the
+environment's timeout."""
+verifiers_raising = verifiers_agent(lambda: single_turn_environment(_broken))
+verifiers_no_number = verifiers_agent(lambda: single_turn_environment(_no_number))
+verifiers_refused_call = verifiers_agent(
+    lambda: single_turn_environment(_by_length, sampling_args={"stop": [""]}))
+verifiers_timed_out = verifiers_agent(_slow_environment)

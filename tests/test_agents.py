@@ -112,9 +112,7 @@ def test_a_verifiers_tool_environment_is_one_exact_row_scored_by_its_rubric(tok)
     of even key) or the product + 1 (odd): per episode, two calls, one row whose trained
     tokens are exactly the engine's two completions with the calculator's result between
     them masked, and the environment's rubric's reward (1.0 for the product, 0.0 otherwise,
-    as the ground truth says). A verifiers reward function that raises, which verifiers
-    scores 0.0, fails its episode instead (masked and counted)."""
-    pytest.importorskip("verifiers")
+    as the ground truth says)."""
     from megarlhf.envs.calculator_verifiers import records
 
     rows, _ = records(rows=2, held_out=0)
@@ -148,13 +146,47 @@ def test_a_verifiers_tool_environment_is_one_exact_row_scored_by_its_rubric(tok)
         assert [t for t, on in zip(c.token_ids, c.sampled) if on] == first + second
         assert engine.calls[1][0][key] == list(e.prompt.ids) + first + tok.encode(e.parts[1].text)
         assert list(e.rewards_at) == [(len(c.token_ids) - 1, 1.0 if key % 2 == 0 else 0.0)]
-    broken = AgentRunner(load_agent("tests.agent_programs:verifiers_raising"), fmt,
-                         AgentLimits(max_calls=4, max_new_tokens=200, max_tokens=800,
-                                     timeout=60.0, max_requests=64),
-                         name="verifiers_raising", tool_parser="hermes", scored_elsewhere=False)
-    (failed,), metrics = broken.run([_prompt(tok)], PARAMS, ScriptedEngine(tok, reply))
-    assert "a verifiers reward function raised: KeyError" in failed.error
-    assert failed.rewards_at == () and metrics["agent/errors"] == 1.0
+
+
+def test_what_verifiers_would_score_without_computing_fails_the_episode(tok):
+    """verifiers scores 0.0 for a reward function that raises or returns no number, a model
+    call the endpoint refused, and a rollout past the environment's timeout: each episode is
+    masked and counted instead. An empty answer past the episode's call budget is an answer
+    (verifiers would fail the rollout on it): the two-turn environment limited to one call is
+    scored. Environments verifiers scores without computing are refused where the agent is
+    loaded."""
+    import verifiers as vf
+
+    from megarlhf.envs.verifiers_agent import verifiers_agent
+
+    for program, reason in (
+            ("verifiers_raising", "reward function failed: _broken: KeyError"),
+            ("verifiers_no_number", "reward function failed: _no_number: returned None"),
+            ("verifiers_refused_call", "the verifiers rollout failed"),
+            ("verifiers_timed_out", "the verifiers rollout stopped: timeout_reached")):
+        (failed,), metrics = _runner(tok, program, scored_elsewhere=False).run(
+            [_prompt(tok)], PARAMS, ScriptedEngine(tok, lambda key, turn: "12"))
+        assert reason in failed.error, (program, failed.error)
+        assert failed.rewards_at == () and metrics["agent/errors"] == 1.0
+    (capped,), metrics = _runner(tok, "verifiers_two_calls", max_calls=1,
+                                 scored_elsewhere=False).run(
+        [_prompt(tok)], PARAMS, ScriptedEngine(tok, lambda key, turn: "12"))
+    assert capped.error is None and metrics["agent/calls_mean"] == 1.0
+    assert list(capped.rewards_at) == [(len(capped.completion.token_ids) - 1, 0.0)]
+    one = agent_programs.single_turn_environment
+    for build, refusal in (
+            (lambda: vf.EnvGroup([one(agent_programs._by_length)]), "EnvGroup"),
+            (lambda: one(agent_programs._by_length, score_rollouts=False),
+             "score_rollouts=False"),
+            (lambda: vf.SingleTurnEnv(dataset=one(agent_programs._by_length).dataset,
+                                      rubric=vf.Rubric(funcs=[_group_reward])),
+             "group reward functions")):
+        with pytest.raises(ValueError, match=refusal):
+            verifiers_agent(build)
+
+
+def _group_reward(completions, **_) -> list[float]:
+    return [0.0] * len(completions)
 
 
 def test_a_stop_string_ends_what_is_returned_and_trained(tok):

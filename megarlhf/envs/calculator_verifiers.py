@@ -2,7 +2,7 @@
 (a `ToolEnv` with the calculator tool and a rubric checking the final answer), trained with
 `agent: megarlhf.envs.calculator_verifiers:solve` (docs/guides/agents.md). Any classic
 verifiers environment is trained the same way: `verifiers_agent(its load_environment)`.
-Needs `verifiers` (0.1-0.3) and `datasets`."""
+Needs `verifiers` (tested with 0.3.1) and `datasets`."""
 
 from __future__ import annotations
 
