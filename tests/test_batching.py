@@ -99,8 +99,10 @@ def _samples_batch() -> SequenceBatch:
     (Batching(max_tokens=24, pack=True), 1, dict(tp=2, sequence_parallel=True)),
     (Batching(1, share_prompts=True), 2, {}),
     (Batching(2, share_prompts=True), 1, dict(tp=2, sequence_parallel=True)),
+    (Batching(max_tokens=40, share_prompts=True), 2, {}),
+    (Batching(max_tokens=32, share_prompts=True), 1, dict(tp=2, sequence_parallel=True)),
 ], ids=["count", "budget-padded", "budget-packed-dp2", "packed-sp", "shared-dp2",
-        "shared-sp"])
+        "shared-sp", "budget-shared-dp2", "budget-shared-sp"])
 def test_layouts_reproduce_the_padded_batch(batching, dp, engine_kw):
     batch = _samples_batch()
     want_tokens, want_score = _reference(batch)
@@ -248,5 +250,27 @@ def test_shared_prompt_layout():
     # A mixture-of-experts model keeps a row per sample.
     (mb,) = microbatches(_engine(experts=8), Batching(share_prompts=True), two)
     assert "shared_prompt" not in mb and mb["tokens"].shape == (2, 8)
-    with pytest.raises(ValueError, match="not max_tokens"):
-        Batching(max_tokens=10, share_prompts=True)
+    with pytest.raises(ValueError, match="share_prompts or pack, not both"):
+        Batching(max_tokens=10, share_prompts=True, pack=True)
+
+
+def test_a_token_budget_counts_a_shared_prompt_once():
+    """The batch above under token budgets: at 11 positions the two samples of one prompt
+    share one model row of 11 (a row each would cost 2 x 8 = 16) and the third row, another
+    prompt, has a micro-batch of its own; at 10 the two samples cannot share, and go one per
+    micro-batch (a row alone must fit). Across two DP ranks the prompt's samples stay on one
+    rank, the other prompt's row on the other."""
+    batch = SequenceBatch(
+        tokens=torch.tensor([[2, 3, 4, 5, 6, 7, 8, 9], [2, 3, 4, 5, 6, 7, 3, 0],
+                             [0, 0, 0, 0, 1, 7, 2, 0]]),
+        attention_mask=torch.tensor([[1] * 8, [1] * 7 + [0], [0] * 4 + [1] * 3 + [0]]),
+        response_mask=torch.tensor([[0] * 6 + [1, 1], [0] * 6 + [1, 0], [0] * 6 + [1, 0]]))
+    mbs = microbatches(_engine(), Batching(max_tokens=11, share_prompts=True), batch)
+    assert [(mb["rows"].tolist(), tuple(mb["tokens"].shape)) for mb in mbs] == [
+        ([0, 1], (1, 11)), ([2], (1, 3))]
+    mbs = microbatches(_engine(), Batching(max_tokens=10, share_prompts=True), batch)
+    assert sorted(mb["rows"].tolist() for mb in mbs) == [[0], [1], [2]]
+    ranks = [[mb["rows"].tolist() for mb in microbatches(
+        _engine(2, rank), Batching(max_tokens=11, share_prompts=True), batch)]
+        for rank in range(2)]
+    assert ranks == [[[0, 1]], [[2]]]

@@ -2381,8 +2381,12 @@ def test_one_pass_old_logprobs_equal_an_experience_pass(base, tmp_path):
     # run once per sample; the layout is all that differs.
     runs["rows"] = run(dataclasses.replace(config, share_prompts=False,
                                            out_dir=str(tmp_path / "rows")))
+    # And shared prompts under a token budget: micro-batches of up to 64 positions, several
+    # prompts' samples each (prompts of 2-5 tokens + 8 new), a prompt's two samples in a row.
+    runs["budget"] = run(dataclasses.replace(config, max_tokens_per_micro_batch=64,
+                                             out_dir=str(tmp_path / "budget")))
     assert not dataclasses.replace(config, old_logprobs="experience_pass").one_pass_old_logprobs
-    for other in ("auto", "rows"):
+    for other in ("auto", "rows", "budget"):
         for step, separate in zip(runs[other], runs["experience_pass"]):
             compared = [k for k in separate if not k.startswith(("time/", "memory/"))
                         and k not in ("tokens_per_s", "actor/positions_per_token")]
@@ -2392,8 +2396,9 @@ def test_one_pass_old_logprobs_equal_an_experience_pass(base, tmp_path):
     assert runs["auto"][1]["actor/kl_loss"] > 0  # the actor moved in step 1
     # Two samples per prompt: the shared layout ran fewer model positions than the batch
     # has real tokens, a row per sample at least as many.
-    for step, rows in zip(runs["auto"], runs["rows"]):
+    for step, budget, rows in zip(runs["auto"], runs["budget"], runs["rows"]):
         assert step["actor/positions_per_token"] < 1 <= rows["actor/positions_per_token"]
+        assert budget["actor/positions_per_token"] < 1
 
 
 @pytest.mark.slow

@@ -167,6 +167,15 @@ STEP_LAYOUTS = {
                                                 Batching(2, share_prompts=True),
                                                 ("full", "selective")),
     "TP1x4microbatches": (P(), 1, Batching(4), ("none", "none")),
+    # Shared prompts under a token budget: a prompt's two samples in one model row, the
+    # budget counting the layout's positions; at TP1, and across pipeline stages under
+    # TP + SP (micro-batches of different shapes, the ptx rows' budget micro-batches too).
+    "TP1+token-budget-shared": (P(), 1, Batching(max_tokens=40, share_prompts=True),
+                                ("none", "none")),
+    "TP2xPP2+SP+token-budget-shared": (P(tensor_parallel=2, pipeline_parallel=2,
+                                         sequence_parallel=True), 4,
+                                       Batching(max_tokens=40, share_prompts=True),
+                                       ("none", "none")),
     # Token budgets: rows of 4-17 tokens (and as many ptx rows), so each DP rank runs 5-8
     # micro-batches of different shapes. Packed under sequence parallelism (packed rows
     # padded to a multiple of TP) and across pipeline stages (the stages exchange each
@@ -220,6 +229,9 @@ def test_ppo_step_equals_tp1(layout, role_launches, ppo_reference):
     results, out = role_launches(layout)
     for result in results:
         _compare(result, ref, out, ref_dir)
+        if "shared" in layout:  # what sharing exists for: fewer model positions
+            assert result["actor"]["positions_per_token"] < \
+                ref["actor"]["positions_per_token"], layout
 
 
 @pytest.mark.slow

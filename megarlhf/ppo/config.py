@@ -622,7 +622,9 @@ class PPOConfig:
     itself (roles/batching.py), with the outputs of separate rows up to summation order. n
     samples of a P-token prompt then cost about P + n x response positions instead of n x
     (P + response), in every role's forward and backward, where that keeps no more
-    activations than a row per sample. With micro_batches only; token budgets, context
+    activations than a row per sample. Under max_tokens_per_micro_batch the budget counts
+    the shared layout's positions (a prompt once per model row) and a prompt's samples stay
+    in one micro-batch where the budget allows. Packed rows (pack_sequences), context
     parallelism and mixture-of-experts models keep one row per sample."""
     clip_eps: float | None = None
     """(algorithm's) Lower clip range of the importance ratio: 1 - clip_eps."""

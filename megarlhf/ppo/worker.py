@@ -89,8 +89,7 @@ class PPOWorker:
                 if o.aggregation == "seq_mean_token_sum_norm" else None)
         batching = Batching(num_microbatches=c.micro_batches,
                             max_tokens=c.max_tokens_per_micro_batch, pack=c.pack_sequences,
-                            share_prompts=(c.share_prompts
-                                           and c.max_tokens_per_micro_batch is None))
+                            share_prompts=c.share_prompts and not c.pack_sequences)
         if "actor" in roles:
             loss = PolicyLossConfig(
                 clip_eps=o.clip_eps, clip_eps_high=o.clip_eps_high, dual_clip=c.dual_clip,

@@ -62,8 +62,10 @@ class Batching:
     """Pack each micro-batch's sequences into one row instead of padding them (needs a
     budget: it bounds the packed row)."""
     share_prompts: bool = False
-    """Count mode: a micro-batch's rows with one prompt (GRPO's samples of a prompt) run it
-    once, in one model row (`_shared_microbatch`). Not under context parallelism or in a
+    """A micro-batch's rows with one prompt (GRPO's samples of a prompt) run it once, in one
+    model row (`_shared_microbatch`); under a token budget the budget counts the shared
+    layout's positions and a prompt's samples stay in one micro-batch where it allows
+    (`_shared_budget_parts`). Not with packed rows, under context parallelism or in a
     mixture-of-experts model, which keep a model row per sequence."""
 
     def __post_init__(self):
@@ -74,9 +76,9 @@ class Batching:
         if self.max_tokens is not None and self.num_microbatches != 1:
             raise ValueError("a token budget sets the number of micro-batches: give "
                              "max_tokens or num_microbatches, not both")
-        if self.share_prompts and self.max_tokens is not None:
-            raise ValueError("shared prompts lay out count-mode micro-batches: give "
-                             "num_microbatches, not max_tokens")
+        if self.share_prompts and self.pack:
+            raise ValueError("packed rows keep a row per sequence: give share_prompts or "
+                             "pack, not both")
         if self.pack and self.max_tokens is None:
             raise ValueError("packing needs a token budget (max_tokens) to bound the packed "
                              "rows")
@@ -108,20 +110,25 @@ def microbatches(engine: TrainEngine, batching: Batching, batch: SequenceBatch,
                              f"{batch.shape}")
     multiple = sequence_multiple(engine)
     mesh = engine.mesh
+    # Mixture-of-experts layers keep a row per sample: their load-balancing loss counts every
+    # routed token (a shared prompt would count once), and expert groups that span DP ranks
+    # exchange tokens in every layer, so the ranks' micro-batch shapes must agree (each
+    # rank's sharing gives its own). (A routing to replay comes with experts only:
+    # _check_routing.)
+    share = (batching.share_prompts and not engine.spec.model.num_experts
+             and engine.spec.transformer.context_parallel_size == 1)
+
+    def shared(parts) -> list[dict]:
+        first, end = spans(batch)
+        return [_shared_microbatch(batch, list(rows), first, end, model=engine.spec.model,
+                                   multiple=multiple, per_token=per_token,
+                                   response_logits=response_logits)
+                for rows in parts]
+
     if batching.max_tokens is None:
         parts = rank_rows(batch.shape[0], mesh.dp_size, mesh.dp_rank, batching.num_microbatches)
-        # Mixture-of-experts layers keep a row per sample: their load-balancing loss counts
-        # every routed token (a shared prompt would count once), and expert groups that span
-        # DP ranks exchange tokens in every layer, so the ranks' micro-batch shapes must agree
-        # (each rank's sharing gives its own).
-        # (A routing to replay comes with experts only: _check_routing.)
-        if (batching.share_prompts and not engine.spec.model.num_experts
-                and engine.spec.transformer.context_parallel_size == 1):
-            first, end = spans(batch)
-            return [_shared_microbatch(batch, list(rows), first, end, model=engine.spec.model,
-                                       multiple=multiple, per_token=per_token,
-                                       response_logits=response_logits)
-                    for rows in parts]
+        if share:
+            return shared(parts)
         T = batch.shape[1]
         everything = (torch.zeros(batch.shape[0], dtype=torch.long),
                       torch.full((batch.shape[0],), T))
@@ -139,6 +146,10 @@ def microbatches(engine: TrainEngine, batching: Batching, batch: SequenceBatch,
                          f"with its padding) does not fit max_tokens_per_micro_batch="
                          f"{batching.max_tokens}; raise it to at least the longest prompt + "
                          f"response")
+    if share:
+        return shared(_shared_budget_parts(batch, first, end, batching.max_tokens,
+                                           multiple, engine.spec.model, mesh.dp_size,
+                                           mesh.dp_rank))
     mine = balance(end - first, mesh.dp_size)[mesh.dp_rank]
     return [_microbatch(batch, rows, first, end, pack=batching.pack, multiple=multiple,
                         per_token=per_token, routing=routing, response_logits=response_logits)
@@ -364,6 +375,66 @@ def _samples_per_row(sizes: list[int], P: int, S: int, multiple: int, model
         if divides % m == 0 and kept(rows // m, length) <= kept(rows, alone):
             return m, length
     return 1, alone
+
+
+def _shared_budget_parts(batch: SequenceBatch, first: torch.Tensor, end: torch.Tensor,
+                         budget: int, multiple: int, model, dp_size: int, dp_rank: int
+                         ) -> list[list[int]]:
+    """This DP rank's micro-batches (lists of rows) under a token budget with shared
+    prompts. A micro-batch's cost is its shared layout's model positions (rows x length,
+    the prompt counted once per model row), within `budget` as a padded micro-batch's rows x
+    columns are (what the memory planner counts: activations per position; the layout keeps
+    no more than a row per sample of the same rows would, _samples_per_row). A prompt's
+    samples go together:
+    whole where they fit, else in the fewest equal parts that do (a row alone fits: the
+    caller checks). The parts are spread over the DP ranks by cost (more parts made first if
+    there are fewer than ranks), then each rank's into micro-batches, first fit, costliest
+    first."""
+    split = (batch.response_mask.long().argmax(1) - 1).tolist()
+    start, stop = first.tolist(), end.tolist()
+    keys = [tuple(batch.tokens[i, start[i]:split[i] + 1].tolist()) for i in range(len(start))]
+
+    def shape(rows: list[int]) -> tuple[int, int]:
+        """(model rows, length) of `rows` in one shared micro-batch (_shared_microbatch)."""
+        sizes: dict[tuple, int] = {}
+        for r in rows:
+            sizes[keys[r]] = sizes.get(keys[r], 0) + 1
+        P = max(split[r] - start[r] for r in rows)
+        m, L = _samples_per_row(list(sizes.values()), P, max(stop[r] - split[r] for r in rows),
+                                multiple, model)
+        return len(rows) // m, L
+
+    def cost(rows: list[int]) -> int:
+        R, L = shape(rows)
+        return R * L
+
+    def fits(rows: list[int]) -> bool:
+        return cost(rows) <= budget
+
+    def cut(rows: list[int], n: int) -> list[list[int]]:
+        size = -(-len(rows) // n)
+        return [rows[k:k + size] for k in range(0, len(rows), size)]
+
+    prompts: dict[tuple, list[int]] = {}
+    for r in range(len(keys)):
+        prompts.setdefault(keys[r], []).append(r)
+    units = []
+    for rows in prompts.values():
+        n = next(n for n in range(1, len(rows) + 1) if all(map(fits, cut(rows, n))))
+        units += cut(rows, n)
+    while len(units) < dp_size and any(len(u) > 1 for u in units):
+        largest = max(range(len(units)), key=lambda u: (len(units[u]), -u))
+        units[largest:largest + 1] = cut(units[largest], 2)
+    mine = [units[u] for u in balance(torch.tensor([cost(u) for u in units]), dp_size)[dp_rank]]
+    parts: list[list[int]] = []
+    for unit in sorted(mine, key=cost, reverse=True):
+        for k, part in enumerate(parts):
+            if fits(part + unit):
+                parts[k] = part + unit
+                break
+        else:
+            parts.append(list(unit))
+    return [sorted(part) for part in parts]
 
 
 def _packed_inputs(tokens: torch.Tensor, lengths: torch.Tensor, multiple: int
