@@ -258,8 +258,10 @@ def test_a_token_budget_counts_a_shared_prompt_once():
     """The batch above under token budgets: at 11 positions the two samples of one prompt
     share one model row of 11 (a row each would cost 2 x 8 = 16) and the third row, another
     prompt, has a micro-batch of its own; at 10 the two samples cannot share, and go one per
-    micro-batch (a row alone must fit). Across two DP ranks the prompt's samples stay on one
-    rank, the other prompt's row on the other."""
+    micro-batch (a row alone must fit). Two such prompts over two DP ranks: a prompt's
+    samples stay together, one prompt per rank. Where fewer prompts than ranks make prompts
+    be cut, the pieces still fit the budget (three samples of a 10-token row at TP8 + SP,
+    whose two-sample piece would lay out as two rows of 16, 32 > 24)."""
     batch = SequenceBatch(
         tokens=torch.tensor([[2, 3, 4, 5, 6, 7, 8, 9], [2, 3, 4, 5, 6, 7, 3, 0],
                              [0, 0, 0, 0, 1, 7, 2, 0]]),
@@ -270,7 +272,22 @@ def test_a_token_budget_counts_a_shared_prompt_once():
         ([0, 1], (1, 11)), ([2], (1, 3))]
     mbs = microbatches(_engine(), Batching(max_tokens=10, share_prompts=True), batch)
     assert sorted(mb["rows"].tolist() for mb in mbs) == [[0], [1], [2]]
-    ranks = [[mb["rows"].tolist() for mb in microbatches(
-        _engine(2, rank), Batching(max_tokens=11, share_prompts=True), batch)]
+    again = torch.tensor([[5, 3, 4, 5, 6, 7, 8, 9], [5, 3, 4, 5, 6, 7, 3, 0]])
+    two = SequenceBatch(tokens=torch.cat([batch.tokens[:2], again]),
+                        attention_mask=batch.attention_mask[[0, 1, 0, 1]],
+                        response_mask=batch.response_mask[[0, 1, 0, 1]])
+    ranks = [[(mb["rows"].tolist(), tuple(mb["tokens"].shape)) for mb in microbatches(
+        _engine(2, rank), Batching(max_tokens=11, share_prompts=True), two)]
         for rank in range(2)]
-    assert ranks == [[[0, 1]], [[2]]]
+    assert ranks == [[([0, 1], (1, 11))], [([2, 3], (1, 11))]]
+    three = SequenceBatch(tokens=torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8, 9, 10]] * 3),
+                          attention_mask=torch.ones(3, 10, dtype=torch.long),
+                          response_mask=torch.tensor([[0] * 4 + [1] * 6] * 3))
+    for dp in (1, 2):
+        for rank in range(dp):
+            engine = _engine(dp, rank, tp=8, sequence_parallel=True)
+            # Attention weighing more (16 heads, hidden 16): a two-sample piece of the
+            # prompt gets a row per sample (_samples_per_row), costlier than all three shared.
+            engine.spec.model.hidden_size = engine.spec.model.num_attention_heads = 16
+            for mb in microbatches(engine, Batching(max_tokens=24, share_prompts=True), three):
+                assert mb["tokens"].numel() <= 24, (dp, rank, mb["tokens"].shape)

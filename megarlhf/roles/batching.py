@@ -6,7 +6,8 @@ Which rows go together (`Batching`):
   num_microbatches equal parts, each the batch's full width: one shape for every micro-batch;
 - by token budget (max_tokens): the rows spread over the DP ranks by their real tokens
   (longest first, each to the rank holding the fewest tokens so far), then each rank's rows
-  into micro-batches of at most max_tokens model tokens (first fit, longest first). Ranks may
+  into micro-batches of at most max_tokens model tokens (first fit, longest first); with
+  shared prompts, a prompt's samples move together (`_shared_budget_parts`). Ranks may
   then run different numbers of micro-batches: megatron-core's schedules only meet across DP
   when the gradients are reduced, after the last one. Shapes differ between micro-batches:
   schedule.forward_backward has the pipeline stages send each one's shape with it.
@@ -20,7 +21,7 @@ How a budget's micro-batch lays its rows out:
 Either way the rows carry document ids and run in the packed THD layout (models/packed.py):
 a sequence's logits equal its logits alone, up to summation order.
 
-With shared prompts (count mode), a micro-batch's samples of one prompt share one model row:
+With shared prompts, a micro-batch's samples of one prompt share one model row:
 the prompt once, then each sample's continuation in a block of its own (`_shared_microbatch`),
 under a mask that lets every block see the prompt (`shared_prompt`) and RoPE angles that put
 every block right after it (`rotary_columns`).
@@ -377,6 +378,23 @@ def _samples_per_row(sizes: list[int], P: int, S: int, multiple: int, model
     return 1, alone
 
 
+class _Rows(NamedTuple):
+    """Rows of one shared micro-batch as its shape depends on them: samples per prompt (by
+    prompt id), the most shared tokens (P) and the longest block (S) of _shared_microbatch."""
+
+    rows: tuple[int, ...]
+    counts: dict[int, int]
+    P: int
+    S: int
+
+    def merged(self, other: "_Rows") -> "_Rows":
+        counts = dict(self.counts)
+        for prompt, n in other.counts.items():
+            counts[prompt] = counts.get(prompt, 0) + n
+        return _Rows(self.rows + other.rows, counts, max(self.P, other.P),
+                     max(self.S, other.S))
+
+
 def _shared_budget_parts(batch: SequenceBatch, first: torch.Tensor, end: torch.Tensor,
                          budget: int, multiple: int, model, dp_size: int, dp_rank: int
                          ) -> list[list[int]]:
@@ -384,57 +402,68 @@ def _shared_budget_parts(batch: SequenceBatch, first: torch.Tensor, end: torch.T
     prompts. A micro-batch's cost is its shared layout's model positions (rows x length,
     the prompt counted once per model row), within `budget` as a padded micro-batch's rows x
     columns are (what the memory planner counts: activations per position; the layout keeps
-    no more than a row per sample of the same rows would, _samples_per_row). A prompt's
-    samples go together:
-    whole where they fit, else in the fewest equal parts that do (a row alone fits: the
-    caller checks). The parts are spread over the DP ranks by cost (more parts made first if
-    there are fewer than ranks), then each rank's into micro-batches, first fit, costliest
-    first."""
+    no more than a row per sample of the same rows would, _samples_per_row).
+
+    Units: a prompt's samples, whole where they fit, else in the fewest equal pieces that
+    do; or its rows one by one where sharing would not save positions (long responses after
+    a short prompt), so they pack as tightly as rows of their own. Units are split further
+    (into pieces that fit) while there are fewer than DP ranks or one costs more than a
+    rank's share; spread over the ranks by cost; then each rank's into micro-batches, first
+    fit, costliest first. (A row alone fits: the caller checks.)"""
     split = (batch.response_mask.long().argmax(1) - 1).tolist()
     start, stop = first.tolist(), end.tolist()
-    keys = [tuple(batch.tokens[i, start[i]:split[i] + 1].tolist()) for i in range(len(start))]
+    ids: dict[tuple, int] = {}
+    prompt = [ids.setdefault(tuple(batch.tokens[i, start[i]:split[i] + 1].tolist()), len(ids))
+              for i in range(len(start))]
 
-    def shape(rows: list[int]) -> tuple[int, int]:
-        """(model rows, length) of `rows` in one shared micro-batch (_shared_microbatch)."""
-        sizes: dict[tuple, int] = {}
-        for r in rows:
-            sizes[keys[r]] = sizes.get(keys[r], 0) + 1
-        P = max(split[r] - start[r] for r in rows)
-        m, L = _samples_per_row(list(sizes.values()), P, max(stop[r] - split[r] for r in rows),
-                                multiple, model)
-        return len(rows) // m, L
+    def cost(unit: _Rows) -> int:
+        m, L = _samples_per_row(list(unit.counts.values()), unit.P, unit.S, multiple, model)
+        return len(unit.rows) // m * L
 
-    def cost(rows: list[int]) -> int:
-        R, L = shape(rows)
-        return R * L
+    def unit_of(rows: list[int]) -> _Rows:
+        return _Rows(tuple(rows), {prompt[rows[0]]: len(rows)},
+                     max(split[r] - start[r] for r in rows),
+                     max(stop[r] - split[r] for r in rows))
 
-    def fits(rows: list[int]) -> bool:
-        return cost(rows) <= budget
+    def pieces(rows: tuple[int, ...], least: int = 1) -> list[_Rows]:
+        for n in range(least, len(rows) + 1):
+            size = -(-len(rows) // n)
+            cut = [unit_of(list(rows[k:k + size])) for k in range(0, len(rows), size)]
+            if all(cost(u) <= budget for u in cut):
+                return cut
+        raise AssertionError("a row alone fits the budget")  # checked by the caller
 
-    def cut(rows: list[int], n: int) -> list[list[int]]:
-        size = -(-len(rows) // n)
-        return [rows[k:k + size] for k in range(0, len(rows), size)]
-
-    prompts: dict[tuple, list[int]] = {}
-    for r in range(len(keys)):
-        prompts.setdefault(keys[r], []).append(r)
-    units = []
-    for rows in prompts.values():
-        n = next(n for n in range(1, len(rows) + 1) if all(map(fits, cut(rows, n))))
-        units += cut(rows, n)
-    while len(units) < dp_size and any(len(u) > 1 for u in units):
-        largest = max(range(len(units)), key=lambda u: (len(units[u]), -u))
-        units[largest:largest + 1] = cut(units[largest], 2)
-    mine = [units[u] for u in balance(torch.tensor([cost(u) for u in units]), dp_size)[dp_rank]]
-    parts: list[list[int]] = []
-    for unit in sorted(mine, key=cost, reverse=True):
+    by_prompt: dict[int, list[int]] = {}
+    for r, p in enumerate(prompt):
+        by_prompt.setdefault(p, []).append(r)
+    units: list[_Rows] = []
+    for rows in by_prompt.values():
+        shared, alone = pieces(tuple(rows)), [unit_of([r]) for r in rows]
+        units += shared if sum(map(cost, shared)) < sum(map(cost, alone)) else alone
+    costs = [cost(u) for u in units]
+    while True:
+        splittable = [u for u in range(len(units)) if len(units[u].rows) > 1]
+        over = [u for u in splittable if costs[u] * dp_size > sum(costs)]
+        if len(units) < dp_size and splittable:
+            pick = max(splittable, key=lambda u: (len(units[u].rows), -u))
+        elif over:
+            pick = max(over, key=lambda u: (costs[u], -u))
+        else:
+            break
+        cut = pieces(units[pick].rows, least=2)
+        units[pick:pick + 1] = cut
+        costs[pick:pick + 1] = [cost(u) for u in cut]
+    mine = balance(torch.tensor(costs), dp_size)[dp_rank]
+    parts: list[_Rows] = []
+    for u in sorted(mine, key=lambda u: (-costs[u], u)):
         for k, part in enumerate(parts):
-            if fits(part + unit):
-                parts[k] = part + unit
+            grown = part.merged(units[u])
+            if cost(grown) <= budget:
+                parts[k] = grown
                 break
         else:
-            parts.append(list(unit))
-    return [sorted(part) for part in parts]
+            parts.append(units[u])
+    return [sorted(part.rows) for part in parts]
 
 
 def _packed_inputs(tokens: torch.Tensor, lengths: torch.Tensor, multiple: int
