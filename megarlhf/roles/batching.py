@@ -405,8 +405,8 @@ def _shared_budget_parts(batch: SequenceBatch, first: torch.Tensor, end: torch.T
     no more than a row per sample of the same rows would, _samples_per_row).
 
     Units: a prompt's samples, whole where they fit, else in the fewest equal pieces that
-    do; or its rows one by one where sharing would not save positions (long responses after
-    a short prompt), so they pack as tightly as rows of their own. Units are split further
+    do; or its rows one by one where no piece holds several samples per model row (long
+    responses after a short prompt), so they pack as tightly as rows of their own. Units are split further
     (into pieces that fit) while there are fewer than DP ranks or one costs more than a
     rank's share; spread over the ranks by cost; then each rank's into micro-batches, first
     fit, costliest first. (A row alone fits: the caller checks.)"""
@@ -438,8 +438,11 @@ def _shared_budget_parts(batch: SequenceBatch, first: torch.Tensor, end: torch.T
         by_prompt.setdefault(p, []).append(r)
     units: list[_Rows] = []
     for rows in by_prompt.values():
-        shared, alone = pieces(tuple(rows)), [unit_of([r]) for r in rows]
-        units += shared if sum(map(cost, shared)) < sum(map(cost, alone)) else alone
+        shared = pieces(tuple(rows))
+        # Sharing saves positions where a piece's rows hold several samples each; with a row
+        # per sample (m = 1) its rows would be padded to the longest: rows alone fit tighter.
+        pays = any(cost(u) < len(u.rows) * _round_up(u.P + u.S, multiple) for u in shared)
+        units += shared if pays else [unit_of([r]) for r in rows]
     costs = [cost(u) for u in units]
     while True:
         splittable = [u for u in range(len(units)) if len(units[u].rows) > 1]
