@@ -1,5 +1,5 @@
-"""GRPO step time of megarlhf against TRL's GRPOTrainer on the same workload, in ABBA order:
-the ratio TRL step / megarlhf step per pair of runs, its median and spread, and accuracy
+"""GRPO step time of megarlhf against TRL's GRPOTrainer on one workload, in ABBA pairs.
+The ratio TRL step / megarlhf step per pair of runs, its median and spread, and accuracy
 after the same steps, with both sides' package versions, thread settings and measured prompt
 and answer lengths beside every result.
 
@@ -8,7 +8,9 @@ Workloads (`--workload`), every other setting shared:
   only the number."), at most 12 new tokens.
 - `long`: the same rows asked to reason step by step and end with the answer (LONG_ASK), at
   most 256 new tokens, checked by the same `math` reward (its last number or 'the answer is
-  N').
+  N'); each trainer in 4 micro-batches per update, for memory: TRL's gradient accumulation
+  over 4 x 8 samples (in one micro-batch it was killed for memory at 23 GiB of a 24 GiB
+  machine), megarlhf's `micro_batches=4` on each rank's 16 (in one, a rank was killed at 11).
 
 The same for both trainers: SmolLM2-135M-Instruct (fp32 weights), the workload's training
 rows (chat template), 8 prompts x 4 samples at temperature 1, one update per step (one
@@ -31,18 +33,21 @@ steps 2-N, each from its start to its end (megarlhf's `time/wall`, TRL's step ca
 that what either trainer does outside its named phases counts. Lengths: mean prompt and
 generated answer tokens per sample (stop token included) over a run's steps, as each trainer
 had them: megarlhf's from the prompt and response ids its reward function is given, TRL's
-from its prompt and completion masks. Accuracy: each trained
-model's greedy answers to the 64 held-out questions through HF transformers
+from its prompt and completion masks. Accuracy: each trained model's greedy answers to the
+64 held-out questions, its weights loaded in fp32, through HF transformers
 (bench_rlvr.hf_accuracy, the same function for both), and the source model's; with several
 seeds the summary says whether the trainers' mean accuracies differ by more than twice the
 standard error of their difference.
 
 The whole bench, both workloads in fp32 and bf16, fits in about two hours on a 2-core CPU
-machine with (from BENCHMARKS.md's times: an arithmetic step 15-25 s per trainer, a
-long-answer step 80-90 s, and ~1-2 minutes of start-up and evaluation per run)
+machine with the two commands below. Measured there (2026-12-07): an arithmetic step 12-17 s
+per trainer in fp32 and 6-11 s in bf16, ~40 s of start-up per run and seconds of evaluation;
+a long-answer step ~140 s for each trainer in fp32 (the first 160-220 s) and ~2 minutes per
+accuracy evaluation (64 questions x 256 greedy tokens): 3-4 minutes a pair at 5 arithmetic
+steps, ~17 a pair at 2 long-answer steps (whose step time is then the second step's alone).
 
-    python -m bench.bench_vs_trl --workload arithmetic --steps 5 --seeds 0,1,2,3   # ~50 min
-    python -m bench.bench_vs_trl --workload long --steps 3 --seeds 0,1             # ~60 min
+    python -m bench.bench_vs_trl --workload arithmetic --steps 5 --seeds 0,1,2,3   # ~30 min
+    python -m bench.bench_vs_trl --workload long --steps 2 --seeds 0,1             # ~75 min
 
 TRL is not a dependency of megarlhf: the bench installs it once, without dependencies (it
 needs nothing the venv lacks), into .venv/trl-<version> and runs it from there.
@@ -79,18 +84,24 @@ OPTIM = OptimConfig(clip_grad=1.0)
 """The actor's Adam and clipping in a megarlhf PPO run (ppo/worker.py), given to TRL too."""
 PACKAGES = ("torch", "transformers", "trl", "accelerate", "datasets", "megatron-core")
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+TRAINERS = ("megarlhf", "TRL")
+"""The two sides, in the order every table gives them."""
 
 
 class Workload(NamedTuple):
     ask: str
     """What each question asks of the answer (replacing the recipe's)."""
     max_new_tokens: int
+    micro_batches: int = 1
+    """Each trainer's micro-batches per update (megarlhf's on each of its ranks): what fits
+    the workload into this machine's memory."""
 
 
 LONG_ASK = (" Think step by step and explain each step, then give the final answer at the end "
             "as 'The answer is N'.")
 WORKLOADS = {"arithmetic": Workload(synthetic.ANSWER_FORMAT, 12),
-             "long": Workload(LONG_ASK, 256)}
+             # In one micro-batch a megarlhf rank reached 11 GiB and TRL 23 GiB (of 24).
+             "long": Workload(LONG_ASK, 256, micro_batches=4)}
 
 
 def ensure_trl() -> str:
@@ -176,10 +187,11 @@ def trl_worker(spec_path: str) -> None:
             return out
 
     per_step = config["prompts_per_step"] * config["samples_per_prompt"]
+    micro_batches = spec["micro_batches"]  # one generation of per_step samples per update
     args = GRPOConfig(
         output_dir=spec["out_dir"], use_cpu=True, bf16=spec["dtype"] == "bf16",
-        gradient_checkpointing=False,
-        per_device_train_batch_size=per_step, gradient_accumulation_steps=1,
+        gradient_checkpointing=False, per_device_train_batch_size=per_step // micro_batches,
+        gradient_accumulation_steps=micro_batches,
         num_generations=config["samples_per_prompt"],
         max_completion_length=config["max_new_tokens"], temperature=config["temperature"],
         learning_rate=config["actor_lr"], lr_scheduler_type="constant", warmup_steps=0,
@@ -205,6 +217,7 @@ def median_step(times: list[float]) -> float:
 def run_trl(root: str, hf_dir: str, config: PPOConfig, dtype: str) -> dict:
     os.makedirs(root)
     spec = {"model": hf_dir, "prompts": config.prompts, "dtype": dtype,
+            "micro_batches": config.micro_batches,
             "out_dir": os.path.join(root, "out"), "export": os.path.join(root, "model"),
             "result": os.path.join(root, "result.json"),
             "config": {"prompts_per_step": config.prompts_per_step,
@@ -250,7 +263,8 @@ def run_pair(root: str, hf_dir: str, inputs: list[str], workload: Workload, dtyp
     """Both trainers on the same settings, one after the other in `order`."""
     overrides = [*inputs, f"dtype={dtype}", f"seed={seed}", f"steps={steps}",
                  f"max_new_tokens={workload.max_new_tokens}", "val_every=0", "val_prompts=null",
-                 "reward_fn=bench.bench_vs_trl:math_with_lengths"]
+                 "reward_fn=bench.bench_vs_trl:math_with_lengths",
+                 f"micro_batches={workload.micro_batches}"]
     config = load_config(PPOConfig, RECIPE, overrides)
     run = {"megarlhf": lambda: run_megarlhf(f"{root}-megarlhf", overrides, config),
            "TRL": lambda: run_trl(f"{root}-trl", hf_dir, config, dtype)}
@@ -287,6 +301,33 @@ def versions(env: dict) -> str:
         f", torch's CPU kernels {env['cpu_capability']}"
 
 
+def side_by_side(cell) -> str:
+    """'megarlhf's / TRL's': `cell(trainer)` for each."""
+    return " / ".join(cell(name) for name in TRAINERS)
+
+
+def pair_row(dtype: str, pair: str, order: tuple[str, str], runs: dict[str, dict]) -> str:
+    ratio = runs["TRL"]["step"] / runs["megarlhf"]["step"]
+    cells = [dtype, pair, ", ".join(order), side_by_side(lambda n: f"{runs[n]['step']:.2f}"),
+             f"{ratio:.2f}x", side_by_side(lambda n: f"{runs[n]['prompt_tokens']:.1f}"),
+             side_by_side(lambda n: f"{runs[n]['answer_tokens']:.1f}"),
+             side_by_side(lambda n: f"{runs[n]['accuracy']:.3f}"),
+             side_by_side(lambda n: threads(runs[n]["environment"]))]
+    return "| " + " | ".join(cells) + " |"
+
+
+def summary_row(dtype: str, pairs: list[dict[str, dict]]) -> str:
+    ratios = [p["TRL"]["step"] / p["megarlhf"]["step"] for p in pairs]
+
+    def mean(key):
+        return lambda n: f"{statistics.mean(p[n][key] for p in pairs):.1f}"
+
+    cells = [dtype, f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})",
+             side_by_side(mean("prompt_tokens")), side_by_side(mean("answer_tokens")),
+             side_by_side(lambda n: spread([p[n]["accuracy"] for p in pairs]))]
+    return "| " + " | ".join(cells) + " |"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workload", choices=sorted(WORKLOADS), default="arithmetic")
@@ -303,17 +344,14 @@ def main() -> None:
     workload = WORKLOADS[args.workload]
     seeds = [int(s) for s in args.seeds.split(",")]
     lines = ["| dtype | pair (seed) | order | step (s), ours / TRL | TRL step / ours | "
-             "prompt tokens, ours / TRL | answer tokens, ours / TRL | accuracy (fp32 "
-             "weights), ours / TRL | accuracy (bf16 weights), ours / TRL | threads, ours / "
-             "TRL |", "|---" * 10 + "|"]
+             "prompt tokens, ours / TRL | answer tokens, ours / TRL | accuracy, ours / TRL | "
+             "threads, ours / TRL |", "|---" * 9 + "|"]
     summary = ["| dtype | TRL step / ours, median (min-max) over pairs | prompt tokens, ours / "
-               "TRL | answer tokens, ours / TRL | accuracy (fp32 weights), ours / TRL | "
-               "accuracy (bf16 weights), ours / TRL |", "|---" * 6 + "|"]
-    verdicts, environments = [], {"megarlhf": set(), "TRL": set()}
+               "TRL | answer tokens, ours / TRL | accuracy, ours / TRL |", "|---" * 5 + "|"]
+    verdicts, environments = [], {name: set() for name in TRAINERS}
     with tempfile.TemporaryDirectory() as tmp:
         hf_dir, val, inputs = recipe_inputs(tmp, workload.ask)
-        source = {d: hf_accuracy(hf_dir, val, workload.max_new_tokens, d)
-                  for d in ("float32", "bfloat16")}
+        source = hf_accuracy(hf_dir, val, workload.max_new_tokens)
         for dtype in args.variants.split(","):
             pairs = []
             for i, seed in enumerate(seeds):
@@ -321,49 +359,29 @@ def main() -> None:
                 order = ("megarlhf", "TRL") if i % 2 == 0 else ("TRL", "megarlhf")
                 runs = run_pair(os.path.join(tmp, f"{dtype}-seed{seed}"), hf_dir, inputs,
                                 workload, dtype, seed, args.steps, order)
-                ours, theirs = runs["megarlhf"], runs["TRL"]
                 for name, r in runs.items():
-                    r["accuracy"] = [hf_accuracy(r["model"], val, workload.max_new_tokens, d)
-                                     for d in ("float32", "bfloat16")]
+                    r["accuracy"] = hf_accuracy(r["model"], val, workload.max_new_tokens)
                     environments[name].add(versions(r["environment"]))
                 pairs.append(runs)
-                lines.append(
-                    f"| {dtype} | {i} ({seed}) | {', '.join(order)} | {ours['step']:.2f} / "
-                    f"{theirs['step']:.2f} | {theirs['step'] / ours['step']:.2f}x | "
-                    f"{ours['prompt_tokens']:.1f} / {theirs['prompt_tokens']:.1f} | "
-                    f"{ours['answer_tokens']:.1f} / {theirs['answer_tokens']:.1f} | "
-                    f"{ours['accuracy'][0]:.3f} / {theirs['accuracy'][0]:.3f} | "
-                    f"{ours['accuracy'][1]:.3f} / {theirs['accuracy'][1]:.3f} | "
-                    f"{threads(ours['environment'])} / {threads(theirs['environment'])} |")
+                lines.append(pair_row(dtype, f"{i} ({seed})", order, runs))
                 print(lines[-1], flush=True)
-            ratios = [p["TRL"]["step"] / p["megarlhf"]["step"] for p in pairs]
-
-            def both(key, fmt=lambda v: f"{statistics.mean(v):.1f}"):
-                return " / ".join(fmt([p[n][key] for p in pairs]) for n in ("megarlhf", "TRL"))
-
-            summary.append(
-                f"| {dtype} | {statistics.median(ratios):.2f}x ({min(ratios):.2f}-"
-                f"{max(ratios):.2f}) | {both('prompt_tokens')} | {both('answer_tokens')} | " +
-                " | ".join(" / ".join(spread([p[n]["accuracy"][k] for p in pairs])
-                                      for n in ("megarlhf", "TRL")) for k in (0, 1)) + " |")
-            verdicts.append(f"{dtype}, accuracy (fp32 weights) against TRL's: " + noise_verdict(
-                *([p[n]["accuracy"][0] for p in pairs] for n in ("megarlhf", "TRL"))))
+            summary.append(summary_row(dtype, pairs))
+            verdicts.append(f"{dtype}, accuracy against TRL's: " + noise_verdict(
+                *([p[n]["accuracy"] for p in pairs] for n in TRAINERS)))
     body = "\n".join(lines + [""] + summary) + "\n\n" + "\n".join(
         f"- {v}" for v in verdicts) + (
         f"\n\nWorkload `{args.workload}`: at most {workload.max_new_tokens} new tokens, the "
-        f"question asks {workload.ask.strip()!r}. Pairs in ABBA order (even pairs megarlhf first), "
-        f"seeds {args.seeds}. Steps: medians of steps 2-{args.steps} of each run. Lengths: "
+        f"question asks {workload.ask.strip()!r}. Pairs in ABBA order (even pairs megarlhf "
+        f"first), seeds {args.seeds}. Steps: medians of steps 2-{args.steps} of each run. Lengths: "
         f"mean tokens per sample over each run's steps, as each trainer had them. Accuracy: "
         f"greedy answers to the 64 held-out questions after {args.steps} steps (HF "
-        f"transformers, the same function for both), the trained weights loaded in fp32 and "
-        f"cast to bf16; the source model: {source['float32']:.3f} (fp32), "
-        f"{source['bfloat16']:.3f} (bf16). Summary: ratios' median (min-max) over the pairs, "
+        f"transformers, the same function for both), the trained weights loaded in fp32; the "
+        f"source model: {source:.3f}. Summary: ratios' median (min-max) over the pairs, "
         f"lengths' means, accuracies' mean +- standard deviation over the seeds. "
         + "; ".join(f"{name}'s process: {'; '.join(sorted(found))}"
                     for name, found in environments.items()) +
         f". CPU: {cpu()}. megarlhf at {os.path.relpath(RECIPE, REPO)}; TRL {TRL_VERSION} in "
-        f"one process. "
-        f"Settings in bench/bench_vs_trl.py's docstring.")
+        f"one process. Settings in bench/bench_vs_trl.py's docstring.")
     print(body)
     if args.append:
         append_entry(args.append, f"GRPO step: megarlhf vs TRL's GRPOTrainer, ABBA pairs "
