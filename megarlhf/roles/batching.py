@@ -406,10 +406,10 @@ def _shared_budget_parts(batch: SequenceBatch, first: torch.Tensor, end: torch.T
 
     Units: a prompt's samples, whole where they fit, else in the fewest equal pieces that
     do; or its rows one by one where no piece holds several samples per model row (long
-    responses after a short prompt), so they pack as tightly as rows of their own. Units are split further
-    (into pieces that fit) while there are fewer than DP ranks or one costs more than a
-    rank's share; spread over the ranks by cost; then each rank's into micro-batches, first
-    fit, costliest first. (A row alone fits: the caller checks.)"""
+    responses after a short prompt), so they pack as tightly as rows of their own. Units are
+    split further (into pieces that fit) while there are fewer than DP ranks or one costs
+    more than a rank's share; spread over the ranks by cost; then each rank's into
+    micro-batches, first fit, costliest first. (A row alone fits: the caller checks.)"""
     split = (batch.response_mask.long().argmax(1) - 1).tolist()
     start, stop = first.tolist(), end.tolist()
     ids: dict[tuple, int] = {}
