@@ -6,10 +6,12 @@ check the command lines they build (container mode cannot run here: no Pyxis).""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -235,6 +237,10 @@ def test_scancel_leaves_no_process_of_the_job(slurm, job_env, ppo_recipe, ray_ro
 FAKE_SRUN = """#!/bin/bash
 args="$*"
 echo "srun ${args//$'\n'/ }" >>"$FAKE_LOG"
+# The head's port probe runs for real, here, under the tests' Python.
+for ((i = 1; i < $#; i++)); do
+    [[ ${!i} == */ray_port.py ]] && exec "$FAKE_PYTHON" "${@:i}"
+done
 # The controller's or a rank's exit code; the preflight, Ray nodes and the join check succeed.
 [[ " $* " =~ \ (ppo|sft|rm|dpo)\  && " $* " != *" --dry-run "* ]] && exit "${FAKE_RC:-0}"
 exit 0
@@ -259,7 +265,7 @@ def _fake_job(tmp_path: Path, script: str, *args: str, **env: str):
     fake_log.unlink(missing_ok=True)
     job = {"SLURM_JOB_ID": "77", "SLURM_JOB_NAME": "fake", "SLURM_SUBMIT_DIR": str(tmp_path),
            "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_NTASKS": "2", "SLURM_CPUS_ON_NODE": "4",
-           "LAUNCH_DIR": str(LAUNCH), "FAKE_LOG": str(fake_log),
+           "LAUNCH_DIR": str(LAUNCH), "FAKE_LOG": str(fake_log), "FAKE_PYTHON": sys.executable,
            "PATH": f"{bin_dir}:{os.environ['PATH']}", "HOME": str(tmp_path)}
     run = subprocess.run(["bash", str(LAUNCH / script), *args], env={**job, **env},
                          capture_output=True, text=True, timeout=60, cwd=tmp_path)
@@ -300,17 +306,23 @@ def test_no_room_after_a_fault_requeues_the_ppo_job_up_to_requeue_limit(tmp_path
 
 
 def test_ppo_starts_ray_on_each_node_then_the_controller(tmp_path):
-    rc, lines = _fake_job(tmp_path, "ppo.sbatch", "r.yaml", "steps=5", PYTHON="/opt/py/python")
+    # The default head port (40000 + job id 77) taken on the head node: the next free one.
+    with _listening(40077):
+        rc, lines = _fake_job(tmp_path, "ppo.sbatch", "r.yaml", "steps=5",
+                              PYTHON="/opt/py/python")
     assert rc == 0
-    assert len(lines) == 6, lines
+    assert len(lines) == 7, lines
     # First the preflight, alone; then steps started in the background log in any order.
     assert lines[0].endswith("ppo --config r.yaml steps=5 worker_group=ray --dry-run")
     assert "--nodes=1 --ntasks=1 --nodelist=n1" in lines[0]
-    head, worker, wait1, wait2, controller = (
+    probe, head, worker, wait1, wait2, controller = (
         next(line for line in lines[1:] if key in line)
-        for key in ("--head", "--address=", "ray_wait.py 1 ", "ray_wait.py 2 ", " ppo "))
-    assert "--nodelist=n1" in head and "--head --port=40077" in head
-    assert "--exclude=n1" in worker and "--address=n1:40077" in worker
+        for key in ("ray_port.py", "--head", "--address=", "ray_wait.py 1 ", "ray_wait.py 2 ",
+                    " ppo "))
+    assert "--nodelist=n1" in probe and probe.endswith("ray_port.py 40077")
+    port = int(re.search(r"--head --port=(\d+) ", head)[1])
+    assert 40077 < port < 40077 + 100 and "--nodelist=n1" in head
+    assert "--exclude=n1" in worker and f"--address=n1:{port}" in worker
     assert "--nodelist=n1" in wait1 and "--nodelist=n1" in wait2
     assert controller.endswith("ppo --config r.yaml steps=5 worker_group=ray")
     assert "--num-cpus=4" in head and "--num-cpus=4" in worker
@@ -319,3 +331,42 @@ def test_ppo_starts_ray_on_each_node_then_the_controller(tmp_path):
         assert "-m ray.scripts.scripts start" in line and " /opt/py/python " in line, line
     assert "/opt/py/python ray_wait.py" in wait1.replace(str(LAUNCH) + "/", "")
     assert (tmp_path / "logs" / "fake-77" / "job.log").exists()
+
+
+@contextlib.contextmanager
+def _listening(port: int = 0):
+    """A socket listening on PORT (0: a free one), as another Ray's server holds it: yields
+    the port. A PORT some other process holds already is as good."""
+    with socket.socket() as sock:
+        with contextlib.suppress(OSError):
+            sock.bind(("", port))
+            sock.listen()
+        yield port or sock.getsockname()[1]
+
+
+def _ray_port(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(LAUNCH / "ray_port.py"), *map(str, args)],
+                          capture_output=True, text=True, timeout=30)
+
+
+def test_the_head_port_probe_moves_off_a_port_in_use_unless_the_user_set_it():
+    with _listening() as port:
+        moved, refused = _ray_port(port), _ray_port(port, "--exact")
+    assert moved.returncode == 0 and port < int(moved.stdout) <= port + 100, moved
+    with socket.socket() as sock:  # what it printed is free: this listens on it
+        sock.bind(("", int(moved.stdout)))
+        sock.listen()
+    # RAY_PORT set by the user: refused in one line naming it, nothing printed to use.
+    assert (refused.returncode, refused.stdout) == (1, ""), refused
+    assert refused.stderr.startswith(f"RAY_PORT={port} is in use on ")
+    assert refused.stderr.count("\n") == 1
+    # Released, the port itself, either way.
+    assert [_ray_port(port, *exact).stdout for exact in ((), ("--exact",))] == [f"{port}\n"] * 2
+
+
+def test_a_taken_ray_port_set_by_the_user_fails_the_ppo_job_before_ray_starts(tmp_path):
+    with _listening() as port:
+        rc, lines = _fake_job(tmp_path, "ppo.sbatch", "r.yaml", RAY_PORT=str(port))
+    assert rc == 1 and not any("ray.scripts.scripts start" in line for line in lines), lines
+    assert f"RAY_PORT={port} is in use on " in (tmp_path / "logs" / "fake-77" / "job.log"
+                                                ).read_text()
