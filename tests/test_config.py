@@ -120,14 +120,14 @@ def test_unknown_layer_spec_and_dtype(monkeypatch):
         resolve_layer_spec("flash", on_gpu=False)
     with pytest.raises(ValueError, match="needs a GPU and Transformer Engine"):
         resolve_layer_spec("te", on_gpu=False)
-    assert resolve_layer_spec("auto", on_gpu=False) == "local"
+    assert resolve_layer_spec("auto", on_gpu=False) == "sdpa"
     # auto never picks Transformer Engine, installed or not: it is not verified here.
     monkeypatch.setattr(specs, "te_available", lambda: True)
     assert resolve_layer_spec("auto", on_gpu=True) == "sdpa"
     assert resolve_layer_spec("te", on_gpu=True) == "te"  # by name (bench/gpu's TE item)
     # Context parallelism runs our gathered-KV attention, never Transformer Engine's.
     assert resolve_layer_spec("auto", on_gpu=True, context_parallel=2) == "sdpa"
-    assert resolve_layer_spec("auto", on_gpu=False, context_parallel=2) == "local"
+    assert resolve_layer_spec("auto", on_gpu=False, context_parallel=2) == "sdpa"
     with pytest.raises(ValueError, match="context_parallel=2 runs with the 'sdpa' or 'local'"):
         resolve_layer_spec("te", on_gpu=True, context_parallel=2)
     with pytest.raises(ValueError, match="context_parallel must be a positive integer"):

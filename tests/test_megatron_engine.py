@@ -93,6 +93,24 @@ def test_top_k_1_equals_greedy(tp1):
     assert _tokens(tp1["top_k1"]) == _tokens(tp1["greedy"])
 
 
+def test_each_id_is_drawn_with_its_probability_and_truncated_ids_never(monkeypatch):
+    from megarlhf.rollout.megatron_engine import _draw
+
+    probs = torch.tensor([0.5, 0.0, 0.2, 0.3 - 1e-3, 0.0, 1e-3])
+    draws = 400_000
+    generator = torch.Generator().manual_seed(0)
+    counts = torch.bincount(_draw(probs.repeat(draws, 1), generator), minlength=6).double()
+    # Each count is binomial(draws, p): 5 standard deviations (a false alarm ~1e-6 per id).
+    # An off-by-one in the search moves 0.2 or 0.3 of the mass to a neighbour: > 400 sd.
+    expected = draws * probs.double()
+    sd = (expected * (1 - probs.double())).sqrt()
+    assert ((counts - expected).abs() <= 5 * sd).all(), counts
+    assert counts[1] == counts[4] == 0
+    # A uniform number that rounds up to the total still draws the last id with a share.
+    monkeypatch.setattr(torch, "rand", lambda shape, **_: torch.ones(shape, dtype=torch.float64))
+    assert _draw(torch.tensor([[0.25, 0.75, 0.0]]), generator).tolist() == [1]
+
+
 def test_stop_tokens_end_a_sample_and_leave_the_others_unchanged(tp1):
     # The stop id is one that prompt 0's greedy run emits: rows that emit it end there, the
     # rest must go on exactly as without stop ids after the finished rows leave the batch.

@@ -474,8 +474,8 @@ class PPOConfig:
     checkpoint saved in another dtype is cast on load, so fp32 or bf16 conversions of an HF
     model train in any of them."""
     layer_spec: str = "auto"
-    """Megatron layer spec of every role and of the Megatron rollout engine: auto (sdpa on
-    GPU, local on CPU), local or sdpa."""
+    """Megatron layer spec of every role and of the Megatron rollout engine: auto (sdpa, on
+    GPU and CPU: models/specs.py says why), local or sdpa."""
     # -- rollout --
     rollout_backend: str = "megatron"
     """megatron (the actor's own engine, no extra install) or vllm (vllm_model_dir)."""

@@ -326,7 +326,7 @@ class MegatronEngine:
             token_B = z_BV.argmax(dim=-1)
         else:
             probs_BV = torch.softmax(_truncate(z_BV / params.temperature, params), dim=-1)
-            token_B = torch.multinomial(probs_BV, 1, generator=generator).squeeze(1)
+            token_B = _draw(probs_BV, generator)
         logp_B = vocab_parallel_logprobs(raw_BV[:, None], token_B[:, None], tp_group=None,
                                          vocab_start=0, vocab_size=vocab)[:, 0]
         return token_B, logp_B
@@ -542,6 +542,22 @@ def _truncate(z_BV: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         z_BV = z_BV.masked_fill(drop, float("-inf"))
     return z_BV
+
+
+def _draw(probs_BV: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One id per row, drawn with its probability: where one uniform number falls in the
+    row's cumulative distribution. torch.multinomial draws an exponential number per
+    vocabulary entry instead (15 ms a decode step at a 49k vocabulary and 16 rows on one CPU
+    core, 5% of the step). The sums are in float64 so that each id's share of [0, total)
+    is its probability to ~1e-16; ids of probability 0 (truncated) have an empty share and
+    are never drawn."""
+    cdf_BV = probs_BV.double().cumsum(dim=-1)
+    total_B1 = cdf_BV[:, -1:]
+    u_B1 = torch.rand(total_B1.shape, generator=generator, dtype=torch.float64,
+                      device=probs_BV.device) * total_B1
+    token_B = torch.searchsorted(cdf_BV, u_B1, right=True).squeeze(1)
+    # u * total can round up to total itself: that is the last id with a share.
+    return torch.minimum(token_B, cdf_BV.argmax(dim=-1))
 
 
 def _host_copy(storage: torch.UntypedStorage) -> torch.Tensor:

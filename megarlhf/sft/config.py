@@ -34,7 +34,7 @@ class ModelSource:
     dtype: str = "fp32"
     """Parameter dtype: fp32, bf16 or fp16."""
     layer_spec: str = "auto"
-    """Megatron layer spec: auto (local on CPU, SDPA on GPU), local, sdpa; te (Transformer
+    """Megatron layer spec: auto (SDPA, on GPU and CPU), local, sdpa; te (Transformer
     Engine) is refused until verified (models/specs.TE_REFUSED)."""
     lora: LoraConfig | None = None
     """Train low-rank adapters on the linear layers instead of every weight (the base is
