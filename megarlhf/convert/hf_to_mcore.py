@@ -50,6 +50,9 @@ def inspect_hf(hf_dir: str, *, role: str = "actor", init_value_head: bool = Fals
     arch, is_seq_cls = architecture_for_hf_config(config, hf_dir)
     hf_class = arch.hf_class(is_seq_cls)
     value_head = role in VALUE_ROLES
+    if value_head and arch.sequence_classification is None:
+        raise ValueError(f"{hf_class} in {hf_dir} has no value-model form here; convert it as "
+                         f"actor or ref, not as {role}")
     if value_head and is_seq_cls and config.num_labels != 1:
         raise ValueError(f"{hf_class} in {hf_dir} has {config.num_labels} labels; a {role} "
                          f"needs a single score (num_labels=1)")
@@ -63,7 +66,7 @@ def inspect_hf(hf_dir: str, *, role: str = "actor", init_value_head: bool = Fals
                          f"converted as a critic or reward (--role critic|reward), not as {role}")
     model = arch.model_config(config, make_vocab_size_divisible_by=make_vocab_size_divisible_by)
     rules = arch.rules(model, lm_head=not value_head, value_head=value_head)
-    reader = SafetensorsReader(hf_dir)
+    reader = SafetensorsReader(hf_dir, aliases=arch.hf_aliases)
     fresh_head = value_head and not is_seq_cls
     _check_tensors(hf_dir, reader, model, rules, skip_value_head=fresh_head)
     dtype = reader.dtype(rules[0].hf[0])  # the embedding's dtype is the checkpoint's dtype

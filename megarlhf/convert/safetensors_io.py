@@ -40,9 +40,11 @@ class _Entry:
 
 
 class SafetensorsReader:
-    """Tensors of an HF checkpoint directory (one file, or shards listed in the index)."""
+    """Tensors of an HF checkpoint directory (one file, or shards listed in the index).
+    `aliases`: (prefix, replacement) pairs; a name starting with a prefix is known by the
+    name with the replacement instead (another spelling of the same tensor)."""
 
-    def __init__(self, directory: str):
+    def __init__(self, directory: str, aliases: tuple[tuple[str, str], ...] = ()):
         self.directory = directory
         index_path = os.path.join(directory, INDEX_NAME)
         if os.path.isfile(index_path):
@@ -66,6 +68,8 @@ class SafetensorsReader:
                 if entry is None or os.path.basename(entry.file) != file:
                     raise ValueError(f"{INDEX_NAME} in {directory} lists {tensor} in {file}, but "
                                      f"that file does not hold it: the checkpoint is inconsistent")
+        if aliases:
+            self._entries = _renamed(self._entries, aliases, directory)
 
     def names(self) -> list[str]:
         return list(self._entries)
@@ -101,6 +105,20 @@ class SafetensorsReader:
         e = self._entries[name]
         with open(e.file, "rb") as f:
             return map_tensor(f, e.start, math.prod(e.shape), e.dtype).view(e.shape)
+
+
+def _renamed(entries: dict[str, _Entry], aliases: tuple[tuple[str, str], ...],
+             directory: str) -> dict[str, _Entry]:
+    renamed = {}
+    for name, entry in entries.items():
+        for prefix, replacement in aliases:
+            if name.startswith(prefix):
+                name = replacement + name.removeprefix(prefix)
+                break
+        if name in renamed:
+            raise ValueError(f"{directory} holds {name} under two spellings; keep one")
+        renamed[name] = entry
+    return renamed
 
 
 def tensor_bytes(tensor: torch.Tensor) -> ctypes.Array:

@@ -9,6 +9,7 @@ import math
 
 import torch
 
+from megarlhf.models.vision.qwen2_5_vl import VisionConfig
 from megarlhf.parallel.mesh import ParallelConfig
 
 ROPE_SCALING_TYPES = ("llama3", "linear")
@@ -80,6 +81,15 @@ class ModelConfig:
     `norm_topk_prob`); False keeps the softmax over all experts (Qwen2-MoE)."""
     moe_aux_loss_coeff: float = 0.0
     """Weight of the load-balancing auxiliary loss in training (HF `router_aux_loss_coef`)."""
+    mrope_section: tuple[int, ...] | None = None
+    """M-RoPE (Qwen2.5-VL): how many rotary pairs turn with the temporal, height and width
+    position (HF `rope_parameters.mrope_section`; they sum to head_dim / 2); positions are then
+    [3, B, S] (models/vision/mrope.py). None: 1D RoPE."""
+    vision: VisionConfig | None = None
+    """The vision tower of a vision-language model (Qwen2.5-VL), run by the first pipeline
+    stage on the images; None: a text-only model."""
+    image_token_id: int | None = None
+    """Placeholder token whose embeddings the vision tower's features replace (with `vision`)."""
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "ffn_hidden_size", "num_layers",
@@ -111,6 +121,11 @@ class ModelConfig:
             if self.moe_aux_loss_coeff < 0:
                 raise ValueError(f"moe_aux_loss_coeff must be >= 0, got "
                                  f"{self.moe_aux_loss_coeff}")
+        if self.mrope_section is not None and 2 * sum(self.mrope_section) != self.kv_channels:
+            raise ValueError(f"mrope_section {list(self.mrope_section)} must sum to head_dim / 2 "
+                             f"= {self.kv_channels // 2}")
+        if self.vision is not None and (self.image_token_id is None or self.mrope_section is None):
+            raise ValueError("a model with a vision tower needs image_token_id and mrope_section")
 
     @property
     def is_moe(self) -> bool:
@@ -177,8 +192,10 @@ class ModelConfig:
         unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
             raise ValueError(f"unknown ModelConfig fields {sorted(unknown)}")
-        scaling = d.get("rope_scaling")
-        return cls(**{**d, "rope_scaling": RopeScaling(**scaling) if scaling else None})
+        scaling, mrope, vision = d.get("rope_scaling"), d.get("mrope_section"), d.get("vision")
+        return cls(**{**d, "rope_scaling": RopeScaling(**scaling) if scaling else None,
+                      "mrope_section": tuple(mrope) if mrope else None,
+                      "vision": VisionConfig.from_dict(vision) if vision else None})
 
     def rope_inv_freq(self) -> torch.Tensor:
         """Inverse RoPE frequencies [head_dim/2], with scaling applied, in fp32."""

@@ -22,6 +22,7 @@ from megarlhf.models.layers import ValueHead
 from megarlhf.models.lora import LoraConfig, check_model, freeze_base, init_adapters
 from megarlhf.models.specs import block_spec, resolve_layer_spec
 from megarlhf.models.transformer_config import to_transformer_config
+from megarlhf.models.vision.qwen2_5_vl import Qwen25VisionTower, VisionConfig
 from megarlhf.parallel.mesh import Mesh, ParallelConfig
 
 
@@ -73,6 +74,58 @@ def rotary_at(chunk: torch.nn.Module, columns: torch.Tensor | None):
         del rotary.forward
 
 
+class GPTVLModel(GPTLMModel):
+    """A vision-language LM (Qwen2.5-VL). The first pipeline stage's chunk also holds the vision
+    tower (a full replica on every TP rank) and puts its features in place of the image
+    placeholder tokens' word embeddings; every stage takes M-RoPE position ids [3, B, S]
+    (models/vision/mrope.py) where a text model takes [B, S]. Images come in through
+    `images_at`, so the forward signature stays megatron-core's."""
+
+    def __init__(self, *, vision: VisionConfig, image_token_id: int, **kwargs):
+        super().__init__(**kwargs)
+        self.image_token_id = image_token_id
+        self.images: tuple[torch.Tensor, torch.Tensor] | None = None
+        if self.pre_process:
+            self.vision = Qwen25VisionTower(vision)
+            # Spliced into the word embeddings' output (whole rows, [B, S, H], already reduced
+            # over TP), before megatron-core's embedding transposes it, scatters it for
+            # sequence parallelism and applies dropout: image tokens then go through exactly
+            # what text tokens do.
+            self.embedding.word_embeddings.register_forward_hook(self._splice_images)
+
+    def _splice_images(self, module, args, embeddings: torch.Tensor) -> torch.Tensor | None:
+        if self.images is None:
+            return None
+        pixel_values, grid_thw = self.images
+        slots = args[0] == self.image_token_id
+        features = self.vision(pixel_values, grid_thw)
+        if features.shape[0] != int(slots.sum()):
+            raise ValueError(f"the images give {features.shape[0]} image tokens, the rows hold "
+                             f"{int(slots.sum())} placeholders (token {self.image_token_id})")
+        # Rows of `features` fill the placeholders in row-major order: images in order.
+        return embeddings.masked_scatter(slots[..., None], features.to(embeddings.dtype))
+
+
+@contextlib.contextmanager
+def images_at(chunk: torch.nn.Module, pixel_values: torch.Tensor | None,
+              grid_thw: torch.Tensor | None):
+    """Within the block, a vision-language chunk (possibly wrapped) embeds these images
+    (pixel_values [patches, C*T*P*P] and grid_thw [images, 3], as the HF image processor gives
+    them for the whole micro-batch) at its placeholder tokens. A chunk of a later pipeline
+    stage has no tower and ignores them; None: no images."""
+    model = _unwrapped(chunk) if pixel_values is not None else None
+    if model is None or not model.pre_process:
+        yield
+        return
+    if not isinstance(model, GPTVLModel):
+        raise ValueError("images were given to a text-only model")
+    model.images = (pixel_values, grid_thw)
+    try:
+        yield
+    finally:
+        model.images = None
+
+
 class GPTValueModel(PostprocessHook, GPTModel):
     """GPT trunk with a scalar head instead of the LM head: values [b, s] on the last stage.
 
@@ -119,6 +172,9 @@ def model_spec(model: ModelConfig, parallel: ParallelConfig, *, value_head: bool
     defaults to whether CUDA is present; `recompute`: activation recomputation in training
     (none, full, selective: to_transformer_config); `lora`: adapters, base frozen."""
     on_gpu = torch.cuda.is_available() if on_gpu is None else on_gpu
+    if value_head and model.vision is not None:
+        raise ValueError("a value head on a vision-language model (critic / reward) is not "
+                         "supported yet; use a text-only model for that role")
     if lora is not None:
         check_model(lora, is_moe=model.is_moe)
     return ModelSpec(
@@ -140,7 +196,7 @@ def build_model(spec: ModelSpec, mesh: Mesh, *, meta: bool = False) -> list[GPTM
     """
     vpp = mesh.config.virtual_pipeline_parallel
     stages = range(vpp) if vpp else [None]
-    cls = GPTValueModel if spec.value_head else GPTLMModel
+    cls, extra = _model_class(spec)
     device = torch.device("meta") if meta else mesh.device
     config = spec.transformer
     chunks = []
@@ -156,18 +212,29 @@ def build_model(spec: ModelSpec, mesh: Mesh, *, meta: bool = False) -> list[GPTM
                 max_sequence_length=spec.model.max_position_embeddings,
                 pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
                 post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
-                position_embedding_type="rope",
+                position_embedding_type="mrope" if spec.model.mrope_section else "rope",
                 rotary_base=spec.model.rope_theta,
                 parallel_output=True,
                 vp_stage=vp_stage,
-                **({} if spec.value_head else
-                   {"share_embeddings_and_output_weights": spec.model.tie_embeddings}),
+                **extra,
             )
         # megatron-core's RoPE scaling hard-codes Llama 3.1's constants; ours follows the
-        # checkpoint's own (Llama 3.2 and others differ).
+        # checkpoint's own (Llama 3.2 and others differ). M-RoPE's rotary has the same
+        # inv_freq (its sections only choose which position each pair turns with).
         chunk.rotary_pos_emb.inv_freq = spec.model.rope_inv_freq().to(device)
         if spec.lora is not None:
             freeze_base(chunk, trainable_head=spec.value_head)
             init_adapters(chunk)
         chunks.append(chunk.to(device))
     return chunks
+
+
+def _model_class(spec: ModelSpec) -> tuple[type[GPTModel], dict]:
+    """The chunk class of `spec` and its own constructor arguments."""
+    if spec.value_head:
+        return GPTValueModel, {}
+    tied = {"share_embeddings_and_output_weights": spec.model.tie_embeddings}
+    if spec.model.vision is not None:
+        return GPTVLModel, {**tied, "vision": spec.model.vision,
+                            "image_token_id": spec.model.image_token_id}
+    return GPTLMModel, tied

@@ -88,6 +88,7 @@ def to_transformer_config(
         # paths are Transformer Engine's and SDPA's attention, which do not use it.
         masked_softmax_fusion=False,
         apply_rope_fusion=False,
+        mrope_section=list(model.mrope_section) if model.mrope_section else None,
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
         # Batched p2p on gloo swaps micro-batch activations in the interleaved schedule

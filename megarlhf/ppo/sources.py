@@ -23,6 +23,7 @@ from megarlhf.engine.checkpoint import is_complete, read_meta
 from megarlhf.models.config import ModelConfig
 from megarlhf.models.lora import check_model as check_lora_targets
 from megarlhf.models.presets import preset
+from megarlhf.models.vision import refuse_in_stages
 from megarlhf.parallel.mesh import ParallelConfig
 from megarlhf.ppo.config import PPOConfig
 from megarlhf.ppo.layout import group_specs
@@ -63,14 +64,21 @@ def resolve(path: str, *, field: str, value_head: bool, lora: bool = False) -> M
             kind = "a value head" if meta["value_head"] else "an LM head"
             raise ValueError(f"{field}: checkpoint {path} has {kind}, the role needs "
                              f"{'a value head' if value_head else 'an LM head'}")
-        return ModelSource(ModelConfig.from_dict(meta["model"]), value_head, "checkpoint")
+        return _text_only(ModelSource(ModelConfig.from_dict(meta["model"]), value_head,
+                                      "checkpoint"), f"{field} {path}")
     if os.path.isfile(os.path.join(path, "config.json")):
-        return ModelSource(_from_hf(path), value_head, "HF config")
+        return _text_only(ModelSource(_from_hf(path), value_head, "HF config"),
+                          f"{field} {path}")
     hint = ("it does not exist yet" if not os.path.exists(path)
             else "it is neither a megarlhf checkpoint nor an HF model directory")
     raise ValueError(f"{field}: cannot read the model shape from {path!r}: {hint}. Convert "
                      f"it first (tools/convert_hf), or plan with {field}=preset:NAME (presets: "
                      f"megarlhf.models.presets)")
+
+
+def _text_only(source: ModelSource, where: str) -> ModelSource:
+    refuse_in_stages(source.model, where)
+    return source
 
 
 TEACHER_LOGP = "teacher_logp:"

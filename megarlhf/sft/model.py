@@ -15,6 +15,7 @@ from megarlhf.models.gpt import model_spec
 from megarlhf.convert.peft_adapter import check_adapter, load_adapter
 from megarlhf.models.lora import check_model as check_lora_targets
 from megarlhf.models.transformer_config import parse_dtype
+from megarlhf.models.vision import refuse_in_stages
 from megarlhf.parallel.mesh import Mesh, ParallelConfig
 from megarlhf.sft.config import ModelSource
 
@@ -42,7 +43,9 @@ def _model_config(source: ModelSource, *, value_head: bool) -> ModelConfig:
     if meta["value_head"] and not value_head:
         raise ValueError(f"{source.checkpoint} holds a value model (critic or reward); SFT "
                          f"trains a language model, so start it from an LM checkpoint")
-    return ModelConfig.from_dict(meta["model"])
+    model = ModelConfig.from_dict(meta["model"])
+    refuse_in_stages(model, f"model.checkpoint {source.checkpoint}")
+    return model
 
 
 def new_engine(source: ModelSource, model: ModelConfig, parallel: ParallelConfig, mesh: Mesh,

@@ -5,7 +5,7 @@ below.
 """
 
 from megarlhf.models.arch import (  # noqa: F401  (registration)
-    llama, mistral, mixtral, qwen2, qwen3, qwen3_moe,
+    llama, mistral, mixtral, qwen2, qwen2_5_vl, qwen3, qwen3_moe,
 )
 from megarlhf.models.arch.registry import (
     Architecture,

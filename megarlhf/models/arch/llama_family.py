@@ -280,7 +280,8 @@ def llama_family_architecture(*, name: str, hf_prefix: str, config_class: str, q
 
     def fits(m: ModelConfig) -> bool:
         same_moe = moe.fits(m) if moe else not m.is_moe
-        return m.qkv_bias == qkv_bias and m.qk_norm == qk_norm and same_moe
+        return (m.qkv_bias == qkv_bias and m.qk_norm == qk_norm and same_moe
+                and m.vision is None)
 
     return Architecture(
         name=name,

@@ -84,8 +84,8 @@ class Architecture:
     """Our short name, stored in checkpoints ('llama', 'qwen2', ...)."""
     causal_lm: str
     """HF class of the LM (actor / reference)."""
-    sequence_classification: str
-    """HF class of the scalar-head model (critic / reward)."""
+    sequence_classification: str | None
+    """HF class of the scalar-head model (critic / reward); None: no value-model form."""
     model_config: Callable[..., ModelConfig]
     """(HF PretrainedConfig, make_vocab_size_divisible_by=...) -> ModelConfig; raises
     ValueError for features we cannot reproduce exactly."""
@@ -96,6 +96,9 @@ class Architecture:
     fits: Callable[[ModelConfig], bool]
     """Whether a model built without an HF origin (our presets, SFT from scratch) has this
     architecture's features, so that exporting it as this architecture is exact."""
+    hf_aliases: tuple[tuple[str, str], ...] = ()
+    """(prefix, prefix of the rules' names) pairs: other spellings of tensor names that HF
+    checkpoints of this architecture use, read as the rules' names (exports use the rules')."""
 
     def hf_class(self, value_head: bool) -> str:
         return self.sequence_classification if value_head else self.causal_lm
@@ -106,7 +109,7 @@ _BY_NAME: dict[str, Architecture] = {}
 
 
 def register(arch: Architecture) -> Architecture:
-    for cls in (arch.causal_lm, arch.sequence_classification):
+    for cls in filter(None, (arch.causal_lm, arch.sequence_classification)):
         if cls in _BY_HF_CLASS:
             raise ValueError(f"HF class {cls} is registered twice")
         _BY_HF_CLASS[cls] = arch

@@ -7,3 +7,13 @@ expects. The towers are plain torch modules, small next to the language model, s
 tensor-parallel rank holds a full replica and no megatron layer is involved. Parameter names
 match the HF checkpoints' `visual.*` tensors so loading is a rename-free copy.
 """
+
+
+def refuse_in_stages(model, where: str) -> None:
+    """ValueError naming `where` if `model` is a vision-language model: it converts and
+    verifies (tools/convert_hf), but no stage feeds images through its schedule or rollout
+    engines yet, and a text-only step would train it on its placeholders' embeddings."""
+    if model.vision is not None:
+        raise ValueError(f"{where} is a vision-language model (Qwen2.5-VL): it converts and "
+                         f"verifies, but training stages and rollouts with images are not "
+                         f"supported yet")

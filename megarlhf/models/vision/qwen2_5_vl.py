@@ -56,6 +56,11 @@ class VisionConfig:
                    fullatt_block_indexes=tuple(hf.fullatt_block_indexes),
                    rope_theta=float(rope.get("rope_theta", 10000.0)))
 
+    @classmethod
+    def from_dict(cls, d: dict) -> VisionConfig:
+        """From `dataclasses.asdict` after a JSON round trip (lists back to tuples)."""
+        return cls(**{**d, "fullatt_block_indexes": tuple(d["fullatt_block_indexes"])})
+
 
 class RMSNorm(nn.Module):
     """Normalises in fp32 and casts back before the weight, as HF does (eps fixed at 1e-6 in HF's
