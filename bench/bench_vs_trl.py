@@ -8,9 +8,10 @@ Workloads (`--workload`), every other setting shared:
   only the number."), at most 12 new tokens.
 - `long`: the same rows asked to reason step by step and end with the answer (LONG_ASK), at
   most 256 new tokens, checked by the same `math` reward (its last number or 'the answer is
-  N'); each trainer in 4 micro-batches per update, for memory: TRL's gradient accumulation
-  over 4 x 8 samples (in one micro-batch it was killed for memory at 23 GiB of a 24 GiB
-  machine), megarlhf's `micro_batches=4` on each rank's 16 (in one, a rank was killed at 11).
+  N'); each trainer micro-batched for memory: TRL's gradient accumulation over 4 x 8 samples
+  (in one micro-batch it was killed for memory at 23 GiB of a 24 GiB machine), megarlhf's
+  packed rows of at most 1536 tokens (`pack_sequences`, no padding; 4 padded micro-batches
+  per rank spent 1.49 model positions per real token).
 
 The same for both trainers: SmolLM2-135M-Instruct (fp32 weights), the workload's training
 rows (chat template), 8 prompts x 4 samples at temperature 1, one update per step (one
@@ -92,16 +93,23 @@ class Workload(NamedTuple):
     ask: str
     """What each question asks of the answer (replacing the recipe's)."""
     max_new_tokens: int
-    micro_batches: int = 1
-    """Each trainer's micro-batches per update (megarlhf's on each of its ranks): what fits
-    the workload into this machine's memory."""
+    trl_micro_batches: int = 1
+    """TRL's micro-batches per update (gradient accumulation): what fits the workload into
+    this machine's memory."""
+    megarlhf: tuple[str, ...] = ()
+    """megarlhf's overrides for the same (its micro-batching)."""
 
 
 LONG_ASK = (" Think step by step and explain each step, then give the final answer at the end "
             "as 'The answer is N'.")
 WORKLOADS = {"arithmetic": Workload(synthetic.ANSWER_FORMAT, 12),
-             # In one micro-batch a megarlhf rank reached 11 GiB and TRL 23 GiB (of 24).
-             "long": Workload(LONG_ASK, 256, micro_batches=4)}
+             # In one micro-batch TRL reached 23 GiB (of 24), a megarlhf rank 11. megarlhf
+             # packs each rank's samples into rows of <= 1536 tokens (no padding: 1.0 model
+             # positions per token where 4 padded micro-batches had 1.49); TRL pads (its
+             # padding-free batches are for GPU flash attention).
+             "long": Workload(LONG_ASK, 256, trl_micro_batches=4,
+                              megarlhf=("pack_sequences=true",
+                                        "max_tokens_per_micro_batch=1536"))}
 
 
 def ensure_trl() -> str:
@@ -214,10 +222,11 @@ def median_step(times: list[float]) -> float:
     return statistics.median(times[1:] or times)
 
 
-def run_trl(root: str, hf_dir: str, config: PPOConfig, dtype: str) -> dict:
+def run_trl(root: str, hf_dir: str, config: PPOConfig, dtype: str, micro_batches: int
+            ) -> dict:
     os.makedirs(root)
     spec = {"model": hf_dir, "prompts": config.prompts, "dtype": dtype,
-            "micro_batches": config.micro_batches,
+            "micro_batches": micro_batches,
             "out_dir": os.path.join(root, "out"), "export": os.path.join(root, "model"),
             "result": os.path.join(root, "result.json"),
             "config": {"prompts_per_step": config.prompts_per_step,
@@ -263,11 +272,11 @@ def run_pair(root: str, hf_dir: str, inputs: list[str], workload: Workload, dtyp
     """Both trainers on the same settings, one after the other in `order`."""
     overrides = [*inputs, f"dtype={dtype}", f"seed={seed}", f"steps={steps}",
                  f"max_new_tokens={workload.max_new_tokens}", "val_every=0", "val_prompts=null",
-                 "reward_fn=bench.bench_vs_trl:math_with_lengths",
-                 f"micro_batches={workload.micro_batches}"]
+                 "reward_fn=bench.bench_vs_trl:math_with_lengths", *workload.megarlhf]
     config = load_config(PPOConfig, RECIPE, overrides)
     run = {"megarlhf": lambda: run_megarlhf(f"{root}-megarlhf", overrides, config),
-           "TRL": lambda: run_trl(f"{root}-trl", hf_dir, config, dtype)}
+           "TRL": lambda: run_trl(f"{root}-trl", hf_dir, config, dtype,
+                                  workload.trl_micro_batches)}
     return {name: run[name]() for name in order}
 
 
@@ -380,8 +389,10 @@ def main() -> None:
         f"lengths' means, accuracies' mean +- standard deviation over the seeds. "
         + "; ".join(f"{name}'s process: {'; '.join(sorted(found))}"
                     for name, found in environments.items()) +
-        f". CPU: {cpu()}. megarlhf at {os.path.relpath(RECIPE, REPO)}; TRL {TRL_VERSION} in "
-        f"one process. Settings in bench/bench_vs_trl.py's docstring.")
+        f". CPU: {cpu()}. megarlhf at {os.path.relpath(RECIPE, REPO)}"
+        f"{''.join(' ' + o for o in workload.megarlhf)}; TRL {TRL_VERSION} in one process, "
+        f"{workload.trl_micro_batches} micro-batch(es) per update. Settings in "
+        f"bench/bench_vs_trl.py's docstring.")
     print(body)
     if args.append:
         append_entry(args.append, f"GRPO step: megarlhf vs TRL's GRPOTrainer, ABBA pairs "
