@@ -70,6 +70,8 @@ BAD_LINES = [
     ([1, 2], "not a JSON object"),
     ({"prompt": 3, "response": "x"}, "field 'prompt' is not text"),
     ({"prompt": [{"role": "bot", "content": "x"}], "response": "x"}, "malformed messages"),
+    ({"prompt": "<image> What is drawn?", "response": "x", "images": ["a.png"]},
+     "images for a text-only model"),
 ]
 
 

@@ -4,4 +4,5 @@ prompt formats (templates.py), tokenizing with truncation (encode.py), seeded or
 hold-out (order.py), SFT rows and packing (packing.py), reward-model pair batches (pairs.py)
 as prompt + response SequenceBatches (sequences.py, what rollouts and the roles use too),
 all of it wired from a DataConfig (config.py, dataset.py), rollout prompt files
-(prompts.py), and demo data made by code (synthetic.py, embedded.py)."""
+(prompts.py), image rows for vision-language models (images.py), and demo data made by code
+(synthetic.py, embedded.py)."""

@@ -41,6 +41,11 @@ class Prompt:
     """The prompt before rendering (text, or (role, content) messages); None for a
     pre-tokenized row. An environment's episode starts from it. Not part of a prompt's
     identity (its ids are): a prompt cache keeps only the ids."""
+    images: Any = dataclasses.field(default=None, compare=False)
+    """A vision-language prompt's images (images.ImageInputs: pixels, grids, tokens per
+    image; images.py reads them), whose image tokens its ids hold; None for text. Left out
+    of comparisons (tensors do not compare to a bool); the ids hold each image's token
+    count."""
 
 
 def load_prompts(source: DatasetSource, tokenizer: Callable[[], Tokenizer] | None, *,
@@ -91,6 +96,10 @@ def write_prompt_cache(prompts: list[Prompt], path: str, *, tokenizer_path: str 
     """Write `prompts` as pre-tokenized JSONL at `path` (through a temporary sibling), with
     its sidecar; returns the file's sha256. An existing `path` is replaced only if it is a
     cache this function wrote (it has the sidecar)."""
+    with_images = next((p.where for p in prompts if p.images is not None), None)
+    if with_images is not None:
+        raise ValueError(f"a prompt cache holds token ids only, and {with_images} has images; "
+                         f"point the run at the dataset itself")
     sidecar = path + CACHE_SIDECAR
     if os.path.exists(path) and not os.path.isfile(sidecar):
         raise ValueError(f"{path} exists and is not a prompt cache megarlhf wrote (no "

@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from megarlhf.data.config import DatasetSource
 from megarlhf.data.report import BadRecords
@@ -74,12 +74,22 @@ class _Bad(Exception):
         self.reason, self.detail = reason, detail
 
 
-def read_records(source: DatasetSource, kind: str, bad: BadRecords) -> list[Record]:
-    """All good records of `source`, in file order; bad ones go to `bad`."""
+def read_records(source: DatasetSource, kind: str, bad: BadRecords, *,
+                 prepare: Callable[[str, dict], dict | None] | None = None) -> list[Record]:
+    """All good records of `source`, in file order; bad ones go to `bad`. `prepare(where,
+    row)` turns each row into the row read, or None for a bad row it reported to `bad`
+    (images.py: a row's images taken out, its placeholders marked)."""
     columns = field_columns(source, kind)
     records = []
     for where, row in _rows(source, bad):
+        if prepare is not None and (row := prepare(where, row)) is None:
+            continue
         try:
+            if prepare is None and row.get("images"):
+                # Read as text, the images would be dropped and their placeholders trained
+                # on as words.
+                raise _Bad("images for a text-only model", "the row has 'images'; the model "
+                           "reads text only: use a vision-language model or drop the column")
             records.append(_record(where, row, kind, columns))
         except _Bad as e:
             bad.add(where, e.reason, e.detail)

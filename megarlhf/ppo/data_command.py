@@ -9,6 +9,7 @@ from __future__ import annotations
 import statistics
 
 from megarlhf.configio import load_config
+from megarlhf.data.images import collapse, describe
 from megarlhf.data.prompts import Prompt, write_prompt_cache
 from megarlhf.ppo.config import PPOConfig
 from megarlhf.ppo.data import read_run_prompts, run_tokenizer, tokenizer_path
@@ -60,6 +61,12 @@ def _describe(which: str, prompts: list[Prompt], report: dict, limit, tokenizer:
              f"{report['template']}; tokenizer {tokenizer or 'none'}",
              f"  tokens per prompt: min {min(lengths)}, mean {statistics.mean(lengths):.1f}, "
              f"max {max(lengths)}"]
+    images = [p.images for p in prompts if p.images is not None]
+    if images:
+        counts = [sum(i.tokens) for i in images]
+        lines.append(f"  image tokens (counted above): {sum(len(i.tokens) for i in images)} "
+                     f"images on {len(images)} prompts; per prompt min {min(counts)}, mean "
+                     f"{statistics.mean(counts):.1f}, max {max(counts)}")
     if limit is None:
         lines.append("  overlong: unknown (the actor's model cannot be read yet)")
     else:
@@ -76,8 +83,13 @@ def _describe(which: str, prompts: list[Prompt], report: dict, limit, tokenizer:
 
 
 def _render(prompt: Prompt, tokenizer: str | None) -> str:
-    text = run_tokenizer(tokenizer).decode(prompt.ids) if tokenizer else str(list(prompt.ids))
+    ids, tokens = prompt.ids, f"{len(prompt.ids)} tokens"
+    if prompt.images is not None:
+        ids = collapse(ids, prompt.images)  # an image's pads are shown once
+        tokens += (f", {sum(prompt.images.tokens)} of them image tokens: "
+                   f"{describe(prompt.images)}; each image's pads shown once")
+    text = run_tokenizer(tokenizer).decode(ids) if tokenizer else str(list(ids))
     extra = f"  ground_truth: {prompt.ground_truth!r}" if prompt.ground_truth is not None else ""
     if prompt.data_source is not None:
         extra += f"  data_source: {prompt.data_source}"
-    return f"--- {prompt.where} ({len(prompt.ids)} tokens){extra}\n{text}"
+    return f"--- {prompt.where} ({tokens}){extra}\n{text}"
