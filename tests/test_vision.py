@@ -190,46 +190,9 @@ def _vl_batch():
     return ids, mask, pixel_values, grid_thw
 
 
-def vl_logits(ckpt: str, parallel, input_ids, position_ids, pixel_values, grid_thw):
-    """Per rank (launch_local): our model's full-vocabulary logits [B, S, V] for the batch as
-    one micro-batch through megatron-core's pipeline schedule, on the last pipeline stage
-    (None on the others). The engine's schedule does not carry images yet (issue 66's
-    integration), so this calls megatron-core's with the images in `images_at`."""
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    from megarlhf.engine.checkpoint import engine_from_checkpoint
-    from megarlhf.engine.losses import gather_logits
-    from megarlhf.models.gpt import images_at
-    from megarlhf.parallel.mesh import init_mesh
-
-    mesh = init_mesh(parallel)
-    engine = engine_from_checkpoint(ckpt, parallel, mesh, dtype=torch.float32,
-                                    layer_spec="local", on_gpu=False)
-    (chunk,) = engine.chunks
-    assert hasattr(chunk, "vision") == (mesh.pp_rank == 0)  # the tower on the first stage only
-    chunk.eval()
-    vocab = engine.spec.model.vocab_size
-
-    def keep_logits(out):
-        return (torch.zeros(()), torch.ones((), dtype=torch.int),
-                {"out": gather_logits(out, mesh, vocab)})
-
-    def forward_step(data_iterator, model):
-        next(data_iterator)
-        # Every stage takes the [3, B, S] positions; only the first has the tower.
-        with images_at(model, pixel_values, grid_thw):
-            return model(input_ids, position_ids, None), keep_logits
-
-    with torch.no_grad():
-        outs = get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iter([None]), model=chunk,
-            num_microbatches=1, seq_length=input_ids.shape[1],
-            micro_batch_size=input_ids.shape[0], forward_only=True)
-    return outs[0]["out"] if outs else None
-
-
 @pytest.mark.parametrize("tp,pp", [(1, 1), (2, 2)])
 def test_vl_logits_match_transformers(vl_dir, vl_ckpt, tp, pp):
+    from megarlhf.convert.verify import ImageInputs, checkpoint_outputs
     from megarlhf.parallel import launch_local
     from megarlhf.parallel.mesh import ParallelConfig
 
@@ -237,9 +200,10 @@ def test_vl_logits_match_transformers(vl_dir, vl_ckpt, tp, pp):
     positions, _ = mrope_position_ids(input_ids, grid_thw, image_token_id=IMAGE,
                                       spatial_merge_size=MERGE, attention_mask=mask)
     parallel = ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp)
-    ranks = launch_local(vl_logits, tp * pp, vl_ckpt, parallel, input_ids, positions,
-                         pixel_values, grid_thw)
-    ours = next(out for out in ranks if out is not None)
+    # verify's forward with images (every rank returns the logits).
+    ours = launch_local(checkpoint_outputs, tp * pp, vl_ckpt, parallel, input_ids,
+                        layer_spec="local",
+                        images=ImageInputs(pixel_values, grid_thw, positions))[0]
     hf = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(vl_dir).eval()
     with torch.no_grad():
         # HF computes its own M-RoPE positions (get_rope_index) only when given the token
@@ -256,8 +220,44 @@ def test_vl_logits_match_transformers(vl_dir, vl_ckpt, tp, pp):
     assert diff <= 1e-4
 
 
+def test_verify_checks_a_vl_checkpoint_on_images_at_tp2_pp2(vl_dir, vl_ckpt, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from megarlhf.convert.verify import verify
+    from megarlhf.parallel.mesh import ParallelConfig
+
+    parallel = ParallelConfig(tensor_parallel=2, pipeline_parallel=2)
+    report = verify(vl_dir, vl_ckpt, parallel)
+    print(report)
+    # verify's own rule, default tolerance 1e-4: both fp32 forwards are ~1e-6 from float64 on
+    # these logits of order 1 (measured: ours 2.3e-6, HF fp32 3.8e-6).
+    assert report.passed and report.top1_agreement == 1.0
+
+    # The same checkpoint against an HF model whose first (windowed) vision block differs by a
+    # 1% change of its attention weights: only the image tokens' features change, and verify
+    # must see it, which it can only through the images.
+    changed = tmp_path / "hf"
+    shutil.copytree(vl_dir, changed)
+    tensors = load_file(f"{vl_dir}/model.safetensors")
+    tensors["visual.blocks.0.attn.qkv.weight"] *= 1.01
+    save_file(tensors, changed / "model.safetensors", metadata={"format": "pt"})
+    bad = verify(str(changed), vl_ckpt, parallel)
+    print(bad)
+    # Measured 2.3e-2 from float64, 230x the bound; HF's own fp32 error stays ~1e-6, so the
+    # bound stays the 1e-4 tolerance and the failure is ours differing from HF.
+    assert not bad.passed and bad.hf_fp32_diff < 1e-5
+
+    # Refused before any rank starts: rows too short for the two images (2 x (6 placeholders
+    # + start/end)) and 3 text tokens, and the interleaved schedule.
+    with pytest.raises(ValueError, match="seq_len=18 is too short .* use --seq-len 19 or more"):
+        verify(vl_dir, vl_ckpt, parallel, seq_len=18)
+    with pytest.raises(ValueError, match="a vision-language model is verified on one micro-batch"):
+        verify(vl_dir, vl_ckpt, ParallelConfig(pipeline_parallel=2, virtual_pipeline_parallel=2))
+
+
 def test_vl_model_config_round_trips_through_metadata_and_hf_config(vl_dir):
-    import dataclasses
     import json
 
     from megarlhf.models.arch import architecture
@@ -267,11 +267,11 @@ def test_vl_model_config_round_trips_through_metadata_and_hf_config(vl_dir):
     model = arch.model_config(transformers.AutoConfig.from_pretrained(vl_dir))
     assert model.mrope_section == (1, 2, 3) and model.image_token_id == IMAGE
     assert model.vision.fullatt_block_indexes == (1, 3)
-    # As checkpoint metadata stores it (JSON), and as an export without config.json writes it.
+    # As checkpoint metadata stores it (JSON). An export without the source's config.json
+    # is refused: the vision token ids other than the image's are not in the model config.
     assert ModelConfig.from_dict(json.loads(json.dumps(model.to_dict()))) == model
-    hf = transformers.Qwen2_5_VLConfig(**arch.hf_config(model))
-    # hf_config spells the head width out, which the source left implicit (the same width).
-    assert arch.model_config(hf) == dataclasses.replace(model, head_dim=model.kv_channels)
+    with pytest.raises(ValueError, match="exports with the config.json of its hf/ sidecar"):
+        arch.hf_config(model)
     assert arch.fits(model) and not architecture("qwen2").fits(model)
     # Hub config.json files spell the text fields at the top level, with
     # rope_scaling={"type": "mrope", ...}; transformers reads both spellings alike.
@@ -322,3 +322,27 @@ def test_training_stages_refuse_a_vision_language_model_before_launch(vl_dir, vl
             resolve(path, field="actor", value_head=False)
     with pytest.raises(ValueError, match="is a vision-language model .* not supported yet"):
         model_config(ModelSource(checkpoint=vl_ckpt), value_head=False)
+    # A judge or an HF-directory teacher (judge_model), and a preset made multimodal through
+    # its overrides (M-RoPE without a tower crashes on text positions just the same).
+    from megarlhf.ppo.judge import judge_model
+
+    for path in (vl_ckpt, vl_dir):
+        with pytest.raises(ValueError, match=f"reward_judge.model {path} is a vision-language"):
+            judge_model(path)
+    with pytest.raises(ValueError, match="model.preset tiny with its overrides is a vision"):
+        model_config(ModelSource(preset="tiny", overrides={"mrope_section": [2, 3, 3]}),
+                     value_head=False)
+
+
+def test_a_vision_language_model_refuses_sequence_and_context_parallel(vl_ckpt):
+    from megarlhf.engine.checkpoint import read_meta
+    from megarlhf.models.config import ModelConfig
+    from megarlhf.models.gpt import model_spec
+    from megarlhf.parallel.mesh import ParallelConfig
+
+    model = ModelConfig.from_dict(read_meta(vl_ckpt)["model"])
+    for parallel in (ParallelConfig(tensor_parallel=2, sequence_parallel=True),
+                     ParallelConfig(context_parallel=2)):
+        with pytest.raises(ValueError, match="runs without sequence_parallel and with "
+                                             "context_parallel=1"):
+            model_spec(model, parallel, on_gpu=False)

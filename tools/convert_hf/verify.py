@@ -1,6 +1,7 @@
-"""Compare an HF model with a Megatron checkpoint on the same tokens against HF's float64
-forward (see megarlhf.convert.verify); exits 1 when ours is neither within the tolerance of
-it nor about as close to it as HF's own fp32 forward (HF_FP32_FACTOR times its difference)."""
+"""Compare an HF model with a Megatron checkpoint on the same tokens (with images for a
+vision-language model) against HF's float64 forward (see megarlhf.convert.verify); exits 1
+when ours is neither within the tolerance of it nor about as close to it as HF's own fp32
+forward (HF_FP32_FACTOR times its difference)."""
 
 from __future__ import annotations
 
