@@ -109,6 +109,9 @@ def test_each_id_is_drawn_with_its_probability_and_truncated_ids_never(monkeypat
     # A uniform number that rounds up to the total still draws the last id with a share.
     monkeypatch.setattr(torch, "rand", lambda shape, **_: torch.ones(shape, dtype=torch.float64))
     assert _draw(torch.tensor([[0.25, 0.75, 0.0]]), generator).tolist() == [1]
+    # A diverged model's probabilities raise rather than draw an id.
+    with pytest.raises(ValueError, match="not finite"):
+        _draw(torch.tensor([[0.5, 0.5], [float("nan"), 0.5]]), generator)
 
 
 def test_stop_tokens_end_a_sample_and_leave_the_others_unchanged(tp1):

@@ -1234,7 +1234,6 @@ def measure_phases(tmp: str, model_name: str, dtype: str, tp: int, fields: dict)
     import megarlhf.ppo.worker as worker_module
     from megarlhf.engine.checkpoint import save_checkpoint
     from megarlhf.engine.train import TrainEngine
-    from megarlhf.models import gpt
     from megarlhf.parallel.mesh import init_mesh
     from megarlhf.ppo.layout import group_specs
     from megarlhf.rollout.engine import SamplingParams
@@ -1243,9 +1242,8 @@ def measure_phases(tmp: str, model_name: str, dtype: str, tp: int, fields: dict)
     from tests.live_bytes import LiveBytes
     from tests.workers import make_spec
 
-    # The SDPA spec: flash-style attention without s x s scores, as the plan counts (the CPU
-    # default, 'local', keeps megatron-core's unfused attention scores).
-    gpt.resolve_layer_spec = lambda name, on_gpu, context_parallel=1: "sdpa"
+    # The run's layer spec is auto's, SDPA: flash-style attention without s x s scores, as the
+    # plan counts ('local' keeps megatron-core's unfused attention scores).
     model = LIVE_MODELS[model_name]
     mesh = init_mesh(ParallelConfig(tensor_parallel=tp))
     for name, value_head in (("lm", False), ("value", True)):

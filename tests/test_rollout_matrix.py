@@ -43,6 +43,8 @@ pytestmark = pytest.mark.slow
 # The text architectures (those with a toy model in hf_models); Qwen2.5-VL (issue 66) has no
 # rollout path yet.
 TEXT_ARCHS = [arch for arch in architecture_names() if arch in hf_models.ARCHS]
+assert set(architecture_names()) - set(TEXT_ARCHS) == {"qwen2_5_vl"}, \
+    "a new text architecture needs a toy model in tests/hf_models.py"
 
 
 @pytest.fixture(scope="module")

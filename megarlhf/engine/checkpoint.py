@@ -232,7 +232,8 @@ def save_checkpoint(path: str, engine, mesh: Mesh, *, extra: dict | None = None,
 
 _SHAPE_FIELDS = ("vocab_size", "hidden_size", "ffn_hidden_size", "num_layers",
                  "num_attention_heads", "kv_heads", "kv_channels", "qkv_bias", "qk_norm",
-                 "tie_embeddings", "num_experts", "moe_ffn_hidden_size")
+                 "tie_embeddings", "num_experts", "moe_ffn_hidden_size", "mrope_section",
+                 "vision", "image_token_id")
 
 
 def _check_same_model(path: str, meta: dict, spec: ModelSpec) -> None:

@@ -175,6 +175,11 @@ def model_spec(model: ModelConfig, parallel: ParallelConfig, *, value_head: bool
     if value_head and model.vision is not None:
         raise ValueError("a value head on a vision-language model (critic / reward) is not "
                          "supported yet; use a text-only model for that role")
+    if model.vision is not None and (parallel.sequence_parallel or parallel.context_parallel > 1):
+        # The image features are spliced into whole [B, S] rows of word embeddings: a
+        # sequence-parallel or context-parallel rank holds only part of its rows' tokens.
+        raise ValueError("a vision-language model runs without sequence_parallel and with "
+                         "context_parallel=1 for now")
     if lora is not None:
         check_model(lora, is_moe=model.is_moe)
     return ModelSpec(

@@ -22,6 +22,7 @@ from megarlhf.engine.checkpoint import (HF_SIDECAR, checkpoint_architecture, is_
                                         read_meta)
 from megarlhf.models.arch import hf_shapes
 from megarlhf.models.config import ModelConfig
+from megarlhf.models.vision import refuse_in_stages
 from megarlhf.parallel.mesh import ParallelConfig
 from megarlhf.rewards.calls import Sample
 from megarlhf.rewards.judge import (
@@ -66,6 +67,7 @@ def judge_model(path: str, field: str = "reward_judge.model") -> JudgeModel:
             source = inspect_hf(path)
         except ValueError as e:
             raise ValueError(f"{field}: {e}") from None
+        refuse_in_stages(source.model, f"{field} {path}")
         return JudgeModel(path, source.model, source.arch_name, path, checkpoint=False)
     if not is_complete(path):
         raise ValueError(f"{field} {path} has no config.json and is no complete "
@@ -80,6 +82,7 @@ def judge_model(path: str, field: str = "reward_judge.model") -> JudgeModel:
                          f"(tools/convert_hf/hf_to_mcore writes one): copy its base model's "
                          f"tokenizer and generation config files into {tokenizer}")
     model, arch = ModelConfig.from_dict(meta["model"]), checkpoint_architecture(meta)
+    refuse_in_stages(model, f"{field} {path}")
     reader = checkpoint_reader(path, meta)
     missing = [rule.mcore for rule in arch.rules(model, lm_head=True, value_head=False)
                if reader.shape(rule.mcore) is None]

@@ -33,7 +33,9 @@ def model_config(source: ModelSource, *, value_head: bool) -> ModelConfig:
 
 def _model_config(source: ModelSource, *, value_head: bool) -> ModelConfig:
     if source.preset is not None:
-        return source.preset_config()
+        model = source.preset_config()
+        refuse_in_stages(model, f"model.preset {source.preset} with its overrides")
+        return model
     meta = read_meta(source.checkpoint)
     if meta.get("lora"):
         raise ValueError(f"model.checkpoint {source.checkpoint} holds LoRA adapters; a stage "

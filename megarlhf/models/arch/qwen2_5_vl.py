@@ -14,10 +14,9 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-import transformers
 
-from megarlhf.models.arch.llama_family import (_rule, _same, hf_config_fields,
-                                               llama_family_rules, model_config_from_hf)
+from megarlhf.models.arch.llama_family import (_rule, _same, llama_family_rules,
+                                               model_config_from_hf)
 from megarlhf.models.arch.registry import Architecture, TensorRule, register
 from megarlhf.models.config import ModelConfig
 from megarlhf.models.vision.qwen2_5_vl import Qwen25VisionTower, VisionConfig
@@ -41,16 +40,12 @@ def _model_config(c, *, make_vocab_size_divisible_by: int = 128) -> ModelConfig:
 
 
 def _hf_config(m: ModelConfig) -> dict:
-    text = hf_config_fields(m)
-    del text["tie_word_embeddings"]  # an outer-config field here
-    text["rope_parameters"] = {"rope_type": "default", "rope_theta": text.pop("rope_theta"),
-                               "mrope_section": list(m.mrope_section)}
-    vision = dataclasses.asdict(m.vision)
-    vision["rope_parameters"] = {"rope_type": "axial", "rope_theta": vision.pop("rope_theta")}
-    vision["fullatt_block_indexes"] = list(vision["fullatt_block_indexes"])
-    return transformers.Qwen2_5_VLConfig(
-        text_config=text, vision_config=vision, image_token_id=m.image_token_id,
-        tie_word_embeddings=m.tie_embeddings).to_dict()
+    """Refused: the vision start/end and video token ids and tokens_per_second live only in
+    the source's config.json, which the checkpoint's hf/ sidecar keeps; rebuilt from the model
+    config they would be transformers' defaults, not the model's."""
+    raise ValueError("a Qwen2.5-VL checkpoint exports with the config.json of its hf/ sidecar "
+                     "(hf_to_mcore writes it): copy the source model's config.json into "
+                     "CHECKPOINT/hf")
 
 
 def _vision_rules(v: VisionConfig) -> list[TensorRule]:

@@ -13,7 +13,8 @@ def refuse_in_stages(model, where: str) -> None:
     """ValueError naming `where` if `model` is a vision-language model: it converts and
     verifies (tools/convert_hf), but no stage feeds images through its schedule or rollout
     engines yet, and a text-only step would train it on its placeholders' embeddings."""
-    if model.vision is not None:
-        raise ValueError(f"{where} is a vision-language model (Qwen2.5-VL): it converts and "
-                         f"verifies, but training stages and rollouts with images are not "
-                         f"supported yet")
+    if model.vision is not None or model.mrope_section is not None:
+        raise ValueError(f"{where} is a vision-language model (Qwen2.5-VL: M-RoPE"
+                         f"{', a vision tower' if model.vision is not None else ''}): it "
+                         f"converts and verifies, but training stages and rollouts with images "
+                         f"are not supported yet")
