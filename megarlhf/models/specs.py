@@ -5,10 +5,10 @@
 - "sdpa": as local, with attention through torch SDPA (flash kernels on a plain PyTorch GPU,
   and torch's fused CPU kernel, which reads GQA heads without copying them);
 - "te": Transformer Engine modules (fused kernels; needs `transformer_engine` installed);
-- "auto": sdpa. On CPU too: measured on SmolLM2-135M (fp32, one core), a decode step of the
-  Megatron engine takes 0.91x local's time at 64 new tokens and a 316-token forward and
-  backward 0.88x (bf16: the same as local), since the cost of local's copies grows with the
-  KV cache.
+- "auto": sdpa. On CPU too: on SmolLM2-135M's shape (fp32, one core; bench/
+  bench_cpu_layer_spec.py) a decode step of the Megatron engine takes 0.84x local's time at
+  64 new tokens and a forward and backward of 4 x 316 tokens 0.93x (bf16: about equal),
+  local's copies of the KV cache growing with its length.
 
 Micro-batches that pack documents run in the packed THD layout (models/packed.py): TE's
 attention reads the segments natively, and at CP1 the local and sdpa cores run inside
