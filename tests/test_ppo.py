@@ -664,7 +664,11 @@ def test_a_reward_service_scores_the_rollouts(base, hf_chat_dir, tmp_path, fmt):
             samples_per_prompt=4, kl_coef=None, reward_fn=None, reward_url=server.url,
             reward_url_format=fmt, reward_url_batch_size=5, rewards=terms,
             reward_url_headers_env="TEST_RM_HEADERS",
-            tokenizer=hf_chat_dir if fmt == "openrlhf" else None)
+            # The chat tokenizer decodes 10 of the model's 300 ids to words, the rest to
+            # nothing: 32 new tokens make a sample without a word (so an empty query, scored
+            # 0) likely and 16 samples all without one (~4e-8) not, where 8 left it to
+            # the sampled stream (~1%).
+            max_new_tokens=32, tokenizer=hf_chat_dir if fmt == "openrlhf" else None)
         (metrics,) = run(config)
     finally:
         server.close()
